@@ -1,0 +1,47 @@
+# Each target creates or reuses .venv; `make serve` and `make test` work on a fresh machine.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+TRITON_VENV := .venv-triton
+TRITON_STAMP := $(TRITON_VENV)/.installed
+MODEL_DIR ?= models/default
+ARGS ?=
+
+.PHONY: install serve test export lint proto bench clean
+
+install: $(STAMP) $(TRITON_STAMP)
+
+$(STAMP): pyproject.toml constraints.txt
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -c constraints.txt -e '.[dev]'
+	touch $@
+
+$(TRITON_STAMP): constraints-triton.txt
+	test -x $(TRITON_VENV)/bin/python || $(PYTHON) -m venv $(TRITON_VENV)
+	$(TRITON_VENV)/bin/python -m pip install -q -r constraints-triton.txt
+	touch $@
+
+serve: $(STAMP)
+	$(VENV)/bin/mha serve --model-dir $(MODEL_DIR) $(ARGS)
+
+export: $(STAMP)
+	$(VENV)/bin/mha export --out $(MODEL_DIR) $(ARGS)
+
+test: install
+	$(PY) -m pytest $(ARGS)
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/mypy
+
+proto: $(STAMP)
+	$(PY) -m service.protogen
+
+bench: $(STAMP)
+	$(PY) bench/onnx_graphs.py
+
+clean:
+	rm -rf $(VENV) $(TRITON_VENV) models

@@ -1,0 +1,98 @@
+"""`mha export`: checkpoint -> model directory (model.onnx, weights.safetensors, manifest.json)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import tempfile
+import time
+from importlib.metadata import version
+from pathlib import Path
+
+import onnx
+import onnxruntime as ort
+import torch
+
+from export.onnx_export import DEFAULT_OPSET, export_onnx
+from export.verify import (
+    MANIFEST_FILE,
+    MODEL_FILE,
+    TOLERANCE,
+    WEIGHTS_FILE,
+    ParityReport,
+    check_parity,
+    ort_cpu_runner,
+    parity_grid,
+    sha256_file,
+)
+from model import MHAConfig
+from model.checkpoint import Weights, save_checkpoint
+
+log = logging.getLogger(__name__)
+
+
+class ParityError(RuntimeError):
+    """The exported model disagrees with the float64 references; nothing was written."""
+
+    def __init__(self, report: ParityReport) -> None:
+        super().__init__(f"exported model fails parity (tolerance {report.tolerance:.0e}):\n{report.table()}")
+        self.report = report
+
+
+def export_model_dir(
+    out: Path,
+    config: MHAConfig,
+    weights: Weights,
+    opset: int = DEFAULT_OPSET,
+    graph: str = "attention",
+    tolerance: float = TOLERANCE,
+) -> ParityReport:
+    """Export, verify, and only then move the three files into `out`."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix=".export-", dir=out) as tmp:
+        staging = Path(tmp)
+        log.info(
+            "writing weights (C=%d, heads=%d, max_seq_len=%d, causal=%s)",
+            config.d_model,
+            config.n_head,
+            config.max_seq_len,
+            config.causal,
+        )
+        save_checkpoint(staging / WEIGHTS_FILE, weights, config)
+        export_onnx(config, weights, staging / MODEL_FILE, opset=opset, graph=graph)
+        grid = parity_grid(config.max_seq_len)
+        log.info("checking parity on ONNX Runtime (CPU) over %d (B, T) shapes", len(grid))
+        report = check_parity(ort_cpu_runner(staging / MODEL_FILE), config, weights, grid, tolerance=tolerance)
+        if not report.ok:
+            raise ParityError(report)
+        manifest = _manifest(staging, config, opset, graph, report)
+        (staging / MANIFEST_FILE).write_text(json.dumps(manifest, indent=2) + "\n")
+        for name in (WEIGHTS_FILE, MODEL_FILE, MANIFEST_FILE):  # manifest last: it vouches for the others
+            os.replace(staging / name, out / name)
+    log.info("wrote %s (model.onnx %.1f KiB)", out, (out / MODEL_FILE).stat().st_size / 1024)
+    return report
+
+
+def _manifest(staging: Path, config: MHAConfig, opset: int, graph: str, report: ParityReport) -> dict[str, object]:
+    return {
+        "format": 1,
+        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "config": config.to_dict(),
+        "opset": opset,
+        "graph": graph,
+        "input": {"name": "x", "datatype": "FP32", "shape": ["batch", "seq", config.d_model]},
+        "output": {"name": "y", "datatype": "FP32", "shape": ["batch", "seq", config.d_model]},
+        "files": {
+            name: {"sha256": sha256_file(staging / name), "bytes": (staging / name).stat().st_size}
+            for name in (MODEL_FILE, WEIGHTS_FILE)
+        },
+        "versions": {
+            "torch": torch.__version__,
+            "onnx": onnx.__version__,
+            "onnxruntime": ort.__version__,
+            "onnxscript": version("onnxscript"),
+        },
+        "parity": report.to_dict(),
+    }

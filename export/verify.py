@@ -1,0 +1,175 @@
+"""Parity of an ONNX Runtime session against the two float64 references."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from model import MHAConfig
+from model.checkpoint import Weights, load_checkpoint
+from model.reference import attention_einsum, attention_view, relative_error
+
+log = logging.getLogger(__name__)
+
+TOLERANCE = 1e-5  # ||y - ref|| / ||ref||, float32 against float64
+MODEL_FILE = "model.onnx"
+WEIGHTS_FILE = "weights.safetensors"
+MANIFEST_FILE = "manifest.json"
+
+Runner = Callable[[np.ndarray], np.ndarray]
+
+
+@dataclass(frozen=True)
+class ParityRow:
+    batch: int
+    seq: int
+    rel_view: float
+    rel_einsum: float
+    abs_view: float
+    abs_einsum: float
+
+    @property
+    def worst(self) -> float:
+        return max(self.rel_view, self.rel_einsum)
+
+
+@dataclass
+class ParityReport:
+    tolerance: float
+    rows: list[ParityRow] = field(default_factory=list)
+    problems: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems and all(r.worst <= self.tolerance for r in self.rows)
+
+    def to_dict(self) -> dict[str, object]:
+        return {"tolerance": self.tolerance, "ok": self.ok, "grid": [asdict(r) for r in self.rows]}
+
+    def table(self) -> str:
+        lines = [f"{'B':>3} {'T':>6} {'rel(view)':>11} {'rel(einsum)':>11} {'max|abs|':>10}  result"]
+        for r in self.rows:
+            verdict = "ok" if r.worst <= self.tolerance else "FAIL"
+            lines.append(
+                f"{r.batch:>3} {r.seq:>6} {r.rel_view:>11.2e} {r.rel_einsum:>11.2e} "
+                f"{max(r.abs_view, r.abs_einsum):>10.2e}  {verdict}"
+            )
+        lines += [f"problem: {p}" for p in self.problems]
+        lines.append(f"{'PASS' if self.ok else 'FAIL'}: tolerance {self.tolerance:.0e} relative")
+        return "\n".join(lines)
+
+
+def _largest_prime_at_most(n: int) -> int:
+    for p in range(n, 1, -1):
+        if all(p % d for d in range(2, int(p**0.5) + 1)):
+            return p
+    return 2
+
+
+def parity_grid(max_seq_len: int) -> list[tuple[int, int]]:
+    """(B, T) pairs: T = 1, primes, a power of two, max_seq_len; every B from 1 to 8."""
+    mid_prime = _largest_prime_at_most(max(2, max_seq_len // 2))
+    pairs = [(1, 1), (8, 1), (2, 2), (3, 13), (4, 61), (5, 64), (6, mid_prime), (7, max_seq_len), (1, max_seq_len)]
+    seen: list[tuple[int, int]] = []
+    for b, t in pairs:
+        t = min(t, max_seq_len)
+        if (b, t) not in seen:
+            seen.append((b, t))
+    return seen
+
+
+def check_parity(
+    run: Runner,
+    config: MHAConfig,
+    weights: Weights,
+    grid: Sequence[tuple[int, int]],
+    seed: int = 0,
+    tolerance: float = TOLERANCE,
+) -> ParityReport:
+    """Run `run` on seeded random inputs for every (B, T) and compare with both references."""
+    report = ParityReport(tolerance=tolerance)
+    gen = torch.Generator().manual_seed(seed)
+    for batch, seq in grid:
+        x = torch.randn(batch, seq, config.d_model, generator=gen)  # (B, T, C)
+        y = torch.from_numpy(np.asarray(run(x.numpy()))).to(torch.float64)
+        if tuple(y.shape) != tuple(x.shape):
+            report.problems.append(f"(B={batch}, T={seq}): output shape {tuple(y.shape)}, expected {tuple(x.shape)}")
+            continue
+        ref_v = attention_view(x, weights, config)
+        ref_e = attention_einsum(x, weights, config)
+        row = ParityRow(
+            batch=batch,
+            seq=seq,
+            rel_view=relative_error(y, ref_v),
+            rel_einsum=relative_error(y, ref_e),
+            abs_view=(y - ref_v).abs().max().item(),
+            abs_einsum=(y - ref_e).abs().max().item(),
+        )
+        log.info("parity B=%d T=%d rel(view)=%.2e rel(einsum)=%.2e", batch, seq, row.rel_view, row.rel_einsum)
+        report.rows.append(row)
+    return report
+
+
+def sha256_file(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def ort_cpu_runner(model_path: Path, threads: int = 0) -> Runner:
+    import onnxruntime as ort
+
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = threads
+    session = ort.InferenceSession(str(model_path), options, providers=["CPUExecutionProvider"])
+
+    def run(x: np.ndarray) -> np.ndarray:
+        return session.run(None, {"x": x})[0]
+
+    return run
+
+
+def verify_model_dir(directory: Path, grid: Sequence[tuple[int, int]] | None = None, seed: int = 1) -> ParityReport:
+    """Re-check a model directory: files, hashes, then parity on ORT-CPU over a grid.
+
+    The default seed differs from export's, so verification sees inputs export never used.
+    """
+    directory = Path(directory)
+    problems = _check_files(directory)
+    if problems:
+        return ParityReport(tolerance=TOLERANCE, problems=problems)
+    config, weights = load_checkpoint(directory / WEIGHTS_FILE)
+    report = check_parity(
+        ort_cpu_runner(directory / MODEL_FILE),
+        config,
+        weights,
+        grid if grid is not None else parity_grid(config.max_seq_len),
+        seed=seed,
+    )
+    return report
+
+
+def _check_files(directory: Path) -> list[str]:
+    missing = [n for n in (MODEL_FILE, WEIGHTS_FILE, MANIFEST_FILE) if not (directory / n).is_file()]
+    if missing:
+        return [f"{directory}: missing {missing}"]
+    try:
+        manifest = json.loads((directory / MANIFEST_FILE).read_text())
+    except json.JSONDecodeError as exc:
+        return [f"{MANIFEST_FILE} is not valid JSON: {exc}"]
+    problems = []
+    for name in (MODEL_FILE, WEIGHTS_FILE):
+        recorded = manifest.get("files", {}).get(name, {}).get("sha256")
+        actual = sha256_file(directory / name)
+        if recorded != actual:
+            problems.append(f"{name}: sha256 {actual[:12]}... differs from the manifest's {str(recorded)[:12]}...")
+    return problems

@@ -1,0 +1,72 @@
+"""Two float64 references for the attention block, to check everything else against.
+
+Both take the weights as a mapping of checkpoint keys (`q_proj.weight`, ...) to tensors and
+compute in float64 whatever dtype they are given.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+
+import torch
+
+from model.config import MHAConfig
+
+PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")
+
+
+def _linear(x: torch.Tensor, weights: Mapping[str, torch.Tensor], name: str) -> torch.Tensor:
+    w = weights[f"{name}.weight"].to(torch.float64)
+    y = x @ w.T
+    bias = weights.get(f"{name}.bias")
+    return y + bias.to(torch.float64) if bias is not None else y
+
+
+def causal_mask(T: int) -> torch.Tensor:
+    """(T, T) bool, True where position t may attend to position s (s <= t)."""
+    return torch.tril(torch.ones(T, T, dtype=torch.bool))
+
+
+def attention_view(x: torch.Tensor, weights: Mapping[str, torch.Tensor], config: MHAConfig) -> torch.Tensor:
+    """The view / transpose / masked_fill / softmax formulation."""
+    x = x.to(torch.float64)
+    B, T, C = x.shape
+    nh, hs = config.n_head, config.head_size
+    q = _linear(x, weights, "q_proj").view(B, T, nh, hs).transpose(1, 2)  # (B, nh, T, hs)
+    k = _linear(x, weights, "k_proj").view(B, T, nh, hs).transpose(1, 2)  # (B, nh, T, hs)
+    v = _linear(x, weights, "v_proj").view(B, T, nh, hs).transpose(1, 2)  # (B, nh, T, hs)
+    att = (q @ k.transpose(-2, -1)) / math.sqrt(hs)  # (B, nh, T, T)
+    if config.causal:
+        att = att.masked_fill(~causal_mask(T), torch.finfo(att.dtype).min)
+    att = torch.softmax(att, dim=-1)
+    y = att @ v  # (B, nh, T, hs)
+    y = y.transpose(1, 2).contiguous().view(B, T, C)  # (B, T, C)
+    return _linear(y, weights, "o_proj")
+
+
+def attention_einsum(x: torch.Tensor, weights: Mapping[str, torch.Tensor], config: MHAConfig) -> torch.Tensor:
+    """The einsum formulation, one head at a time."""
+    x = x.to(torch.float64)
+    T = x.shape[1]
+    hs = config.head_size
+    q, k, v = (_linear(x, weights, name) for name in PROJECTIONS[:3])  # (B, T, C) each
+    heads = []
+    for h in range(config.n_head):
+        cols = slice(h * hs, (h + 1) * hs)
+        qh, kh, vh = q[..., cols], k[..., cols], v[..., cols]  # (B, T, hs)
+        scores = torch.einsum("bik,bjk->bij", qh, kh) / math.sqrt(hs)  # (B, T, T)
+        if config.causal:
+            scores = scores.masked_fill(~causal_mask(T), float("-inf"))
+        weights_h = torch.softmax(scores, dim=-1)  # (B, T, T)
+        heads.append(torch.einsum("bij,bjd->bid", weights_h, vh))  # (B, T, hs)
+    y = torch.cat(heads, dim=-1)  # (B, T, C)
+    return _linear(y, weights, "o_proj")
+
+
+def relative_error(y: torch.Tensor, ref: torch.Tensor) -> float:
+    """||y - ref|| / ||ref||, in float64."""
+    y64, ref64 = y.to(torch.float64), ref.to(torch.float64)
+    denom = torch.linalg.vector_norm(ref64).item()
+    diff = torch.linalg.vector_norm(y64 - ref64).item()
+    return diff / denom if denom > 0 else diff

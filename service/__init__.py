@@ -1,0 +1,1 @@
+"""The gRPC inference service for the MHA model."""

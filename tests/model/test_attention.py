@@ -1,0 +1,128 @@
+"""The module against both float64 references, and the worked examples of the reference texts."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from model import MHAConfig, MultiHeadAttention
+from model.checkpoint import init_weights
+from model.reference import attention_einsum, attention_view, causal_mask, relative_error
+
+CONFIGS = [
+    MHAConfig(),
+    MHAConfig(d_model=96, n_head=6, max_seq_len=300),
+    MHAConfig(d_model=24, n_head=3, max_seq_len=17, causal=False),
+    MHAConfig(d_model=10, n_head=5, max_seq_len=7, bias=False),
+    MHAConfig(d_model=8, n_head=1, max_seq_len=9),
+]
+
+
+def _seq_lens(config: MHAConfig) -> list[int]:
+    return sorted({1, 2, min(13, config.max_seq_len), config.max_seq_len})
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=lambda c: f"C{c.d_model}h{c.n_head}L{c.max_seq_len}c{int(c.causal)}")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("fast", [True, False], ids=["sdpa", "plain"])
+def test_module_matches_both_references(config: MHAConfig, dtype: torch.dtype, fast: bool) -> None:
+    weights = init_weights(config, seed=7)
+    module = MultiHeadAttention.from_weights(config, weights, fast=fast).to(dtype)
+    gen = torch.Generator().manual_seed(11)
+    tolerance = 1e-5 if dtype == torch.float32 else 1e-12
+    for T in _seq_lens(config):
+        x = torch.randn(3, T, config.d_model, generator=gen, dtype=torch.float64)
+        with torch.inference_mode():
+            y = module(x.to(dtype))
+        ref_view = attention_view(x, weights, config)
+        ref_einsum = attention_einsum(x, weights, config)
+        assert y.dtype == dtype and y.shape == x.shape
+        assert relative_error(ref_view, ref_einsum) < 1e-13
+        assert relative_error(y, ref_view) < tolerance, (T, relative_error(y, ref_view))
+        assert relative_error(y, ref_einsum) < tolerance
+
+
+def test_references_differ_between_causal_and_not() -> None:
+    causal = MHAConfig(d_model=16, n_head=2)
+    bidirectional = MHAConfig(d_model=16, n_head=2, causal=False)
+    weights = init_weights(causal, seed=1)
+    x = torch.randn(2, 5, 16, dtype=torch.float64)
+    y_c = attention_view(x, weights, causal)
+    y_b = attention_view(x, weights, bidirectional)
+    assert relative_error(y_c, y_b) > 1e-3
+    # the last position sees everything in both, so it agrees
+    assert torch.allclose(y_c[:, -1], y_b[:, -1], atol=1e-12)
+
+
+def test_causal_output_ignores_the_future() -> None:
+    config = MHAConfig(d_model=16, n_head=4)
+    weights = init_weights(config, seed=2)
+    x = torch.randn(1, 9, 16, dtype=torch.float64)
+    changed = x.clone()
+    changed[:, 5:] = torch.randn(1, 4, 16, dtype=torch.float64)
+    for ref in (attention_view, attention_einsum):
+        assert torch.allclose(ref(x, weights, config)[:, :5], ref(changed, weights, config)[:, :5], atol=1e-12)
+
+
+def test_worked_example_raw_scores() -> None:
+    q = torch.tensor([[1.0, 0.0], [0.0, 1.0], [1.0, 1.0]])
+    k = torch.tensor([[1.0, 0.0], [1.0, 1.0], [0.0, 1.0]])
+    expected = torch.tensor([[1.0, 1.0, 0.0], [0.0, 1.0, 1.0], [1.0, 2.0, 1.0]])
+    assert torch.equal(q @ k.T, expected)
+    assert torch.equal(torch.einsum("bik,bjk->bij", q[None], k[None])[0], expected)
+
+
+def test_worked_example_identity_linear_plus_one() -> None:
+    layer = torch.nn.Linear(4, 4)
+    with torch.no_grad():
+        layer.weight.copy_(torch.eye(4))
+        layer.bias.fill_(1.0)
+    x = torch.randn(2, 3, 4)
+    assert torch.allclose(layer(x), x + 1)
+
+
+def test_worked_example_causal_mask_t4() -> None:
+    mask = causal_mask(4)
+    assert torch.equal(mask, torch.tril(torch.ones(4, 4, dtype=torch.bool)))
+    scores = torch.randn(4, 4, dtype=torch.float64)
+    weights = F.softmax(scores.masked_fill(~mask, torch.finfo(torch.float64).min), dim=-1)
+    assert torch.all(weights[~mask] == 0)
+    assert torch.allclose(weights.sum(-1), torch.ones(4, dtype=torch.float64))
+    assert weights[0, 0].item() == 1.0
+
+
+def test_scale_is_one_over_sqrt_head_size() -> None:
+    """With identity projections and no bias, one head: y = softmax(x x^T / sqrt(C)) x."""
+    config = MHAConfig(d_model=4, n_head=1, causal=False, bias=False)
+    eye = torch.eye(4, dtype=torch.float64)
+    weights = {f"{n}.weight": eye for n in ("q_proj", "k_proj", "v_proj", "o_proj")}
+    x = torch.randn(1, 3, 4, dtype=torch.float64)
+    expected = torch.softmax(x[0] @ x[0].T / math.sqrt(4), dim=-1) @ x[0]
+    assert torch.allclose(attention_view(x, weights, config)[0], expected, atol=1e-12)
+    assert torch.allclose(attention_einsum(x, weights, config)[0], expected, atol=1e-12)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"d_model": 100, "n_head": 8}, "divisible"),
+        ({"d_model": 0}, "d_model must be positive"),
+        ({"n_head": -1}, "n_head must be positive"),
+        ({"max_seq_len": 0}, "max_seq_len must be positive"),
+        ({"d_model": 12.0}, "d_model must be an int"),
+        ({"causal": 1}, "causal must be a bool"),
+    ],
+)
+def test_config_rejects_invalid(kwargs: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        MHAConfig(**kwargs)
+
+
+def test_config_json_round_trip_and_unknown_keys() -> None:
+    config = MHAConfig(d_model=96, n_head=6, max_seq_len=300, causal=False)
+    assert MHAConfig.from_json(config.to_json()) == config
+    with pytest.raises(ValueError, match="unknown config keys"):
+        MHAConfig.from_dict({"d_model": 8, "heads": 2})
