@@ -61,18 +61,28 @@ def main() -> None:
         repeats = 50 if B * T <= 512 else 10
         row = {"B": B, "T": T}
         for graph, session in sessions.items():
-            row[f"ort_{graph}_ms"] = _time(lambda s=session: s.run(None, {"x": x}), repeats)
+            row[f"ort_{graph}_ms"] = _time(lambda s=session, x=x: s.run(None, {"x": x}), repeats)
         with torch.inference_mode():
-            row["torch_sdpa_ms"] = _time(lambda: module(xt), repeats)
+            row["torch_sdpa_ms"] = _time(lambda xt=xt: module(xt), repeats)
         row["plain_over_attention"] = row["ort_plain_ms"] / row["ort_attention_ms"]
         row["ort_attention_over_torch"] = row["ort_attention_ms"] / row["torch_sdpa_ms"]
-        log.info("B=%d T=%4d  ORT attention %8.3f ms  ORT plain %8.3f ms  torch SDPA %8.3f ms", B, T,
-                 row["ort_attention_ms"], row["ort_plain_ms"], row["torch_sdpa_ms"])
+        log.info(
+            "B=%d T=%4d  ORT attention %8.3f ms  ORT plain %8.3f ms  torch SDPA %8.3f ms",
+            B,
+            T,
+            row["ort_attention_ms"],
+            row["ort_plain_ms"],
+            row["torch_sdpa_ms"],
+        )
         rows.append(row)
     out = Path(__file__).parent / "results" / "onnx_graphs.json"
     out.parent.mkdir(exist_ok=True)
-    meta = {"machine": platform.processor() or platform.machine(), "threads": threads,
-            "torch": torch.__version__, "onnxruntime": ort.__version__}
+    meta = {
+        "machine": platform.processor() or platform.machine(),
+        "threads": threads,
+        "torch": torch.__version__,
+        "onnxruntime": ort.__version__,
+    }
     out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=2) + "\n")
     log.info("wrote %s", out)
 

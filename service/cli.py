@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -86,12 +87,82 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 
 def _client_security(args: argparse.Namespace) -> dict[str, object]:
-    return {}
+    """Client options for TLS, mTLS and bearer tokens, from --tls-ca, --tls-client-* and --token-file."""
+    options: dict[str, object] = {}
+    if args.token_file:
+        options["token"] = Path(args.token_file).read_text().strip()
+    if args.tls_ca:
+        options["root_certificates"] = Path(args.tls_ca).read_bytes()
+    if args.tls_client_cert and args.tls_client_key:
+        options["client_cert"] = (Path(args.tls_client_key).read_bytes(), Path(args.tls_client_cert).read_bytes())
+    return options
 
 
-def build_parser() -> argparse.ArgumentParser:
+def _add_client_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--token-file", help="file holding the bearer token")
+    p.add_argument("--tls-ca", help="PEM CA bundle to trust the server's certificate (enables TLS)")
+    p.add_argument("--tls-client-cert", help="PEM client certificate for mTLS")
+    p.add_argument("--tls-client-key", help="PEM key of --tls-client-cert")
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    import asyncio
+
+    from service.requestlog import configure_logging
+    from service.server import serve
+    from service.settings import settings_from_namespace
+
+    try:
+        settings = settings_from_namespace(args, args.log_level)
+    except ValueError as exc:
+        log.error("invalid settings: %s", exc)
+        return 2
+    configure_logging(settings.log_level, settings.log_format)
+    return asyncio.run(serve(settings))
+
+
+def cmd_infer(args: argparse.Namespace) -> int:
+    import time
+
+    import numpy as np
+
+    from service.client import InferenceError, MHAClient, random_input
+
+    if args.input:
+        x = np.load(args.input).astype(np.float32)
+    else:
+        try:
+            shape = [int(v) for v in args.shape.split(",")]
+        except ValueError:
+            log.error("--shape %r: expected B,T,C such as 1,64,128", args.shape)
+            return 2
+        x = random_input(shape, seed=args.seed)
+    with MHAClient(args.url, model=args.model, **_client_security(args)) as client:  # type: ignore[arg-type]
+        start = time.perf_counter()
+        try:
+            y = client.infer(x, timeout=args.timeout)
+        except InferenceError as exc:
+            log.error("%s", exc)
+            return 1
+        elapsed = time.perf_counter() - start
+    sys.stdout.write(
+        f"input {list(x.shape)} -> output {list(y.shape)} in {elapsed * 1e3:.2f} ms; "
+        f"checksum sum={float(y.sum(dtype=np.float64)):.6f} mean|y|={float(np.abs(y).mean()):.6f}\n"
+    )
+    if args.output:
+        np.save(args.output, y)
+    return 0
+
+
+def build_parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
+    from service.settings import add_serve_arguments
+
     parser = argparse.ArgumentParser(prog="mha", description="Serve a causal multi-head attention block over gRPC.")
-    parser.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING, ERROR (default INFO)")
+    parser.add_argument(
+        "--log-level",
+        default=environ.get("MHA_LOG_LEVEL", "INFO"),
+        help="DEBUG, INFO, WARNING, ERROR (default INFO) [env MHA_LOG_LEVEL]",
+    )
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("export", help="export the model to a verified ONNX model directory")
@@ -111,12 +182,28 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("verify", help="parity of a model directory (or of a running server with --url)")
     p.add_argument("model_dir", help="model directory written by `mha export`")
     p.add_argument("--url", help="HOST:PORT of a running server to check end to end")
+    _add_client_args(p)
     p.set_defaults(func=cmd_verify)
+
+    p = sub.add_parser("serve", help="serve the model over gRPC (Open Inference Protocol)")
+    add_serve_arguments(p, environ)
+    p.set_defaults(func=cmd_serve)
+
+    p = sub.add_parser("infer", help="send one tensor to a running server")
+    p.add_argument("--url", default="127.0.0.1:8001", help="HOST:PORT (default 127.0.0.1:8001)")
+    p.add_argument("--shape", default="1,64,128", help="B,T,C of a random input (default 1,64,128)")
+    p.add_argument("--input", help=".npy file with a (B, T, C) array, instead of --shape")
+    p.add_argument("--output", help="write the output to this .npy file")
+    p.add_argument("--model", default="mha", help="model name (default mha)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the random input")
+    p.add_argument("--timeout", type=float, default=60.0, help="seconds (default 60)")
+    _add_client_args(p)
+    p.set_defaults(func=cmd_infer)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
+    parser = build_parser(os.environ)
     args = parser.parse_args(argv)
     logging.basicConfig(
         level=args.log_level.upper(),

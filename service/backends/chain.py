@@ -1,0 +1,118 @@
+"""The run-time fallback chain: an error in one backend sends the batch to the next.
+
+Repeated failures bench a backend for a cool-down; after it, the backend is probed (self-check)
+before it serves again.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+
+from service.backends.base import Backend
+from service.errors import BackendFailure
+
+log = logging.getLogger(__name__)
+
+FallbackHook = Callable[[str, str, str], None]  # (from, to, reason)
+ProbeFn = Callable[[Backend], tuple[bool, str]]
+
+
+@dataclass
+class _Health:
+    consecutive_failures: int = 0
+    benched_until: float = 0.0  # time.monotonic(); 0 when serving
+
+
+class BackendChain:
+    def __init__(
+        self,
+        backends: list[Backend],
+        probe: ProbeFn,
+        failure_threshold: int = 3,
+        cooldown_s: float = 30.0,
+        on_fallback: FallbackHook | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if not backends:
+            raise ValueError("a backend chain needs at least one backend")
+        self.backends = backends
+        self._probe = probe
+        self._threshold = failure_threshold
+        self._cooldown = cooldown_s
+        self._on_fallback = on_fallback
+        self._clock = clock
+        self._health = {b.name: _Health() for b in backends}
+
+    @property
+    def active(self) -> Backend:
+        """The backend the next batch goes to first."""
+        now = self._clock()
+        for backend in self.backends:
+            if self._health[backend.name].benched_until <= now:
+                return backend
+        return self.backends[0]
+
+    def benched(self) -> list[str]:
+        now = self._clock()
+        return [b.name for b in self.backends if self._health[b.name].benched_until > now]
+
+    def run(self, x: np.ndarray) -> tuple[np.ndarray, Backend]:
+        """Run on the first healthy backend; on error, on the next. Called from one worker thread."""
+        errors: list[str] = []
+        previous: tuple[Backend, str] | None = None
+        for backend in self.backends:
+            if not self._available(backend):
+                continue
+            if previous is not None:
+                self._fallback(previous[0].name, backend.name, previous[1])
+            try:
+                y = backend.run(x)
+                if y.shape != x.shape:
+                    raise RuntimeError(f"output shape {y.shape} for input {x.shape}")
+            except Exception as exc:  # any backend fault: try the next one
+                reason = type(exc).__name__
+                log.error("backend %s failed on batch %s: %s", backend.name, x.shape, exc, exc_info=True)
+                self._failed(backend)
+                errors.append(f"{backend.name}: {reason}: {exc}")
+                previous = (backend, reason)
+                continue
+            self._health[backend.name].consecutive_failures = 0
+            return y, backend
+        raise BackendFailure(f"every backend failed on a batch of shape {x.shape}: {errors or 'all benched'}")
+
+    def _available(self, backend: Backend) -> bool:
+        health = self._health[backend.name]
+        if health.benched_until == 0.0:
+            return True
+        if health.benched_until > self._clock():
+            return False
+        ok, why = self._probe(backend)
+        if ok:
+            log.info("backend %s passed its probe after the cool-down (%s); serving again", backend.name, why)
+            health.benched_until, health.consecutive_failures = 0.0, 0
+            return True
+        log.warning("backend %s failed its probe after the cool-down (%s); benched again", backend.name, why)
+        health.benched_until = self._clock() + self._cooldown
+        return False
+
+    def _failed(self, backend: Backend) -> None:
+        health = self._health[backend.name]
+        health.consecutive_failures += 1
+        if health.consecutive_failures >= self._threshold and health.benched_until == 0.0:
+            health.benched_until = self._clock() + self._cooldown
+            log.warning(
+                "backend %s benched for %.0f s after %d consecutive failures",
+                backend.name,
+                self._cooldown,
+                health.consecutive_failures,
+            )
+
+    def _fallback(self, source: str, target: str, reason: str) -> None:
+        log.warning("falling back from %s to %s (%s)", source, target, reason)
+        if self._on_fallback is not None:
+            self._on_fallback(source, target, reason)

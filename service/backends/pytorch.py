@@ -1,0 +1,35 @@
+"""PyTorch eager from weights.safetensors, on CUDA when present."""
+
+from __future__ import annotations
+
+import warnings
+
+import numpy as np
+import torch
+
+from model import MHAConfig, MultiHeadAttention
+from model.checkpoint import Weights
+from service.backends.base import Backend, BackendLoadError
+
+
+class TorchBackend(Backend):
+    platform = "pytorch_libtorch"
+
+    def __init__(self, config: MHAConfig, weights: Weights, device: str = "cpu", threads: int | None = None) -> None:
+        if device.startswith("cuda"):
+            if not torch.cuda.is_available():
+                raise BackendLoadError("torch sees no CUDA device")
+            torch.backends.cuda.matmul.allow_tf32 = False  # fp32 parity with the reference
+            torch.backends.cudnn.allow_tf32 = False
+        elif threads:
+            torch.set_num_threads(threads)
+        # Inputs may be read-only views of request bytes; the module never writes to them.
+        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+        self.device = device
+        self.name = "torch-cuda" if device.startswith("cuda") else "torch-cpu"
+        self._module = MultiHeadAttention.from_weights(config, weights).to(device)
+
+    @torch.inference_mode()
+    def run(self, x: np.ndarray) -> np.ndarray:
+        xt = torch.from_numpy(x).to(self.device, non_blocking=True)
+        return self._module(xt).cpu().numpy()

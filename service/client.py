@@ -1,0 +1,131 @@
+"""A small Python client: numpy arrays in, numpy arrays out."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Iterator, Sequence
+from pathlib import Path
+
+import grpc
+import numpy as np
+import torch
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from export.verify import check_parity
+from model.checkpoint import load_checkpoint
+from service.codec import decode_infer_response, encode_infer_request
+from service.proto import grpc_service_pb2 as pb
+from service.proto import grpc_service_pb2_grpc as pb_grpc
+
+log = logging.getLogger(__name__)
+
+
+class InferenceError(RuntimeError):
+    """The server answered an error; `code` is the gRPC status code."""
+
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(f"{code.name}: {message}")
+        self.code = code
+
+
+class MHAClient:
+    """Talks the Open Inference Protocol to an mha-serve (or any KServe v2) server."""
+
+    def __init__(
+        self,
+        url: str,
+        model: str = "mha",
+        version: str = "",
+        token: str | None = None,
+        root_certificates: bytes | None = None,
+        client_cert: tuple[bytes, bytes] | None = None,  # (key, certificate) for mTLS
+        max_message_mb: int = 64,
+        server_name: str | None = None,
+    ) -> None:
+        options: list[tuple[str, int | str]] = [
+            ("grpc.max_receive_message_length", max_message_mb * 1024 * 1024),
+            ("grpc.max_send_message_length", max_message_mb * 1024 * 1024),
+        ]
+        if server_name:
+            options.append(("grpc.ssl_target_name_override", server_name))
+        if root_certificates is not None:
+            key, cert = client_cert if client_cert else (None, None)
+            creds = grpc.ssl_channel_credentials(root_certificates, private_key=key, certificate_chain=cert)
+            self.channel = grpc.secure_channel(url, creds, options=options)
+        else:
+            self.channel = grpc.insecure_channel(url, options=options)
+        self.stub = pb_grpc.GRPCInferenceServiceStub(self.channel)
+        self.health = health_pb2_grpc.HealthStub(self.channel)
+        self.model, self.version = model, version
+        self.metadata = (("authorization", f"Bearer {token}"),) if token else ()
+
+    def close(self) -> None:
+        self.channel.close()
+
+    def __enter__(self) -> MHAClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _call(self, method: str, request: object, timeout: float | None) -> object:
+        try:
+            return getattr(self.stub, method)(request, timeout=timeout, metadata=self.metadata)
+        except grpc.RpcError as exc:
+            raise InferenceError(exc.code(), exc.details() or "") from exc
+
+    def infer(self, x: np.ndarray, timeout: float | None = 60.0, request_id: str = "") -> np.ndarray:
+        """(B, T, C) -> (B, T, C) float32."""
+        request = encode_infer_request(x, self.model, self.version, request_id)
+        return decode_infer_response(self._call("ModelInfer", request, timeout))  # type: ignore[arg-type]
+
+    def stream_infer(self, xs: Iterable[np.ndarray], timeout: float | None = 120.0) -> Iterator[np.ndarray]:
+        """Send many tensors on one stream; yields outputs in request order."""
+        requests = [encode_infer_request(x, self.model, self.version, request_id=str(i)) for i, x in enumerate(xs)]
+        results: dict[str, np.ndarray] = {}
+        try:
+            for response in self.stub.ModelStreamInfer(iter(requests), timeout=timeout, metadata=self.metadata):
+                if response.error_message:
+                    raise InferenceError(grpc.StatusCode.UNKNOWN, response.error_message)
+                results[response.infer_response.id] = decode_infer_response(response.infer_response)
+        except grpc.RpcError as exc:
+            raise InferenceError(exc.code(), exc.details() or "") from exc
+        for i in range(len(requests)):
+            yield results[str(i)]
+
+    def server_ready(self, timeout: float = 5.0) -> bool:
+        return bool(self._call("ServerReady", pb.ServerReadyRequest(), timeout).ready)  # type: ignore[attr-defined]
+
+    def health_status(self, service: str = "", timeout: float = 5.0) -> str:
+        response = self.health.Check(health_pb2.HealthCheckRequest(service=service), timeout=timeout)
+        return health_pb2.HealthCheckResponse.ServingStatus.Name(response.status)
+
+    def model_metadata(self, timeout: float = 5.0) -> pb.ModelMetadataResponse:
+        request = pb.ModelMetadataRequest(name=self.model, version=self.version)
+        return self._call("ModelMetadata", request, timeout)  # type: ignore[return-value]
+
+    def model_config(self, timeout: float = 5.0) -> pb.ModelConfig:
+        request = pb.ModelConfigRequest(name=self.model, version=self.version)
+        return self._call("ModelConfig", request, timeout).config  # type: ignore[attr-defined]
+
+    def statistics(self, timeout: float = 5.0) -> pb.ModelStatistics:
+        request = pb.ModelStatisticsRequest(name=self.model, version=self.version)
+        return self._call("ModelStatistics", request, timeout).model_stats[0]  # type: ignore[attr-defined]
+
+
+def server_parity_grid(max_seq_len: int) -> list[tuple[int, int]]:
+    """Many shapes for end-to-end checks: T = 1, primes, powers of two, max_seq_len."""
+    seqs = sorted({1, 2, 3, 7, 16, 31, 64, 127, max_seq_len // 2 + 1, max_seq_len} - {0})
+    return [(1 + i % 5, min(t, max_seq_len)) for i, t in enumerate(seqs)]
+
+
+def verify_server(url: str, model_dir: Path, shapes: Sequence[tuple[int, int]] | None = None, **client_kwargs: object):
+    """End-to-end parity of a running server against the float64 references."""
+    config, weights = load_checkpoint(model_dir / "weights.safetensors")
+    with MHAClient(url, **client_kwargs) as client:
+        return check_parity(client.infer, config, weights, shapes or server_parity_grid(config.max_seq_len), seed=7)
+
+
+def random_input(shape: Sequence[int], seed: int = 0) -> np.ndarray:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(*shape, generator=gen).numpy()

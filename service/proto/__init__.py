@@ -1,0 +1,1 @@
+"""Generated from protos/ by `make proto`; do not edit."""

@@ -1,0 +1,313 @@
+"""The Open Inference Protocol servicer: protobuf in, protobuf out, a few lines per RPC."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from importlib.metadata import PackageNotFoundError, version
+from typing import TypeVar
+
+import grpc
+
+from service.backends import Backend
+from service.codec import ModelSpec, check_model, decode_infer_request, encode_infer_response
+from service.core import Duration, InferenceCore, LoadedModel, State
+from service.errors import NotReady, ServiceError, to_status
+from service.proto import grpc_service_pb2 as pb
+from service.proto import grpc_service_pb2_grpc as pb_grpc
+from service.requestlog import new_request_id, request_id_var
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+SERVER_NAME = "mha-serve"
+EXTENSIONS = ["model_configuration", "statistics", "streaming", "health", "reflection"]
+
+
+def _server_version() -> str:
+    try:
+        return version("mha-serve")
+    except PackageNotFoundError:
+        return "0+unknown"
+
+
+class _Rpc:
+    """One call's bookkeeping: request id, timing, the final code, error mapping."""
+
+    def __init__(self, core: InferenceCore, method: str, client_id: str = "", inference: bool = False) -> None:
+        self.core, self.method, self.inference = core, method, inference
+        self.request_id = new_request_id(client_id)
+        self.code = grpc.StatusCode.OK
+        self.start = time.perf_counter()
+
+    def finish(self) -> None:
+        elapsed = time.perf_counter() - self.start
+        metrics = self.core.metrics
+        metrics.requests.labels(method=self.method, code=self.code.name).inc()
+        metrics.request_duration.labels(method=self.method).observe(elapsed)
+        if self.inference:
+            self.core.record_outcome(self.code is grpc.StatusCode.OK, elapsed)
+        level = logging.INFO if self.code is grpc.StatusCode.OK else logging.WARNING
+        if self.inference or self.code is not grpc.StatusCode.OK:
+            log.log(
+                level,
+                "%s %s",
+                self.method,
+                self.code.name,
+                extra={"method": self.method, "code": self.code.name, "duration_ms": round(elapsed * 1e3, 3)},
+            )
+
+
+class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
+    def __init__(self, core: InferenceCore) -> None:
+        self.core = core
+
+    async def _handle(
+        self,
+        context: grpc.aio.ServicerContext,
+        method: str,
+        body: Callable[[_Rpc], Awaitable[T]],
+        client_id: str = "",
+        inference: bool = False,
+    ) -> T:
+        """Run one RPC's body: request id, metrics, logs, and the one place errors become statuses."""
+        rpc = _Rpc(self.core, method, client_id, inference)
+        token = request_id_var.set(rpc.request_id)
+        if inference:
+            self.core.metrics.inflight.inc()
+        try:
+            return await body(rpc)
+        except asyncio.CancelledError:
+            remaining = context.time_remaining()
+            expired = remaining is not None and remaining <= 0
+            rpc.code = grpc.StatusCode.DEADLINE_EXCEEDED if expired else grpc.StatusCode.CANCELLED
+            raise
+        except Exception as exc:
+            code, message = to_status(exc, rpc.request_id)
+            rpc.code = code
+            if not isinstance(exc, ServiceError) or code is grpc.StatusCode.INTERNAL:
+                log.error("%s failed: %s", method, exc, exc_info=exc)
+        finally:
+            if inference:
+                self.core.metrics.inflight.dec()
+            rpc.finish()
+            request_id_var.reset(token)
+        await context.abort(code, message)
+        raise AssertionError("context.abort returned")
+
+    async def ServerLive(
+        self, request: pb.ServerLiveRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ServerLiveResponse:
+        async def body(rpc: _Rpc) -> pb.ServerLiveResponse:
+            return pb.ServerLiveResponse(live=True)
+
+        return await self._handle(context, "ServerLive", body)
+
+    async def ServerReady(
+        self, request: pb.ServerReadyRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ServerReadyResponse:
+        async def body(rpc: _Rpc) -> pb.ServerReadyResponse:
+            return pb.ServerReadyResponse(ready=self.core.state is State.READY)
+
+        return await self._handle(context, "ServerReady", body)
+
+    async def ModelReady(
+        self, request: pb.ModelReadyRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ModelReadyResponse:
+        async def body(rpc: _Rpc) -> pb.ModelReadyResponse:
+            check_model(self._names(), request.name, request.version)
+            return pb.ModelReadyResponse(ready=self.core.state is State.READY)
+
+        return await self._handle(context, "ModelReady", body)
+
+    async def ServerMetadata(
+        self, request: pb.ServerMetadataRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ServerMetadataResponse:
+        async def body(rpc: _Rpc) -> pb.ServerMetadataResponse:
+            extensions = list(EXTENSIONS)
+            if self.core.model is not None:
+                active = self.core.model.chain.active
+                extensions.append(f"backend:{active.name}@{active.device}")
+            return pb.ServerMetadataResponse(name=SERVER_NAME, version=_server_version(), extensions=extensions)
+
+        return await self._handle(context, "ServerMetadata", body)
+
+    async def ModelMetadata(
+        self, request: pb.ModelMetadataRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ModelMetadataResponse:
+        async def body(rpc: _Rpc) -> pb.ModelMetadataResponse:
+            check_model(self._names(), request.name, request.version)
+            spec = self.core.spec
+            shape = [-1, -1, spec.d_model]
+            return pb.ModelMetadataResponse(
+                name=spec.name,
+                versions=[spec.version],
+                platform=self._active().platform,
+                inputs=[pb.ModelMetadataResponse.TensorMetadata(name=spec.input_name, datatype="FP32", shape=shape)],
+                outputs=[pb.ModelMetadataResponse.TensorMetadata(name=spec.output_name, datatype="FP32", shape=shape)],
+            )
+
+        return await self._handle(context, "ModelMetadata", body)
+
+    async def ModelInfer(
+        self, request: pb.ModelInferRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ModelInferResponse:
+        async def body(rpc: _Rpc) -> pb.ModelInferResponse:
+            return await self._infer(request, context)
+
+        return await self._handle(context, "ModelInfer", body, request.id, inference=True)
+
+    async def _infer(self, request: pb.ModelInferRequest, context: grpc.aio.ServicerContext) -> pb.ModelInferResponse:
+        spec = self.core.spec
+        decoded = decode_infer_request(request, spec)
+        remaining = context.time_remaining()
+        deadline = time.monotonic() + remaining if remaining is not None else None
+        y, timing = await self.core.infer(decoded.x, deadline)
+        return encode_infer_response(y, spec, request.id, timing.backend)
+
+    async def ModelStreamInfer(
+        self, request_iterator: AsyncIterator[pb.ModelInferRequest], context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.ModelStreamInferResponse]:
+        """Requests of one stream are served concurrently (so they can share batches); each
+        response carries its request's id. A failed request answers error_message, and the
+        stream goes on."""
+        responses: asyncio.Queue[pb.ModelStreamInferResponse | None] = asyncio.Queue()
+
+        async def one(request: pb.ModelInferRequest) -> None:
+            await responses.put(await self._stream_one(request, context))
+
+        async def read() -> None:
+            tasks: set[asyncio.Task[None]] = set()
+            try:
+                async for request in request_iterator:
+                    task = asyncio.create_task(one(request))
+                    tasks.add(task)
+                    task.add_done_callback(tasks.discard)
+                if tasks:
+                    await asyncio.gather(*tasks)
+            finally:
+                await responses.put(None)
+
+        reader = asyncio.create_task(read())
+        try:
+            while (response := await responses.get()) is not None:
+                yield response
+        finally:
+            reader.cancel()
+
+    async def _stream_one(
+        self, request: pb.ModelInferRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ModelStreamInferResponse:
+        rpc = _Rpc(self.core, "ModelStreamInfer", request.id, inference=True)
+        token = request_id_var.set(rpc.request_id)
+        self.core.metrics.inflight.inc()
+        try:
+            response = await self._infer(request, context)
+            return pb.ModelStreamInferResponse(infer_response=response)
+        except Exception as exc:  # reported in-band; the stream stays open
+            rpc.code, message = to_status(exc, rpc.request_id)
+            if not isinstance(exc, ServiceError) or rpc.code is grpc.StatusCode.INTERNAL:
+                log.error("stream request failed: %s", exc, exc_info=exc)
+            return pb.ModelStreamInferResponse(
+                error_message=f"{rpc.code.name}: {message}",
+                infer_response=pb.ModelInferResponse(model_name=request.model_name, id=request.id),
+            )
+        finally:
+            self.core.metrics.inflight.dec()
+            rpc.finish()
+            request_id_var.reset(token)
+
+    async def ModelConfig(
+        self, request: pb.ModelConfigRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ModelConfigResponse:
+        async def body(rpc: _Rpc) -> pb.ModelConfigResponse:
+            check_model(self._names(), request.name, request.version)
+            return pb.ModelConfigResponse(config=self._model_config())
+
+        return await self._handle(context, "ModelConfig", body)
+
+    async def ModelStatistics(
+        self, request: pb.ModelStatisticsRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ModelStatisticsResponse:
+        async def body(rpc: _Rpc) -> pb.ModelStatisticsResponse:
+            if request.name or request.version:
+                check_model(self._names(), request.name, request.version)
+            return pb.ModelStatisticsResponse(model_stats=[self._statistics()])
+
+        return await self._handle(context, "ModelStatistics", body)
+
+    def _names(self) -> ModelSpec:
+        """Enough of the spec to answer NOT_FOUND correctly, even while loading."""
+        s = self.core.settings
+        return ModelSpec(s.model_name, s.model_version, "x", "y", 0, 0, s.max_request_rows)
+
+    def _loaded(self) -> LoadedModel:
+        if self.core.model is None:
+            raise NotReady("the model is still loading; retry shortly")
+        return self.core.model
+
+    def _active(self) -> Backend:
+        return self._loaded().chain.active
+
+    def _model_config(self) -> pb.ModelConfig:
+        spec, settings = self.core.spec, self.core.settings
+        model = self._loaded()
+        active = model.chain.active
+        config = pb.ModelConfig(
+            name=spec.name,
+            platform=active.platform,
+            backend="onnxruntime" if active.name.startswith("ort") else "pytorch",
+            max_batch_size=spec.max_request_rows,
+            input=[pb.ModelInput(name=spec.input_name, data_type=pb.TYPE_FP32, dims=[-1, spec.d_model])],
+            output=[pb.ModelOutput(name=spec.output_name, data_type=pb.TYPE_FP32, dims=[-1, spec.d_model])],
+            instance_group=[
+                pb.ModelInstanceGroup(
+                    kind=pb.ModelInstanceGroup.KIND_GPU
+                    if active.device.startswith("cuda")
+                    else pb.ModelInstanceGroup.KIND_CPU,
+                    count=1,
+                )
+            ],
+        )
+        if settings.max_batch_size > 1:
+            config.dynamic_batching.max_queue_delay_microseconds = int(settings.max_queue_delay_ms * 1000)
+            config.dynamic_batching.preferred_batch_size.append(settings.max_batch_size)
+        params = {
+            "backend": active.name,
+            "device": active.device,
+            "fallbacks": ",".join(b.name for b in model.chain.backends[1:]),
+            "selection": model.selection.summary(),
+            "d_model": str(model.config.d_model),
+            "n_head": str(model.config.n_head),
+            "max_seq_len": str(model.config.max_seq_len),
+            "causal": str(model.config.causal).lower(),
+        }
+        for key, value in params.items():
+            config.parameters[key].string_value = value
+        return config
+
+    def _statistics(self) -> pb.ModelStatistics:
+        spec, stats = self._names(), self.core.stats
+
+        def d(duration: Duration) -> pb.StatisticDuration:
+            return pb.StatisticDuration(count=duration.count, ns=duration.ns)
+
+        return pb.ModelStatistics(
+            name=spec.name,
+            version=spec.version,
+            last_inference=stats.last_inference_ms,
+            inference_count=stats.inference_count,
+            execution_count=stats.execution_count,
+            inference_stats=pb.InferStatistics(
+                success=d(stats.success),
+                fail=d(stats.fail),
+                queue=d(stats.queue),
+                compute_infer=d(stats.compute_infer),
+            ),
+            batch_stats=[
+                pb.InferBatchStatistics(batch_size=rows, compute_infer=d(duration))
+                for rows, duration in sorted(stats.batches.items())
+            ],
+        )
