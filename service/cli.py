@@ -8,7 +8,7 @@ import os
 import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from model import MHAConfig
@@ -86,9 +86,9 @@ def cmd_verify(args: argparse.Namespace) -> int:
     return 0 if report.ok else 1
 
 
-def _client_security(args: argparse.Namespace) -> dict[str, object]:
+def _client_security(args: argparse.Namespace) -> dict[str, Any]:
     """Client options for TLS, mTLS and bearer tokens, from --tls-ca, --tls-client-* and --token-file."""
-    options: dict[str, object] = {}
+    options: dict[str, Any] = {}
     if args.token_file:
         options["token"] = Path(args.token_file).read_text().strip()
     if args.tls_ca:
@@ -137,7 +137,7 @@ def cmd_infer(args: argparse.Namespace) -> int:
             log.error("--shape %r: expected B,T,C such as 1,64,128", args.shape)
             return 2
         x = random_input(shape, seed=args.seed)
-    with MHAClient(args.url, model=args.model, **_client_security(args)) as client:  # type: ignore[arg-type]
+    with MHAClient(args.url, model=args.model, **_client_security(args)) as client:
         start = time.perf_counter()
         try:
             y = client.infer(x, timeout=args.timeout)

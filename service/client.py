@@ -115,11 +115,13 @@ class MHAClient:
 
 def server_parity_grid(max_seq_len: int) -> list[tuple[int, int]]:
     """Many shapes for end-to-end checks: T = 1, primes, powers of two, max_seq_len."""
-    seqs = sorted({1, 2, 3, 7, 16, 31, 64, 127, max_seq_len // 2 + 1, max_seq_len} - {0})
-    return [(1 + i % 5, min(t, max_seq_len)) for i, t in enumerate(seqs)]
+    seqs = sorted({min(t, max_seq_len) for t in (1, 2, 3, 7, 16, 31, 64, 127, max_seq_len // 2 + 1, max_seq_len)})
+    return [(1 + i % 5, t) for i, t in enumerate(seqs)]
 
 
-def verify_server(url: str, model_dir: Path, shapes: Sequence[tuple[int, int]] | None = None, **client_kwargs: object):
+def verify_server(
+    url: str, model_dir: Path, shapes: Sequence[tuple[int, int]] | None = None, **client_kwargs: Any
+) -> ParityReport:
     """End-to-end parity of a running server against the float64 references."""
     config, weights = load_checkpoint(model_dir / "weights.safetensors")
     with MHAClient(url, **client_kwargs) as client:
