@@ -5,13 +5,14 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
+from typing import Any
 
 import grpc
 import numpy as np
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from export.verify import check_parity
+from export.verify import ParityReport, check_parity
 from model.checkpoint import load_checkpoint
 from service.codec import decode_infer_response, encode_infer_request
 from service.proto import grpc_service_pb2 as pb

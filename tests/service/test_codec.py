@@ -1,0 +1,115 @@
+"""The codec: round trips and every request check, as pure functions."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from service.codec import (
+    ModelSpec,
+    decode_infer_request,
+    decode_infer_response,
+    encode_infer_request,
+    encode_infer_response,
+)
+from service.errors import InvalidInput, ModelNotFound
+from service.proto import grpc_service_pb2 as pb
+
+SPEC = ModelSpec(name="mha", version="1", input_name="x", output_name="y", d_model=8, max_seq_len=16, max_request_rows=4)
+
+
+def _x(*shape: int) -> np.ndarray:
+    return np.random.default_rng(0).standard_normal(shape, dtype=np.float32)
+
+
+def test_raw_round_trip_without_copy() -> None:
+    x = _x(2, 5, 8)
+    request = encode_infer_request(x, request_id="abc")
+    decoded = decode_infer_request(request, SPEC)
+    assert decoded.request_id == "abc"
+    assert np.array_equal(decoded.x, x)
+    assert not decoded.x.flags.writeable  # a view of the request bytes, not a copy
+    response = encode_infer_response(decoded.x, SPEC, "abc", "torch-cpu")
+    assert response.id == "abc" and response.model_version == "1"
+    assert response.parameters["backend"].string_param == "torch-cpu"
+    assert len(response.raw_output_contents) == 1 and not response.outputs[0].HasField("contents")
+    assert np.array_equal(decode_infer_response(response), x)
+
+
+def test_typed_fp32_contents_accepted() -> None:
+    x = _x(1, 3, 8)
+    request = pb.ModelInferRequest(model_name="mha")
+    tensor = request.inputs.add(name="x", datatype="FP32", shape=[1, 3, 8])
+    tensor.contents.fp32_contents.extend(x.ravel().tolist())
+    assert np.array_equal(decode_infer_request(request, SPEC).x, x)
+
+
+def _request(shape: list[int], datatype: str = "FP32", name: str = "x", nbytes: int | None = None) -> pb.ModelInferRequest:
+    request = pb.ModelInferRequest(model_name="mha")
+    request.inputs.add(name=name, datatype=datatype, shape=shape)
+    count = int(np.prod(shape)) if shape and min(shape) > 0 else 0
+    request.raw_input_contents.append(b"\0" * (nbytes if nbytes is not None else count * 4))
+    return request
+
+
+BAD = [
+    (_request([2, 8]), "has rank 2; expected rank 3"),
+    (_request([1, 2, 3, 8]), "has rank 4; expected rank 3"),
+    (_request([1, 4, 7]), r"C = 7; expected C = 8"),
+    (_request([1, 0, 8]), r"T = 0; expected T >= 1"),
+    (_request([1, 17, 8]), r"T = 17 exceeds max_seq_len 16"),
+    (_request([0, 4, 8]), r"B = 0; expected B >= 1"),
+    (_request([5, 4, 8]), r"B = 5 exceeds this server's limit of 4 rows"),
+    (_request([1, 4, 8], datatype="FP16"), r"datatype 'FP16'; expected 'FP32'"),
+    (_request([1, 4, 8], name="input"), r"unknown input 'input'; the model's input is 'x'"),
+    (_request([1, 4, 8], nbytes=100), r"holds 100 bytes; shape \[1, 4, 8\] of FP32 needs 128 bytes"),
+]
+
+
+@pytest.mark.parametrize(("request_", "message"), BAD, ids=[m for _, m in BAD])
+def test_invalid_requests(request_: pb.ModelInferRequest, message: str) -> None:
+    with pytest.raises(InvalidInput, match=message):
+        decode_infer_request(request_, SPEC)
+
+
+def test_structural_mistakes() -> None:
+    two_inputs = _request([1, 4, 8])
+    two_inputs.inputs.add(name="mask", datatype="BOOL", shape=[1, 4])
+    with pytest.raises(InvalidInput, match=r"expected exactly 1 input tensor 'x', got 2"):
+        decode_infer_request(two_inputs, SPEC)
+    no_data = pb.ModelInferRequest(model_name="mha")
+    no_data.inputs.add(name="x", datatype="FP32", shape=[1, 4, 8])
+    with pytest.raises(InvalidInput, match="carries no data"):
+        decode_infer_request(no_data, SPEC)
+    both = _request([1, 4, 8])
+    both.inputs[0].contents.fp32_contents.extend([0.0] * 32)
+    with pytest.raises(InvalidInput, match="both raw_input_contents and contents.fp32_contents"):
+        decode_infer_request(both, SPEC)
+    extra_raw = _request([1, 4, 8])
+    extra_raw.raw_input_contents.append(b"")
+    with pytest.raises(InvalidInput, match="2 raw_input_contents entries for 1 input"):
+        decode_infer_request(extra_raw, SPEC)
+    short_typed = pb.ModelInferRequest(model_name="mha")
+    short_typed.inputs.add(name="x", datatype="FP32", shape=[1, 4, 8]).contents.fp32_contents.extend([0.0] * 5)
+    with pytest.raises(InvalidInput, match=r"holds 5 values; shape \[1, 4, 8\] needs 32"):
+        decode_infer_request(short_typed, SPEC)
+    wrong_output = _request([1, 4, 8])
+    wrong_output.outputs.add(name="logits")
+    with pytest.raises(InvalidInput, match="unknown requested output 'logits'"):
+        decode_infer_request(wrong_output, SPEC)
+
+
+def test_non_finite_input_rejected() -> None:
+    x = _x(1, 4, 8)
+    x[0, 1, 2] = np.nan
+    x[0, 3, 0] = np.inf
+    with pytest.raises(InvalidInput, match="holds 2 NaN or inf values"):
+        decode_infer_request(encode_infer_request(x), SPEC)
+
+
+def test_unknown_model_and_version() -> None:
+    with pytest.raises(ModelNotFound, match="unknown model 'gpt'; this server serves 'mha'"):
+        decode_infer_request(encode_infer_request(_x(1, 2, 8), model_name="gpt"), SPEC)
+    with pytest.raises(ModelNotFound, match="unknown version '7' of model 'mha'"):
+        decode_infer_request(encode_infer_request(_x(1, 2, 8), model_version="7"), SPEC)
+    assert decode_infer_request(encode_infer_request(_x(1, 2, 8), model_version="1"), SPEC).x.shape == (1, 2, 8)

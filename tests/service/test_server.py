@@ -1,0 +1,212 @@
+"""A real server on loopback: parity, every client mistake, metadata, streaming, health, limits."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import numpy as np
+import pytest
+import torch
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+from model.checkpoint import load_checkpoint
+from model.reference import attention_view, relative_error
+from service.client import InferenceError, MHAClient, verify_server
+from service.codec import encode_infer_request
+from service.proto import grpc_service_pb2 as pb
+from service.proto import grpc_service_pb2_grpc as pb_grpc
+from tests.support import ServerThread, make_settings
+
+
+@pytest.fixture(scope="module")
+def server(small_model_dir: Path) -> Iterator[ServerThread]:
+    with ServerThread(make_settings(small_model_dir, max_message_mb=1, max_request_rows=64)) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def client(server: ServerThread) -> Iterator[MHAClient]:
+    with MHAClient(server.url, max_message_mb=4) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def stub(server: ServerThread) -> Iterator[pb_grpc.GRPCInferenceServiceStub]:
+    with grpc.insecure_channel(server.url, options=[("grpc.max_send_message_length", 8 << 20)]) as channel:
+        yield pb_grpc.GRPCInferenceServiceStub(channel)
+
+
+def _reference(model_dir: Path, x: np.ndarray) -> torch.Tensor:
+    config, weights = load_checkpoint(model_dir / "weights.safetensors")
+    return attention_view(torch.from_numpy(x), weights, config)
+
+
+def test_infer_matches_reference(client: MHAClient, small_model_dir: Path) -> None:
+    for B, T in [(1, 1), (3, 17), (2, 64)]:
+        x = np.random.default_rng(B * T).standard_normal((B, T, 32), dtype=np.float32)
+        y = client.infer(x)
+        assert y.shape == x.shape
+        assert relative_error(torch.from_numpy(y), _reference(small_model_dir, x)) < 1e-5
+
+
+def test_verify_server_over_many_shapes(server: ServerThread, small_model_dir: Path) -> None:
+    report = verify_server(server.url, small_model_dir)
+    assert report.ok, report.table()
+    assert len(report.rows) >= 8
+
+
+def test_typed_contents_answered_raw(stub: pb_grpc.GRPCInferenceServiceStub, small_model_dir: Path) -> None:
+    x = np.random.default_rng(1).standard_normal((1, 5, 32), dtype=np.float32)
+    request = pb.ModelInferRequest(model_name="mha", id="typed-1")
+    request.inputs.add(name="x", datatype="FP32", shape=[1, 5, 32]).contents.fp32_contents.extend(x.ravel().tolist())
+    response = stub.ModelInfer(request, timeout=10)
+    assert response.id == "typed-1" and response.raw_output_contents and response.outputs[0].shape == [1, 5, 32]
+    y = np.frombuffer(response.raw_output_contents[0], dtype=np.float32).reshape(1, 5, 32)
+    assert relative_error(torch.from_numpy(y.copy()), _reference(small_model_dir, x)) < 1e-5
+
+
+def _raw(shape: list[int], datatype: str = "FP32", name: str = "x", nbytes: int | None = None, **kw: str) -> pb.ModelInferRequest:
+    request = pb.ModelInferRequest(model_name=kw.get("model", "mha"), model_version=kw.get("version", ""))
+    request.inputs.add(name=name, datatype=datatype, shape=shape)
+    count = int(np.prod(shape)) if shape and min(shape) > 0 else 0
+    request.raw_input_contents.append(b"\0" * (nbytes if nbytes is not None else count * 4))
+    return request
+
+
+MISTAKES = [
+    ("rank", _raw([4, 32]), grpc.StatusCode.INVALID_ARGUMENT, "rank 2; expected rank 3"),
+    ("C", _raw([1, 4, 31]), grpc.StatusCode.INVALID_ARGUMENT, "C = 31; expected C = 32"),
+    ("T<1", _raw([1, 0, 32]), grpc.StatusCode.INVALID_ARGUMENT, "T = 0; expected T >= 1"),
+    ("T>max", _raw([1, 65, 32]), grpc.StatusCode.INVALID_ARGUMENT, "T = 65 exceeds max_seq_len 64"),
+    ("datatype", _raw([1, 4, 32], datatype="FP64"), grpc.StatusCode.INVALID_ARGUMENT, "datatype 'FP64'; expected 'FP32'"),
+    ("bytes", _raw([1, 4, 32], nbytes=12), grpc.StatusCode.INVALID_ARGUMENT, "holds 12 bytes"),
+    ("name", _raw([1, 4, 32], name="inputs"), grpc.StatusCode.INVALID_ARGUMENT, "unknown input 'inputs'"),
+    ("model", _raw([1, 4, 32], model="bert"), grpc.StatusCode.NOT_FOUND, "unknown model 'bert'"),
+    ("version", _raw([1, 4, 32], version="2"), grpc.StatusCode.NOT_FOUND, "unknown version '2'"),
+    ("rows", _raw([65, 1, 32]), grpc.StatusCode.INVALID_ARGUMENT, "B = 65 exceeds this server's limit of 64"),
+]
+
+
+@pytest.mark.parametrize(("name", "request_", "code", "message"), MISTAKES, ids=[m[0] for m in MISTAKES])
+def test_client_mistakes_get_precise_status(
+    stub: pb_grpc.GRPCInferenceServiceStub, client: MHAClient, name: str, request_: pb.ModelInferRequest,
+    code: grpc.StatusCode, message: str,
+) -> None:
+    with pytest.raises(grpc.RpcError) as info:
+        stub.ModelInfer(request_, timeout=10)
+    assert info.value.code() == code, info.value.details()
+    assert message in info.value.details()
+    assert client.infer(np.zeros((1, 2, 32), np.float32)).shape == (1, 2, 32)  # still serving
+
+
+def test_oversized_message_is_resource_exhausted(stub: pb_grpc.GRPCInferenceServiceStub, client: MHAClient) -> None:
+    x = np.zeros((64, 64, 32), np.float32)  # 512 KiB: under 1 MiB
+    stub.ModelInfer(encode_infer_request(x), timeout=30)
+    big = np.zeros((4, 64, 32 * 40), np.float32)  # 1.25 MiB > --max-message-mb 1
+    with pytest.raises(grpc.RpcError) as info:
+        stub.ModelInfer(encode_infer_request(big), timeout=30)
+    assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "larger than max" in (info.value.details() or "")
+    assert client.infer(np.zeros((1, 3, 32), np.float32)).shape == (1, 3, 32)
+
+
+def test_readiness_and_metadata(server: ServerThread, stub: pb_grpc.GRPCInferenceServiceStub) -> None:
+    assert stub.ServerLive(pb.ServerLiveRequest()).live
+    assert stub.ServerReady(pb.ServerReadyRequest()).ready
+    assert stub.ModelReady(pb.ModelReadyRequest(name="mha")).ready
+    assert stub.ModelReady(pb.ModelReadyRequest(name="mha", version="1")).ready
+    with pytest.raises(grpc.RpcError) as info:
+        stub.ModelReady(pb.ModelReadyRequest(name="nope"))
+    assert info.value.code() == grpc.StatusCode.NOT_FOUND
+    meta = stub.ServerMetadata(pb.ServerMetadataRequest())
+    active = server.core.model.chain.active
+    assert meta.name == "mha-serve" and f"backend:{active.name}@{active.device}" in meta.extensions
+    model = stub.ModelMetadata(pb.ModelMetadataRequest(name="mha"))
+    assert model.versions == ["1"] and model.platform == active.platform
+    assert [(t.name, t.datatype, list(t.shape)) for t in model.inputs] == [("x", "FP32", [-1, -1, 32])]
+    assert [(t.name, t.datatype, list(t.shape)) for t in model.outputs] == [("y", "FP32", [-1, -1, 32])]
+
+
+def test_model_config_says_which_backend_and_why(server: ServerThread, client: MHAClient) -> None:
+    config = client.model_config()
+    assert config.name == "mha" and config.max_batch_size == 64
+    assert [(i.name, i.data_type, list(i.dims)) for i in config.input] == [("x", pb.TYPE_FP32, [-1, 32])]
+    params = {k: v.string_value for k, v in config.parameters.items()}
+    assert params["backend"] == server.core.model.chain.active.name
+    assert "self-check relative error" in params["selection"]
+    assert params["max_seq_len"] == "64"
+
+
+def test_statistics_count_rows_and_executions(client: MHAClient) -> None:
+    before = client.statistics()
+    client.infer(np.zeros((3, 4, 32), np.float32))
+    after = client.statistics()
+    assert after.inference_count - before.inference_count == 3
+    assert after.execution_count - before.execution_count == 1
+    assert after.inference_stats.success.count - before.inference_stats.success.count == 1
+    assert after.inference_stats.compute_infer.ns > before.inference_stats.compute_infer.ns
+    assert after.last_inference >= before.last_inference > 0
+
+
+def test_streaming_keeps_going_after_an_error(stub: pb_grpc.GRPCInferenceServiceStub, small_model_dir: Path) -> None:
+    xs = [np.random.default_rng(i).standard_normal((1, 3 + i, 32), dtype=np.float32) for i in range(4)]
+    requests = [encode_infer_request(x, request_id=f"r{i}") for i, x in enumerate(xs)]
+    bad = encode_infer_request(np.zeros((1, 2, 16), np.float32), request_id="bad")
+    responses = list(stub.ModelStreamInfer(iter([requests[0], bad, *requests[1:]]), timeout=30))
+    assert len(responses) == 5
+    by_id = {r.infer_response.id: r for r in responses}
+    assert "INVALID_ARGUMENT" in by_id["bad"].error_message and "C = 16" in by_id["bad"].error_message
+    for i, x in enumerate(xs):
+        r = by_id[f"r{i}"]
+        assert r.error_message == ""
+        y = np.frombuffer(r.infer_response.raw_output_contents[0], np.float32).reshape(x.shape)
+        assert relative_error(torch.from_numpy(y.copy()), _reference(small_model_dir, x)) < 1e-5
+
+
+def test_client_stream_infer(client: MHAClient) -> None:
+    xs = [np.ones((1, t, 32), np.float32) for t in (1, 5, 9)]
+    assert [y.shape for y in client.stream_infer(xs)] == [(1, 1, 32), (1, 5, 32), (1, 9, 32)]
+
+
+def test_health_and_reflection(server: ServerThread) -> None:
+    with grpc.insecure_channel(server.url) as channel:
+        health = health_pb2_grpc.HealthStub(channel)
+        for service in ("", "inference.GRPCInferenceService"):
+            status = health.Check(health_pb2.HealthCheckRequest(service=service), timeout=5).status
+            assert status == health_pb2.HealthCheckResponse.SERVING
+        reflection = reflection_pb2_grpc.ServerReflectionStub(channel)
+        answers = list(reflection.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")])))
+        names = {s.name for s in answers[0].list_services_response.service}
+        assert {"inference.GRPCInferenceService", "grpc.health.v1.Health"} <= names
+
+
+def test_unimplemented_rpcs(server: ServerThread) -> None:
+    with grpc.insecure_channel(server.url) as channel:
+        call = channel.unary_unary("/inference.GRPCInferenceService/RepositoryIndex")
+        with pytest.raises(grpc.RpcError) as info:
+            call(b"", timeout=5)
+        assert info.value.code() == grpc.StatusCode.UNIMPLEMENTED
+
+
+def test_inference_error_carries_code(client: MHAClient) -> None:
+    with pytest.raises(InferenceError) as info:
+        client.infer(np.zeros((1, 2, 3), np.float32))
+    assert info.value.code == grpc.StatusCode.INVALID_ARGUMENT
+
+
+def test_not_ready_while_loading(small_model_dir: Path) -> None:
+    with ServerThread(make_settings(small_model_dir), wait_ready=False) as s:
+        with grpc.insecure_channel(s.url) as channel:
+            stub = pb_grpc.GRPCInferenceServiceStub(channel)
+            assert not stub.ServerReady(pb.ServerReadyRequest()).ready
+            with pytest.raises(grpc.RpcError) as info:
+                stub.ModelInfer(encode_infer_request(np.zeros((1, 2, 32), np.float32)), timeout=5)
+            assert info.value.code() == grpc.StatusCode.UNAVAILABLE and "still loading" in info.value.details()
+            health = health_pb2_grpc.HealthStub(channel)
+            status = health.Check(health_pb2.HealthCheckRequest(service=""), timeout=5).status
+            assert status == health_pb2.HealthCheckResponse.NOT_SERVING
+            s.load()
+            assert stub.ServerReady(pb.ServerReadyRequest()).ready
