@@ -33,8 +33,14 @@ def free_port() -> int:
 
 def make_settings(model_dir: Path, **overrides: Any) -> Settings:
     base = Settings(
-        model_dir=model_dir, host="127.0.0.1", grpc_port=0, metrics_port=0, log_format="text",
-        threads=2, grace_s=2.0, max_queue_delay_ms=2.0,
+        model_dir=model_dir,
+        host="127.0.0.1",
+        grpc_port=0,
+        metrics_port=0,
+        log_format="text",
+        threads=2,
+        grace_s=2.0,
+        max_queue_delay_ms=2.0,
     )
     return replace(base, **overrides)
 
@@ -70,7 +76,7 @@ class ServerThread:
         return f"127.0.0.1:{self.running.grpc_port}"
 
     @property
-    def core(self):  # noqa: ANN201
+    def core(self):
         assert self.running is not None
         return self.running.core
 
@@ -88,9 +94,21 @@ class ServerProcess:
     def __init__(self, args: list[str], env: dict[str, str] | None = None, cwd: Path | None = None) -> None:
         self.port = free_port()
         self.metrics_port = free_port()
-        self.args = [sys.executable, "-m", "service.cli", "serve", "--host", "127.0.0.1",
-                     "--grpc-port", str(self.port), "--metrics-port", str(self.metrics_port),
-                     "--log-format", "json", *args]
+        self.args = [
+            sys.executable,
+            "-m",
+            "service.cli",
+            "serve",
+            "--host",
+            "127.0.0.1",
+            "--grpc-port",
+            str(self.port),
+            "--metrics-port",
+            str(self.metrics_port),
+            "--log-format",
+            "json",
+            *args,
+        ]
         self.env = {**os.environ, **(env or {})}
         self.env["PYTHONPATH"] = str(ROOT)
         self.cwd = cwd
@@ -104,8 +122,12 @@ class ServerProcess:
     def start(self, log_path: Path, ready_timeout: float = 120) -> ServerProcess:
         self.log_path = log_path
         self.proc = subprocess.Popen(
-            self.args, env=self.env, cwd=self.cwd, stdout=subprocess.DEVNULL,
-            stderr=log_path.open("w"), text=True,
+            self.args,
+            env=self.env,
+            cwd=self.cwd,
+            stdout=subprocess.DEVNULL,
+            stderr=log_path.open("w"),
+            text=True,
         )
         wait_serving(self.url, ready_timeout, self.proc)
         return self

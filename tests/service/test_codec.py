@@ -15,7 +15,9 @@ from service.codec import (
 from service.errors import InvalidInput, ModelNotFound
 from service.proto import grpc_service_pb2 as pb
 
-SPEC = ModelSpec(name="mha", version="1", input_name="x", output_name="y", d_model=8, max_seq_len=16, max_request_rows=4)
+SPEC = ModelSpec(
+    name="mha", version="1", input_name="x", output_name="y", d_model=8, max_seq_len=16, max_request_rows=4
+)
 
 
 def _x(*shape: int) -> np.ndarray:
@@ -44,7 +46,9 @@ def test_typed_fp32_contents_accepted() -> None:
     assert np.array_equal(decode_infer_request(request, SPEC).x, x)
 
 
-def _request(shape: list[int], datatype: str = "FP32", name: str = "x", nbytes: int | None = None) -> pb.ModelInferRequest:
+def _request(
+    shape: list[int], datatype: str = "FP32", name: str = "x", nbytes: int | None = None
+) -> pb.ModelInferRequest:
     request = pb.ModelInferRequest(model_name="mha")
     request.inputs.add(name=name, datatype=datatype, shape=shape)
     count = int(np.prod(shape)) if shape and min(shape) > 0 else 0
@@ -83,7 +87,7 @@ def test_structural_mistakes() -> None:
         decode_infer_request(no_data, SPEC)
     both = _request([1, 4, 8])
     both.inputs[0].contents.fp32_contents.extend([0.0] * 32)
-    with pytest.raises(InvalidInput, match="both raw_input_contents and contents.fp32_contents"):
+    with pytest.raises(InvalidInput, match=r"both raw_input_contents and contents\.fp32_contents"):
         decode_infer_request(both, SPEC)
     extra_raw = _request([1, 4, 8])
     extra_raw.raw_input_contents.append(b"")

@@ -68,7 +68,9 @@ def test_typed_contents_answered_raw(stub: pb_grpc.GRPCInferenceServiceStub, sma
     assert relative_error(torch.from_numpy(y.copy()), _reference(small_model_dir, x)) < 1e-5
 
 
-def _raw(shape: list[int], datatype: str = "FP32", name: str = "x", nbytes: int | None = None, **kw: str) -> pb.ModelInferRequest:
+def _raw(
+    shape: list[int], datatype: str = "FP32", name: str = "x", nbytes: int | None = None, **kw: str
+) -> pb.ModelInferRequest:
     request = pb.ModelInferRequest(model_name=kw.get("model", "mha"), model_version=kw.get("version", ""))
     request.inputs.add(name=name, datatype=datatype, shape=shape)
     count = int(np.prod(shape)) if shape and min(shape) > 0 else 0
@@ -81,7 +83,12 @@ MISTAKES = [
     ("C", _raw([1, 4, 31]), grpc.StatusCode.INVALID_ARGUMENT, "C = 31; expected C = 32"),
     ("T<1", _raw([1, 0, 32]), grpc.StatusCode.INVALID_ARGUMENT, "T = 0; expected T >= 1"),
     ("T>max", _raw([1, 65, 32]), grpc.StatusCode.INVALID_ARGUMENT, "T = 65 exceeds max_seq_len 64"),
-    ("datatype", _raw([1, 4, 32], datatype="FP64"), grpc.StatusCode.INVALID_ARGUMENT, "datatype 'FP64'; expected 'FP32'"),
+    (
+        "datatype",
+        _raw([1, 4, 32], datatype="FP64"),
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "datatype 'FP64'; expected 'FP32'",
+    ),
     ("bytes", _raw([1, 4, 32], nbytes=12), grpc.StatusCode.INVALID_ARGUMENT, "holds 12 bytes"),
     ("name", _raw([1, 4, 32], name="inputs"), grpc.StatusCode.INVALID_ARGUMENT, "unknown input 'inputs'"),
     ("model", _raw([1, 4, 32], model="bert"), grpc.StatusCode.NOT_FOUND, "unknown model 'bert'"),
@@ -92,8 +99,12 @@ MISTAKES = [
 
 @pytest.mark.parametrize(("name", "request_", "code", "message"), MISTAKES, ids=[m[0] for m in MISTAKES])
 def test_client_mistakes_get_precise_status(
-    stub: pb_grpc.GRPCInferenceServiceStub, client: MHAClient, name: str, request_: pb.ModelInferRequest,
-    code: grpc.StatusCode, message: str,
+    stub: pb_grpc.GRPCInferenceServiceStub,
+    client: MHAClient,
+    name: str,
+    request_: pb.ModelInferRequest,
+    code: grpc.StatusCode,
+    message: str,
 ) -> None:
     with pytest.raises(grpc.RpcError) as info:
         stub.ModelInfer(request_, timeout=10)
@@ -178,7 +189,9 @@ def test_health_and_reflection(server: ServerThread) -> None:
             status = health.Check(health_pb2.HealthCheckRequest(service=service), timeout=5).status
             assert status == health_pb2.HealthCheckResponse.SERVING
         reflection = reflection_pb2_grpc.ServerReflectionStub(channel)
-        answers = list(reflection.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")])))
+        answers = list(
+            reflection.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")]))
+        )
         names = {s.name for s in answers[0].list_services_response.service}
         assert {"inference.GRPCInferenceService", "grpc.health.v1.Health"} <= names
 
@@ -198,15 +211,14 @@ def test_inference_error_carries_code(client: MHAClient) -> None:
 
 
 def test_not_ready_while_loading(small_model_dir: Path) -> None:
-    with ServerThread(make_settings(small_model_dir), wait_ready=False) as s:
-        with grpc.insecure_channel(s.url) as channel:
-            stub = pb_grpc.GRPCInferenceServiceStub(channel)
-            assert not stub.ServerReady(pb.ServerReadyRequest()).ready
-            with pytest.raises(grpc.RpcError) as info:
-                stub.ModelInfer(encode_infer_request(np.zeros((1, 2, 32), np.float32)), timeout=5)
-            assert info.value.code() == grpc.StatusCode.UNAVAILABLE and "still loading" in info.value.details()
-            health = health_pb2_grpc.HealthStub(channel)
-            status = health.Check(health_pb2.HealthCheckRequest(service=""), timeout=5).status
-            assert status == health_pb2.HealthCheckResponse.NOT_SERVING
-            s.load()
-            assert stub.ServerReady(pb.ServerReadyRequest()).ready
+    with ServerThread(make_settings(small_model_dir), wait_ready=False) as s, grpc.insecure_channel(s.url) as channel:
+        stub = pb_grpc.GRPCInferenceServiceStub(channel)
+        assert not stub.ServerReady(pb.ServerReadyRequest()).ready
+        with pytest.raises(grpc.RpcError) as info:
+            stub.ModelInfer(encode_infer_request(np.zeros((1, 2, 32), np.float32)), timeout=5)
+        assert info.value.code() == grpc.StatusCode.UNAVAILABLE and "still loading" in info.value.details()
+        health = health_pb2_grpc.HealthStub(channel)
+        status = health.Check(health_pb2.HealthCheckRequest(service=""), timeout=5).status
+        assert status == health_pb2.HealthCheckResponse.NOT_SERVING
+        s.load()
+        assert stub.ServerReady(pb.ServerReadyRequest()).ready

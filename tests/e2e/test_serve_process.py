@@ -1,0 +1,135 @@
+"""`mha serve` as a real process: tritonclient from PyPI, default model, corrupt ONNX, SIGTERM drain."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from model.checkpoint import load_checkpoint
+from model.reference import attention_view, relative_error
+from service.client import InferenceError, MHAClient, random_input
+from tests.support import ROOT, server_process
+
+TRITON_PYTHON = ROOT / ".venv-triton" / "bin" / "python"
+
+
+def _rel(model_dir: Path, x: list, y: list) -> float:
+    config, weights = load_checkpoint(model_dir / "weights.safetensors")
+    ref = attention_view(torch.tensor(x, dtype=torch.float32), weights, config)
+    return relative_error(torch.tensor(y, dtype=torch.float32), ref)
+
+
+def test_tritonclient_drives_mha_serve(default_model_dir: Path, tmp_path: Path) -> None:
+    assert TRITON_PYTHON.exists(), "make install creates .venv-triton with tritonclient"
+    with server_process(["--model-dir", str(default_model_dir)], tmp_path / "server.log") as server:
+        out = tmp_path / "seen.json"
+        run = subprocess.run(
+            [str(TRITON_PYTHON), str(Path(__file__).with_name("triton_check.py")), server.url, str(out)],
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert run.returncode == 0, run.stderr[-3000:]
+    seen = json.loads(out.read_text())
+    assert seen["live"] and seen["ready"] and seen["model_ready"]
+    assert seen["metadata"]["name"] == "mha"
+    assert seen["metadata"]["inputs"][0] == {"name": "x", "datatype": "FP32", "shape": ["-1", "-1", "128"]}
+    assert seen["config"]["config"]["name"] == "mha"
+    assert seen["config"]["config"]["input"][0]["dims"] == ["-1", "128"]
+    assert seen["server_metadata"]["name"] == "mha-serve"
+    assert [u["id"] for u in seen["unary"]] == ["u1", "u2", "u3"]
+    for item in seen["unary"] + seen["stream"]:
+        assert "error" not in item, item
+        assert _rel(default_model_dir, item["x"], item["y"]) < 1e-5
+    assert sorted(s["id"] for s in seen["stream"]) == ["s0", "s1", "s2"]
+    assert seen["bad"]["status"] == "StatusCode.INVALID_ARGUMENT" and "expected C = 128" in seen["bad"]["message"]
+
+
+def test_serve_without_model_dir_exports_the_default(tmp_path: Path) -> None:
+    default_dir = tmp_path / "models" / "default"
+    with server_process(["--default-model-dir", str(default_dir)], tmp_path / "server.log", cwd=tmp_path) as server:
+        assert (default_dir / "model.onnx").is_file() and (default_dir / "manifest.json").is_file()
+        with MHAClient(server.url) as client:
+            x = random_input((2, 9, 128))
+            y = client.infer(x)
+        assert _rel(default_dir, x.tolist(), y.tolist()) < 1e-5
+        assert "exporting it" in server.log()
+
+
+def test_corrupt_onnx_serves_through_torch(default_model_dir: Path, tmp_path: Path) -> None:
+    for name in ("weights.safetensors", "manifest.json"):
+        shutil.copy(default_model_dir / name, tmp_path / name)
+    (tmp_path / "model.onnx").write_bytes(b"\x08\x07garbage" * 1000)
+    with server_process(["--model-dir", str(tmp_path), "--backend", "auto"], tmp_path / "server.log") as server:
+        with MHAClient(server.url) as client:
+            x = random_input((3, 17, 128), seed=3)
+            y = client.infer(x)
+            config = client.model_config()
+            metadata = client.model_metadata()
+        assert _rel(tmp_path, x.tolist(), y.tolist()) < 1e-5
+        assert config.parameters["backend"].string_value == "torch-cpu"
+        assert "ort-cpu: unavailable (failed to load" in config.parameters["selection"].string_value
+        assert metadata.platform == "pytorch_libtorch"
+        logs = [json.loads(line) for line in server.log().splitlines() if line.startswith("{")]
+        assert any("serving" in e["msg"] and "torch-cpu" in e["msg"] for e in logs)
+        assert any(e["level"] == "WARNING" and "ort-cpu unavailable" in e["msg"] for e in logs)
+
+
+def test_sigterm_drains_in_flight_requests(default_model_dir: Path, tmp_path: Path) -> None:
+    grace = 15.0
+    args = [
+        "--model-dir",
+        str(default_model_dir),
+        "--backend",
+        "torch",
+        "--grace-s",
+        str(grace),
+        "--max-batch-size",
+        "8",
+    ]
+    with server_process(args, tmp_path / "server.log") as server:
+        results: list[object] = []
+        finished: list[float] = []
+        lock = threading.Lock()
+
+        def one(i: int) -> None:
+            with MHAClient(server.url) as client:
+                x = random_input((8, 1024, 128), seed=i)
+                try:
+                    y = client.infer(x, timeout=60)
+                    outcome: object = _rel(default_model_dir, x.tolist(), y.tolist())
+                except InferenceError as exc:
+                    outcome = exc
+            with lock:
+                results.append(outcome)
+                finished.append(time.monotonic())
+
+        threads = [threading.Thread(target=one, args=(i,)) for i in range(8)]
+        for t in threads:
+            t.start()
+        time.sleep(0.5)  # all sent; most still queued behind each other
+        signalled = time.monotonic()
+        assert server.proc is not None
+        server.proc.send_signal(15)
+        time.sleep(0.1)
+        with MHAClient(server.url) as late, pytest.raises(InferenceError) as info:
+            late.infer(np.ones((1, 2, 128), np.float32), timeout=5)
+        assert info.value.code.name == "UNAVAILABLE"
+        code = server.proc.wait(grace + 10)
+        exited_after = time.monotonic() - signalled
+        for t in threads:
+            t.join(30)
+    assert code == 0
+    assert exited_after < grace
+    assert len(results) == 8
+    assert all(isinstance(r, float) and r < 1e-5 for r in results), results
+    assert any(t > signalled for t in finished), "no request was still in flight at SIGTERM"
+    assert "draining" in server.log()

@@ -1,0 +1,150 @@
+"""Backends: load, self-check, selection order and reasons, the run-time fallback chain."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from model.checkpoint import load_checkpoint
+from model.reference import attention_view, relative_error
+from service.backends import BackendChain, BackendLoadError, select_backends
+from service.backends.base import Backend
+from service.backends.ort import OrtCpuBackend, OrtCudaBackend
+from service.backends.pytorch import TorchBackend
+from service.backends.selection import SelfCheck
+from service.errors import BackendFailure
+
+
+def test_cpu_backends_match_reference(small_model_dir: Path) -> None:
+    config, weights = load_checkpoint(small_model_dir / "weights.safetensors")
+    x = np.random.default_rng(0).standard_normal((3, 41, 32), dtype=np.float32)
+    ref = attention_view(torch.from_numpy(x), weights, config)
+    for backend in (OrtCpuBackend(small_model_dir / "model.onnx", threads=1), TorchBackend(config, weights)):
+        assert relative_error(torch.from_numpy(backend.run(x)), ref) < 1e-5, backend
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without a GPU")
+def test_ort_cuda_is_confirmed_not_assumed(small_model_dir: Path) -> None:
+    """onnxruntime-gpu lists the CUDA provider even without a GPU; the backend must refuse."""
+    with pytest.raises(BackendLoadError, match="CUDA"):
+        OrtCudaBackend(small_model_dir / "model.onnx")
+
+
+def test_auto_without_cuda_measures_and_orders(small_model_dir: Path) -> None:
+    config, weights = load_checkpoint(small_model_dir / "weights.safetensors")
+    selection = select_backends(small_model_dir, config, weights, "auto", threads=1, cuda=False)
+    names = [b.name for b in selection.backends]
+    assert sorted(names) == ["ort-cpu", "torch-cpu"]
+    reports = {c.name: c for c in selection.candidates}
+    serving = reports[names[0]]
+    assert serving.status == "serving" and "fastest on this machine" in serving.reason
+    assert reports[names[1]].status == "fallback"
+    assert serving.probe_ms is not None and reports[names[1]].probe_ms is not None
+    assert serving.probe_ms <= reports[names[1]].probe_ms
+
+
+def test_explicit_backend(small_model_dir: Path) -> None:
+    config, weights = load_checkpoint(small_model_dir / "weights.safetensors")
+    selection = select_backends(small_model_dir, config, weights, "ort-cpu", threads=1, cuda=False)
+    assert [b.name for b in selection.backends] == ["ort-cpu"]
+    selection = select_backends(small_model_dir, config, weights, "torch", threads=1, cuda=False)
+    assert [b.name for b in selection.backends] == ["torch-cpu"]
+
+
+@pytest.mark.parametrize("damage", ["missing", "corrupt"])
+def test_broken_onnx_falls_back_to_torch(small_model_dir: Path, tmp_path: Path, damage: str) -> None:
+    for name in ("weights.safetensors", "manifest.json", "model.onnx"):
+        shutil.copy(small_model_dir / name, tmp_path / name)
+    if damage == "missing":
+        (tmp_path / "model.onnx").unlink()
+    else:
+        (tmp_path / "model.onnx").write_bytes(b"not a protobuf" * 100)
+    config, weights = load_checkpoint(tmp_path / "weights.safetensors")
+    selection = select_backends(tmp_path, config, weights, "auto", threads=1, cuda=False)
+    assert [b.name for b in selection.backends] == ["torch-cpu"]
+    ort_report = next(c for c in selection.candidates if c.name == "ort-cpu")
+    assert ort_report.status == "unavailable" and "failed to load" in ort_report.reason
+
+
+class Flaky(Backend):
+    """A backend that fails while `broken` is set: stands in for a device error."""
+
+    platform = "test"
+
+    def __init__(self, name: str, inner: Backend) -> None:
+        self.name, self.device, self.inner, self.broken, self.calls = name, "cpu", inner, False, 0
+
+    def run(self, x: np.ndarray) -> np.ndarray:
+        self.calls += 1
+        if self.broken:
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+        return self.inner.run(x)
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_chain_falls_back_benches_and_recovers(small_model_dir: Path) -> None:
+    config, weights = load_checkpoint(small_model_dir / "weights.safetensors")
+    first = Flaky("ort-cpu", OrtCpuBackend(small_model_dir / "model.onnx", threads=1))
+    second = TorchBackend(config, weights)
+    fallbacks: list[tuple[str, str, str]] = []
+    clock = Clock()
+    check = SelfCheck(config, weights)
+    chain = BackendChain(
+        [first, second],
+        probe=check.passes,
+        failure_threshold=2,
+        cooldown_s=10,
+        on_fallback=lambda *a: fallbacks.append(a),
+        clock=clock,
+    )
+    x = np.random.default_rng(1).standard_normal((2, 9, 32), dtype=np.float32)
+    ref = attention_view(torch.from_numpy(x), weights, config)
+
+    first.broken = True
+    for _ in range(2):
+        y, used = chain.run(x)
+        assert used is second and relative_error(torch.from_numpy(y), ref) < 1e-5
+    assert fallbacks == [("ort-cpu", "torch-cpu", "RuntimeError")] * 2
+    assert chain.benched() == ["ort-cpu"] and chain.active is second
+
+    calls = first.calls
+    chain.run(x)  # benched: not even tried
+    assert first.calls == calls and len(fallbacks) == 2
+
+    clock.now += 11  # cool-down over, still broken: the probe fails, benched again
+    chain.run(x)
+    assert first.calls == calls + 1 and chain.benched() == ["ort-cpu"]
+
+    first.broken = False
+    clock.now += 11  # cool-down over, repaired: the probe passes and it serves again
+    y, used = chain.run(x)
+    assert used is first and chain.benched() == [] and chain.active is first
+    assert relative_error(torch.from_numpy(y), ref) < 1e-5
+
+
+def test_chain_all_failing_is_backend_failure(small_model_dir: Path) -> None:
+    config, weights = load_checkpoint(small_model_dir / "weights.safetensors")
+    a = Flaky("a", TorchBackend(config, weights))
+    b = Flaky("b", TorchBackend(config, weights))
+    a.broken = b.broken = True
+    chain = BackendChain([a, b], probe=SelfCheck(config, weights).passes)
+    with pytest.raises(BackendFailure, match="every backend failed"):
+        chain.run(np.zeros((1, 2, 32), np.float32))
+
+
+def test_self_check_rejects_wrong_weights(small_model_dir: Path) -> None:
+    config, weights = load_checkpoint(small_model_dir / "weights.safetensors")
+    tampered = {**weights, "o_proj.bias": weights["o_proj.bias"] + 0.01}
+    ok, why = SelfCheck(config, weights).passes(TorchBackend(config, tampered))
+    assert not ok and "relative error" in why
