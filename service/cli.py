@@ -154,6 +154,19 @@ def cmd_infer(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench(args: argparse.Namespace) -> int:
+    import json
+
+    from service.loadgen import run_load
+
+    seqs = [int(t) for t in args.seq_lens.split(",")]
+    result = run_load(
+        args.url, args.concurrency, args.seconds, seqs, batch=args.batch, d_model=args.d_model, **_client_security(args)
+    )
+    sys.stdout.write(json.dumps(result.to_dict()) + "\n")
+    return 0 if result.requests else 1
+
+
 def build_parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
     from service.settings import add_serve_arguments
 
@@ -199,6 +212,16 @@ def build_parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
     p.add_argument("--timeout", type=float, default=60.0, help="seconds (default 60)")
     _add_client_args(p)
     p.set_defaults(func=cmd_infer)
+
+    p = sub.add_parser("bench", help="closed-loop load on a running server: throughput, p50, p99")
+    p.add_argument("--url", default="127.0.0.1:8001", help="HOST:PORT (default 127.0.0.1:8001)")
+    p.add_argument("--concurrency", type=int, default=8, help="clients, one request in flight each (default 8)")
+    p.add_argument("--seconds", type=float, default=10.0, help="duration (default 10)")
+    p.add_argument("--batch", type=int, default=1, help="B per request (default 1)")
+    p.add_argument("--seq-lens", default="64", help="T values drawn at random, comma-separated (default 64)")
+    p.add_argument("--d-model", type=int, default=128, help="C (default 128)")
+    _add_client_args(p)
+    p.set_defaults(func=cmd_bench)
     return parser
 
 

@@ -49,7 +49,7 @@ class _Rpc:
         metrics.request_duration.labels(method=self.method).observe(elapsed)
         if self.inference:
             self.core.record_outcome(self.code is grpc.StatusCode.OK, elapsed)
-        level = logging.INFO if self.code is grpc.StatusCode.OK else logging.WARNING
+        level = logging.DEBUG if self.code is grpc.StatusCode.OK else logging.WARNING
         if self.inference or self.code is not grpc.StatusCode.OK:
             log.log(
                 level,
