@@ -84,11 +84,13 @@ class Batcher:
         run_batch: RunBatch,
         executor: Executor,
         on_batch: Callable[[int, float, float, str], None] | None = None,
+        in_flight: Callable[[], int] | None = None,
     ) -> None:
         self.config = config
         self._run_batch = run_batch
         self._executor = executor
         self._on_batch = on_batch  # (rows, formation_s, compute_s, backend)
+        self._in_flight = in_flight  # requests in the server; None: assume more may come
         self._queue: deque[_Item] = deque()
         self._wakeup = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
@@ -138,13 +140,17 @@ class Batcher:
             if batch:
                 await self._execute(batch, time.monotonic() - formation_start)
 
+    def _more_may_come(self) -> bool:
+        """Is any request in the server that is not queued yet? Without one, waiting only adds latency."""
+        return self._in_flight is None or self._in_flight() > len(self._queue)
+
     async def _wait_for_company(self) -> None:
-        """Wait up to max_queue_delay for the queue to hold a full batch."""
+        """Wait up to max_queue_delay for the queue to hold a full batch, while more may come."""
         cfg = self.config
         if cfg.max_batch_size <= 1 or cfg.max_queue_delay_s <= 0:
             return
         deadline = self._queue[0].enqueued + cfg.max_queue_delay_s
-        while sum(i.rows for i in self._queue) < cfg.max_batch_size and not self._closed:
+        while sum(i.rows for i in self._queue) < cfg.max_batch_size and not self._closed and self._more_may_come():
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 return

@@ -83,6 +83,7 @@ class InferenceCore:
         self.batcher: Batcher | None = None
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="infer")
         self._on_state: list[Callable[[State], None]] = []
+        self.in_flight = 0  # inference requests in the server (the batcher waits only for these)
 
     def on_state_change(self, callback: Callable[[State], None]) -> None:
         self._on_state.append(callback)
@@ -127,6 +128,7 @@ class InferenceCore:
             run_batch=self._run_batch,
             executor=self._executor,
             on_batch=self._on_batch,
+            in_flight=lambda: self.in_flight,
         )
         self.batcher.start()
         self.metrics.model_info.info(
@@ -205,6 +207,14 @@ class InferenceCore:
         self.stats.queue.add(timing.queue_s)
         self.stats.last_inference_ms = int(time.time() * 1e3)
         return y, timing
+
+    def request_started(self) -> None:
+        self.in_flight += 1
+        self.metrics.inflight.inc()
+
+    def request_finished(self) -> None:
+        self.in_flight -= 1
+        self.metrics.inflight.dec()
 
     def record_outcome(self, ok: bool, seconds: float) -> None:
         (self.stats.success if ok else self.stats.fail).add(seconds)

@@ -76,7 +76,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         rpc = _Rpc(self.core, method, client_id, inference)
         token = request_id_var.set(rpc.request_id)
         if inference:
-            self.core.metrics.inflight.inc()
+            self.core.request_started()
         try:
             return await body(rpc)
         except asyncio.CancelledError:
@@ -91,7 +91,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
                 log.error("%s failed: %s", method, exc, exc_info=exc)
         finally:
             if inference:
-                self.core.metrics.inflight.dec()
+                self.core.request_finished()
             rpc.finish()
             request_id_var.reset(token)
         await context.abort(code, message)
@@ -202,7 +202,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
     ) -> pb.ModelStreamInferResponse:
         rpc = _Rpc(self.core, "ModelStreamInfer", request.id, inference=True)
         token = request_id_var.set(rpc.request_id)
-        self.core.metrics.inflight.inc()
+        self.core.request_started()
         try:
             response = await self._infer(request, context)
             return pb.ModelStreamInferResponse(infer_response=response)
@@ -215,7 +215,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
                 infer_response=pb.ModelInferResponse(model_name=request.model_name, id=request.id),
             )
         finally:
-            self.core.metrics.inflight.dec()
+            self.core.request_finished()
             rpc.finish()
             request_id_var.reset(token)
 
