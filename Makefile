@@ -10,7 +10,16 @@ ARGS ?=
 
 .PHONY: install serve test export lint proto bench clean
 
-install: $(STAMP) $(TRITON_STAMP)
+PROMETHEUS := .tools/prometheus/usr/bin/prometheus
+
+install: $(STAMP) $(TRITON_STAMP) $(PROMETHEUS)
+
+# Prometheus and promtool from Debian's package, unpacked (no service starts): the tests run both.
+$(PROMETHEUS):
+	mkdir -p .tools/deb
+	cd .tools/deb && (apt-get download prometheus || (apt-get update -q && apt-get download prometheus))
+	dpkg -x .tools/deb/prometheus_*.deb .tools/prometheus
+	test -x $@
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -44,4 +53,4 @@ bench: $(STAMP)
 	$(PY) bench/onnx_graphs.py
 
 clean:
-	rm -rf $(VENV) $(TRITON_VENV) models
+	rm -rf $(VENV) $(TRITON_VENV) models .tools

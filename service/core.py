@@ -20,6 +20,7 @@ import numpy as np
 from model import MHAConfig
 from model.checkpoint import CheckpointError, load_checkpoint
 from service.backends import BackendChain, Selection, select_backends
+from service.backends.chain import REASONS
 from service.backends.selection import SelfCheck
 from service.batcher import Batcher, BatcherConfig, Timing
 from service.codec import ModelSpec
@@ -141,6 +142,8 @@ class InferenceCore:
                 "causal": str(config.causal).lower(),
             }
         )
+        self.metrics.queue_capacity.set(self.settings.max_queue_size)
+        self.metrics.init_fallbacks([b.name for b in self.model.chain.backends], REASONS)
         self._publish_backends()
         self._set_state(State.READY)
 

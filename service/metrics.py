@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import logging
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
@@ -94,6 +95,15 @@ class Metrics:
         )
         self.model_info = Info("mha_model", "The model being served.", registry=registry)
         self.ready = Gauge("mha_ready", "1 when the model is loaded, self-checked and serving.", registry=registry)
+        self.queue_capacity = Gauge(
+            "mha_queue_capacity", "Requests the batching queue holds before RESOURCE_EXHAUSTED.", registry=registry
+        )
+
+    def init_fallbacks(self, chain: list[str], reasons: tuple[str, ...]) -> None:
+        """Export zero-valued series for every possible fallback, so rates and alerts see them."""
+        for source, target in itertools.pairwise(chain):
+            for reason in reasons:
+                self.fallbacks.labels(source, target, reason)
 
     def set_backends(self, active: tuple[str, str], loaded: list[tuple[str, str]]) -> None:
         for name, device in loaded:

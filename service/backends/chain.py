@@ -19,6 +19,7 @@ from service.errors import BackendFailure
 log = logging.getLogger(__name__)
 
 FallbackHook = Callable[[str, str, str], None]  # (from, to, reason)
+REASONS = ("error", "invalid_output")  # a bounded set: it becomes a metric label
 ProbeFn = Callable[[Backend], tuple[bool, str]]
 
 
@@ -72,14 +73,18 @@ class BackendChain:
                 self._fallback(previous[0].name, backend.name, previous[1])
             try:
                 y = backend.run(x)
-                if y.shape != x.shape:
-                    raise RuntimeError(f"output shape {y.shape} for input {x.shape}")
             except Exception as exc:  # any backend fault: try the next one
-                reason = type(exc).__name__
                 log.error("backend %s failed on batch %s: %s", backend.name, x.shape, exc, exc_info=True)
                 self._failed(backend)
-                errors.append(f"{backend.name}: {reason}: {exc}")
-                previous = (backend, reason)
+                errors.append(f"{backend.name}: {type(exc).__name__}: {exc}")
+                previous = (backend, "error")
+                continue
+            problem = _output_problem(x, y)
+            if problem:
+                log.error("backend %s returned an invalid output for batch %s: %s", backend.name, x.shape, problem)
+                self._failed(backend)
+                errors.append(f"{backend.name}: {problem}")
+                previous = (backend, "invalid_output")
                 continue
             self._health[backend.name].consecutive_failures = 0
             return y, backend
@@ -116,3 +121,12 @@ class BackendChain:
         log.warning("falling back from %s to %s (%s)", source, target, reason)
         if self._on_fallback is not None:
             self._on_fallback(source, target, reason)
+
+
+def _output_problem(x: np.ndarray, y: np.ndarray) -> str:
+    """Inputs are finite (the codec checks), so a non-finite output is the backend's fault."""
+    if y.shape != x.shape:
+        return f"output shape {y.shape} for input {x.shape}"
+    if not np.isfinite(y).all():
+        return "output holds NaN or inf"
+    return ""

@@ -115,7 +115,7 @@ def test_chain_falls_back_benches_and_recovers(small_model_dir: Path) -> None:
     for _ in range(2):
         y, used = chain.run(x)
         assert used is second and relative_error(torch.from_numpy(y), ref) < 1e-5
-    assert fallbacks == [("ort-cpu", "torch-cpu", "RuntimeError")] * 2
+    assert fallbacks == [("ort-cpu", "torch-cpu", "error")] * 2
     assert chain.benched() == ["ort-cpu"] and chain.active is second
 
     calls = first.calls
@@ -141,6 +141,26 @@ def test_chain_all_failing_is_backend_failure(small_model_dir: Path) -> None:
     chain = BackendChain([a, b], probe=SelfCheck(config, weights).passes)
     with pytest.raises(BackendFailure, match="every backend failed"):
         chain.run(np.zeros((1, 2, 32), np.float32))
+
+
+class NaNs(Backend):
+    name, device, platform = "nan", "cpu", "test"
+
+    def run(self, x: np.ndarray) -> np.ndarray:
+        return np.full_like(x, np.nan)
+
+
+def test_chain_treats_non_finite_output_as_a_fault(small_model_dir: Path) -> None:
+    config, weights = load_checkpoint(small_model_dir / "weights.safetensors")
+    fallbacks: list[tuple[str, str, str]] = []
+    chain = BackendChain(
+        [NaNs(), TorchBackend(config, weights)],
+        probe=SelfCheck(config, weights).passes,
+        on_fallback=lambda *a: fallbacks.append(a),
+    )
+    y, used = chain.run(np.ones((1, 3, 32), np.float32))
+    assert used.name == "torch-cpu" and np.isfinite(y).all()
+    assert fallbacks == [("nan", "torch-cpu", "invalid_output")]
 
 
 def test_self_check_rejects_wrong_weights(small_model_dir: Path) -> None:

@@ -1,0 +1,142 @@
+"""A real Prometheus scrapes the live server while traffic flows; every dashboard query returns data."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import shutil
+import subprocess
+import threading
+import time
+import urllib.parse
+import urllib.request
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from service.client import InferenceError, MHAClient
+from tests.support import ROOT, ServerThread, free_port, make_settings
+
+PROMETHEUS = ROOT / ".tools" / "prometheus" / "usr" / "bin" / "prometheus"
+PROMTOOL = PROMETHEUS.with_name("promtool")
+DASHBOARD = ROOT / "deploy" / "grafana" / "mha-serve.json"
+RULES = ROOT / "deploy" / "prometheus"
+
+
+def dashboard_queries() -> list[tuple[str, str]]:
+    dashboard = json.loads(DASHBOARD.read_text())
+    return [(p["title"], t["expr"]) for p in dashboard["panels"] for t in p.get("targets", [])]
+
+
+def fill(expr: str, instance: str) -> str:
+    return expr.replace("$instance", instance).replace("$__rate_interval", "10s").replace("$__range", "1m")
+
+
+def api(port: int, path: str, **params: str) -> dict:
+    url = f"http://127.0.0.1:{port}/api/v1/{path}?{urllib.parse.urlencode(params)}"
+    with urllib.request.urlopen(url, timeout=10) as response:
+        return json.loads(response.read())
+
+
+def test_dashboard_structure() -> None:
+    dashboard = json.loads(DASHBOARD.read_text())
+    assert "__inputs" not in dashboard
+    variables = {v["name"]: v for v in dashboard["templating"]["list"]}
+    assert variables["datasource"]["type"] == "datasource" and variables["datasource"]["query"] == "prometheus"
+    assert variables["instance"]["includeAll"] and variables["instance"]["multi"]
+    for panel in dashboard["panels"]:
+        assert panel["datasource"]["uid"] == "${datasource}"
+        for target in panel["targets"]:
+            assert 'instance=~"$instance"' in target["expr"], (panel["title"], target["expr"])
+    titles = " ".join(p["title"] for p in dashboard["panels"]).lower()
+    for needed in (
+        "request rate",
+        "error ratio",
+        "latency",
+        "queue time",
+        "compute",
+        "batch size",
+        "tokens",
+        "in flight",
+        "backend",
+        "fallback",
+    ):
+        assert needed in titles, needed
+    exprs = " ".join(e for _, e in dashboard_queries())
+    for q in ("0.5", "0.95", "0.99"):
+        assert f"histogram_quantile({q}, sum by (le) (rate(mha_request_duration_seconds_bucket" in exprs
+
+
+def test_every_dashboard_query_returns_data(small_model_dir: Path, tmp_path: Path) -> None:
+    assert PROMETHEUS.exists(), "make install unpacks Debian's prometheus into .tools/"
+    metrics_port, prom_port = free_port(), free_port()
+    settings = make_settings(small_model_dir, metrics_port=metrics_port, max_batch_size=8, max_queue_delay_ms=5)
+    instance = f"127.0.0.1:{metrics_port}"
+    shutil.copy(RULES / "alerts.yml", tmp_path / "alerts.yml")
+    (tmp_path / "prometheus.yml").write_text(
+        "global: {scrape_interval: 1s, evaluation_interval: 1s}\n"
+        "rule_files: [alerts.yml]\n"
+        f"scrape_configs:\n  - job_name: mha-serve\n    static_configs: [{{targets: ['{instance}']}}]\n"
+    )
+    stop = threading.Event()
+    with ServerThread(settings) as server:
+
+        def traffic(seed: int) -> None:
+            rng = np.random.default_rng(seed)
+            with MHAClient(server.url) as client:
+                while not stop.is_set():
+                    T = int(rng.integers(1, 65))
+                    client.infer(rng.standard_normal((int(rng.integers(1, 4)), T, 32), dtype=np.float32))
+                    if rng.random() < 0.2:
+                        with contextlib.suppress(InferenceError):  # a client mistake, for the error panels
+                            client.infer(np.ones((1, 2, 7), np.float32))
+
+        workers = [threading.Thread(target=traffic, args=(i,)) for i in range(4)]
+        for w in workers:
+            w.start()
+        prom = subprocess.Popen(
+            [
+                str(PROMETHEUS),
+                f"--config.file={tmp_path / 'prometheus.yml'}",
+                f"--storage.tsdb.path={tmp_path / 'data'}",
+                f"--web.listen-address=127.0.0.1:{prom_port}",
+                "--log.level=warn",
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=(tmp_path / "prometheus.log").open("w"),
+        )
+        try:
+            _wait_for_samples(prom_port, instance, prom)
+            instances = api(prom_port, "label/instance/values", **{"match[]": "mha_ready"})["data"]
+            assert instance in instances  # the dashboard's $instance variable query
+            failures = []
+            for title, expr in dashboard_queries():
+                for value in (instance, ".*"):
+                    result = api(prom_port, "query", query=fill(expr, value))
+                    if result["status"] != "success" or not result["data"]["result"]:
+                        failures.append((title, fill(expr, value), result.get("error", "empty result")))
+            assert not failures, failures
+            rules = api(prom_port, "rules")["data"]["groups"]
+            assert {r["name"] for g in rules for r in g["rules"]} >= {"MHAServeTargetDown", "MHAServeBackendFallback"}
+        finally:
+            stop.set()
+            for w in workers:
+                w.join(30)
+            prom.terminate()
+            prom.wait(30)
+
+
+def _wait_for_samples(port: int, instance: str, prom: subprocess.Popen[bytes], timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if prom.poll() is not None:
+            pytest.fail(f"prometheus exited with {prom.returncode}")
+        try:
+            result = api(port, "query", query=f'count_over_time(up{{instance="{instance}"}}[1m])')["data"]["result"]
+            if result and float(result[0]["value"][1]) >= 12:
+                return
+        except OSError:
+            pass
+        time.sleep(0.5)
+    pytest.fail("prometheus did not collect 12 scrapes in time")

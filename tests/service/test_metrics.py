@@ -1,0 +1,140 @@
+"""Scrape the live server after known traffic: families, types, labels, exact counts, promtool."""
+
+from __future__ import annotations
+
+import subprocess
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import numpy as np
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from service.client import InferenceError, MHAClient
+from service.metrics import LATENCY_BUCKETS
+from tests.support import ROOT, ServerThread, free_port, make_settings
+
+PROMTOOL = ROOT / ".tools" / "prometheus" / "usr" / "bin" / "promtool"
+SHAPES = [(1, 5), (2, 17), (3, 64), (1, 1), (4, 9)]
+
+
+def scrape(port: int) -> str:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
+        return response.read().decode()
+
+
+def samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    out = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return out
+
+
+@pytest.fixture(scope="module")
+def traffic(small_model_dir: Path) -> Iterator[tuple[ServerThread, str]]:
+    settings = make_settings(small_model_dir, metrics_port=free_port(), backend="auto")
+    with ServerThread(settings) as server, MHAClient(server.url) as client:
+        for B, T in SHAPES:
+            client.infer(np.ones((B, T, 32), np.float32))
+        for bad in (np.ones((1, 2, 31), np.float32), np.ones((1, 65, 32), np.float32)):
+            with pytest.raises(InferenceError):
+                client.infer(bad)
+        with MHAClient(server.url, model="bert") as other, pytest.raises(InferenceError):
+            other.infer(np.ones((1, 2, 32), np.float32))
+        list(client.stream_infer([np.ones((1, 3, 32), np.float32)] * 2))
+        client.model_metadata()
+        yield server, scrape(settings.metrics_port)
+
+
+def test_families_and_types(traffic: tuple[ServerThread, str]) -> None:
+    _, text = traffic
+    types = {f.name: f.type for f in text_string_to_metric_families(text) if f.name.startswith("mha_")}
+    assert types == {
+        "mha_requests": "counter",
+        "mha_request_duration_seconds": "histogram",
+        "mha_queue_duration_seconds": "histogram",
+        "mha_batch_formation_seconds": "histogram",
+        "mha_inference_duration_seconds": "histogram",
+        "mha_batch_size": "histogram",
+        "mha_tokens": "counter",
+        "mha_inflight_requests": "gauge",
+        "mha_queue_depth": "gauge",
+        "mha_backend_fallbacks": "counter",
+        "mha_backend_info": "gauge",
+        "mha_model_info": "gauge",
+        "mha_ready": "gauge",
+        "mha_queue_capacity": "gauge",
+    }
+    assert "_created" not in text
+
+
+def test_exact_counts(traffic: tuple[ServerThread, str]) -> None:
+    _, text = traffic
+    s = samples(text)
+    req = lambda method, code: s.get(("mha_requests_total", (("code", code), ("method", method))), 0)  # noqa: E731
+    assert req("ModelInfer", "OK") == len(SHAPES)
+    assert req("ModelInfer", "INVALID_ARGUMENT") == 2
+    assert req("ModelInfer", "NOT_FOUND") == 1
+    assert req("ModelStreamInfer", "OK") == 2
+    assert req("ModelMetadata", "OK") == 1
+    assert s[("mha_tokens_total", ())] == sum(B * T for B, T in SHAPES) + 2 * 3
+    assert s[("mha_request_duration_seconds_count", (("method", "ModelInfer"),))] == len(SHAPES) + 3
+    assert s[("mha_queue_duration_seconds_count", ())] == len(SHAPES) + 2
+    assert s[("mha_inflight_requests", ())] == 0
+    assert s[("mha_ready", ())] == 1
+
+
+def test_labels_of_backends_model_and_fallbacks(traffic: tuple[ServerThread, str]) -> None:
+    server, text = traffic
+    s = samples(text)
+    chain = server.core.model.chain.backends
+    info = {dict(k[1])["backend"]: v for k, v in s.items() if k[0] == "mha_backend_info"}
+    assert info == {b.name: (1.0 if b is chain[0] else 0.0) for b in chain}
+    model = next(dict(k[1]) for k in s if k[0] == "mha_model_info")
+    assert model == {
+        "name": "mha",
+        "version": "1",
+        "d_model": "32",
+        "n_head": "4",
+        "max_seq_len": "64",
+        "causal": "true",
+    }
+    fallbacks = {tuple(sorted(dict(k[1]).items())): v for k, v in s.items() if k[0] == "mha_backend_fallbacks_total"}
+    assert fallbacks == {
+        (("from", chain[0].name), ("reason", r), ("to", chain[1].name)): 0.0 for r in ("error", "invalid_output")
+    }
+    backends = {dict(k[1])["backend"] for k in s if k[0] == "mha_inference_duration_seconds_count"}
+    assert backends == {chain[0].name}
+
+
+def test_buckets_resolve_100us_to_10s(traffic: tuple[ServerThread, str]) -> None:
+    assert LATENCY_BUCKETS[0] == 0.0001 and LATENCY_BUCKETS[-1] == 10.0
+    s = samples(traffic[1])
+    les = sorted(float(dict(k[1])["le"]) for k in s if k[0] == "mha_queue_duration_seconds_bucket")
+    assert les[0] == 0.0001 and les[-2] == 10.0 and les[-1] == float("inf")
+
+
+def test_promtool_check_metrics(traffic: tuple[ServerThread, str]) -> None:
+    run = subprocess.run(
+        [str(PROMTOOL), "check", "metrics"], input=traffic[1], capture_output=True, text=True, timeout=60
+    )
+    assert run.returncode == 0, run.stdout + run.stderr
+
+
+def test_rejected_requests_are_counted(small_model_dir: Path, tmp_path: Path) -> None:
+    token = tmp_path / "token"
+    token.write_text("t0ken")
+    settings = make_settings(small_model_dir, metrics_port=free_port(), auth_token_file=token, backend="torch")
+    with ServerThread(settings) as server:
+        with MHAClient(server.url, token="nope") as client, pytest.raises(InferenceError) as info:
+            client.infer(np.ones((1, 2, 32), np.float32))
+        assert info.value.code == grpc.StatusCode.UNAUTHENTICATED
+        with MHAClient(server.url, token="t0ken") as client:
+            client.infer(np.ones((1, 2, 32), np.float32))
+        s = samples(scrape(settings.metrics_port))
+    assert s[("mha_requests_total", (("code", "UNAUTHENTICATED"), ("method", "ModelInfer")))] == 1
+    assert s[("mha_requests_total", (("code", "OK"), ("method", "ModelInfer")))] == 1
+    assert s[("mha_tokens_total", ())] == 2
