@@ -8,7 +8,7 @@ TRITON_STAMP := $(TRITON_VENV)/.installed
 MODEL_DIR ?= models/default
 ARGS ?=
 
-.PHONY: install serve test export lint proto bench clean
+.PHONY: install serve test export lint proto bench deploy-gen clean
 
 PROMETHEUS := .tools/prometheus/usr/bin/prometheus
 
@@ -49,8 +49,12 @@ lint: $(STAMP)
 proto: $(STAMP)
 	$(PY) -m service.protogen
 
+deploy-gen: $(STAMP)
+	$(PY) deploy/generate.py
+
 bench: $(STAMP)
 	$(PY) bench/onnx_graphs.py
+	$(PY) bench/batching.py
 
 clean:
 	rm -rf $(VENV) $(TRITON_VENV) models .tools

@@ -1,0 +1,271 @@
+"""Kubernetes manifests, rendered and validated offline; Dockerfiles linted; no drift from the code."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+from dataclasses import fields
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import pytest
+import yaml
+from prometheus_client import CollectorRegistry
+
+from service.metrics import Metrics
+from service.server import HEALTH_SERVICES
+from service.settings import Settings
+from tests.support import ROOT
+
+DEPLOY = ROOT / "deploy"
+SCHEMAS = Path(__file__).with_name("schemas")
+VENV_BIN = ROOT / ".venv" / "bin"
+OVERLAYS = ("cpu", "gpu")
+
+
+@cache
+def render(overlay: str) -> list[dict[str, Any]]:
+    assert shutil.which("kubectl"), "kubectl (with kustomize) is needed to render the manifests"
+    run = subprocess.run(
+        ["kubectl", "kustomize", str(DEPLOY / "k8s" / "overlays" / overlay)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert run.returncode == 0, run.stderr
+    return [doc for doc in yaml.safe_load_all(run.stdout) if doc]
+
+
+def by_kind(overlay: str, kind: str) -> dict[str, Any]:
+    return next(d for d in render(overlay) if d["kind"] == kind)
+
+
+def container(overlay: str) -> dict[str, Any]:
+    return by_kind(overlay, "Deployment")["spec"]["template"]["spec"]["containers"][0]
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_renders_every_object(overlay: str) -> None:
+    kinds = sorted(d["kind"] for d in render(overlay))
+    assert kinds == sorted(
+        [
+            "ConfigMap",
+            "ConfigMap",
+            "Deployment",
+            "Service",
+            "HorizontalPodAutoscaler",
+            "PodDisruptionBudget",
+            "NetworkPolicy",
+            "ServiceMonitor",
+            "PrometheusRule",
+        ]
+    )
+
+
+def _validate(path: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [str(VENV_BIN / "kubernetes-validate"), "--strict", "-k", "1.30.0", "--quiet", str(path)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_builtin_objects_validate_strictly_against_1_30(overlay: str, tmp_path: Path) -> None:
+    builtin = [d for d in render(overlay) if not d["apiVersion"].startswith("monitoring.coreos.com")]
+    path = tmp_path / f"{overlay}.yaml"
+    path.write_text(yaml.safe_dump_all(builtin))
+    run = _validate(path)
+    assert run.returncode == 0, run.stdout + run.stderr
+
+
+def test_strict_validation_is_not_vacuous(tmp_path: Path) -> None:
+    deployment = json.loads(json.dumps(by_kind("cpu", "Deployment")))
+    deployment["spec"]["template"]["spec"]["containers"][0]["readinessProbe"]["grpcc"] = {"port": 8001}
+    path = tmp_path / "bad.yaml"
+    path.write_text(yaml.safe_dump(deployment))
+    assert _validate(path).returncode != 0
+
+
+@pytest.mark.parametrize(
+    ("kind", "schema"), [("ServiceMonitor", "servicemonitor_v1.json"), ("PrometheusRule", "prometheusrule_v1.json")]
+)
+def test_crds_validate_against_their_schemas(kind: str, schema: str) -> None:
+    spec = json.loads((SCHEMAS / schema).read_text())
+    for overlay in OVERLAYS:
+        jsonschema.validate(by_kind(overlay, kind), spec)
+    broken = json.loads(json.dumps(by_kind("cpu", kind)))
+    broken["spec"]["unexpected"] = True
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate(broken, spec)
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_probes_are_native_grpc_on_numeric_ports_for_registered_services(overlay: str) -> None:
+    c = container(overlay)
+    probes = {name: c[name]["grpc"] for name in ("startupProbe", "livenessProbe", "readinessProbe")}
+    for probe in probes.values():
+        assert isinstance(probe["port"], int) and probe["port"] == Settings().grpc_port
+        assert probe["service"] in HEALTH_SERVICES
+    assert probes["livenessProbe"]["service"] == ""
+    assert probes["readinessProbe"]["service"] == "inference.GRPCInferenceService"
+
+
+def test_only_the_gpu_overlay_asks_for_gpus() -> None:
+    def gpu(overlay: str) -> list[str]:
+        resources = container(overlay)["resources"]
+        return [k for part in resources.values() for k in part if k == "nvidia.com/gpu"]
+
+    assert gpu("cpu") == []
+    assert gpu("gpu") == ["nvidia.com/gpu", "nvidia.com/gpu"]
+    assert "tolerations" not in by_kind("cpu", "Deployment")["spec"]["template"]["spec"]
+    assert by_kind("gpu", "Deployment")["spec"]["template"]["spec"]["tolerations"][0]["key"] == "nvidia.com/gpu"
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_pod_hardening_and_drain(overlay: str) -> None:
+    pod = by_kind(overlay, "Deployment")["spec"]["template"]["spec"]
+    c = container(overlay)
+    assert pod["securityContext"]["runAsNonRoot"] and pod["securityContext"]["runAsUser"] == 10001
+    assert pod["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
+    sc = c["securityContext"]
+    assert sc["readOnlyRootFilesystem"] and not sc["allowPrivilegeEscalation"] and sc["capabilities"]["drop"] == ["ALL"]
+    assert {"name": "tmp", "mountPath": "/tmp"} in c["volumeMounts"]
+    assert any(v["name"] == "tmp" and "emptyDir" in v for v in pod["volumes"])
+    config = next(
+        d for d in render(overlay) if d["kind"] == "ConfigMap" and d["metadata"]["name"] == "mha-serve-config"
+    )
+    grace = float(config["data"]["MHA_GRACE_S"])
+    pre_stop = c["lifecycle"]["preStop"]["sleep"]["seconds"]
+    assert pod["terminationGracePeriodSeconds"] > grace + pre_stop
+    assert c["resources"]["requests"] and c["resources"]["limits"]
+
+
+def test_service_hpa_pdb_networkpolicy() -> None:
+    service = by_kind("cpu", "Service")
+    ports = {p["name"]: p for p in service["spec"]["ports"]}
+    assert ports["grpc"]["port"] == Settings().grpc_port and ports["grpc"]["appProtocol"] == "kubernetes.io/h2c"
+    assert ports["http-metrics"]["port"] == Settings().metrics_port
+    hpa = by_kind("cpu", "HorizontalPodAutoscaler")
+    assert hpa["apiVersion"] == "autoscaling/v2"
+    assert {m["type"] for m in hpa["spec"]["metrics"]} == {"Resource", "Pods"}
+    assert by_kind("cpu", "PodDisruptionBudget")["spec"]["minAvailable"] == 1
+    rules = by_kind("cpu", "NetworkPolicy")["spec"]["ingress"]
+    assert sorted(p["port"] for r in rules for p in r["ports"]) == [8001, 8002]
+    monitor = by_kind("cpu", "ServiceMonitor")
+    assert monitor["spec"]["endpoints"][0]["port"] == "http-metrics"
+    assert monitor["spec"]["selector"]["matchLabels"].items() <= service["metadata"]["labels"].items()
+
+
+def test_dashboard_configmap_and_rules_come_from_their_sources() -> None:
+    run = subprocess.run(
+        [str(VENV_BIN / "python"), str(DEPLOY / "generate.py"), "--check"], capture_output=True, text=True, timeout=60
+    )
+    assert run.returncode == 0, run.stderr
+    dashboards = [
+        d for d in render("cpu") if d["kind"] == "ConfigMap" and d["metadata"]["name"] == "mha-serve-dashboard"
+    ]
+    assert dashboards[0]["metadata"]["labels"]["grafana_dashboard"] == "1"
+    assert json.loads(dashboards[0]["data"]["mha-serve.json"]) == json.loads(
+        (DEPLOY / "grafana" / "mha-serve.json").read_text()
+    )
+    rules = yaml.safe_load((DEPLOY / "prometheus" / "alerts.yml").read_text())
+    assert by_kind("cpu", "PrometheusRule")["spec"]["groups"] == rules["groups"]
+
+
+# Dockerfiles ---------------------------------------------------------------------------------
+
+DOCKERFILES = sorted((DEPLOY / "docker").glob("Dockerfile.*"))
+
+
+@pytest.mark.parametrize("dockerfile", DOCKERFILES, ids=lambda p: p.name)
+def test_hadolint_error_level(dockerfile: Path) -> None:
+    run = subprocess.run(
+        [str(VENV_BIN / "hadolint"), "--failure-threshold", "error", str(dockerfile)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert run.returncode == 0, run.stdout + run.stderr
+
+
+@pytest.mark.parametrize("dockerfile", DOCKERFILES, ids=lambda p: p.name)
+def test_dockerfile_shape(dockerfile: Path) -> None:
+    text = dockerfile.read_text()
+    stages = re.split(r"(?m)^FROM ", text)
+    assert len(stages) == 3, "two stages: build and run"
+    final = stages[-1]
+    assert re.search(r"(?m)^USER 10001", final)
+    assert re.search(r"(?m)^EXPOSE 8001 8002$", final)
+    assert re.search(r'(?m)^CMD \["mha", "serve"\]$', final)
+    for tool in ("gcc", "build-essential", "pip install", "python3-dev", "python3-venv"):
+        assert tool not in final, f"{tool} in the final stage"
+    assert (ROOT / ".dockerignore").is_file()
+
+
+# No drift between deploy/ and the code ---------------------------------------------------------
+
+
+def _env_names() -> set[str]:
+    names: set[str] = set()
+    for overlay in OVERLAYS:
+        for doc in render(overlay):
+            if doc["kind"] == "ConfigMap" and doc["metadata"]["name"] == "mha-serve-config":
+                names |= set(doc["data"])
+        names |= {e["name"] for e in container(overlay).get("env", []) if e["name"].startswith("MHA_")}
+    kserve = yaml.safe_load((DEPLOY / "kserve" / "inferenceservice.yaml").read_text())
+    names |= {e["name"] for e in kserve["spec"]["predictor"]["containers"][0]["env"]}
+    for dockerfile in DOCKERFILES:
+        names |= set(re.findall(r"\b(MHA_[A-Z_]+)=", dockerfile.read_text()))
+    return names
+
+
+def test_env_vars_are_ones_the_server_reads() -> None:
+    read = {f"MHA_{f.name.upper()}" for f in fields(Settings)}
+    names = _env_names()
+    assert names and names <= read, names - read
+
+
+def _served_series() -> set[str]:
+    registry = CollectorRegistry()
+    Metrics(registry)
+    names = set()
+    for family in registry.collect():
+        base = family.name
+        suffixes = {"counter": ["_total"], "histogram": ["_bucket", "_sum", "_count"], "info": ["_info"]}
+        names |= {base + s for s in suffixes.get(family.type, [""])}
+    return names | {"up"}
+
+
+def _metric_names(expr: str) -> set[str]:
+    without_strings = re.sub(r'"[^"]*"', '""', expr)
+    without_labels = re.sub(r"\{[^}]*\}", "", without_strings)
+    return {m for m in re.findall(r"\b(mha_[a-z_]+|up)\b", without_labels)}
+
+
+def test_metric_names_in_rules_and_dashboard_exist() -> None:
+    served = _served_series()
+    rules = yaml.safe_load((DEPLOY / "prometheus" / "alerts.yml").read_text())
+    exprs = [r["expr"] for g in rules["groups"] for r in g["rules"]]
+    dashboard = json.loads((DEPLOY / "grafana" / "mha-serve.json").read_text())
+    exprs += [t["expr"] for p in dashboard["panels"] for t in p["targets"]]
+    exprs += [v["definition"] for v in dashboard["templating"]["list"] if "definition" in v]
+    adapter = yaml.safe_load((DEPLOY / "k8s" / "prometheus-adapter" / "rules.yaml").read_text())
+    exprs += [r["seriesQuery"] + " " + r["metricsQuery"] for r in adapter["rules"]["custom"]]
+    used = set().union(*(_metric_names(e) for e in exprs))
+    assert used, "no metric names found"
+    assert used <= served, used - served
+    assert {"mha_requests_total", "mha_backend_fallbacks_total", "mha_queue_depth"} <= used
+
+
+def test_ports_match_the_server_defaults() -> None:
+    c = container("cpu")
+    ports = {p["name"]: p["containerPort"] for p in c["ports"]}
+    assert ports == {"grpc": Settings().grpc_port, "http-metrics": Settings().metrics_port}
+    for dockerfile in DOCKERFILES:
+        assert f"EXPOSE {Settings().grpc_port} {Settings().metrics_port}" in dockerfile.read_text()
