@@ -33,7 +33,7 @@ $(TRITON_STAMP): constraints-triton.txt
 	touch $@
 
 serve: $(STAMP)
-	$(VENV)/bin/mha serve --model-dir $(MODEL_DIR) $(ARGS)
+	$(VENV)/bin/mha serve $(ARGS)
 
 export: $(STAMP)
 	$(VENV)/bin/mha export --out $(MODEL_DIR) $(ARGS)

@@ -40,8 +40,8 @@ def render(overlay: str) -> list[dict[str, Any]]:
     return [doc for doc in yaml.safe_load_all(run.stdout) if doc]
 
 
-def by_kind(overlay: str, kind: str) -> dict[str, Any]:
-    return next(d for d in render(overlay) if d["kind"] == kind)
+def by_kind(overlay: str, kind: str, name: str = "mha-serve") -> dict[str, Any]:
+    return next(d for d in render(overlay) if d["kind"] == kind and d["metadata"]["name"] == name)
 
 
 def container(overlay: str) -> dict[str, Any]:
@@ -56,6 +56,7 @@ def test_renders_every_object(overlay: str) -> None:
             "ConfigMap",
             "ConfigMap",
             "Deployment",
+            "Service",
             "Service",
             "HorizontalPodAutoscaler",
             "PodDisruptionBudget",
