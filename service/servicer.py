@@ -40,6 +40,7 @@ class _Rpc:
         self.core, self.method, self.inference = core, method, inference
         self.request_id = new_request_id(client_id)
         self.code = grpc.StatusCode.OK
+        self.detail = ""  # the message a failed call answered with
         self.start = time.perf_counter()
 
     def finish(self) -> None:
@@ -53,9 +54,10 @@ class _Rpc:
         if self.inference or self.code is not grpc.StatusCode.OK:
             log.log(
                 level,
-                "%s %s",
+                "%s %s %s",
                 self.method,
                 self.code.name,
+                self.detail,
                 extra={"method": self.method, "code": self.code.name, "duration_ms": round(elapsed * 1e3, 3)},
             )
 
@@ -68,7 +70,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         self,
         context: grpc.aio.ServicerContext,
         method: str,
-        body: Callable[[_Rpc], Awaitable[T]],
+        body: Callable[[], Awaitable[T]],
         client_id: str = "",
         inference: bool = False,
     ) -> T:
@@ -78,7 +80,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         if inference:
             self.core.request_started()
         try:
-            return await body(rpc)
+            return await body()
         except asyncio.CancelledError:
             remaining = context.time_remaining()
             expired = remaining is not None and remaining <= 0
@@ -86,7 +88,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
             raise
         except Exception as exc:
             code, message = to_status(exc, rpc.request_id)
-            rpc.code = code
+            rpc.code, rpc.detail = code, message
             if not isinstance(exc, ServiceError) or code is grpc.StatusCode.INTERNAL:
                 log.error("%s failed: %s", method, exc, exc_info=exc)
         finally:
@@ -100,7 +102,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
     async def ServerLive(
         self, request: pb.ServerLiveRequest, context: grpc.aio.ServicerContext
     ) -> pb.ServerLiveResponse:
-        async def body(rpc: _Rpc) -> pb.ServerLiveResponse:
+        async def body() -> pb.ServerLiveResponse:
             return pb.ServerLiveResponse(live=True)
 
         return await self._handle(context, "ServerLive", body)
@@ -108,7 +110,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
     async def ServerReady(
         self, request: pb.ServerReadyRequest, context: grpc.aio.ServicerContext
     ) -> pb.ServerReadyResponse:
-        async def body(rpc: _Rpc) -> pb.ServerReadyResponse:
+        async def body() -> pb.ServerReadyResponse:
             return pb.ServerReadyResponse(ready=self.core.state is State.READY)
 
         return await self._handle(context, "ServerReady", body)
@@ -116,7 +118,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
     async def ModelReady(
         self, request: pb.ModelReadyRequest, context: grpc.aio.ServicerContext
     ) -> pb.ModelReadyResponse:
-        async def body(rpc: _Rpc) -> pb.ModelReadyResponse:
+        async def body() -> pb.ModelReadyResponse:
             check_model(self._names(), request.name, request.version)
             return pb.ModelReadyResponse(ready=self.core.state is State.READY)
 
@@ -125,7 +127,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
     async def ServerMetadata(
         self, request: pb.ServerMetadataRequest, context: grpc.aio.ServicerContext
     ) -> pb.ServerMetadataResponse:
-        async def body(rpc: _Rpc) -> pb.ServerMetadataResponse:
+        async def body() -> pb.ServerMetadataResponse:
             extensions = list(EXTENSIONS)
             if self.core.model is not None:
                 active = self.core.model.chain.active
@@ -137,7 +139,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
     async def ModelMetadata(
         self, request: pb.ModelMetadataRequest, context: grpc.aio.ServicerContext
     ) -> pb.ModelMetadataResponse:
-        async def body(rpc: _Rpc) -> pb.ModelMetadataResponse:
+        async def body() -> pb.ModelMetadataResponse:
             check_model(self._names(), request.name, request.version)
             spec = self.core.spec
             shape = [-1, -1, spec.d_model]
@@ -154,7 +156,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
     async def ModelInfer(
         self, request: pb.ModelInferRequest, context: grpc.aio.ServicerContext
     ) -> pb.ModelInferResponse:
-        async def body(rpc: _Rpc) -> pb.ModelInferResponse:
+        async def body() -> pb.ModelInferResponse:
             return await self._infer(request, context)
 
         return await self._handle(context, "ModelInfer", body, request.id, inference=True)
@@ -208,6 +210,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
             return pb.ModelStreamInferResponse(infer_response=response)
         except Exception as exc:  # reported in-band; the stream stays open
             rpc.code, message = to_status(exc, rpc.request_id)
+            rpc.detail = message
             if not isinstance(exc, ServiceError) or rpc.code is grpc.StatusCode.INTERNAL:
                 log.error("stream request failed: %s", exc, exc_info=exc)
             return pb.ModelStreamInferResponse(
@@ -222,7 +225,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
     async def ModelConfig(
         self, request: pb.ModelConfigRequest, context: grpc.aio.ServicerContext
     ) -> pb.ModelConfigResponse:
-        async def body(rpc: _Rpc) -> pb.ModelConfigResponse:
+        async def body() -> pb.ModelConfigResponse:
             check_model(self._names(), request.name, request.version)
             return pb.ModelConfigResponse(config=self._model_config())
 
@@ -231,7 +234,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
     async def ModelStatistics(
         self, request: pb.ModelStatisticsRequest, context: grpc.aio.ServicerContext
     ) -> pb.ModelStatisticsResponse:
-        async def body(rpc: _Rpc) -> pb.ModelStatisticsResponse:
+        async def body() -> pb.ModelStatisticsResponse:
             if request.name or request.version:
                 check_model(self._names(), request.name, request.version)
             return pb.ModelStatisticsResponse(model_stats=[self._statistics()])
