@@ -179,7 +179,9 @@ def test_full_queue_is_overloaded_at_once() -> None:
 
 
 def test_concurrent_clients_mixed_shapes_batch_and_stay_exact(small_model_dir: Path) -> None:
-    settings = make_settings(small_model_dir, max_batch_size=16, max_queue_delay_ms=20, backend="torch")
+    settings = make_settings(
+        small_model_dir, max_batch_size=16, max_queue_delay_ms=20, max_padding_ratio=0.75, backend="torch"
+    )
     config, weights = load_checkpoint(small_model_dir / "weights.safetensors")
     shapes = [(1 + i % 3, [5, 8, 13, 16, 31, 32, 61, 64][i % 8]) for i in range(24)]
     errors: list[float] = []
