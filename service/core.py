@@ -10,7 +10,6 @@ import asyncio
 import enum
 import logging
 import time
-from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -83,17 +82,11 @@ class InferenceCore:
         self.model: LoadedModel | None = None
         self.batcher: Batcher | None = None
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="infer")
-        self._on_state: list[Callable[[State], None]] = []
         self.in_flight = 0  # inference requests in the server (the batcher waits only for these)
-
-    def on_state_change(self, callback: Callable[[State], None]) -> None:
-        self._on_state.append(callback)
 
     def _set_state(self, state: State) -> None:
         self.state = state
         self.metrics.ready.set(1 if state is State.READY else 0)
-        for callback in self._on_state:
-            callback(state)
 
     @property
     def spec(self) -> ModelSpec:
