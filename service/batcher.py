@@ -13,7 +13,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Executor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -74,7 +74,6 @@ class BatcherCounters:
     cancelled: int = 0
     failed_batches: int = 0
     largest_batch_rows: int = 0
-    batch_sizes: dict[int, int] = field(default_factory=dict)  # rows -> count
 
 
 class Batcher:
@@ -235,7 +234,6 @@ class Batcher:
         c.mixed_t_batches += len({i.seq for i in batch}) > 1
         c.padded_tokens += rows * x.shape[1] - sum(i.rows * i.seq for i in batch)
         c.largest_batch_rows = max(c.largest_batch_rows, rows)
-        c.batch_sizes[rows] = c.batch_sizes.get(rows, 0) + 1
 
 
 def _pad_and_stack(xs: list[np.ndarray]) -> np.ndarray:

@@ -36,17 +36,20 @@ class DecodedRequest:
     request_id: str  # the client's `id`, echoed back
 
 
-def check_model(spec: ModelSpec, name: str, version: str) -> None:
-    if name != spec.name:
-        raise ModelNotFound(f"unknown model {name!r}; this server serves {spec.name!r}")
-    if version not in ("", spec.version):
+def check_model(served: tuple[str, str], name: str, version: str) -> None:
+    """`served` is the (name, version) this server holds; an empty version means the latest."""
+    served_name, served_version = served
+    if name != served_name:
+        raise ModelNotFound(f"unknown model {name!r}; this server serves {served_name!r}")
+    if version not in ("", served_version):
         raise ModelNotFound(
-            f"unknown version {version!r} of model {spec.name!r}; available: [{spec.version!r}] (or empty for latest)"
+            f"unknown version {version!r} of model {served_name!r}; "
+            f"available: [{served_version!r}] (or empty for latest)"
         )
 
 
 def decode_infer_request(request: pb.ModelInferRequest, spec: ModelSpec) -> DecodedRequest:
-    check_model(spec, request.model_name, request.model_version)
+    check_model((spec.name, spec.version), request.model_name, request.model_version)
     if len(request.inputs) != 1:
         raise InvalidInput(
             f"expected exactly 1 input tensor {spec.input_name!r}, got {len(request.inputs)}: "

@@ -20,7 +20,6 @@ from model import MHAConfig
 from model.checkpoint import CheckpointError, load_checkpoint
 from service.backends import BackendChain, Selection, select_backends
 from service.backends.chain import REASONS
-from service.backends.selection import SelfCheck
 from service.batcher import Batcher, BatcherConfig, Timing
 from service.codec import ModelSpec
 from service.errors import NotReady
@@ -83,6 +82,8 @@ class InferenceCore:
         self.batcher: Batcher | None = None
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="infer")
         self.in_flight = 0  # inference requests in the server (the batcher waits only for these)
+        metrics.inflight.set_function(lambda: self.in_flight)
+        self._published_active: str | None = None  # the backend mha_backend_info last showed as active
 
     def _set_state(self, state: State) -> None:
         self.state = state
@@ -125,6 +126,8 @@ class InferenceCore:
             in_flight=lambda: self.in_flight,
         )
         self.batcher.start()
+        batcher = self.batcher
+        self.metrics.queue_depth.set_function(lambda: batcher.depth)
         self.metrics.model_info.info(
             {
                 "name": self.settings.model_name,
@@ -153,7 +156,7 @@ class InferenceCore:
             raise ModelLoadError(f"no backend can serve {directory}: {selection.summary()}")
         chain = BackendChain(
             selection.backends,
-            probe=SelfCheck(config, weights).passes,
+            probe=selection.check.passes,
             failure_threshold=self.settings.fallback_failures,
             cooldown_s=self.settings.fallback_cooldown_s,
             on_fallback=self._on_fallback,
@@ -184,6 +187,9 @@ class InferenceCore:
         if self.model is None:
             return
         active = self.model.chain.active
+        if active.name == self._published_active:
+            return
+        self._published_active = active.name
         self.metrics.set_backends((active.name, active.device), [(b.name, b.device) for b in self.model.chain.backends])
 
     async def infer(self, x: np.ndarray, deadline: float | None) -> tuple[np.ndarray, Timing]:
@@ -192,11 +198,7 @@ class InferenceCore:
             raise NotReady("the server is draining for shutdown; retry on another replica")
         if self.state is not State.READY or self.batcher is None:
             raise NotReady(f"the model is not ready (state: {self.state.value}); retry shortly")
-        self.metrics.queue_depth.set(self.batcher.depth + 1)
-        try:
-            y, timing = await self.batcher.submit(x, deadline)
-        finally:
-            self.metrics.queue_depth.set(self.batcher.depth)
+        y, timing = await self.batcher.submit(x, deadline)
         self.metrics.queue_duration.observe(timing.queue_s)
         self.metrics.tokens.inc(int(x.shape[0]) * int(x.shape[1]))
         self.stats.inference_count += int(x.shape[0])
@@ -206,11 +208,9 @@ class InferenceCore:
 
     def request_started(self) -> None:
         self.in_flight += 1
-        self.metrics.inflight.inc()
 
     def request_finished(self) -> None:
         self.in_flight -= 1
-        self.metrics.inflight.dec()
 
     def record_outcome(self, ok: bool, seconds: float) -> None:
         (self.stats.success if ok else self.stats.fail).add(seconds)

@@ -12,7 +12,7 @@ from typing import TypeVar
 import grpc
 
 from service.backends import Backend
-from service.codec import ModelSpec, check_model, decode_infer_request, encode_infer_response
+from service.codec import check_model, decode_infer_request, encode_infer_response
 from service.core import Duration, InferenceCore, LoadedModel, State
 from service.errors import NotReady, ServiceError, to_status
 from service.proto import grpc_service_pb2 as pb
@@ -42,8 +42,21 @@ class _Rpc:
         self.code = grpc.StatusCode.OK
         self.detail = ""  # the message a failed call answered with
         self.start = time.perf_counter()
+        self._token = request_id_var.set(self.request_id)
+        if inference:
+            core.request_started()
+
+    def fail(self, exc: Exception) -> tuple[grpc.StatusCode, str]:
+        """The one place errors become statuses; server faults are logged with their trace."""
+        self.code, self.detail = to_status(exc, self.request_id)
+        if not isinstance(exc, ServiceError) or self.code is grpc.StatusCode.INTERNAL:
+            log.error("%s failed: %s", self.method, exc, exc_info=exc)
+        return self.code, self.detail
 
     def finish(self) -> None:
+        if self.inference:
+            self.core.request_finished()
+        request_id_var.reset(self._token)
         elapsed = time.perf_counter() - self.start
         metrics = self.core.metrics
         metrics.requests.labels(method=self.method, code=self.code.name).inc()
@@ -74,11 +87,8 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         client_id: str = "",
         inference: bool = False,
     ) -> T:
-        """Run one RPC's body: request id, metrics, logs, and the one place errors become statuses."""
+        """Run one RPC's body: request id, metrics, logs; errors become an aborted status."""
         rpc = _Rpc(self.core, method, client_id, inference)
-        token = request_id_var.set(rpc.request_id)
-        if inference:
-            self.core.request_started()
         try:
             return await body()
         except asyncio.CancelledError:
@@ -87,15 +97,9 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
             rpc.code = grpc.StatusCode.DEADLINE_EXCEEDED if expired else grpc.StatusCode.CANCELLED
             raise
         except Exception as exc:
-            code, message = to_status(exc, rpc.request_id)
-            rpc.code, rpc.detail = code, message
-            if not isinstance(exc, ServiceError) or code is grpc.StatusCode.INTERNAL:
-                log.error("%s failed: %s", method, exc, exc_info=exc)
+            code, message = rpc.fail(exc)
         finally:
-            if inference:
-                self.core.request_finished()
             rpc.finish()
-            request_id_var.reset(token)
         await context.abort(code, message)
         raise AssertionError("context.abort returned")
 
@@ -119,7 +123,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         self, request: pb.ModelReadyRequest, context: grpc.aio.ServicerContext
     ) -> pb.ModelReadyResponse:
         async def body() -> pb.ModelReadyResponse:
-            check_model(self._names(), request.name, request.version)
+            check_model(self._served(), request.name, request.version)
             return pb.ModelReadyResponse(ready=self.core.state is State.READY)
 
         return await self._handle(context, "ModelReady", body)
@@ -140,7 +144,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         self, request: pb.ModelMetadataRequest, context: grpc.aio.ServicerContext
     ) -> pb.ModelMetadataResponse:
         async def body() -> pb.ModelMetadataResponse:
-            check_model(self._names(), request.name, request.version)
+            check_model(self._served(), request.name, request.version)
             spec = self.core.spec
             shape = [-1, -1, spec.d_model]
             return pb.ModelMetadataResponse(
@@ -203,30 +207,23 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         self, request: pb.ModelInferRequest, context: grpc.aio.ServicerContext
     ) -> pb.ModelStreamInferResponse:
         rpc = _Rpc(self.core, "ModelStreamInfer", request.id, inference=True)
-        token = request_id_var.set(rpc.request_id)
-        self.core.request_started()
         try:
             response = await self._infer(request, context)
             return pb.ModelStreamInferResponse(infer_response=response)
         except Exception as exc:  # reported in-band; the stream stays open
-            rpc.code, message = to_status(exc, rpc.request_id)
-            rpc.detail = message
-            if not isinstance(exc, ServiceError) or rpc.code is grpc.StatusCode.INTERNAL:
-                log.error("stream request failed: %s", exc, exc_info=exc)
+            code, message = rpc.fail(exc)
             return pb.ModelStreamInferResponse(
-                error_message=f"{rpc.code.name}: {message}",
+                error_message=f"{code.name}: {message}",
                 infer_response=pb.ModelInferResponse(model_name=request.model_name, id=request.id),
             )
         finally:
-            self.core.request_finished()
             rpc.finish()
-            request_id_var.reset(token)
 
     async def ModelConfig(
         self, request: pb.ModelConfigRequest, context: grpc.aio.ServicerContext
     ) -> pb.ModelConfigResponse:
         async def body() -> pb.ModelConfigResponse:
-            check_model(self._names(), request.name, request.version)
+            check_model(self._served(), request.name, request.version)
             return pb.ModelConfigResponse(config=self._model_config())
 
         return await self._handle(context, "ModelConfig", body)
@@ -236,15 +233,14 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
     ) -> pb.ModelStatisticsResponse:
         async def body() -> pb.ModelStatisticsResponse:
             if request.name or request.version:
-                check_model(self._names(), request.name, request.version)
+                check_model(self._served(), request.name, request.version)
             return pb.ModelStatisticsResponse(model_stats=[self._statistics()])
 
         return await self._handle(context, "ModelStatistics", body)
 
-    def _names(self) -> ModelSpec:
-        """Enough of the spec to answer NOT_FOUND correctly, even while loading."""
-        s = self.core.settings
-        return ModelSpec(s.model_name, s.model_version, "x", "y", 0, 0, s.max_request_rows)
+    def _served(self) -> tuple[str, str]:
+        """(name, version) of the model: known from the settings, even while loading."""
+        return self.core.settings.model_name, self.core.settings.model_version
 
     def _loaded(self) -> LoadedModel:
         if self.core.model is None:
@@ -292,14 +288,14 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         return config
 
     def _statistics(self) -> pb.ModelStatistics:
-        spec, stats = self._names(), self.core.stats
+        (name, version), stats = self._served(), self.core.stats
 
         def d(duration: Duration) -> pb.StatisticDuration:
             return pb.StatisticDuration(count=duration.count, ns=duration.ns)
 
         return pb.ModelStatistics(
-            name=spec.name,
-            version=spec.version,
+            name=name,
+            version=version,
             last_inference=stats.last_inference_ms,
             inference_count=stats.inference_count,
             execution_count=stats.execution_count,

@@ -35,6 +35,7 @@ class CandidateReport:
 @dataclass
 class Selection:
     backends: list[Backend]  # serving order: the first serves, the rest are the fallback chain
+    check: SelfCheck  # what each backend passed; the chain probes benched backends with it
     candidates: list[CandidateReport] = field(default_factory=list)
 
     def summary(self) -> str:
@@ -160,6 +161,6 @@ def select_backends(
         report.status = "serving" if i == 0 else "fallback"
         if i == 0 and len(loaded) > 1:
             report.reason += " (first in order)" if cuda else " (fastest on this machine)"
-    selection = Selection(backends=[b for b, _ in loaded], candidates=reports)
+    selection = Selection(backends=[b for b, _ in loaded], check=check, candidates=reports)
     log.info("backend selection: %s", selection.summary())
     return selection
