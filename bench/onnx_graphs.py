@@ -20,6 +20,7 @@ import numpy as np
 import onnxruntime as ort
 import torch
 
+from export.layout import INPUT_NAME
 from export.onnx_export import export_onnx
 from model import MHAConfig, MultiHeadAttention
 from model.checkpoint import init_weights
@@ -61,7 +62,7 @@ def main() -> None:
         repeats = 50 if B * T <= 512 else 10
         row = {"B": B, "T": T}
         for graph, session in sessions.items():
-            row[f"ort_{graph}_ms"] = _time(lambda s=session, x=x: s.run(None, {"x": x}), repeats)
+            row[f"ort_{graph}_ms"] = _time(lambda s=session, x=x: s.run(None, {INPUT_NAME: x}), repeats)
         with torch.inference_mode():
             row["torch_sdpa_ms"] = _time(lambda xt=xt: module(xt), repeats)
         row["plain_over_attention"] = row["ort_plain_ms"] / row["ort_attention_ms"]

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from export.layout import INPUT_NAME, ModelFiles
 
 log = logging.getLogger("bench")
 VARIANTS = ("default", "ours", "no-arena", "shared-same-as-requested")
@@ -43,7 +43,7 @@ def _session(kind: str, model: Path):
         ort.create_and_register_allocator(info, ort.OrtArenaCfg({"arena_extend_strategy": 1}))
         options.add_session_config_entry("session.use_env_allocators", "1")
     session = ort.InferenceSession(str(model), options, providers=["CPUExecutionProvider"])
-    return lambda x: session.run(None, {"x": x})[0]
+    return lambda x: session.run(None, {INPUT_NAME: x})[0]
 
 
 def _rss_mib() -> int:
@@ -75,7 +75,7 @@ def main() -> int:
     parser.add_argument("--model-dir", default="models/default")
     parser.add_argument("--child", choices=VARIANTS)
     args = parser.parse_args()
-    model = Path(args.model_dir) / "model.onnx"
+    model = ModelFiles(Path(args.model_dir)).onnx
     if args.child:
         sys.stdout.write(json.dumps(child(args.child, model, args.shapes)))
         return 0

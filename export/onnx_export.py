@@ -9,13 +9,12 @@ import onnx
 import torch
 from torch.export import Dim
 
+from export.layout import INPUT_NAME, OUTPUT_NAME
 from model import MHAConfig, MultiHeadAttention
 from model.checkpoint import Weights
 
 log = logging.getLogger(__name__)
 
-INPUT_NAME = "x"
-OUTPUT_NAME = "y"
 DEFAULT_OPSET = 23
 # "attention": SDPA exported as one ONNX Attention op (is_causal=1), the mask never materialised
 #   in the file. "plain": MatMul/Softmax with the causal mask built from T by Trilu.
@@ -34,7 +33,7 @@ def export_onnx(
     module = MultiHeadAttention.from_weights(config, weights, fast=graph == "attention")
     # B, T >= 2 in the example: a size-1 example dimension is specialised to a constant.
     example = torch.zeros(2, min(3, max(2, config.max_seq_len)), config.d_model)
-    dynamic = {"x": {0: Dim("batch"), 1: Dim("seq")}}
+    dynamic = {INPUT_NAME: {0: Dim("batch"), 1: Dim("seq")}}
     log.info("tracing %s graph with torch.onnx.export (dynamo, opset %d)", graph, opset)
     program = torch.onnx.export(
         module,

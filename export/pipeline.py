@@ -14,12 +14,10 @@ import onnx
 import onnxruntime as ort
 import torch
 
+from export.layout import INPUT_NAME, MANIFEST_FILE, MODEL_FILE, OUTPUT_NAME, WEIGHTS_FILE
 from export.onnx_export import DEFAULT_OPSET, export_onnx
 from export.verify import (
-    MANIFEST_FILE,
-    MODEL_FILE,
     TOLERANCE,
-    WEIGHTS_FILE,
     ParityReport,
     check_parity,
     ort_cpu_runner,
@@ -71,7 +69,7 @@ def export_model_dir(
         (staging / MANIFEST_FILE).write_text(json.dumps(manifest, indent=2) + "\n")
         for name in (WEIGHTS_FILE, MODEL_FILE, MANIFEST_FILE):  # manifest last: it vouches for the others
             os.replace(staging / name, out / name)
-    log.info("wrote %s (model.onnx %.1f KiB)", out, (out / MODEL_FILE).stat().st_size / 1024)
+    log.info("wrote %s (%s %.1f KiB)", out, MODEL_FILE, (out / MODEL_FILE).stat().st_size / 1024)
     return report
 
 
@@ -82,8 +80,8 @@ def _manifest(staging: Path, config: MHAConfig, opset: int, graph: str, report: 
         "config": config.to_dict(),
         "opset": opset,
         "graph": graph,
-        "input": {"name": "x", "datatype": "FP32", "shape": ["batch", "seq", config.d_model]},
-        "output": {"name": "y", "datatype": "FP32", "shape": ["batch", "seq", config.d_model]},
+        "input": {"name": INPUT_NAME, "datatype": "FP32", "shape": ["batch", "seq", config.d_model]},
+        "output": {"name": OUTPUT_NAME, "datatype": "FP32", "shape": ["batch", "seq", config.d_model]},
         "files": {
             name: {"sha256": sha256_file(staging / name), "bytes": (staging / name).stat().st_size}
             for name in (MODEL_FILE, WEIGHTS_FILE)

@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from export.layout import INPUT_NAME, MANIFEST_FILE, MODEL_FILE, WEIGHTS_FILE
 from model import MHAConfig
 from model.checkpoint import Weights, load_checkpoint
 from model.reference import attention_einsum, attention_view, relative_error
@@ -19,9 +20,6 @@ from model.reference import attention_einsum, attention_view, relative_error
 log = logging.getLogger(__name__)
 
 TOLERANCE = 1e-5  # ||y - ref|| / ||ref||, float32 against float64
-MODEL_FILE = "model.onnx"
-WEIGHTS_FILE = "weights.safetensors"
-MANIFEST_FILE = "manifest.json"
 
 Runner = Callable[[np.ndarray], np.ndarray]
 
@@ -133,7 +131,7 @@ def ort_cpu_runner(model_path: Path, threads: int = 0) -> Runner:
     session = ort.InferenceSession(str(model_path), options, providers=["CPUExecutionProvider"])
 
     def run(x: np.ndarray) -> np.ndarray:
-        return session.run(None, {"x": x})[0]
+        return session.run(None, {INPUT_NAME: x})[0]
 
     return run
 

@@ -1,0 +1,34 @@
+"""The model directory `mha export` writes and `mha serve` reads: file and tensor names.
+
+Light on purpose (no torch, no onnx): the service and the client import it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+WEIGHTS_FILE = "weights.safetensors"
+MODEL_FILE = "model.onnx"
+MANIFEST_FILE = "manifest.json"
+INPUT_NAME = "x"  # (batch, seq, C) float32
+OUTPUT_NAME = "y"  # (batch, seq, C) float32
+
+
+@dataclass(frozen=True)
+class ModelFiles:
+    """The three files of one model directory."""
+
+    directory: Path
+
+    @property
+    def weights(self) -> Path:
+        return self.directory / WEIGHTS_FILE
+
+    @property
+    def onnx(self) -> Path:
+        return self.directory / MODEL_FILE
+
+    @property
+    def manifest(self) -> Path:
+        return self.directory / MANIFEST_FILE
