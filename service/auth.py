@@ -9,6 +9,8 @@ from pathlib import Path
 
 import grpc
 
+from service.errors import ServiceError, Unauthenticated
+
 log = logging.getLogger(__name__)
 
 OPEN_SERVICES = (
@@ -17,7 +19,8 @@ OPEN_SERVICES = (
     "/grpc.reflection.v1.ServerReflection/",
 )
 
-Rejected = Callable[[str], None]  # called with the short method name of a refused call
+Refuse = Callable[[str, grpc.aio.ServicerContext, ServiceError], Awaitable[None]]  # (method, context, error)
+DENIED = "missing or wrong credentials: send metadata 'authorization: Bearer <token>'"
 
 
 def read_token(path: Path) -> str:
@@ -28,11 +31,15 @@ def read_token(path: Path) -> str:
 
 
 class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
-    """Requires `authorization: Bearer <token>` metadata; compares in constant time."""
+    """Requires `authorization: Bearer <token>` metadata; compares in constant time.
 
-    def __init__(self, token: str, on_rejected: Rejected | None = None) -> None:
+    A refused call is answered by `refuse`, the same call scope every RPC goes through, so it is
+    logged and counted like any other.
+    """
+
+    def __init__(self, token: str, refuse: Refuse) -> None:
         self._expected = f"Bearer {token}".encode()
-        self._on_rejected = on_rejected
+        self._refuse = refuse
 
     async def intercept_service(
         self,
@@ -42,13 +49,9 @@ class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
         method = details.method or ""
         if method.startswith(OPEN_SERVICES) or self._authorized(details):
             return await continuation(details)
-        name = method.rsplit("/", 1)[-1]
-        log.warning(
-            "refused %s: missing or wrong bearer token", name, extra={"method": name, "code": "UNAUTHENTICATED"}
-        )
-        if self._on_rejected is not None:
-            self._on_rejected(name)
-        return _refusal(await continuation(details))
+        handler = await continuation(details)
+        name = method.rsplit("/", 1)[-1] if handler is not None else "unknown"  # metric labels: a fixed set
+        return self._refusal(name, handler)
 
     def _authorized(self, details: grpc.HandlerCallDetails) -> bool:
         for key, value in details.invocation_metadata or ():
@@ -57,27 +60,19 @@ class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
                 return hmac.compare_digest(given, self._expected)
         return False
 
+    def _refusal(self, method: str, handler: grpc.RpcMethodHandler | None) -> grpc.RpcMethodHandler:
+        """A handler of the same kind as the real one, answering UNAUTHENTICATED."""
 
-async def _deny(request: object, context: grpc.aio.ServicerContext) -> None:
-    await context.abort(
-        grpc.StatusCode.UNAUTHENTICATED,
-        "missing or wrong credentials: send metadata 'authorization: Bearer <token>'",
-    )
+        async def deny(request: object, context: grpc.aio.ServicerContext) -> None:
+            await self._refuse(method, context, Unauthenticated(DENIED))
 
-
-async def _deny_stream(request_iterator: object, context: grpc.aio.ServicerContext) -> None:
-    await _deny(request_iterator, context)
-
-
-def _refusal(handler: grpc.RpcMethodHandler | None) -> grpc.RpcMethodHandler:
-    """A handler of the same kind as the real one, answering UNAUTHENTICATED."""
-    if handler is None:
-        return grpc.unary_unary_rpc_method_handler(_deny)
-    deserializer, serializer = handler.request_deserializer, handler.response_serializer
-    if handler.request_streaming and handler.response_streaming:
-        return grpc.stream_stream_rpc_method_handler(_deny_stream, deserializer, serializer)
-    if handler.request_streaming:
-        return grpc.stream_unary_rpc_method_handler(_deny_stream, deserializer, serializer)
-    if handler.response_streaming:
-        return grpc.unary_stream_rpc_method_handler(_deny, deserializer, serializer)
-    return grpc.unary_unary_rpc_method_handler(_deny, deserializer, serializer)
+        if handler is None:
+            return grpc.unary_unary_rpc_method_handler(deny)
+        deserializer, serializer = handler.request_deserializer, handler.response_serializer
+        if handler.request_streaming and handler.response_streaming:
+            return grpc.stream_stream_rpc_method_handler(deny, deserializer, serializer)
+        if handler.request_streaming:
+            return grpc.stream_unary_rpc_method_handler(deny, deserializer, serializer)
+        if handler.response_streaming:
+            return grpc.unary_stream_rpc_method_handler(deny, deserializer, serializer)
+        return grpc.unary_unary_rpc_method_handler(deny, deserializer, serializer)

@@ -1,19 +1,25 @@
 """Dynamic batching: a bounded queue, batches formed within a delay, padding bounded.
 
-No gRPC or ONNX here. Requests with different T share a batch by right-padding to the batch's
-longest T, which is exact for causal attention (position t only attends to positions <= t);
-outputs are sliced back per request. Non-causal models merge only equal T.
+No gRPC or ONNX here, and three parts that can each be read alone:
+- deciding, pure (no event loop, no clock): `plan_batch` says which queued requests form the next
+  batch and which are dead; `form_at` says until when the oldest request may wait for company;
+- moving arrays, pure: `merge` right-pads requests of different T into one batch and `split`
+  slices the outputs back. Padding is exact for causal attention (position t only attends to
+  positions <= t); non-causal models merge only equal T;
+- waiting and running: `Batcher`, on an injected `Clock`, runs each batch off the event loop and
+  reports one `BatchEvent` per executed batch.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
-from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Executor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Generic, Protocol, TypeVar
 
 import numpy as np
 
@@ -33,22 +39,152 @@ class BatcherConfig:
     causal: bool = True  # merging different T is exact only for causal attention
 
 
-@dataclass
+# Deciding ----------------------------------------------------------------------------------
+
+
+class Queued(Protocol):
+    """What the planner needs to know of a queued request."""
+
+    @property
+    def rows(self) -> int: ...  # B
+    @property
+    def seq(self) -> int: ...  # T
+    @property
+    def enqueued(self) -> float: ...  # clock time
+    @property
+    def deadline(self) -> float | None: ...  # clock time
+    @property
+    def gone(self) -> bool: ...  # the caller stopped waiting (cancelled)
+
+
+Q = TypeVar("Q", bound=Queued)
+
+
+@dataclass(frozen=True)
+class Plan(Generic[Q]):
+    batch: list[Q]  # the oldest live request and, in FIFO order, those that fit with it
+    rest: list[Q]  # stay queued, in order
+    expired: list[Q] = field(default_factory=list)  # deadline passed: answer DEADLINE_EXCEEDED
+    gone: list[Q] = field(default_factory=list)  # nobody waits for them: drop
+
+
+def plan_batch(queue: Sequence[Q], config: BatcherConfig, now: float) -> Plan[Q]:
+    """Which requests form the next batch; dead ones are set apart and never computed."""
+    gone = [q for q in queue if q.gone]
+    expired = [q for q in queue if not q.gone and q.deadline is not None and q.deadline <= now]
+    live = [q for q in queue if not q.gone and (q.deadline is None or q.deadline > now)]
+    if not live:
+        return Plan(batch=[], rest=[], expired=expired, gone=gone)
+    batch, rest = [live[0]], list[Q]()
+    for item in live[1:]:
+        (batch if _fits(batch, item, config) else rest).append(item)
+    return Plan(batch=batch, rest=rest, expired=expired, gone=gone)
+
+
+def _fits(batch: Sequence[Queued], item: Queued, config: BatcherConfig) -> bool:
+    rows = sum(q.rows for q in batch) + item.rows
+    if rows > config.max_batch_size:
+        return False
+    t_max = max(q.seq for q in batch)
+    if not config.causal:
+        return item.seq == t_max
+    padded = rows * max(t_max, item.seq)
+    tokens = sum(q.rows * q.seq for q in batch) + item.rows * item.seq
+    return (padded - tokens) / padded <= config.max_padding_ratio
+
+
+def form_at(queue: Sequence[Queued], config: BatcherConfig, more_may_come: bool) -> float:
+    """Clock time at which to form the next batch from a non-empty queue.
+
+    At once (-inf) when batching is off, the queue already holds a full batch, or no other
+    request is in the server (waiting would only add latency for a lone client); otherwise
+    when the oldest request has waited max_queue_delay.
+    """
+    if config.max_batch_size <= 1 or config.max_queue_delay_s <= 0 or not more_may_come:
+        return -float("inf")
+    if sum(q.rows for q in queue) >= config.max_batch_size:
+        return -float("inf")
+    return queue[0].enqueued + config.max_queue_delay_s
+
+
+# Moving arrays -------------------------------------------------------------------------------
+
+
+def merge(xs: Sequence[np.ndarray]) -> np.ndarray:
+    """Right-pad each (B_i, T_i, C) with zeros to the longest T and stack: (sum B_i, T_max, C)."""
+    if len(xs) == 1:
+        return xs[0]
+    t_max = max(x.shape[1] for x in xs)
+    out = np.zeros((sum(x.shape[0] for x in xs), t_max, xs[0].shape[2]), dtype=xs[0].dtype)  # (sum B, T_max, C)
+    offset = 0
+    for x in xs:
+        out[offset : offset + x.shape[0], : x.shape[1]] = x
+        offset += x.shape[0]
+    return out
+
+
+def split(y: np.ndarray, shapes: Sequence[tuple[int, int]]) -> list[np.ndarray]:
+    """(sum B_i, T_max, C) -> one (B_i, T_i, C) view per (B_i, T_i), in order."""
+    out, offset = [], 0
+    for rows, seq in shapes:
+        out.append(y[offset : offset + rows, :seq])  # (B_i, T_i, C)
+        offset += rows
+    return out
+
+
+# Waiting and running -------------------------------------------------------------------------
+
+
+class Clock(Protocol):
+    def now(self) -> float: ...
+
+    async def wait(self, event: asyncio.Event, until: float) -> None:
+        """Return once `event` is set or the clock reaches `until`, whichever comes first."""
+
+
+class MonotonicClock:
+    """time.monotonic(), the clock gRPC deadlines are converted to."""
+
+    def now(self) -> float:
+        return time.monotonic()
+
+    async def wait(self, event: asyncio.Event, until: float) -> None:
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(event.wait(), max(0.0, until - self.now()))
+
+
+@dataclass(frozen=True)
 class Timing:
-    """Per-request timing points, seconds."""
+    """What a request learns of the batch it rode in."""
 
-    queue_s: float = 0.0  # enqueue -> batch starts computing
-    compute_s: float = 0.0  # backend time of the batch it rode in
-    batch_rows: int = 0  # rows in that batch
-    backend: str = ""
+    queue_s: float  # enqueued -> its batch started computing
+    batch_rows: int
+    backend: str
 
 
-@dataclass
-class _Item:
+Answer = tuple[np.ndarray, Timing]
+
+
+@dataclass(frozen=True)
+class BatchEvent:
+    """One executed batch, for metrics and statistics."""
+
+    requests: int
+    rows: int
+    seqs: tuple[int, ...]  # T of each request, in batch order
+    padded_tokens: int
+    formation_s: float  # the batcher began forming it -> it began computing
+    compute_s: float
+    backend: str  # "" when it failed
+    error: BaseException | None = None
+
+
+@dataclass(eq=False)
+class _Pending:
     x: np.ndarray  # (B, T, C)
-    future: asyncio.Future[tuple[np.ndarray, Timing]]
-    deadline: float | None  # time.monotonic()
     enqueued: float
+    deadline: float | None
+    future: asyncio.Future[Answer]
 
     @property
     def rows(self) -> int:
@@ -58,22 +194,9 @@ class _Item:
     def seq(self) -> int:
         return int(self.x.shape[1])
 
-
-@dataclass
-class BatcherCounters:
-    """The batcher's own counters (tests and ModelStatistics read them)."""
-
-    batches: int = 0
-    rows: int = 0
-    requests: int = 0
-    merged_batches: int = 0  # batches that carried more than one request
-    mixed_t_batches: int = 0  # batches that carried more than one T
-    padded_tokens: int = 0
-    rejected_full: int = 0
-    expired: int = 0
-    cancelled: int = 0
-    failed_batches: int = 0
-    largest_batch_rows: int = 0
+    @property
+    def gone(self) -> bool:
+        return self.future.done()
 
 
 class Batcher:
@@ -82,19 +205,20 @@ class Batcher:
         config: BatcherConfig,
         run_batch: RunBatch,
         executor: Executor,
-        on_batch: Callable[[int, float, float, str], None] | None = None,
+        on_batch: Callable[[BatchEvent], None] | None = None,
         in_flight: Callable[[], int] | None = None,
+        clock: Clock | None = None,
     ) -> None:
         self.config = config
         self._run_batch = run_batch
         self._executor = executor
-        self._on_batch = on_batch  # (rows, formation_s, compute_s, backend)
-        self._in_flight = in_flight  # requests in the server; None: assume more may come
-        self._queue: deque[_Item] = deque()
+        self._on_batch = on_batch
+        self._in_flight = in_flight  # requests in the server, queued or not; None: assume more may come
+        self.clock: Clock = clock or MonotonicClock()
+        self._queue: list[_Pending] = []
         self._wakeup = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._closed = False
-        self.counters = BatcherCounters()
 
     @property
     def depth(self) -> int:
@@ -110,140 +234,84 @@ class Batcher:
         if self._task is not None:
             await self._task
 
-    async def submit(self, x: np.ndarray, deadline: float | None = None) -> tuple[np.ndarray, Timing]:
-        """Queue (B, T, C); resolve to ((B, T, C), Timing). Raises Overloaded when full."""
+    async def submit(self, x: np.ndarray, deadline: float | None = None) -> Answer:
+        """Queue (B, T, C); resolve to ((B, T, C), Timing). Raises Overloaded at once when full."""
         if self._closed:
             raise NotReady("the server is draining; retry on another replica")
         if len(self._queue) >= self.config.max_queue_size:
-            self.counters.rejected_full += 1
             raise Overloaded(
                 f"queue full: {len(self._queue)} requests waiting (max_queue_size {self.config.max_queue_size}); "
                 "retry with backoff"
             )
-        future: asyncio.Future[tuple[np.ndarray, Timing]] = asyncio.get_running_loop().create_future()
-        self._queue.append(_Item(x=x, future=future, deadline=deadline, enqueued=time.monotonic()))
+        future: asyncio.Future[Answer] = asyncio.get_running_loop().create_future()
+        self._queue.append(_Pending(x=x, enqueued=self.clock.now(), deadline=deadline, future=future))
         self._wakeup.set()
         return await future
 
     async def _loop(self) -> None:
-        while True:
+        while self._queue or not self._closed:
             if not self._queue:
-                if self._closed:
-                    return
                 self._wakeup.clear()
                 await self._wakeup.wait()
                 continue
-            formation_start = time.monotonic()
+            forming = self.clock.now()
             await self._wait_for_company()
-            batch = self._take_batch()
-            if batch:
-                await self._execute(batch, time.monotonic() - formation_start)
-
-    def _more_may_come(self) -> bool:
-        """Is any request in the server that is not queued yet? Without one, waiting only adds latency."""
-        return self._in_flight is None or self._in_flight() > len(self._queue)
+            plan = plan_batch(self._queue, self.config, self.clock.now())
+            self._queue = plan.rest
+            self._expire(plan.expired)
+            if plan.batch:
+                await self._execute(plan.batch, forming)
 
     async def _wait_for_company(self) -> None:
-        """Wait up to max_queue_delay for the queue to hold a full batch, while more may come."""
-        cfg = self.config
-        if cfg.max_batch_size <= 1 or cfg.max_queue_delay_s <= 0:
-            return
-        deadline = self._queue[0].enqueued + cfg.max_queue_delay_s
-        while sum(i.rows for i in self._queue) < cfg.max_batch_size and not self._closed and self._more_may_come():
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
+        while self._queue and not self._closed:
+            more_may_come = self._in_flight is None or self._in_flight() > len(self._queue)
+            until = form_at(self._queue, self.config, more_may_come)
+            if until <= self.clock.now():
                 return
             self._wakeup.clear()
-            try:
-                await asyncio.wait_for(self._wakeup.wait(), remaining)
-            except TimeoutError:
-                return
+            await self.clock.wait(self._wakeup, until)
 
-    def _drop_dead(self) -> None:
-        now = time.monotonic()
-        alive: deque[_Item] = deque()
-        for item in self._queue:
-            if item.future.done():  # cancelled by the client going away
-                self.counters.cancelled += 1
-            elif item.deadline is not None and item.deadline <= now:
-                self.counters.expired += 1
-                waited = now - item.enqueued
-                item.future.set_exception(DeadlineExceeded(f"deadline passed after {waited * 1e3:.1f} ms in the queue"))
-            else:
-                alive.append(item)
-        self._queue = alive
+    def _expire(self, expired: list[_Pending]) -> None:
+        now = self.clock.now()
+        for item in expired:
+            waited_ms = (now - item.enqueued) * 1e3
+            item.future.set_exception(DeadlineExceeded(f"deadline passed after {waited_ms:.1f} ms in the queue"))
 
-    def _take_batch(self) -> list[_Item]:
-        """The oldest request, plus the queued requests that fit with it (FIFO order)."""
-        self._drop_dead()
-        if not self._queue:
-            return []
-        first = self._queue.popleft()
-        batch, rows, tokens, t_max = [first], first.rows, first.rows * first.seq, first.seq
-        keep: deque[_Item] = deque()
-        for item in self._queue:
-            if rows + item.rows > self.config.max_batch_size or not self._compatible(item, rows, tokens, t_max):
-                keep.append(item)
-                continue
-            batch.append(item)
-            rows, tokens, t_max = rows + item.rows, tokens + item.rows * item.seq, max(t_max, item.seq)
-        self._queue = keep
-        return batch
-
-    def _compatible(self, item: _Item, rows: int, tokens: int, t_max: int) -> bool:
-        if not self.config.causal:
-            return item.seq == t_max
-        new_max = max(t_max, item.seq)
-        padded = (rows + item.rows) * new_max
-        waste = (padded - tokens - item.rows * item.seq) / padded
-        return waste <= self.config.max_padding_ratio
-
-    async def _execute(self, batch: list[_Item], formation_s: float) -> None:
-        x = _pad_and_stack([i.x for i in batch])  # (sum B, T_max, C)
-        started = time.monotonic()
-        loop = asyncio.get_running_loop()
+    async def _execute(self, batch: list[_Pending], forming: float) -> None:
+        x = merge([i.x for i in batch])  # (sum B, T_max, C)
+        started = self.clock.now()
         try:
-            y, backend = await loop.run_in_executor(self._executor, self._run_batch, x)
+            y, backend = await asyncio.get_running_loop().run_in_executor(self._executor, self._run_batch, x)
         except Exception as exc:  # a failed batch fails every waiter with the same error
-            self.counters.failed_batches += 1
+            self._report(batch, x, (forming, started), "", exc)
             for item in batch:
                 if not item.future.done():
                     item.future.set_exception(exc)
             return
-        compute_s = time.monotonic() - started
-        self._count(batch, x)
-        if self._on_batch is not None:
-            self._on_batch(x.shape[0], formation_s, compute_s, backend)
-        offset = 0
-        for item in batch:
-            out = y[offset : offset + item.rows, : item.seq]  # (B_i, T_i, C)
-            offset += item.rows
+        self._report(batch, x, (forming, started), backend, None)
+        for item, out in zip(batch, split(y, [(i.rows, i.seq) for i in batch]), strict=True):
             if not item.future.done():
-                timing = Timing(
-                    queue_s=started - item.enqueued, compute_s=compute_s, batch_rows=x.shape[0], backend=backend
-                )
-                item.future.set_result((out, timing))
+                item.future.set_result((out, Timing(started - item.enqueued, int(x.shape[0]), backend)))
 
-    def _count(self, batch: list[_Item], x: np.ndarray) -> None:
-        c = self.counters
-        rows = int(x.shape[0])
-        c.batches += 1
-        c.rows += rows
-        c.requests += len(batch)
-        c.merged_batches += len(batch) > 1
-        c.mixed_t_batches += len({i.seq for i in batch}) > 1
-        c.padded_tokens += rows * x.shape[1] - sum(i.rows * i.seq for i in batch)
-        c.largest_batch_rows = max(c.largest_batch_rows, rows)
-
-
-def _pad_and_stack(xs: list[np.ndarray]) -> np.ndarray:
-    """Right-pad each (B_i, T_i, C) with zeros to the longest T and stack: (sum B_i, T_max, C)."""
-    if len(xs) == 1:
-        return xs[0]
-    t_max = max(x.shape[1] for x in xs)
-    out = np.zeros((sum(x.shape[0] for x in xs), t_max, xs[0].shape[2]), dtype=xs[0].dtype)  # (sum B, T_max, C)
-    offset = 0
-    for x in xs:
-        out[offset : offset + x.shape[0], : x.shape[1]] = x
-        offset += x.shape[0]
-    return out
+    def _report(
+        self,
+        batch: list[_Pending],
+        x: np.ndarray,
+        times: tuple[float, float],  # (formation began, compute began)
+        backend: str,
+        error: BaseException | None,
+    ) -> None:
+        if self._on_batch is None:
+            return
+        (forming, started), rows = times, int(x.shape[0])
+        event = BatchEvent(
+            requests=len(batch),
+            rows=rows,
+            seqs=tuple(i.seq for i in batch),
+            padded_tokens=rows * int(x.shape[1]) - sum(i.rows * i.seq for i in batch),
+            formation_s=started - forming,
+            compute_s=self.clock.now() - started,
+            backend=backend,
+            error=error,
+        )
+        self._on_batch(event)

@@ -6,88 +6,63 @@ wire allows (np.frombuffer on raw_input_contents); replies are always raw_output
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 
-from service.errors import InvalidInput, ModelNotFound
+from export.layout import INPUT_NAME
+from service.errors import InvalidInput
 from service.proto import grpc_service_pb2 as pb
+
+if TYPE_CHECKING:
+    from service.served import ServedModel
 
 DATATYPE = "FP32"
 FLOAT32 = np.dtype("<f4")
 
 
-@dataclass(frozen=True)
-class ModelSpec:
-    """What a request must match."""
-
-    name: str
-    version: str
-    input_name: str
-    output_name: str
-    d_model: int
-    max_seq_len: int
-    max_request_rows: int  # largest B accepted in one request
-
-
-@dataclass(frozen=True)
-class DecodedRequest:
-    x: np.ndarray  # (B, T, C) float32, read-only view of the request bytes where possible
-    request_id: str  # the client's `id`, echoed back
-
-
-def check_model(served: tuple[str, str], name: str, version: str) -> None:
-    """`served` is the (name, version) this server holds; an empty version means the latest."""
-    served_name, served_version = served
-    if name != served_name:
-        raise ModelNotFound(f"unknown model {name!r}; this server serves {served_name!r}")
-    if version not in ("", served_version):
-        raise ModelNotFound(
-            f"unknown version {version!r} of model {served_name!r}; "
-            f"available: [{served_version!r}] (or empty for latest)"
-        )
-
-
-def decode_infer_request(request: pb.ModelInferRequest, spec: ModelSpec) -> DecodedRequest:
-    check_model((spec.name, spec.version), request.model_name, request.model_version)
+def decode_infer_request(request: pb.ModelInferRequest, model: ServedModel) -> np.ndarray:
+    """The request's (B, T, C) float32 input, checked against the served model."""
+    model.identity.check(request.model_name, request.model_version)
     if len(request.inputs) != 1:
         raise InvalidInput(
-            f"expected exactly 1 input tensor {spec.input_name!r}, got {len(request.inputs)}: "
+            f"expected exactly 1 input tensor {model.input_name!r}, got {len(request.inputs)}: "
             f"{[i.name for i in request.inputs]}"
         )
     tensor = request.inputs[0]
-    if tensor.name != spec.input_name:
-        raise InvalidInput(f"unknown input {tensor.name!r}; the model's input is {spec.input_name!r}")
+    if tensor.name != model.input_name:
+        raise InvalidInput(f"unknown input {tensor.name!r}; the model's input is {model.input_name!r}")
     if tensor.datatype != DATATYPE:
         raise InvalidInput(f"input {tensor.name!r} has datatype {tensor.datatype!r}; expected {DATATYPE!r}")
-    shape = _check_shape(list(tensor.shape), spec)
+    shape = _check_shape(list(tensor.shape), model)
     for out in request.outputs:
-        if out.name != spec.output_name:
-            raise InvalidInput(f"unknown requested output {out.name!r}; the model's output is {spec.output_name!r}")
+        if out.name != model.output_name:
+            raise InvalidInput(f"unknown requested output {out.name!r}; the model's output is {model.output_name!r}")
     x = _read_contents(request, tensor, shape)
     if not np.isfinite(x).all():
         raise InvalidInput(
             f"input {tensor.name!r} holds {int((~np.isfinite(x)).sum())} NaN or inf values; expected finite floats"
         )
-    return DecodedRequest(x=x, request_id=request.id)
+    return x
 
 
-def _check_shape(shape: list[int], spec: ModelSpec) -> tuple[int, int, int]:
-    expected = f"[B, T, {spec.d_model}] with 1 <= T <= {spec.max_seq_len}"
+def _check_shape(shape: list[int], model: ServedModel) -> tuple[int, int, int]:
+    d_model, max_seq_len = model.config.d_model, model.config.max_seq_len
+    expected = f"[B, T, {d_model}] with 1 <= T <= {max_seq_len}"
     if len(shape) != 3:
         raise InvalidInput(f"input shape {shape} has rank {len(shape)}; expected rank 3: {expected}")
     B, T, C = shape
-    if C != spec.d_model:
-        raise InvalidInput(f"input shape {shape}: C = {C}; expected C = {spec.d_model}: {expected}")
+    if C != d_model:
+        raise InvalidInput(f"input shape {shape}: C = {C}; expected C = {d_model}: {expected}")
     if B < 1:
         raise InvalidInput(f"input shape {shape}: B = {B}; expected B >= 1")
     if T < 1:
         raise InvalidInput(f"input shape {shape}: T = {T}; expected T >= 1: {expected}")
-    if T > spec.max_seq_len:
-        raise InvalidInput(f"input shape {shape}: T = {T} exceeds max_seq_len {spec.max_seq_len}: {expected}")
-    if B > spec.max_request_rows:
+    if T > max_seq_len:
+        raise InvalidInput(f"input shape {shape}: T = {T} exceeds max_seq_len {max_seq_len}: {expected}")
+    if B > model.max_request_rows:
         raise InvalidInput(
-            f"input shape {shape}: B = {B} exceeds this server's limit of {spec.max_request_rows} rows per request; "
+            f"input shape {shape}: B = {B} exceeds this server's limit of {model.max_request_rows} rows per request; "
             "split the batch"
         )
     return B, T, C
@@ -100,7 +75,9 @@ def _read_contents(
     has_typed = tensor.HasField("contents") and len(tensor.contents.fp32_contents) > 0
     if request.raw_input_contents:
         if has_typed:
-            raise InvalidInput("input 'x' has both raw_input_contents and contents.fp32_contents; send one of them")
+            raise InvalidInput(
+                f"input {tensor.name!r} has both raw_input_contents and contents.fp32_contents; send one of them"
+            )
         if len(request.raw_input_contents) != 1:
             raise InvalidInput(
                 f"got {len(request.raw_input_contents)} raw_input_contents entries for 1 input; expected exactly 1"
@@ -117,19 +94,19 @@ def _read_contents(
         if len(values) != count:
             raise InvalidInput(f"contents.fp32_contents holds {len(values)} values; shape {list(shape)} needs {count}")
         return np.asarray(values, dtype=FLOAT32).reshape(shape)  # (B, T, C)
-    raise InvalidInput("input 'x' carries no data; expected raw_input_contents or contents.fp32_contents")
+    raise InvalidInput(f"input {tensor.name!r} carries no data; expected raw_input_contents or contents.fp32_contents")
 
 
-def encode_infer_response(y: np.ndarray, spec: ModelSpec, request_id: str, backend: str) -> pb.ModelInferResponse:
-    response = pb.ModelInferResponse(model_name=spec.name, model_version=spec.version, id=request_id)
-    response.outputs.add(name=spec.output_name, datatype=DATATYPE, shape=list(y.shape))
+def encode_infer_response(y: np.ndarray, model: ServedModel, request_id: str, backend: str) -> pb.ModelInferResponse:
+    response = pb.ModelInferResponse(model_name=model.name, model_version=model.version, id=request_id)
+    response.outputs.add(name=model.output_name, datatype=DATATYPE, shape=list(y.shape))
     response.parameters["backend"].string_param = backend
     response.raw_output_contents.append(np.ascontiguousarray(y, dtype=FLOAT32).tobytes())
     return response
 
 
 def encode_infer_request(
-    x: np.ndarray, model_name: str = "mha", model_version: str = "", request_id: str = "", input_name: str = "x"
+    x: np.ndarray, model_name: str = "mha", model_version: str = "", request_id: str = "", input_name: str = INPUT_NAME
 ) -> pb.ModelInferRequest:
     """The client side: a raw FP32 request."""
     x = np.ascontiguousarray(x, dtype=FLOAT32)

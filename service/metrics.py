@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import itertools
-import logging
+from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
 from prometheus_client import disable_created_metrics as _disable_created
 
-log = logging.getLogger(__name__)
+from service.batcher import BatchEvent
 
 # 100 us to 10 s, roughly x2.5 per step: resolves a T=1 request on a GPU and a cold CPU batch alike.
 LATENCY_BUCKETS = (
@@ -98,6 +98,22 @@ class Metrics:
         self.queue_capacity = Gauge(
             "mha_queue_capacity", "Requests the batching queue holds before RESOURCE_EXHAUSTED.", registry=registry
         )
+
+    def loaded(self, model_labels: dict[str, str], queue_capacity: int, queue_depth: Callable[[], int]) -> None:
+        self.model_info.info(model_labels)
+        self.queue_capacity.set(queue_capacity)
+        self.queue_depth.set_function(queue_depth)
+
+    def observe_batch(self, event: BatchEvent) -> None:
+        if event.error is not None:
+            return
+        self.batch_size.observe(event.rows)
+        self.batch_formation.observe(event.formation_s)
+        self.inference_duration.labels(backend=event.backend).observe(event.compute_s)
+
+    def observe_answer(self, tokens: int, queue_s: float) -> None:
+        self.tokens.inc(tokens)
+        self.queue_duration.observe(queue_s)
 
     def init_fallbacks(self, chain: list[str], reasons: tuple[str, ...]) -> None:
         """Export zero-valued series for every possible fallback, so rates and alerts see them."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
+import time
 from dataclasses import dataclass
 
 import grpc
@@ -13,6 +14,8 @@ from grpc_reflection.v1alpha import reflection
 from prometheus_client import CollectorRegistry, start_http_server
 
 from service.auth import BearerTokenInterceptor, read_token
+from service.batcher import Clock
+from service.calls import Calls
 from service.core import InferenceCore, State
 from service.metrics import Metrics
 from service.proto import grpc_service_pb2 as pb
@@ -47,16 +50,17 @@ def _credentials(settings: Settings) -> grpc.ServerCredentials | None:
     )
 
 
-async def start(settings: Settings, registry: CollectorRegistry | None = None) -> Running:
-    """Bind and start serving at once (health NOT_SERVING); the model loads in the background."""
+async def start(settings: Settings, registry: CollectorRegistry | None = None, clock: Clock | None = None) -> Running:
+    """Bind and start serving at once (health NOT_SERVING); the model loads in the background.
+
+    `clock` is the batcher's (tests inject one); by default time.monotonic().
+    """
     metrics = Metrics(registry if registry is not None else CollectorRegistry(auto_describe=True))
-    core = InferenceCore(settings, metrics)
+    core = InferenceCore(settings, metrics, clock)
+    calls = Calls(core)
     interceptors = []
     if settings.auth_token_file is not None:
-        token = read_token(settings.auth_token_file)
-        interceptors.append(
-            BearerTokenInterceptor(token, lambda m: metrics.requests.labels(method=m, code="UNAUTHENTICATED").inc())
-        )
+        interceptors.append(BearerTokenInterceptor(read_token(settings.auth_token_file), calls.refuse))
     limit = settings.max_message_mb * 1024 * 1024
     server = grpc.aio.server(
         interceptors=interceptors,
@@ -66,7 +70,7 @@ async def start(settings: Settings, registry: CollectorRegistry | None = None) -
             ("grpc.so_reuseport", 0),
         ],
     )
-    pb_grpc.add_GRPCInferenceServiceServicer_to_server(InferenceServicer(core), server)
+    pb_grpc.add_GRPCInferenceServiceServicer_to_server(InferenceServicer(core, calls), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(
@@ -105,11 +109,17 @@ async def load_and_serve(running: Running) -> None:
 
 
 async def drain_and_stop(running: Running, grace_s: float) -> None:
-    """NOT_SERVING, refuse new requests, let in-flight ones finish within the grace, stop."""
+    """NOT_SERVING, refuse new requests, let in-flight ones finish within the grace, stop.
+
+    Until the in-flight requests are answered the port stays open, so that a client still
+    routed here hears UNAVAILABLE with a message that says the server is draining.
+    """
     for service in HEALTH_SERVICES:
         await running.health.set(service, health_pb2.HealthCheckResponse.NOT_SERVING)
     running.core.start_draining()
-    await running.server.stop(grace_s)
+    started = time.monotonic()
+    await running.core.wait_idle(grace_s)
+    await running.server.stop(max(0.0, grace_s - (time.monotonic() - started)))
     await running.core.close()
     if running.metrics_server is not None:
         running.metrics_server.shutdown()  # type: ignore[attr-defined]

@@ -3,32 +3,22 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import os
-import signal
-import socket
-import subprocess
-import sys
 import threading
-import time
-from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-import grpc
 from prometheus_client import CollectorRegistry
 
+from service.batcher import Clock
+from service.launch import ServerProcess, free_port, server_process, wait_serving
 from service.server import Running, drain_and_stop, load_and_serve, start
 from service.settings import Settings
 
+__all__ = ["ROOT", "ManualClock", "ServerProcess", "ServerThread", "free_port", "make_settings", "server_process"]
+__all__ += ["wait_serving"]
+
 ROOT = Path(__file__).resolve().parent.parent
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def make_settings(model_dir: Path, **overrides: Any) -> Settings:
@@ -48,8 +38,9 @@ def make_settings(model_dir: Path, **overrides: Any) -> Settings:
 class ServerThread:
     """A real grpc.aio server on 127.0.0.1, running in a thread with its own event loop."""
 
-    def __init__(self, settings: Settings, wait_ready: bool = True) -> None:
+    def __init__(self, settings: Settings, wait_ready: bool = True, clock: Clock | None = None) -> None:
         self.settings = settings
+        self.clock = clock
         self.registry = CollectorRegistry()
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
@@ -61,7 +52,7 @@ class ServerThread:
 
     def __enter__(self) -> ServerThread:
         self._thread.start()
-        self.running = self.call(start(self.settings, self.registry))
+        self.running = self.call(start(self.settings, self.registry, self.clock))
         if self._wait_ready:
             self.call(load_and_serve(self.running))
         return self
@@ -88,86 +79,36 @@ class ServerThread:
         self._loop.close()
 
 
-class ServerProcess:
-    """`mha serve` as a child process, for signals and for clients that need their own process."""
+class ManualClock:
+    """The batcher's clock, moved only by the test: `advance` wakes waits whose time has come."""
 
-    def __init__(self, args: list[str], env: dict[str, str] | None = None, cwd: Path | None = None) -> None:
-        self.port = free_port()
-        self.metrics_port = free_port()
-        self.args = [
-            sys.executable,
-            "-m",
-            "service.cli",
-            "serve",
-            "--host",
-            "127.0.0.1",
-            "--grpc-port",
-            str(self.port),
-            "--metrics-port",
-            str(self.metrics_port),
-            "--log-format",
-            "json",
-            *args,
-        ]
-        self.env = {**os.environ, **(env or {})}
-        self.env["PYTHONPATH"] = str(ROOT)
-        self.cwd = cwd
-        self.proc: subprocess.Popen[str] | None = None
-        self.log_path: Path | None = None
+    def __init__(self, start: float = 100.0) -> None:
+        self.t = start
+        self._timers: list[tuple[float, asyncio.Event]] = []
+
+    def now(self) -> float:
+        return self.t
+
+    async def wait(self, event: asyncio.Event, until: float) -> None:
+        if until <= self.t or event.is_set():
+            return
+        timer = asyncio.Event()
+        self._timers.append((until, timer))
+        waits = [asyncio.ensure_future(event.wait()), asyncio.ensure_future(timer.wait())]
+        try:
+            await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for w in waits:
+                w.cancel()
+            self._timers.remove((until, timer))
 
     @property
-    def url(self) -> str:
-        return f"127.0.0.1:{self.port}"
+    def waiting(self) -> int:
+        """Waits that only the clock can end now."""
+        return len(self._timers)
 
-    def start(self, log_path: Path, ready_timeout: float = 120) -> ServerProcess:
-        self.log_path = log_path
-        self.proc = subprocess.Popen(
-            self.args,
-            env=self.env,
-            cwd=self.cwd,
-            stdout=subprocess.DEVNULL,
-            stderr=log_path.open("w"),
-            text=True,
-        )
-        wait_serving(self.url, ready_timeout, self.proc)
-        return self
-
-    def log(self) -> str:
-        return self.log_path.read_text() if self.log_path else ""
-
-    def terminate(self, timeout: float = 30) -> int:
-        assert self.proc is not None
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-        return self.proc.wait(timeout)
-
-    def kill(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait(10)
-
-
-def wait_serving(url: str, timeout: float, proc: subprocess.Popen[str] | None = None) -> None:
-    from grpc_health.v1 import health_pb2, health_pb2_grpc
-
-    deadline = time.monotonic() + timeout
-    with grpc.insecure_channel(url) as channel:
-        stub = health_pb2_grpc.HealthStub(channel)
-        while time.monotonic() < deadline:
-            if proc is not None and proc.poll() is not None:
-                raise RuntimeError(f"server exited with {proc.returncode} before it was ready")
-            with contextlib.suppress(grpc.RpcError):
-                status = stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=1).status
-                if status == health_pb2.HealthCheckResponse.SERVING:
-                    return
-            time.sleep(0.2)
-    raise TimeoutError(f"{url} not SERVING after {timeout} s")
-
-
-@contextlib.contextmanager
-def server_process(args: list[str], log_path: Path, **kwargs: Any) -> Iterator[ServerProcess]:
-    server = ServerProcess(args, **kwargs)
-    try:
-        yield server.start(log_path)
-    finally:
-        server.kill()
+    def advance(self, seconds: float) -> None:
+        self.t += seconds
+        for until, timer in self._timers:
+            if until <= self.t:
+                timer.set()

@@ -27,10 +27,8 @@ def _load_session(
 class OrtCpuBackend(Backend):
     """ORT's CPU provider without the memory pattern, which plans buffers per input shape.
 
-    Measured with bench/ort_memory.py (600 random (B, T), default model, one run): resident
-    memory plateaus at 838 MiB against 875 MiB for a default session, 0.96x its time; a shared
-    kSameAsRequested arena held 1173 MiB (1.12x time); no arena kept growing to 738 MiB (peak
-    976 MiB) and ran 1.43x slower.
+    Chosen by bench/ort_memory.py, which compares resident memory and time of the session
+    variants side by side (results in bench/results/ort_memory.json).
     """
 
     name = "ort-cpu"
@@ -78,6 +76,7 @@ class OrtCudaBackend(Backend):
         if not providers or providers[0] != "CUDAExecutionProvider":
             raise BackendLoadError(f"ONNX Runtime did not enable the CUDA provider: session providers are {providers}")
         self._session = session
+        self.providers: list[str] = providers  # confirmed: CUDAExecutionProvider first
         self._input = session.get_inputs()[0].name
         self._output = session.get_outputs()[0].name
         self.device = f"cuda:{device_id}"

@@ -17,10 +17,10 @@ from model import MHAConfig
 from model.checkpoint import Weights
 from model.reference import attention_view, relative_error
 from service.backends.base import Backend, BackendLoadError
+from service.settings import BACKEND_CHOICES
 
 log = logging.getLogger(__name__)
 
-BACKEND_CHOICES = ("auto", "ort-cuda", "ort-cpu", "torch")
 SELF_CHECK_TOLERANCE = 1e-5  # relative, against the float64 reference
 
 
@@ -70,12 +70,11 @@ class SelfCheck:
 
 
 def _factories(
-    model_dir: Path, config: MHAConfig, weights: Weights, threads: int, cuda: bool
+    onnx_path: Path, config: MHAConfig, weights: Weights, threads: int, cuda: bool
 ) -> dict[str, Callable[[], Backend]]:
     from service.backends.ort import OrtCpuBackend, OrtCudaBackend
     from service.backends.pytorch import TorchBackend
 
-    onnx_path = model_dir / "model.onnx"
     factories: dict[str, Callable[[], Backend]] = {}
     if cuda:
         factories["ort-cuda"] = lambda: OrtCudaBackend(onnx_path)
@@ -118,7 +117,7 @@ def measure(backend: Backend, config: MHAConfig, repeats: int = 5) -> float:
 
 
 def select_backends(
-    model_dir: Path,
+    onnx_path: Path,
     config: MHAConfig,
     weights: Weights,
     requested: str = "auto",
@@ -131,7 +130,7 @@ def select_backends(
     torch-CPU are measured on the probe shapes and the faster serves.
     """
     cuda = torch.cuda.is_available() if cuda is None else cuda
-    factories = _factories(model_dir, config, weights, threads, cuda)
+    factories = _factories(onnx_path, config, weights, threads, cuda)
     check = SelfCheck(config, weights)
     loaded: list[tuple[Backend, CandidateReport]] = []
     reports: list[CandidateReport] = []

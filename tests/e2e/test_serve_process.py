@@ -15,7 +15,8 @@ import torch
 
 from model.checkpoint import load_checkpoint
 from model.reference import attention_view, relative_error
-from service.client import InferenceError, MHAClient, random_input
+from service.cli import random_input
+from service.client import InferenceError, MHAClient
 from tests.support import ROOT, server_process
 
 TRITON_PYTHON = ROOT / ".venv-triton" / "bin" / "python"
@@ -123,6 +124,7 @@ def test_sigterm_drains_in_flight_requests(default_model_dir: Path, tmp_path: Pa
         with MHAClient(server.url) as late, pytest.raises(InferenceError) as info:
             late.infer(np.ones((1, 2, 128), np.float32), timeout=5)
         assert info.value.code.name == "UNAVAILABLE"
+        assert "the server is draining for shutdown; retry on another replica" in str(info.value)
         code = server.proc.wait(grace + 10)
         exited_after = time.monotonic() - signalled
         for t in threads:

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 
+from export.layout import ModelFiles
 from model.checkpoint import load_checkpoint
 from model.reference import attention_view, relative_error
 from service.backends import BackendChain, BackendLoadError, select_backends
@@ -30,13 +31,16 @@ def test_cpu_backends_match_reference(small_model_dir: Path) -> None:
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without a GPU")
 def test_ort_cuda_is_confirmed_not_assumed(small_model_dir: Path) -> None:
     """onnxruntime-gpu lists the CUDA provider even without a GPU; the backend must refuse."""
-    with pytest.raises(BackendLoadError, match="CUDA"):
+    with pytest.raises(
+        BackendLoadError,
+        match=r"ONNX Runtime did not enable the CUDA provider: session providers are \['CPUExecutionProvider'\]",
+    ):
         OrtCudaBackend(small_model_dir / "model.onnx")
 
 
 def test_auto_without_cuda_measures_and_orders(small_model_dir: Path) -> None:
     config, weights = load_checkpoint(small_model_dir / "weights.safetensors")
-    selection = select_backends(small_model_dir, config, weights, "auto", threads=1, cuda=False)
+    selection = select_backends(ModelFiles(small_model_dir).onnx, config, weights, "auto", threads=1, cuda=False)
     names = [b.name for b in selection.backends]
     assert sorted(names) == ["ort-cpu", "torch-cpu"]
     reports = {c.name: c for c in selection.candidates}
@@ -49,9 +53,9 @@ def test_auto_without_cuda_measures_and_orders(small_model_dir: Path) -> None:
 
 def test_explicit_backend(small_model_dir: Path) -> None:
     config, weights = load_checkpoint(small_model_dir / "weights.safetensors")
-    selection = select_backends(small_model_dir, config, weights, "ort-cpu", threads=1, cuda=False)
+    selection = select_backends(ModelFiles(small_model_dir).onnx, config, weights, "ort-cpu", threads=1, cuda=False)
     assert [b.name for b in selection.backends] == ["ort-cpu"]
-    selection = select_backends(small_model_dir, config, weights, "torch", threads=1, cuda=False)
+    selection = select_backends(ModelFiles(small_model_dir).onnx, config, weights, "torch", threads=1, cuda=False)
     assert [b.name for b in selection.backends] == ["torch-cpu"]
 
 
@@ -64,7 +68,7 @@ def test_broken_onnx_falls_back_to_torch(small_model_dir: Path, tmp_path: Path, 
     else:
         (tmp_path / "model.onnx").write_bytes(b"not a protobuf" * 100)
     config, weights = load_checkpoint(tmp_path / "weights.safetensors")
-    selection = select_backends(tmp_path, config, weights, "auto", threads=1, cuda=False)
+    selection = select_backends(ModelFiles(tmp_path).onnx, config, weights, "auto", threads=1, cuda=False)
     assert [b.name for b in selection.backends] == ["torch-cpu"]
     ort_report = next(c for c in selection.candidates if c.name == "ort-cpu")
     assert ort_report.status == "unavailable" and "failed to load" in ort_report.reason

@@ -1,178 +1,258 @@
-"""The batcher on its own (asyncio, a real model as the batch function) and behind a real server."""
+"""The batcher in three parts: planning (pure), merging (pure, exact), and waiting and running
+(an injected clock and events, never sleep); then behind a real server."""
 
 from __future__ import annotations
 
 import asyncio
 import threading
-import time
+from collections.abc import Callable, Coroutine
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import grpc
 import numpy as np
 import pytest
 import torch
+from prometheus_client import CollectorRegistry
 
 from model import MHAConfig
 from model.checkpoint import init_weights, load_checkpoint
 from model.reference import attention_view, relative_error
 from service.backends.pytorch import TorchBackend
-from service.batcher import Batcher, BatcherConfig
+from service.batcher import Batcher, BatcherConfig, BatchEvent, form_at, merge, plan_batch, split
 from service.client import InferenceError, MHAClient
 from service.errors import DeadlineExceeded, Overloaded
-from tests.support import ServerThread, make_settings
+from tests.support import ManualClock, ServerThread, make_settings
 
 CONFIG = MHAConfig(d_model=16, n_head=2, max_seq_len=64)
 WEIGHTS = init_weights(CONFIG, seed=9)
+CFG = BatcherConfig(max_batch_size=8, max_queue_delay_s=0.05, max_padding_ratio=0.25)
 
 
-class Recorder:
-    """The real model as the batch function, recording every batch it computed."""
+@dataclass
+class Req:
+    rows: int
+    seq: int
+    enqueued: float = 0.0
+    deadline: float | None = None
+    gone: bool = False
 
-    def __init__(self, config: MHAConfig = CONFIG, delay_s: float = 0.0, fail: bool = False) -> None:
-        self.backend = TorchBackend(config, WEIGHTS)
-        self.batches: list[tuple[int, int, int]] = []
-        self.delay_s, self.fail = delay_s, fail
+
+# Planning: no event loop, no clock -------------------------------------------------------------
+
+
+def test_mixed_t_share_a_batch_within_the_padding_bound() -> None:
+    queue = [Req(1, 10), Req(2, 12), Req(1, 11), Req(3, 12)]
+    plan = plan_batch(queue, CFG, now=0)
+    assert plan.batch == queue and plan.rest == []  # 7 rows x 12 = 84 tokens, 3 padded: 3.6 %
+
+
+def test_padding_is_bounded() -> None:
+    queue = [Req(1, 64), Req(1, 2), Req(1, 60)]
+    plan = plan_batch(queue, CFG, now=0)
+    assert plan.batch == [queue[0], queue[2]] and plan.rest == [queue[1]]  # T=2 is not padded to 64
+
+
+def test_non_causal_merges_only_equal_t() -> None:
+    queue = [Req(1, 8), Req(1, 9), Req(2, 8)]
+    plan = plan_batch(queue, BatcherConfig(max_batch_size=8, max_padding_ratio=0.5, causal=False), now=0)
+    assert plan.batch == [queue[0], queue[2]] and plan.rest == [queue[1]]
+
+
+def test_rows_never_exceed_max_batch_size_but_a_big_request_runs_alone() -> None:
+    cfg = BatcherConfig(max_batch_size=6)
+    queue = [Req(3, 4), Req(3, 4), Req(3, 4), Req(9, 4)]
+    plan = plan_batch(queue, cfg, now=0)
+    assert plan.batch == queue[:2] and plan.rest == queue[2:]
+    assert plan_batch([Req(9, 4), Req(1, 4)], cfg, now=0).batch == [Req(9, 4)]
+
+
+def test_the_oldest_live_request_always_rides_and_order_is_kept() -> None:
+    queue = [Req(1, 50, gone=True), Req(1, 3), Req(1, 60), Req(1, 4), Req(1, 5)]
+    plan = plan_batch(queue, CFG, now=0)
+    assert plan.batch == [queue[1], queue[3], queue[4]] and plan.rest == [queue[2]] and plan.gone == [queue[0]]
+
+
+def test_dead_requests_are_set_apart() -> None:
+    expired, alive, gone = Req(1, 4, deadline=5.0), Req(1, 4, deadline=5.1), Req(1, 4, gone=True)
+    plan = plan_batch([expired, alive, gone], CFG, now=5.0)
+    assert (plan.batch, plan.expired, plan.gone) == ([alive], [expired], [gone])
+    assert plan_batch([expired, gone], CFG, now=5.0).batch == []
+
+
+def test_when_to_form_a_batch() -> None:
+    queue = [Req(1, 4, enqueued=10.0), Req(2, 4, enqueued=10.01)]
+    assert form_at(queue, CFG, more_may_come=True) == pytest.approx(10.05)  # the oldest waits max_queue_delay
+    assert form_at(queue, CFG, more_may_come=False) == -float("inf")  # a lone client pays no delay
+    assert form_at([*queue, Req(5, 4)], CFG, more_may_come=True) == -float("inf")  # a full batch goes at once
+    assert form_at(queue, BatcherConfig(max_batch_size=1), more_may_come=True) == -float("inf")  # batching off
+
+
+# Merging: pure and exact -----------------------------------------------------------------------
+
+
+def test_merge_then_split_is_exact_for_causal_attention() -> None:
+    rng = np.random.default_rng(0)
+    xs = [rng.standard_normal((b, t, 16), dtype=np.float32) for b, t in [(1, 10), (2, 12), (1, 3)]]
+    merged = merge(xs)
+    assert merged.shape == (4, 12, 16) and not merged[0, 10:].any() and not merged[3, 3:].any()
+    ys = split(TorchBackend(CONFIG, WEIGHTS).run(merged), [(x.shape[0], x.shape[1]) for x in xs])
+    for x, y in zip(xs, ys, strict=True):
+        assert y.shape == x.shape
+        assert relative_error(torch.from_numpy(y.copy()), attention_view(torch.from_numpy(x), WEIGHTS, CONFIG)) < 1e-5
+
+
+# Waiting and running: an injected clock, a gated backend, events -------------------------------
+
+
+class Gated:
+    """The real model as the batch function; each batch waits for the test to open the gate."""
+
+    def __init__(self, fail: bool = False, open_: bool = True) -> None:
+        self.backend = TorchBackend(CONFIG, WEIGHTS)
+        self.batches: list[tuple[int, ...]] = []
+        self.gate = threading.Event()
+        self.entered = threading.Semaphore(0)
+        self.fail = fail
+        if open_:
+            self.gate.set()
 
     def __call__(self, x: np.ndarray) -> tuple[np.ndarray, str]:
         self.batches.append(x.shape)
-        time.sleep(self.delay_s)
+        self.entered.release()
+        self.gate.wait(30)
         if self.fail:
             raise RuntimeError("device lost")
         return self.backend.run(x), "torch-cpu"
 
 
-def _x(B: int, T: int, seed: int, C: int = 16) -> np.ndarray:
-    return np.random.default_rng(seed).standard_normal((B, T, C), dtype=np.float32)
+def _x(B: int, T: int, seed: int = 0) -> np.ndarray:
+    return np.random.default_rng(seed).standard_normal((B, T, 16), dtype=np.float32)
 
 
-async def _run(config: BatcherConfig, recorder: Recorder, inputs: list[np.ndarray], deadlines=None):
-    with ThreadPoolExecutor(1) as pool:
-        batcher = Batcher(config, recorder, pool)
-        batcher.start()
-        deadlines = deadlines or [None] * len(inputs)
-        results = await asyncio.gather(
-            *(batcher.submit(x, d) for x, d in zip(inputs, deadlines, strict=True)), return_exceptions=True
-        )
-        await batcher.stop()
-        return batcher, results
+async def _until(predicate: Callable[[], bool]) -> None:
+    """Yield to the loop until `predicate` holds (bounded: a stuck batcher fails the test)."""
+    async with asyncio.timeout(10):
+        while not predicate():
+            await asyncio.sleep(0)
 
 
-def test_mixed_t_share_a_batch_exactly() -> None:
-    inputs = [_x(1, 10, 0), _x(2, 12, 1), _x(1, 11, 2), _x(3, 12, 3)]
-    cfg = BatcherConfig(max_batch_size=8, max_queue_delay_s=0.05, max_padding_ratio=0.25)
-    batcher, results = asyncio.run(_run(cfg, Recorder(), inputs))
-    assert batcher.counters.batches == 1 and batcher.counters.mixed_t_batches == 1
-    assert batcher.counters.padded_tokens == 1 * 2 + 1 * 1
-    for x, (y, timing) in zip(inputs, results, strict=True):
-        assert y.shape == x.shape and timing.batch_rows == 7
-        ref = attention_view(torch.from_numpy(x), WEIGHTS, CONFIG)
-        assert relative_error(torch.from_numpy(np.array(y)), ref) < 1e-5
+async def _entered(run: Gated) -> None:
+    assert await asyncio.to_thread(run.entered.acquire, True, 10), "the backend was never called"
 
 
-def test_padding_is_bounded() -> None:
-    inputs = [_x(1, 64, 0), _x(1, 2, 1), _x(1, 60, 2)]
-    cfg = BatcherConfig(max_batch_size=8, max_queue_delay_s=0.05, max_padding_ratio=0.25)
-    recorder = Recorder()
-    _, results = asyncio.run(_run(cfg, recorder, inputs))
-    assert sorted(recorder.batches) == [(1, 2, 16), (2, 64, 16)]  # T=2 is not padded to 64
-    assert all(not isinstance(r, BaseException) for r in results)
+Scenario = Callable[[Batcher, Gated, ManualClock], Coroutine[Any, Any, None]]
 
 
-def test_non_causal_merges_only_equal_t() -> None:
-    config = MHAConfig(d_model=16, n_head=2, max_seq_len=64, causal=False)
-    inputs = [_x(1, 8, 0), _x(1, 9, 1), _x(2, 8, 2)]
-    cfg = BatcherConfig(max_batch_size=8, max_queue_delay_s=0.05, max_padding_ratio=0.5, causal=False)
-    recorder = Recorder(config)
-    _, results = asyncio.run(_run(cfg, recorder, inputs))
-    assert sorted(recorder.batches) == [(1, 9, 16), (3, 8, 16)]
-    for x, (y, _) in zip(inputs, results, strict=True):
-        ref = attention_view(torch.from_numpy(x), WEIGHTS, config)
-        assert relative_error(torch.from_numpy(np.array(y)), ref) < 1e-5
+def _with_batcher(scenario: Scenario, config: BatcherConfig = CFG, run: Gated | None = None, in_flight: int = 99):
+    events: list[BatchEvent] = []
+    run = run or Gated()
+
+    async def main() -> None:
+        with ThreadPoolExecutor(1) as pool:
+            clock = ManualClock()
+            batcher = Batcher(config, run, pool, on_batch=events.append, in_flight=lambda: in_flight, clock=clock)
+            batcher.start()
+            await scenario(batcher, run, clock)
+            run.gate.set()
+            await batcher.stop()
+
+    asyncio.run(main())
+    return events, run
 
 
-def test_batching_off_with_max_batch_size_one() -> None:
-    inputs = [_x(1, 4, i) for i in range(5)]
-    recorder = Recorder()
-    batcher, _ = asyncio.run(_run(BatcherConfig(max_batch_size=1, max_queue_delay_s=0.05), recorder, inputs))
-    assert recorder.batches == [(1, 4, 16)] * 5 and batcher.counters.merged_batches == 0
+def test_a_lone_client_pays_no_delay() -> None:
+    async def scenario(batcher: Batcher, run: Gated, clock: ManualClock) -> None:
+        y, timing = await asyncio.wait_for(batcher.submit(_x(1, 4)), 10)  # the clock never moves
+        assert y.shape == (1, 4, 16) and timing.queue_s == 0
+
+    events, _ = _with_batcher(scenario, in_flight=1)
+    assert [e.requests for e in events] == [1]
 
 
-def test_rows_never_exceed_max_batch_size_but_big_requests_run_alone() -> None:
-    inputs = [_x(3, 4, 0), _x(3, 4, 1), _x(3, 4, 2), _x(9, 4, 3)]
-    recorder = Recorder()
-    asyncio.run(_run(BatcherConfig(max_batch_size=6, max_queue_delay_s=0.05), recorder, inputs))
-    assert sorted(recorder.batches) == [(3, 4, 16), (6, 4, 16), (9, 4, 16)]
+def test_with_others_in_the_server_the_first_request_waits_for_company_then_goes() -> None:
+    async def scenario(batcher: Batcher, run: Gated, clock: ManualClock) -> None:
+        first = asyncio.ensure_future(batcher.submit(_x(1, 4)))
+        await _until(lambda: clock.waiting == 1)  # waiting for company, not computing
+        second = asyncio.ensure_future(batcher.submit(_x(1, 6)))
+        await _until(lambda: clock.waiting == 1 and batcher.depth == 2)
+        assert run.batches == []
+        clock.advance(CFG.max_queue_delay_s)
+        await asyncio.gather(first, second)
+
+    events, run = _with_batcher(scenario, in_flight=5)
+    assert run.batches == [(2, 6, 16)]
+    (event,) = events
+    assert (event.requests, event.rows, event.seqs, event.padded_tokens) == (2, 2, (4, 6), 2)
+    assert (event.formation_s, event.compute_s, event.backend) == (pytest.approx(0.05), 0.0, "torch-cpu")
 
 
-def test_failed_batch_fails_every_waiter_alike() -> None:
-    inputs = [_x(1, 4, i) for i in range(3)]
-    _, results = asyncio.run(_run(BatcherConfig(max_batch_size=8, max_queue_delay_s=0.05), Recorder(fail=True), inputs))
-    assert all(isinstance(r, RuntimeError) for r in results)
-    assert len({id(r) for r in results}) == 1  # the very same error
+def test_a_full_batch_does_not_wait() -> None:
+    async def scenario(batcher: Batcher, run: Gated, clock: ManualClock) -> None:
+        await asyncio.gather(*(batcher.submit(_x(2, 4, i)) for i in range(4)))  # 8 rows: full
+
+    events, _ = _with_batcher(scenario, in_flight=50)
+    assert [(e.requests, e.rows) for e in events] == [(4, 8)]
 
 
 def test_expired_requests_are_never_computed() -> None:
-    async def scenario() -> tuple[Recorder, Batcher, list[object]]:
-        recorder = Recorder(delay_s=0.2)
-        with ThreadPoolExecutor(1) as pool:
-            batcher = Batcher(BatcherConfig(max_batch_size=1, max_queue_delay_s=0), recorder, pool)
-            batcher.start()
-            slow = asyncio.ensure_future(batcher.submit(_x(1, 5, 0)))  # occupies the backend for 0.2 s
-            await asyncio.sleep(0.02)
-            soon = time.monotonic() + 0.05
-            late = [asyncio.ensure_future(batcher.submit(_x(1, 7, i), deadline=soon)) for i in range(3)]
-            ok = asyncio.ensure_future(batcher.submit(_x(1, 9, 9), deadline=time.monotonic() + 5))
-            results = await asyncio.gather(slow, *late, ok, return_exceptions=True)
-            await batcher.stop()
-            return recorder, batcher, results
+    async def scenario(batcher: Batcher, run: Gated, clock: ManualClock) -> None:
+        busy = asyncio.ensure_future(batcher.submit(_x(1, 5)))
+        await _entered(run)  # the backend holds the first batch
+        late = [asyncio.ensure_future(batcher.submit(_x(1, 7, i), deadline=clock.now() + 0.05)) for i in range(3)]
+        ok = asyncio.ensure_future(batcher.submit(_x(1, 9), deadline=clock.now() + 5))
+        await _until(lambda: batcher.depth == 4)
+        clock.advance(0.1)
+        run.gate.set()
+        await busy
+        for future in late:
+            with pytest.raises(DeadlineExceeded, match=r"deadline passed after 100\.0 ms in the queue"):
+                await future
+        assert (await ok)[0].shape == (1, 9, 16)
 
-    recorder, batcher, results = asyncio.run(scenario())
-    assert all(isinstance(r, DeadlineExceeded) for r in results[1:4])
-    assert not isinstance(results[4], BaseException)
-    assert (1, 7, 16) not in recorder.batches and recorder.batches == [(1, 5, 16), (1, 9, 16)]
-    assert batcher.counters.expired == 3
+    _, run = _with_batcher(scenario, BatcherConfig(max_batch_size=1), run=Gated(open_=False))
+    assert run.batches == [(1, 5, 16), (1, 9, 16)]
 
 
-def test_cancelled_requests_are_dropped() -> None:
-    async def scenario() -> tuple[Recorder, Batcher]:
-        recorder = Recorder(delay_s=0.1)
-        with ThreadPoolExecutor(1) as pool:
-            batcher = Batcher(BatcherConfig(max_batch_size=1, max_queue_delay_s=0), recorder, pool)
-            batcher.start()
-            first = asyncio.ensure_future(batcher.submit(_x(1, 5, 0)))
-            await asyncio.sleep(0.02)
-            gone = asyncio.ensure_future(batcher.submit(_x(1, 6, 1)))
-            await asyncio.sleep(0.01)
-            gone.cancel()
-            await first
-            await batcher.stop()
-            return recorder, batcher
+def test_cancelled_requests_are_dropped_before_compute() -> None:
+    async def scenario(batcher: Batcher, run: Gated, clock: ManualClock) -> None:
+        busy = asyncio.ensure_future(batcher.submit(_x(1, 5)))
+        await _entered(run)
+        gone = asyncio.ensure_future(batcher.submit(_x(1, 6)))
+        await _until(lambda: batcher.depth == 1)
+        gone.cancel()
+        run.gate.set()
+        await busy
 
-    recorder, batcher = asyncio.run(scenario())
-    assert recorder.batches == [(1, 5, 16)] and batcher.counters.cancelled == 1
+    _, run = _with_batcher(scenario, BatcherConfig(max_batch_size=1), run=Gated(open_=False))
+    assert run.batches == [(1, 5, 16)]
 
 
-def test_full_queue_is_overloaded_at_once() -> None:
-    async def scenario() -> list[object]:
-        with ThreadPoolExecutor(1) as pool:
-            batcher = Batcher(
-                BatcherConfig(max_batch_size=1, max_queue_delay_s=0, max_queue_size=2), Recorder(delay_s=0.1), pool
-            )
-            batcher.start()
-            first = asyncio.ensure_future(batcher.submit(_x(1, 3, 0)))
-            await asyncio.sleep(0.02)  # first is computing; the queue is empty again
-            queued = [asyncio.ensure_future(batcher.submit(_x(1, 3, i))) for i in range(2)]
-            await asyncio.sleep(0)
-            started = time.monotonic()
-            with pytest.raises(Overloaded, match=r"queue full: 2 requests waiting \(max_queue_size 2\)"):
-                await batcher.submit(_x(1, 3, 9))
-            assert time.monotonic() - started < 0.05  # at once, not after waiting
-            results = await asyncio.gather(first, *queued)
-            await batcher.stop()
-            return list(results)
+def test_a_full_queue_is_overloaded_at_once() -> None:
+    async def scenario(batcher: Batcher, run: Gated, clock: ManualClock) -> None:
+        busy = asyncio.ensure_future(batcher.submit(_x(1, 3)))
+        await _entered(run)
+        queued = [asyncio.ensure_future(batcher.submit(_x(1, 3, i))) for i in range(2)]
+        await _until(lambda: batcher.depth == 2)
+        with pytest.raises(Overloaded, match=r"queue full: 2 requests waiting \(max_queue_size 2\)"):
+            await batcher.submit(_x(1, 3, 9))  # raises before it would wait: the gate is still shut
+        run.gate.set()
+        await asyncio.gather(busy, *queued)
 
-    assert len(asyncio.run(scenario())) == 3
+    _, run = _with_batcher(scenario, BatcherConfig(max_batch_size=1, max_queue_size=2), run=Gated(open_=False))
+    assert len(run.batches) == 3
+
+
+def test_a_failed_batch_fails_every_waiter_alike_and_is_reported() -> None:
+    async def scenario(batcher: Batcher, run: Gated, clock: ManualClock) -> None:
+        results = await asyncio.gather(*(batcher.submit(_x(1, 4, i)) for i in range(3)), return_exceptions=True)
+        assert all(isinstance(r, RuntimeError) for r in results)
+        assert len({id(r) for r in results}) == 1  # the very same error
+
+    events, _ = _with_batcher(scenario, BatcherConfig(max_batch_size=3), run=Gated(fail=True), in_flight=3)
+    assert len(events) == 1 and isinstance(events[0].error, RuntimeError) and events[0].backend == ""
 
 
 # Behind a real server ------------------------------------------------------------------------
@@ -208,13 +288,16 @@ def test_concurrent_clients_mixed_shapes_batch_and_stay_exact(small_model_dir: P
             t.start()
         for t in threads:
             t.join(120)
-        counters = server.core.batcher.counters
+        stats = server.core.stats
     assert not failures, failures[:3]
     assert len(errors) == 3 * len(shapes) and max(errors) < 1e-5
-    assert counters.requests == 3 * len(shapes)
-    assert counters.merged_batches > 0 and counters.mixed_t_batches > 0
-    assert counters.batches < counters.requests
-    assert counters.largest_batch_rows <= 16
+    assert stats.inference_count == 3 * sum(b for b, _ in shapes)
+    assert stats.execution_count < 3 * len(shapes)  # requests shared batches
+    assert max(stats.batches) <= 16
+
+
+def _requests_total(registry: CollectorRegistry, code: str) -> float:
+    return registry.get_sample_value("mha_requests_total", {"method": "ModelInfer", "code": code}) or 0.0
 
 
 def test_tiny_queue_under_load_answers_resource_exhausted_only(small_model_dir: Path) -> None:
@@ -242,17 +325,31 @@ def test_tiny_queue_under_load_answers_resource_exhausted_only(small_model_dir: 
             t.start()
         for t in threads:
             t.join(120)
-        rejected = server.core.batcher.counters.rejected_full
+        counted = {code: _requests_total(server.registry, code) for code in ("OK", "RESOURCE_EXHAUSTED")}
     assert len(codes) == 96
     assert set(codes) <= {"OK", "RESOURCE_EXHAUSTED"}
     assert "RESOURCE_EXHAUSTED" in codes and "OK" in codes
-    assert rejected == codes.count("RESOURCE_EXHAUSTED")
+    assert counted == {"OK": codes.count("OK"), "RESOURCE_EXHAUSTED": codes.count("RESOURCE_EXHAUSTED")}
 
 
-def test_deadline_exceeded_through_the_server(small_model_dir: Path) -> None:
-    settings = make_settings(small_model_dir, max_batch_size=1, max_queue_delay_ms=0, backend="torch")
-    with ServerThread(settings) as server, MHAClient(server.url) as client:
+class SteppingClock(ManualClock):
+    """Every reading moves time on by `step`: a request's deadline passes while it is queued."""
+
+    def __init__(self, step: float) -> None:
+        super().__init__()
+        self.step = step
+
+    def now(self) -> float:
+        self.t += self.step
+        return self.t
+
+
+def test_the_servers_deadline_path_answers_deadline_exceeded(small_model_dir: Path) -> None:
+    """The deadline expires in the server's queue (by the server's clock), not in the client."""
+    settings = make_settings(small_model_dir, backend="torch")
+    with ServerThread(settings, clock=SteppingClock(step=10.0)) as server, MHAClient(server.url) as client:
         with pytest.raises(InferenceError) as info:
-            client.infer(np.ones((1, 4, 32), np.float32), timeout=0.000001)
+            client.infer(np.ones((1, 4, 32), np.float32), timeout=15)
         assert info.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
+        assert "in the queue" in str(info.value)  # the batcher's message: the server's path
         assert client.infer(np.ones((1, 4, 32), np.float32)).shape == (1, 4, 32)

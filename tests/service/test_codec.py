@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 
+from export.layout import ModelFiles
+from model import MHAConfig
 from service.codec import (
-    ModelSpec,
     decode_infer_request,
     decode_infer_response,
     encode_infer_request,
@@ -14,9 +17,10 @@ from service.codec import (
 )
 from service.errors import InvalidInput, ModelNotFound
 from service.proto import grpc_service_pb2 as pb
+from service.served import ModelIdentity, ServedModel
 
-SPEC = ModelSpec(
-    name="mha", version="1", input_name="x", output_name="y", d_model=8, max_seq_len=16, max_request_rows=4
+SPEC = ServedModel(
+    ModelIdentity("mha", "1"), MHAConfig(d_model=8, n_head=2, max_seq_len=16), ModelFiles(Path("m")), max_request_rows=4
 )
 
 
@@ -28,10 +32,9 @@ def test_raw_round_trip_without_copy() -> None:
     x = _x(2, 5, 8)
     request = encode_infer_request(x, request_id="abc")
     decoded = decode_infer_request(request, SPEC)
-    assert decoded.request_id == "abc"
-    assert np.array_equal(decoded.x, x)
-    assert not decoded.x.flags.writeable  # a view of the request bytes, not a copy
-    response = encode_infer_response(decoded.x, SPEC, "abc", "torch-cpu")
+    assert np.array_equal(decoded, x)
+    assert not decoded.flags.writeable  # a view of the request bytes, not a copy
+    response = encode_infer_response(decoded, SPEC, "abc", "torch-cpu")
     assert response.id == "abc" and response.model_version == "1"
     assert response.parameters["backend"].string_param == "torch-cpu"
     assert len(response.raw_output_contents) == 1 and not response.outputs[0].HasField("contents")
@@ -43,7 +46,7 @@ def test_typed_fp32_contents_accepted() -> None:
     request = pb.ModelInferRequest(model_name="mha")
     tensor = request.inputs.add(name="x", datatype="FP32", shape=[1, 3, 8])
     tensor.contents.fp32_contents.extend(x.ravel().tolist())
-    assert np.array_equal(decode_infer_request(request, SPEC).x, x)
+    assert np.array_equal(decode_infer_request(request, SPEC), x)
 
 
 def _request(
@@ -116,4 +119,4 @@ def test_unknown_model_and_version() -> None:
         decode_infer_request(encode_infer_request(_x(1, 2, 8), model_name="gpt"), SPEC)
     with pytest.raises(ModelNotFound, match="unknown version '7' of model 'mha'"):
         decode_infer_request(encode_infer_request(_x(1, 2, 8), model_version="7"), SPEC)
-    assert decode_infer_request(encode_infer_request(_x(1, 2, 8), model_version="1"), SPEC).x.shape == (1, 2, 8)
+    assert decode_infer_request(encode_infer_request(_x(1, 2, 8), model_version="1"), SPEC).shape == (1, 2, 8)

@@ -1,36 +1,45 @@
-"""Every branch of the one mapping from errors to gRPC status codes."""
+"""The one mapping from errors to gRPC status codes: complete, inherited, and discreet."""
 
 from __future__ import annotations
 
 import grpc
 import pytest
 
-from service.errors import (
-    BackendFailure,
-    Cancelled,
-    DeadlineExceeded,
-    InvalidInput,
-    ModelNotFound,
-    NotReady,
-    Overloaded,
-    Unauthenticated,
-    to_status,
-)
+from service import errors
+from service.errors import BackendFailure, InvalidInput, ServiceError, to_status
 
-CASES = [
-    (InvalidInput("T = 0"), grpc.StatusCode.INVALID_ARGUMENT),
-    (ModelNotFound("gpt"), grpc.StatusCode.NOT_FOUND),
-    (Overloaded("queue full"), grpc.StatusCode.RESOURCE_EXHAUSTED),
-    (NotReady("draining"), grpc.StatusCode.UNAVAILABLE),
-    (DeadlineExceeded("late"), grpc.StatusCode.DEADLINE_EXCEEDED),
-    (Cancelled("gone"), grpc.StatusCode.CANCELLED),
-    (Unauthenticated("token"), grpc.StatusCode.UNAUTHENTICATED),
-]
+ANSWERED_AS_SERVER_FAULTS = {BackendFailure}
 
 
-@pytest.mark.parametrize(("exc", "code"), CASES, ids=[c.name for _, c in CASES])
-def test_service_errors_keep_their_message(exc: Exception, code: grpc.StatusCode) -> None:
-    assert to_status(exc, "rid") == (code, str(exc))
+def _service_errors() -> list[type[ServiceError]]:
+    return [
+        cls
+        for cls in vars(errors).values()
+        if isinstance(cls, type) and issubclass(cls, ServiceError) and cls is not ServiceError
+    ]
+
+
+@pytest.mark.parametrize("cls", _service_errors(), ids=lambda c: c.__name__)
+def test_every_client_facing_error_has_its_own_status_and_keeps_its_message(cls: type[ServiceError]) -> None:
+    code, message = to_status(cls("T = 0; expected T >= 1"), "rid")
+    if cls in ANSWERED_AS_SERVER_FAULTS:
+        assert code is grpc.StatusCode.INTERNAL and "T = 0" not in message
+    else:
+        assert code not in (grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN, grpc.StatusCode.OK), cls
+        assert message == "T = 0; expected T >= 1"
+
+
+def test_codes_are_distinct() -> None:
+    """Two errors with one code would be one error: a client could not tell them apart."""
+    codes = [to_status(cls("m"), "rid")[0] for cls in _service_errors() if cls not in ANSWERED_AS_SERVER_FAULTS]
+    assert len(codes) == len(set(codes))
+
+
+def test_a_subclass_answers_with_its_parents_code() -> None:
+    class TooLong(InvalidInput):
+        pass
+
+    assert to_status(TooLong("T = 9000"), "rid") == (grpc.StatusCode.INVALID_ARGUMENT, "T = 9000")
 
 
 def test_server_faults_are_internal_and_generic() -> None:

@@ -13,7 +13,6 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from service.client import InferenceError, MHAClient
-from service.metrics import LATENCY_BUCKETS
 from tests.support import ROOT, ServerThread, free_port, make_settings
 
 PROMTOOL = ROOT / ".tools" / "prometheus" / "usr" / "bin" / "promtool"
@@ -90,7 +89,7 @@ def test_exact_counts(traffic: tuple[ServerThread, str]) -> None:
 def test_labels_of_backends_model_and_fallbacks(traffic: tuple[ServerThread, str]) -> None:
     server, text = traffic
     s = samples(text)
-    chain = server.core.model.chain.backends
+    chain = server.core.loaded.chain.backends
     info = {dict(k[1])["backend"]: v for k, v in s.items() if k[0] == "mha_backend_info"}
     assert info == {b.name: (1.0 if b is chain[0] else 0.0) for b in chain}
     model = next(dict(k[1]) for k in s if k[0] == "mha_model_info")
@@ -110,8 +109,7 @@ def test_labels_of_backends_model_and_fallbacks(traffic: tuple[ServerThread, str
     assert backends == {chain[0].name}
 
 
-def test_buckets_resolve_100us_to_10s(traffic: tuple[ServerThread, str]) -> None:
-    assert LATENCY_BUCKETS[0] == 0.0001 and LATENCY_BUCKETS[-1] == 10.0
+def test_scraped_buckets_resolve_100us_to_10s(traffic: tuple[ServerThread, str]) -> None:
     s = samples(traffic[1])
     les = sorted(float(dict(k[1])["le"]) for k in s if k[0] == "mha_queue_duration_seconds_bucket")
     assert les[0] == 0.0001 and les[-2] == 10.0 and les[-1] == float("inf")

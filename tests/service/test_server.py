@@ -14,7 +14,8 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from model.checkpoint import load_checkpoint
 from model.reference import attention_view, relative_error
-from service.client import InferenceError, MHAClient, verify_server
+from service.cli import verify_server
+from service.client import InferenceError, MHAClient
 from service.codec import encode_infer_request
 from service.proto import grpc_service_pb2 as pb
 from service.proto import grpc_service_pb2_grpc as pb_grpc
@@ -133,7 +134,7 @@ def test_readiness_and_metadata(server: ServerThread, stub: pb_grpc.GRPCInferenc
         stub.ModelReady(pb.ModelReadyRequest(name="nope"))
     assert info.value.code() == grpc.StatusCode.NOT_FOUND
     meta = stub.ServerMetadata(pb.ServerMetadataRequest())
-    active = server.core.model.chain.active
+    active = server.core.loaded.chain.active
     assert meta.name == "mha-serve" and f"backend:{active.name}@{active.device}" in meta.extensions
     model = stub.ModelMetadata(pb.ModelMetadataRequest(name="mha"))
     assert model.versions == ["1"] and model.platform == active.platform
@@ -146,7 +147,7 @@ def test_model_config_says_which_backend_and_why(server: ServerThread, client: M
     assert config.name == "mha" and config.max_batch_size == 64
     assert [(i.name, i.data_type, list(i.dims)) for i in config.input] == [("x", pb.TYPE_FP32, [-1, 32])]
     params = {k: v.string_value for k, v in config.parameters.items()}
-    assert params["backend"] == server.core.model.chain.active.name
+    assert params["backend"] == server.core.loaded.chain.active.name
     assert "self-check relative error" in params["selection"]
     assert params["max_seq_len"] == "64"
 

@@ -1,0 +1,142 @@
+"""One call's bookkeeping, the same for unary calls, requests inside a stream and refused calls:
+request id, in-flight count, metrics, statistics, logs, and the mapping from errors to status.
+
+    async with calls.unary("ModelReady", context):
+        ...  # raise a ServiceError to answer with its status; return the response
+
+Unary scopes abort the call with the mapped status; stream-item scopes keep the status on the
+`Call` so that the stream answers in-band and goes on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import logging
+import time
+from dataclasses import dataclass, field
+from types import TracebackType
+from typing import TYPE_CHECKING
+
+import grpc
+
+from service.errors import ServiceError, to_status
+from service.requestlog import new_request_id, request_id_var
+
+if TYPE_CHECKING:
+    from service.core import InferenceCore
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Call:
+    method: str
+    request_id: str
+    inference: bool  # counted in flight and in the model's statistics
+    started: float = field(default_factory=time.perf_counter)
+    code: grpc.StatusCode = grpc.StatusCode.OK
+    message: str = ""  # what a failed call answered
+
+    @property
+    def ok(self) -> bool:
+        return self.code is grpc.StatusCode.OK
+
+
+def _ended_code(context: grpc.aio.ServicerContext) -> grpc.StatusCode:
+    """Why a call was cancelled under us: its deadline passed, or the client went away."""
+    remaining = context.time_remaining()
+    return grpc.StatusCode.DEADLINE_EXCEEDED if remaining is not None and remaining <= 0 else grpc.StatusCode.CANCELLED
+
+
+class Calls:
+    def __init__(self, core: InferenceCore) -> None:
+        self._core = core
+
+    def unary(
+        self, method: str, context: grpc.aio.ServicerContext, client_id: str = "", inference: bool = False
+    ) -> UnaryScope:
+        return UnaryScope(self, context, Call(method, new_request_id(client_id), inference))
+
+    def stream_item(self, method: str, context: grpc.aio.ServicerContext, client_id: str) -> StreamItemScope:
+        return StreamItemScope(self, context, Call(method, new_request_id(client_id), inference=True))
+
+    async def refuse(self, method: str, context: grpc.aio.ServicerContext, error: ServiceError) -> None:
+        """Answer a call refused before it reached the servicer (e.g. by authentication)."""
+        async with self.unary(method, context):
+            raise error
+
+    def opened(self, call: Call) -> None:
+        if call.inference:
+            self._core.request_started()
+
+    def failed(self, call: Call, exc: BaseException) -> None:
+        call.code, call.message = to_status(exc, call.request_id)
+        if call.code is grpc.StatusCode.INTERNAL:  # a server fault: the trace goes to the log only
+            log.error("%s failed: %s", call.method, exc, exc_info=exc)
+
+    def closed(self, call: Call) -> None:
+        elapsed = time.perf_counter() - call.started
+        metrics = self._core.metrics
+        metrics.requests.labels(method=call.method, code=call.code.name).inc()
+        metrics.request_duration.labels(method=call.method).observe(elapsed)
+        if call.inference:
+            self._core.request_finished()
+            self._core.stats.observe_request(call.ok, elapsed)
+        if call.inference or not call.ok:
+            log.log(
+                logging.DEBUG if call.ok else logging.WARNING,
+                "%s %s %s",
+                call.method,
+                call.code.name,
+                call.message,
+                extra={"method": call.method, "code": call.code.name, "duration_ms": round(elapsed * 1e3, 3)},
+            )
+
+
+class _Scope:
+    def __init__(self, calls: Calls, context: grpc.aio.ServicerContext, call: Call) -> None:
+        self._calls, self._context, self.call = calls, context, call
+        self._token: contextvars.Token[str] | None = None
+
+    def _enter(self) -> Call:
+        self._token = request_id_var.set(self.call.request_id)
+        self._calls.opened(self.call)
+        return self.call
+
+    def _exit(self, exc: BaseException | None) -> None:
+        if isinstance(exc, asyncio.CancelledError):
+            self.call.code = _ended_code(self._context)
+        elif exc is not None:
+            self._calls.failed(self.call, exc)
+        self._calls.closed(self.call)
+        if self._token is not None:
+            request_id_var.reset(self._token)
+
+
+class UnaryScope(_Scope):
+    """A whole call: a failure aborts it with the mapped status."""
+
+    async def __aenter__(self) -> Call:
+        return self._enter()
+
+    async def __aexit__(
+        self, typ: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self._exit(exc)
+        if isinstance(exc, Exception):
+            await self._context.abort(self.call.code, self.call.message)
+
+
+class StreamItemScope(_Scope):
+    """One request of a stream: a failure is kept on the Call (answered in-band), a cancellation
+    propagates."""
+
+    async def __aenter__(self) -> Call:
+        return self._enter()
+
+    async def __aexit__(
+        self, typ: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> bool:
+        self._exit(exc)
+        return isinstance(exc, Exception)

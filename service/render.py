@@ -1,0 +1,100 @@
+"""Protobuf renderings of what the server knows: metadata, config, statistics, stream errors.
+
+Pure functions next to the codec: no I/O, no gRPC context, no state of their own.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import grpc
+
+from service.backends.base import Backend
+from service.codec import DATATYPE
+from service.proto import grpc_service_pb2 as pb
+from service.served import ServedModel
+from service.stats import Duration, ModelStats
+
+
+@dataclass(frozen=True)
+class Serving:
+    """How the model is being served right now."""
+
+    backends: Sequence[Backend]  # the chain, in order
+    active: Backend
+    selection: str  # why this order: each candidate's verdict
+    max_batch_size: int
+    max_queue_delay_ms: float
+
+
+def model_metadata(model: ServedModel, active: Backend) -> pb.ModelMetadataResponse:
+    shape = [-1, -1, model.config.d_model]  # (B, T, C)
+    tensor = pb.ModelMetadataResponse.TensorMetadata
+    return pb.ModelMetadataResponse(
+        name=model.name,
+        versions=[model.version],
+        platform=active.platform,
+        inputs=[tensor(name=model.input_name, datatype=DATATYPE, shape=shape)],
+        outputs=[tensor(name=model.output_name, datatype=DATATYPE, shape=shape)],
+    )
+
+
+def model_config(model: ServedModel, serving: Serving) -> pb.ModelConfig:
+    active, dims = serving.active, [-1, model.config.d_model]  # per row: (T, C)
+    groups = pb.ModelInstanceGroup
+    kind = groups.KIND_GPU if active.device.startswith("cuda") else groups.KIND_CPU
+    config = pb.ModelConfig(
+        name=model.name,
+        platform=active.platform,
+        backend="onnxruntime" if active.name.startswith("ort") else "pytorch",
+        max_batch_size=model.max_request_rows,
+        input=[pb.ModelInput(name=model.input_name, data_type=pb.TYPE_FP32, dims=dims)],
+        output=[pb.ModelOutput(name=model.output_name, data_type=pb.TYPE_FP32, dims=dims)],
+        instance_group=[groups(kind=kind, count=1)],
+    )
+    if serving.max_batch_size > 1:
+        config.dynamic_batching.max_queue_delay_microseconds = int(serving.max_queue_delay_ms * 1000)
+        config.dynamic_batching.preferred_batch_size.append(serving.max_batch_size)
+    params = {
+        "backend": active.name,
+        "device": active.device,
+        "fallbacks": ",".join(b.name for b in serving.backends if b is not active),
+        "selection": serving.selection,
+        **{k: v for k, v in model.labels().items() if k not in ("name", "version")},
+    }
+    for key, value in params.items():
+        config.parameters[key].string_value = value
+    return config
+
+
+def _duration(duration: Duration) -> pb.StatisticDuration:
+    return pb.StatisticDuration(count=duration.count, ns=duration.ns)
+
+
+def model_statistics(name: str, version: str, stats: ModelStats) -> pb.ModelStatistics:
+    return pb.ModelStatistics(
+        name=name,
+        version=version,
+        last_inference=stats.last_inference_ms,
+        inference_count=stats.inference_count,
+        execution_count=stats.execution_count,
+        inference_stats=pb.InferStatistics(
+            success=_duration(stats.success),
+            fail=_duration(stats.fail),
+            queue=_duration(stats.queue),
+            compute_infer=_duration(stats.compute_infer),
+        ),
+        batch_stats=[
+            pb.InferBatchStatistics(batch_size=rows, compute_infer=_duration(d))
+            for rows, d in sorted(stats.batches.items())
+        ],
+    )
+
+
+def stream_error(request: pb.ModelInferRequest, code: grpc.StatusCode, message: str) -> pb.ModelStreamInferResponse:
+    """A failed request inside a stream answers in-band; the stream goes on."""
+    return pb.ModelStreamInferResponse(
+        error_message=f"{code.name}: {message}",
+        infer_response=pb.ModelInferResponse(model_name=request.model_name, id=request.id),
+    )

@@ -1,0 +1,59 @@
+"""What this server serves: the model's identity (known from the settings) and, once loaded,
+its shape, tensors and files. Built once; every request and every rendering reads it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from export.layout import INPUT_NAME, OUTPUT_NAME, ModelFiles
+from service.errors import ModelNotFound
+
+if TYPE_CHECKING:
+    from model import MHAConfig
+
+
+@dataclass(frozen=True)
+class ModelIdentity:
+    name: str
+    version: str
+
+    def check(self, name: str, version: str) -> None:
+        """A request's (name, version); an empty version means the latest, which is ours."""
+        if name != self.name:
+            raise ModelNotFound(f"unknown model {name!r}; this server serves {self.name!r}")
+        if version not in ("", self.version):
+            raise ModelNotFound(
+                f"unknown version {version!r} of model {self.name!r}; "
+                f"available: [{self.version!r}] (or empty for latest)"
+            )
+
+
+@dataclass(frozen=True)
+class ServedModel:
+    identity: ModelIdentity
+    config: MHAConfig
+    files: ModelFiles
+    max_request_rows: int  # largest B accepted in one request
+    input_name: str = INPUT_NAME
+    output_name: str = OUTPUT_NAME
+
+    @property
+    def name(self) -> str:
+        return self.identity.name
+
+    @property
+    def version(self) -> str:
+        return self.identity.version
+
+    def labels(self) -> dict[str, str]:
+        """The model's description as strings: mha_model_info and ModelConfig parameters."""
+        c = self.config
+        return {
+            "name": self.name,
+            "version": self.version,
+            "d_model": str(c.d_model),
+            "n_head": str(c.n_head),
+            "max_seq_len": str(c.max_seq_len),
+            "causal": str(c.causal).lower(),
+        }

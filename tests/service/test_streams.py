@@ -1,0 +1,135 @@
+"""Streams: answered concurrently, and nothing keeps computing or counts OK once the client is gone."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import grpc
+import numpy as np
+import pytest
+
+from service.codec import encode_infer_request
+from service.proto import grpc_service_pb2_grpc as pb_grpc
+from service.streams import answer_concurrently
+from tests.support import ServerThread, make_settings
+
+# answer_concurrently on its own -----------------------------------------------------------------
+
+
+async def _numbers(n: int, fail_after: int | None = None) -> AsyncIterator[int]:
+    for i in range(n):
+        if fail_after is not None and i == fail_after:
+            raise ValueError("corrupt message")
+        yield i
+        await asyncio.sleep(0)
+
+
+def test_answers_every_request_as_it_completes() -> None:
+    async def main() -> list[int]:
+        async def answer(i: int) -> int:
+            await asyncio.sleep(0.001 * (5 - i))  # later requests finish first
+            return i * 10
+
+        return [a async for a in answer_concurrently(_numbers(5), answer)]
+
+    answers = asyncio.run(main())
+    assert sorted(answers) == [0, 10, 20, 30, 40] and answers != sorted(answers)
+
+
+def test_when_the_consumer_stops_every_unanswered_request_is_cancelled() -> None:
+    started: set[int] = set()
+    cancelled: set[int] = set()
+
+    async def main() -> None:
+        never = asyncio.Event()
+
+        async def answer(i: int) -> int:
+            started.add(i)
+            if i == 0:
+                return 0
+            try:
+                await never.wait()
+            except asyncio.CancelledError:
+                cancelled.add(i)
+                raise
+            return i
+
+        stream = answer_concurrently(_numbers(6), answer)
+        assert await anext(stream) == 0
+        while len(started) < 6:
+            await asyncio.sleep(0)
+        await stream.aclose()  # what grpc does when the client cancels
+        assert not [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+
+    asyncio.run(main())
+    assert cancelled == {1, 2, 3, 4, 5}
+
+
+def test_a_read_error_is_raised_after_what_was_read_is_answered() -> None:
+    async def main() -> list[int]:
+        got: list[int] = []
+        with pytest.raises(ValueError, match="corrupt message"):
+            async for a in answer_concurrently(_numbers(6, fail_after=3), lambda i: asyncio.sleep(0.001, i)):
+                got.append(a)
+        return got
+
+    assert sorted(asyncio.run(main())) == [0, 1, 2]
+
+
+# Behind a real server ---------------------------------------------------------------------------
+
+N = 60
+HEAVY = np.random.default_rng(0).standard_normal((1, 1024, 128), dtype=np.float32)  # ~10 ms each on 2 cores
+
+
+@pytest.fixture
+def server(default_model_dir: Path) -> Iterator[ServerThread]:
+    settings = make_settings(default_model_dir, backend="torch", max_batch_size=1, max_queue_delay_ms=0)
+    with ServerThread(settings) as s:
+        yield s
+
+
+def _requests() -> Iterator[object]:
+    for i in range(N):
+        yield encode_infer_request(HEAVY, request_id=str(i))
+
+
+def _settle(server: ServerThread) -> None:
+    deadline = time.monotonic() + 60
+    while server.core.in_flight and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert server.core.in_flight == 0
+
+
+def _stream_counts(server: ServerThread) -> dict[str, float]:
+    get = server.registry.get_sample_value
+    codes = ("OK", "CANCELLED", "DEADLINE_EXCEEDED", "INTERNAL", "UNKNOWN")
+    return {c: get("mha_requests_total", {"method": "ModelStreamInfer", "code": c}) or 0.0 for c in codes}
+
+
+def test_a_cancelled_stream_stops_computing_and_is_counted_cancelled(server: ServerThread) -> None:
+    with grpc.insecure_channel(server.url) as channel:
+        call = pb_grpc.GRPCInferenceServiceStub(channel).ModelStreamInfer(_requests(), timeout=120)
+        first = next(call)
+        assert not first.error_message
+        call.cancel()
+    _settle(server)
+    counts, executed = _stream_counts(server), server.core.stats.execution_count
+    assert executed <= 4, f"{executed} of {N} requests computed after the client cancelled"
+    assert counts["CANCELLED"] >= 1 and counts["OK"] <= executed, counts
+    assert counts["INTERNAL"] == counts["UNKNOWN"] == 0
+
+
+def test_an_expired_stream_stops_computing_and_is_counted_deadline_exceeded(server: ServerThread) -> None:
+    with grpc.insecure_channel(server.url) as channel:
+        call = pb_grpc.GRPCInferenceServiceStub(channel).ModelStreamInfer(_requests(), timeout=0.3)
+        with pytest.raises(grpc.RpcError) as info:
+            list(call)
+        assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    _settle(server)
+    counts, executed = _stream_counts(server), server.core.stats.execution_count
+    assert executed < N and counts["DEADLINE_EXCEEDED"] >= 1 and counts["CANCELLED"] == 0, counts
+    assert counts["OK"] <= executed
