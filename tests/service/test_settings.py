@@ -1,8 +1,10 @@
-"""Flags and MHA_* variables build one Settings object; bad combinations are refused."""
+"""Flags and MHA_* variables build one Settings object, checked whenever one is made."""
 
 from __future__ import annotations
 
 import argparse
+import os
+from dataclasses import fields, replace
 from pathlib import Path
 
 import pytest
@@ -10,15 +12,14 @@ import pytest
 from service.settings import Settings, add_serve_arguments, settings_from_namespace
 
 
-def _parse(argv: list[str], environ: dict[str, str]) -> Settings:
-    parser = argparse.ArgumentParser()
+def _parser(environ: dict[str, str]) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     add_serve_arguments(parser, environ)
-    return settings_from_namespace(parser.parse_args(argv), "INFO")
+    return parser
 
 
-def test_defaults_follow_the_design() -> None:
-    s = _parse([], {})
-    assert (s.grpc_port, s.metrics_port, s.backend, s.model_name, s.model_version) == (8001, 8002, "auto", "mha", "1")
+def _parse(argv: list[str], environ: dict[str, str] | None = None) -> Settings:
+    return settings_from_namespace(_parser(environ or {}).parse_args(argv), "info")
 
 
 def test_env_and_flags() -> None:
@@ -31,6 +32,16 @@ def test_env_and_flags() -> None:
     s = _parse([], env)
     assert (s.grpc_port, s.max_queue_delay_ms, s.model_dir, s.backend) == (9001, 0.5, Path("/models/x"), "torch")
     assert _parse(["--grpc-port", "7001"], env).grpc_port == 7001  # the flag wins
+    assert s.log_level == "INFO"
+
+
+def test_every_flagged_setting_has_a_flag_an_env_variable_and_a_documented_default() -> None:
+    text = _parser({}).format_help()
+    for f in fields(Settings):
+        if f.metadata["flag"]:
+            flag, env = f"--{f.name.replace('_', '-')}", f"MHA_{f.name.upper()}"
+            assert flag in text and env in text, f.name
+    assert "(default: 8001)" in text  # argparse shows the declared default itself
 
 
 @pytest.mark.parametrize(
@@ -38,16 +49,35 @@ def test_env_and_flags() -> None:
     [
         (["--tls-cert", "c.pem"], "go together"),
         (["--tls-client-ca", "ca.pem"], "needs --tls-cert"),
-        (["--backend", "tpu"], "expected auto, ort-cuda, ort-cpu or torch"),
-        (["--max-batch-size", "0"], "--max-batch-size must be >= 1"),
-        (["--grace-s", "-1"], "--grace-s must be >= 0"),
+        (["--max-batch-size", "0"], "--max-batch-size must be >= 1, got 0"),
+        (["--grace-s", "-1"], "--grace-s must be >= 0, got -1"),
+        (["--grpc-port", "70000"], "--grpc-port must be <= 65535, got 70000"),
+        (["--max-padding-ratio", "2"], "--max-padding-ratio must be <= 1, got 2"),
+        (["--threads", "-1"], "--threads must be >= 0, got -1"),
     ],
 )
-def test_invalid_settings(argv: list[str], message: str) -> None:
+def test_out_of_bounds_and_bad_combinations_are_refused(argv: list[str], message: str) -> None:
     with pytest.raises(ValueError, match=message):
-        _parse(argv, {})
+        _parse(argv)
 
 
-def test_cpu_threads_default_to_the_cpus_available() -> None:
-    assert Settings().cpu_threads >= 1
+@pytest.mark.parametrize(
+    "argv", [["--backend", "tpu"], ["--log-format", "xml"], ["--grpc-port", "abc"]], ids=["choice", "format", "int"]
+)
+def test_unparsable_flags_are_usage_errors(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as info:
+        _parse(argv)
+    assert info.value.code == 2 and argv[0] in capsys.readouterr().err
+
+
+def test_settings_are_checked_however_they_are_made() -> None:
+    """Not only the CLI: a Settings built in code (tests, embedders) is checked the same way."""
+    with pytest.raises(ValueError, match="--max-queue-size must be >= 1"):
+        Settings(max_queue_size=0)
+    with pytest.raises(ValueError, match="--backend 'tpu': expected one of auto, ort-cuda, ort-cpu, torch"):
+        replace(Settings(), backend="tpu")
+
+
+def test_cpu_threads_default_to_the_cpus_this_process_may_use() -> None:
+    assert Settings().cpu_threads == len(os.sched_getaffinity(0))
     assert Settings(threads=3).cpu_threads == 3
