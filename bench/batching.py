@@ -16,10 +16,8 @@ import platform
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
+from service.launch import ServerProcess
 from service.loadgen import run_load
-from tests.support import ServerProcess
 
 log = logging.getLogger("bench")
 CONCURRENCY = (1, 8, 32)

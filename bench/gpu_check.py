@@ -1,4 +1,4 @@
-"""GPU checks for a lent device machine (see ../shared/GPU.md): one script, results under $OUT.
+"""GPU checks for a machine with a CUDA device: one script, results as JSON under --out (or $OUT).
 
 1. ORT with the CUDA provider: get_providers() starts with CUDAExecutionProvider.
 2. Parity of ORT-CUDA and torch-CUDA against the float64 references over a (B, T) grid.
@@ -25,8 +25,6 @@ from pathlib import Path
 
 import numpy as np
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 log = logging.getLogger("gpu_check")
 SHAPES = [(4, 512, 128, 8), (8, 1024, 256, 8), (8, 2048, 512, 8), (8, 4096, 1024, 16)]
@@ -72,6 +70,7 @@ def main() -> int:
     torch.backends.cudnn.allow_tf32 = False
     import onnxruntime as ort
 
+    from export.layout import INPUT_NAME, OUTPUT_NAME, ModelFiles
     from export.pipeline import export_model_dir
     from export.verify import check_parity, parity_grid
     from model import MHAConfig, MultiHeadAttention
@@ -88,7 +87,7 @@ def main() -> int:
     model_dir = Path(tempfile.mkdtemp()) / "model"
     export_model_dir(model_dir, config, weights)
 
-    ort_cuda = OrtCudaBackend(model_dir / "model.onnx")
+    ort_cuda = OrtCudaBackend(ModelFiles(model_dir).onnx)
     results["ort_providers"] = ort_cuda._session.get_providers()
     torch_cuda = TorchBackend(config, weights, device="cuda")
     grid = parity_grid(config.max_seq_len)
@@ -97,7 +96,7 @@ def main() -> int:
         results[f"parity_{backend.name}"] = report.to_dict()
         log.info("%s parity:\n%s", backend.name, report.table())
 
-    selection = select_backends(model_dir, config, weights, "auto")
+    selection = select_backends(ModelFiles(model_dir).onnx, config, weights, "auto")
     results["auto_order"] = [b.name for b in selection.backends]
     results["auto_reasons"] = selection.summary()
 
@@ -105,7 +104,7 @@ def main() -> int:
         def run(self, x):
             raise RuntimeError("CUDA provider made to fail")
 
-    broken = Broken(model_dir / "model.onnx")
+    broken = Broken(ModelFiles(model_dir).onnx)
     fallbacks: list[tuple[str, str, str]] = []
     chain = BackendChain(
         [broken, torch_cuda], probe=SelfCheck(config, weights).passes, on_fallback=lambda *a: fallbacks.append(a)
@@ -122,11 +121,11 @@ def main() -> int:
         d = Path(tempfile.mkdtemp()) / "m"
         export_model_dir(d, cfg, w)
         x = torch.randn(B, T, C, device="cuda")
-        session = OrtCudaBackend(d / "model.onnx")._session
+        session = OrtCudaBackend(ModelFiles(d).onnx)._session
         binding = session.io_binding()
         y = torch.empty_like(x)
-        binding.bind_input("x", "cuda", 0, np.float32, list(x.shape), x.data_ptr())
-        binding.bind_output("y", "cuda", 0, np.float32, list(y.shape), y.data_ptr())
+        binding.bind_input(INPUT_NAME, "cuda", 0, np.float32, list(x.shape), x.data_ptr())
+        binding.bind_output(OUTPUT_NAME, "cuda", 0, np.float32, list(y.shape), y.data_ptr())
         row: dict[str, object] = {"B": B, "T": T, "C": C, "n_head": nh}
         row["ort_cuda_fp32_ms"] = cuda_time_ms(lambda s=session, b=binding: s.run_with_iobinding(b))
         plain = MultiHeadAttention.from_weights(cfg, w, fast=False).cuda()

@@ -11,6 +11,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    import numpy as np
+
+    from export.verify import ParityReport
     from model import MHAConfig
     from model.checkpoint import Weights
 
@@ -77,8 +80,6 @@ def cmd_verify(args: argparse.Namespace) -> int:
     from export.verify import verify_model_dir
 
     if args.url:
-        from service.client import verify_server
-
         report = verify_server(args.url, Path(args.model_dir), **_client_security(args))
     else:
         report = verify_model_dir(Path(args.model_dir))
@@ -107,6 +108,7 @@ def _add_client_args(p: argparse.ArgumentParser) -> None:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     import asyncio
+    from dataclasses import replace
 
     from service.requestlog import configure_logging
     from service.server import serve
@@ -118,7 +120,23 @@ def cmd_serve(args: argparse.Namespace) -> int:
         log.error("invalid settings: %s", exc)
         return 2
     configure_logging(settings.log_level, settings.log_format)
+    if settings.model_dir is None:
+        settings = replace(settings, model_dir=ensure_default_model(settings.default_model_dir))
     return asyncio.run(serve(settings))
+
+
+def ensure_default_model(directory: Path) -> Path:
+    """The default model's directory, exported first (seed 0, default config) if it is missing."""
+    from export.layout import ModelFiles
+
+    if not ModelFiles(directory).weights.is_file():
+        from export.pipeline import export_model_dir
+        from model import MHAConfig
+        from model.checkpoint import init_weights
+
+        log.info("no default model in %s: exporting it (seed 0, default config)", directory)
+        export_model_dir(directory, MHAConfig(), init_weights(MHAConfig(), seed=0))
+    return directory
 
 
 def cmd_infer(args: argparse.Namespace) -> int:
@@ -126,7 +144,7 @@ def cmd_infer(args: argparse.Namespace) -> int:
 
     import numpy as np
 
-    from service.client import InferenceError, MHAClient, random_input
+    from service.client import InferenceError, MHAClient
 
     if args.input:
         x = np.load(args.input).astype(np.float32)
@@ -154,6 +172,33 @@ def cmd_infer(args: argparse.Namespace) -> int:
     return 0
 
 
+def random_input(shape: Sequence[int], seed: int = 0) -> np.ndarray:
+    """Seeded standard-normal float32, the same on every machine."""
+    import numpy as np
+
+    return np.random.default_rng(seed).standard_normal(tuple(shape), dtype=np.float32)
+
+
+def server_parity_grid(max_seq_len: int) -> list[tuple[int, int]]:
+    """Many shapes for end-to-end checks: T = 1, primes, powers of two, max_seq_len."""
+    seqs = sorted({min(t, max_seq_len) for t in (1, 2, 3, 7, 16, 31, 64, 127, max_seq_len // 2 + 1, max_seq_len)})
+    return [(1 + i % 5, t) for i, t in enumerate(seqs)]
+
+
+def verify_server(
+    url: str, model_dir: Path, shapes: Sequence[tuple[int, int]] | None = None, **client_kwargs: Any
+) -> ParityReport:
+    """End-to-end parity of a running server against the float64 references."""
+    from export.layout import ModelFiles
+    from export.verify import check_parity
+    from model.checkpoint import load_checkpoint
+    from service.client import MHAClient
+
+    config, weights = load_checkpoint(ModelFiles(model_dir).weights)
+    with MHAClient(url, **client_kwargs) as client:
+        return check_parity(client.infer, config, weights, shapes or server_parity_grid(config.max_seq_len), seed=7)
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     import json
 
@@ -168,13 +213,15 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 def build_parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
-    from service.settings import add_serve_arguments
+    from service.settings import LOG_LEVELS, add_serve_arguments
 
     parser = argparse.ArgumentParser(prog="mha", description="Serve a causal multi-head attention block over gRPC.")
     parser.add_argument(
         "--log-level",
+        type=str.upper,
+        choices=LOG_LEVELS,
         default=environ.get("MHA_LOG_LEVEL", "INFO"),
-        help="DEBUG, INFO, WARNING, ERROR (default INFO) [env MHA_LOG_LEVEL]",
+        help="log level (default INFO) [env MHA_LOG_LEVEL]",
     )
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -198,7 +245,11 @@ def build_parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
     _add_client_args(p)
     p.set_defaults(func=cmd_verify)
 
-    p = sub.add_parser("serve", help="serve the model over gRPC (Open Inference Protocol)")
+    p = sub.add_parser(
+        "serve",
+        help="serve the model over gRPC (Open Inference Protocol)",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
     add_serve_arguments(p, environ)
     p.set_defaults(func=cmd_serve)
 

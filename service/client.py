@@ -3,17 +3,12 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Iterator, Sequence
-from pathlib import Path
-from typing import Any
+from collections.abc import Iterable, Iterator
 
 import grpc
 import numpy as np
-import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from export.verify import ParityReport, check_parity
-from model.checkpoint import load_checkpoint
 from service.codec import decode_infer_response, encode_infer_request
 from service.proto import grpc_service_pb2 as pb
 from service.proto import grpc_service_pb2_grpc as pb_grpc
@@ -112,23 +107,3 @@ class MHAClient:
     def statistics(self, timeout: float = 5.0) -> pb.ModelStatistics:
         request = pb.ModelStatisticsRequest(name=self.model, version=self.version)
         return self._call("ModelStatistics", request, timeout).model_stats[0]  # type: ignore[attr-defined]
-
-
-def server_parity_grid(max_seq_len: int) -> list[tuple[int, int]]:
-    """Many shapes for end-to-end checks: T = 1, primes, powers of two, max_seq_len."""
-    seqs = sorted({min(t, max_seq_len) for t in (1, 2, 3, 7, 16, 31, 64, 127, max_seq_len // 2 + 1, max_seq_len)})
-    return [(1 + i % 5, t) for i, t in enumerate(seqs)]
-
-
-def verify_server(
-    url: str, model_dir: Path, shapes: Sequence[tuple[int, int]] | None = None, **client_kwargs: Any
-) -> ParityReport:
-    """End-to-end parity of a running server against the float64 references."""
-    config, weights = load_checkpoint(model_dir / "weights.safetensors")
-    with MHAClient(url, **client_kwargs) as client:
-        return check_parity(client.infer, config, weights, shapes or server_parity_grid(config.max_seq_len), seed=7)
-
-
-def random_input(shape: Sequence[int], seed: int = 0) -> np.ndarray:
-    gen = torch.Generator().manual_seed(seed)
-    return torch.randn(*shape, generator=gen).numpy()

@@ -1,6 +1,6 @@
 """Runs under .venv-triton (tritonclient from PyPI): drives a running mha-serve like Triton's users do.
 
-usage: triton_check.py HOST:PORT weights.npz-less-model-dir out.json
+usage: triton_check.py HOST:PORT OUT.json
 Prints nothing on success; writes what it saw as JSON for the test to assert on.
 """
 

@@ -1,0 +1,113 @@
+"""`mha serve` as a child process on loopback, ready once its health says SERVING.
+
+For tests, benchmarks and tools that need a real server process (signals, their own client
+libraries); nothing here is on the request path.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+PACKAGE_ROOT = Path(__file__).resolve().parent.parent  # the folder that holds `service`
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class ServerProcess:
+    """`mha serve` as a child process, for signals and for clients that need their own process."""
+
+    def __init__(self, args: list[str], env: dict[str, str] | None = None, cwd: Path | None = None) -> None:
+        self.port = free_port()
+        self.metrics_port = free_port()
+        self.args = [
+            sys.executable,
+            "-m",
+            "service.cli",
+            "serve",
+            "--host",
+            "127.0.0.1",
+            "--grpc-port",
+            str(self.port),
+            "--metrics-port",
+            str(self.metrics_port),
+            "--log-format",
+            "json",
+            *args,
+        ]
+        self.env = {**os.environ, **(env or {})}
+        self.env["PYTHONPATH"] = str(PACKAGE_ROOT)
+        self.cwd = cwd
+        self.proc: subprocess.Popen[str] | None = None
+        self.log_path: Path | None = None
+
+    @property
+    def url(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def start(self, log_path: Path, ready_timeout: float = 120) -> ServerProcess:
+        self.log_path = log_path
+        self.proc = subprocess.Popen(
+            self.args,
+            env=self.env,
+            cwd=self.cwd,
+            stdout=subprocess.DEVNULL,
+            stderr=log_path.open("w"),
+            text=True,
+        )
+        wait_serving(self.url, ready_timeout, self.proc)
+        return self
+
+    def log(self) -> str:
+        return self.log_path.read_text() if self.log_path else ""
+
+    def terminate(self, timeout: float = 30) -> int:
+        assert self.proc is not None
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        return self.proc.wait(timeout)
+
+    def kill(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(10)
+
+
+def wait_serving(url: str, timeout: float, proc: subprocess.Popen[str] | None = None) -> None:
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    deadline = time.monotonic() + timeout
+    with grpc.insecure_channel(url) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        while time.monotonic() < deadline:
+            if proc is not None and proc.poll() is not None:
+                raise RuntimeError(f"server exited with {proc.returncode} before it was ready")
+            with contextlib.suppress(grpc.RpcError):
+                status = stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=1).status
+                if status == health_pb2.HealthCheckResponse.SERVING:
+                    return
+            time.sleep(0.2)
+    raise TimeoutError(f"{url} not SERVING after {timeout} s")
+
+
+@contextlib.contextmanager
+def server_process(args: list[str], log_path: Path, **kwargs: Any) -> Iterator[ServerProcess]:
+    server = ServerProcess(args, **kwargs)
+    try:
+        yield server.start(log_path)
+    finally:
+        server.kill()
