@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
 
@@ -42,7 +43,7 @@ def test_graph_interface_is_symbolic(small_model_dir: Path) -> None:
     model = onnx.load(str(small_model_dir / "model.onnx"))
     for value in (*model.graph.input, *model.graph.output):
         dims = value.type.tensor_type.shape.dim
-        assert [d.dim_param for d in dims[:2]] == ["batch", "seq"] or all(d.dim_param for d in dims[:2])
+        assert [d.dim_param for d in dims[:2]] == ["batch", "seq"]
         assert dims[2].dim_value == 32
     assert [v.name for v in model.graph.input] == ["x"]
     assert [v.name for v in model.graph.output] == ["y"]
@@ -59,11 +60,12 @@ def test_manifest_records_grid_hashes_and_versions(small_model_dir: Path) -> Non
     assert manifest["config"] == {"d_model": 32, "n_head": 4, "max_seq_len": 64, "causal": True, "bias": True}
     assert manifest["opset"] == 23
     grid = [(r["batch"], r["seq"]) for r in manifest["parity"]["grid"]]
-    assert grid == parity_grid(64)
-    assert {1, 64} <= {t for _, t in grid} and {b for b, _ in grid} == set(range(1, 9))
+    # T = 1, 2, 13, 61, max, the largest prime <= max/2 (31); every B from 1 to 8
+    assert grid == [(1, 1), (8, 1), (2, 2), (3, 13), (4, 61), (5, 64), (6, 31), (7, 64), (1, 64)]
     assert all(r["rel_view"] < 1e-5 and r["rel_einsum"] < 1e-5 for r in manifest["parity"]["grid"])
     assert set(manifest["versions"]) >= {"torch", "onnx", "onnxruntime"}
-    assert len(manifest["files"]["model.onnx"]["sha256"]) == 64
+    for name in ("model.onnx", "weights.safetensors"):
+        assert manifest["files"][name]["sha256"] == hashlib.sha256((small_model_dir / name).read_bytes()).hexdigest()
 
 
 def test_parity_grid_covers_the_issue() -> None:

@@ -6,7 +6,6 @@ import math
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from model import MHAConfig, MultiHeadAttention
 from model.checkpoint import init_weights
@@ -67,31 +66,56 @@ def test_causal_output_ignores_the_future() -> None:
         assert torch.allclose(ref(x, weights, config)[:, :5], ref(changed, weights, config)[:, :5], atol=1e-12)
 
 
-def test_worked_example_raw_scores() -> None:
-    q = torch.tensor([[1.0, 0.0], [0.0, 1.0], [1.0, 1.0]])
-    k = torch.tensor([[1.0, 0.0], [1.0, 1.0], [0.0, 1.0]])
-    expected = torch.tensor([[1.0, 1.0, 0.0], [0.0, 1.0, 1.0], [1.0, 2.0, 1.0]])
-    assert torch.equal(q @ k.T, expected)
-    assert torch.equal(torch.einsum("bik,bjk->bij", q[None], k[None])[0], expected)
+def _identity_weights(C: int, o_bias: float = 0.0) -> dict[str, torch.Tensor]:
+    eye = torch.eye(C, dtype=torch.float64)
+    weights = {f"{n}.weight": eye for n in ("q_proj", "k_proj", "v_proj", "o_proj")}
+    weights |= {f"{n}.bias": torch.zeros(C, dtype=torch.float64) for n in ("q_proj", "k_proj", "v_proj")}
+    weights["o_proj.bias"] = torch.full((C,), o_bias, dtype=torch.float64)
+    return weights
 
 
-def test_worked_example_identity_linear_plus_one() -> None:
-    layer = torch.nn.Linear(4, 4)
-    with torch.no_grad():
-        layer.weight.copy_(torch.eye(4))
-        layer.bias.fill_(1.0)
-    x = torch.randn(2, 3, 4)
-    assert torch.allclose(layer(x), x + 1)
+def _all_implementations(
+    config: MHAConfig, weights: dict[str, torch.Tensor], x: torch.Tensor
+) -> dict[str, torch.Tensor]:
+    out = {"view": attention_view(x, weights, config), "einsum": attention_einsum(x, weights, config)}
+    for fast in (True, False):
+        module = MultiHeadAttention.from_weights(config, weights, fast=fast).double()
+        with torch.inference_mode():
+            out["sdpa" if fast else "plain"] = module(x)
+    return out
 
 
-def test_worked_example_causal_mask_t4() -> None:
-    mask = causal_mask(4)
-    assert torch.equal(mask, torch.tril(torch.ones(4, 4, dtype=torch.bool)))
-    scores = torch.randn(4, 4, dtype=torch.float64)
-    weights = F.softmax(scores.masked_fill(~mask, torch.finfo(torch.float64).min), dim=-1)
-    assert torch.all(weights[~mask] == 0)
-    assert torch.allclose(weights.sum(-1), torch.ones(4, dtype=torch.float64))
-    assert weights[0, 0].item() == 1.0
+def test_worked_example_three_tokens_by_hand() -> None:
+    """One head, C = 2, identity projections: scores x x^T / sqrt(2), worked out on paper.
+
+    t=0 sees only itself: y0 = x0. t=1 weighs x0, x1 by softmax(0, 1/sqrt 2). t=2 weighs x0, x1, x2
+    by softmax(1, 1, 2) / sqrt 2 (scaled before the softmax).
+    """
+    config = MHAConfig(d_model=2, n_head=1, max_seq_len=3)
+    x = torch.tensor([[[1.0, 0.0], [0.0, 1.0], [1.0, 1.0]]], dtype=torch.float64)
+    a = math.exp(1 / math.sqrt(2))  # e^(score 1) for a dot product of 1
+    w1 = (1 / (1 + a), a / (1 + a))
+    w2 = (a / (2 * a + a * a), a / (2 * a + a * a), a * a / (2 * a + a * a))
+    expected = torch.tensor(
+        [[[1.0, 0.0], [w1[0], w1[1]], [w2[0] + w2[2], w2[1] + w2[2]]]], dtype=torch.float64
+    )  # (B, T, C)
+    for name, y in _all_implementations(config, _identity_weights(2), x).items():
+        assert torch.allclose(y, expected, atol=1e-12), name
+
+
+def test_worked_example_one_token_is_its_value_projected() -> None:
+    """With T = 1 the softmax is 1 whatever the scores: y = o_proj(v_proj(x)) = x + 1 here."""
+    config = MHAConfig(d_model=4, n_head=2, max_seq_len=4)
+    weights = _identity_weights(4, o_bias=1.0)
+    weights["q_proj.weight"] = torch.randn(4, 4, dtype=torch.float64)  # irrelevant at T = 1
+    x = torch.randn(3, 1, 4, dtype=torch.float64)
+    for name, y in _all_implementations(config, weights, x).items():
+        assert torch.allclose(y, x + 1, atol=1e-12), name
+
+
+def test_causal_mask_t4() -> None:
+    expected = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 1, 1, 0], [1, 1, 1, 1]], dtype=torch.bool)
+    assert torch.equal(causal_mask(4), expected)
 
 
 def test_scale_is_one_over_sqrt_head_size() -> None:
