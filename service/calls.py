@@ -20,8 +20,9 @@ from typing import TYPE_CHECKING
 
 import grpc
 
-from service.errors import ServiceError, to_status
+from service.errors import ServiceError
 from service.requestlog import new_request_id, request_id_var
+from service.status import to_status
 
 if TYPE_CHECKING:
     from service.core import InferenceCore
@@ -99,7 +100,7 @@ class _Scope:
         self._calls, self._context, self.call = calls, context, call
         self._token: contextvars.Token[str] | None = None
 
-    def _enter(self) -> Call:
+    async def __aenter__(self) -> Call:
         self._token = request_id_var.set(self.call.request_id)
         self._calls.opened(self.call)
         return self.call
@@ -117,9 +118,6 @@ class _Scope:
 class UnaryScope(_Scope):
     """A whole call: a failure aborts it with the mapped status."""
 
-    async def __aenter__(self) -> Call:
-        return self._enter()
-
     async def __aexit__(
         self, typ: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
@@ -131,9 +129,6 @@ class UnaryScope(_Scope):
 class StreamItemScope(_Scope):
     """One request of a stream: a failure is kept on the Call (answered in-band), a cancellation
     propagates."""
-
-    async def __aenter__(self) -> Call:
-        return self._enter()
 
     async def __aexit__(
         self, typ: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None

@@ -1,8 +1,7 @@
-"""The service's error hierarchy, and the one place that maps it to gRPC status codes."""
+"""The service's error hierarchy: what went wrong, in the domain's words (no gRPC here;
+`service/status.py` maps each to a status code)."""
 
 from __future__ import annotations
-
-import grpc
 
 
 class ServiceError(Exception):
@@ -35,27 +34,3 @@ class Unauthenticated(ServiceError):
 
 class BackendFailure(ServiceError):
     """Every backend failed on this batch: a real server fault, answered without details."""
-
-
-STATUS: dict[type[ServiceError], grpc.StatusCode] = {
-    InvalidInput: grpc.StatusCode.INVALID_ARGUMENT,
-    ModelNotFound: grpc.StatusCode.NOT_FOUND,
-    Overloaded: grpc.StatusCode.RESOURCE_EXHAUSTED,
-    NotReady: grpc.StatusCode.UNAVAILABLE,
-    DeadlineExceeded: grpc.StatusCode.DEADLINE_EXCEEDED,
-    Unauthenticated: grpc.StatusCode.UNAUTHENTICATED,
-}
-
-INTERNAL_MESSAGE = "internal error (request id {request_id}); the server logged the details"
-
-
-def to_status(exc: BaseException, request_id: str) -> tuple[grpc.StatusCode, str]:
-    """The status code and message a client sees for `exc`.
-
-    Our own errors carry their message; anything else (and BackendFailure) is a server fault,
-    answered INTERNAL with a generic message so that internals never leak (the caller logs it).
-    """
-    for cls in type(exc).__mro__:  # the nearest mapped class: subclasses keep their parent's code
-        if cls in STATUS:
-            return STATUS[cls], str(exc)
-    return grpc.StatusCode.INTERNAL, INTERNAL_MESSAGE.format(request_id=request_id)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable
+from functools import partial
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
 from prometheus_client import disable_created_metrics as _disable_created
@@ -38,66 +39,32 @@ class Metrics:
     def __init__(self, registry: CollectorRegistry) -> None:
         _disable_created()
         self.registry = registry
-        self.requests = Counter(
-            "mha_requests",
-            "Requests answered, by RPC method and final gRPC status code.",
-            ["method", "code"],
-            registry=registry,
+        seconds = partial(Histogram, buckets=LATENCY_BUCKETS, registry=registry)
+        counter, gauge = partial(Counter, registry=registry), partial(Gauge, registry=registry)
+        self.requests = counter(
+            "mha_requests", "Requests answered, by RPC method and final gRPC code.", ["method", "code"]
         )
-        self.request_duration = Histogram(
-            "mha_request_duration_seconds",
-            "End-to-end time in the server per request, by RPC method.",
-            ["method"],
-            buckets=LATENCY_BUCKETS,
-            registry=registry,
-        )
-        self.queue_duration = Histogram(
-            "mha_queue_duration_seconds",
-            "Time a request waited in the batching queue before its batch ran.",
-            buckets=LATENCY_BUCKETS,
-            registry=registry,
-        )
-        self.batch_formation = Histogram(
-            "mha_batch_formation_seconds",
-            "Time from the first request of a batch to the batch being formed.",
-            buckets=LATENCY_BUCKETS,
-            registry=registry,
-        )
-        self.inference_duration = Histogram(
-            "mha_inference_duration_seconds",
-            "Backend compute time per executed batch, by backend.",
-            ["backend"],
-            buckets=LATENCY_BUCKETS,
-            registry=registry,
-        )
+        self.request_duration = seconds("mha_request_duration_seconds", "Time in the server per request.", ["method"])
+        self.queue_duration = seconds("mha_queue_duration_seconds", "Time a request waited for its batch to run.")
+        self.batch_formation = seconds("mha_batch_formation_seconds", "Time the batcher spent forming a batch.")
+        self.inference_duration = seconds("mha_inference_duration_seconds", "Compute time per batch.", ["backend"])
         self.batch_size = Histogram(
-            "mha_batch_size",
-            "Rows (sum of B) per executed batch.",
-            buckets=BATCH_BUCKETS,
-            registry=registry,
+            "mha_batch_size", "Rows (sum of B) per executed batch.", buckets=BATCH_BUCKETS, registry=registry
         )
-        self.tokens = Counter(
-            "mha_tokens", "Tokens served: the sum of B*T over successful requests.", registry=registry
-        )
-        self.inflight = Gauge("mha_inflight_requests", "Inference requests in the server now.", registry=registry)
-        self.queue_depth = Gauge("mha_queue_depth", "Requests waiting in the batching queue.", registry=registry)
-        self.fallbacks = Counter(
+        self.tokens = counter("mha_tokens", "Tokens served: the sum of B*T over successful requests.")
+        self.inflight = gauge("mha_inflight_requests", "Inference requests in the server now.")
+        self.queue_depth = gauge("mha_queue_depth", "Requests waiting in the batching queue.")
+        self.queue_capacity = gauge("mha_queue_capacity", "Requests the queue holds before RESOURCE_EXHAUSTED.")
+        self.fallbacks = counter(
             "mha_backend_fallbacks",
-            "Batches sent to the next backend after an error, by from, to and reason.",
+            "Batches sent on to the next backend, by from, to and reason.",
             ["from", "to", "reason"],
-            registry=registry,
         )
-        self.backend_info = Gauge(
-            "mha_backend_info",
-            "1 for the backend serving now, 0 for the loaded fallbacks.",
-            ["backend", "device"],
-            registry=registry,
+        self.backend_info = gauge(
+            "mha_backend_info", "1 for the backend serving now, 0 for fallbacks.", ["backend", "device"]
         )
         self.model_info = Info("mha_model", "The model being served.", registry=registry)
-        self.ready = Gauge("mha_ready", "1 when the model is loaded, self-checked and serving.", registry=registry)
-        self.queue_capacity = Gauge(
-            "mha_queue_capacity", "Requests the batching queue holds before RESOURCE_EXHAUSTED.", registry=registry
-        )
+        self.ready = gauge("mha_ready", "1 when the model is loaded, self-checked and serving.")
 
     def loaded(self, model_labels: dict[str, str], queue_capacity: int, queue_depth: Callable[[], int]) -> None:
         self.model_info.info(model_labels)

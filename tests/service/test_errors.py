@@ -6,7 +6,8 @@ import grpc
 import pytest
 
 from service import errors
-from service.errors import BackendFailure, InvalidInput, ServiceError, to_status
+from service.errors import BackendFailure, InvalidInput, ServiceError
+from service.status import to_status
 
 ANSWERED_AS_SERVER_FAULTS = {BackendFailure}
 

@@ -1,0 +1,38 @@
+"""The one place that maps the service's errors to gRPC status codes and client messages."""
+
+from __future__ import annotations
+
+import grpc
+
+from service.errors import (
+    DeadlineExceeded,
+    InvalidInput,
+    ModelNotFound,
+    NotReady,
+    Overloaded,
+    ServiceError,
+    Unauthenticated,
+)
+
+STATUS: dict[type[ServiceError], grpc.StatusCode] = {
+    InvalidInput: grpc.StatusCode.INVALID_ARGUMENT,
+    ModelNotFound: grpc.StatusCode.NOT_FOUND,
+    Overloaded: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    NotReady: grpc.StatusCode.UNAVAILABLE,
+    DeadlineExceeded: grpc.StatusCode.DEADLINE_EXCEEDED,
+    Unauthenticated: grpc.StatusCode.UNAUTHENTICATED,
+}
+
+INTERNAL_MESSAGE = "internal error (request id {request_id}); the server logged the details"
+
+
+def to_status(exc: BaseException, request_id: str) -> tuple[grpc.StatusCode, str]:
+    """The status code and message a client sees for `exc`.
+
+    Our own errors carry their message; anything else (and BackendFailure) is a server fault,
+    answered INTERNAL with a generic message so that internals never leak (the caller logs it).
+    """
+    for cls in type(exc).__mro__:  # the nearest mapped class: subclasses keep their parent's code
+        if cls in STATUS:
+            return STATUS[cls], str(exc)
+    return grpc.StatusCode.INTERNAL, INTERNAL_MESSAGE.format(request_id=request_id)
