@@ -11,13 +11,14 @@ import enum
 import logging
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from functools import partial
 
 import numpy as np
 
 from export.layout import ModelFiles
 from model.checkpoint import CheckpointError, load_checkpoint
 from service.backends import BackendChain, Selection, select_backends
-from service.backends.chain import REASONS
+from service.backends.chain import REASONS, FallbackHook
 from service.batcher import Batcher, BatcherConfig, BatchEvent, Clock, MonotonicClock, Timing
 from service.errors import NotReady
 from service.metrics import Metrics
@@ -83,7 +84,8 @@ class InferenceCore:
     async def load(self) -> None:
         """Load, self-check and order the backends off the event loop, then start batching."""
         try:
-            model, selection, chain = await asyncio.get_running_loop().run_in_executor(self._executor, self._load)
+            load = partial(load_model, self.settings, self.identity, self._count_fallback)
+            model, selection, chain = await asyncio.get_running_loop().run_in_executor(self._executor, load)
         except Exception:
             self._set_state(State.FAILED)
             raise
@@ -110,28 +112,8 @@ class InferenceCore:
         self._publish_backends()
         self._set_state(State.READY)
 
-    def _load(self) -> tuple[ServedModel, Selection, BackendChain]:
-        s = self.settings
-        if s.model_dir is None:
-            raise ModelLoadError("no model directory to serve; `mha serve` exports the default model and names it")
-        files = ModelFiles(s.model_dir)
-        try:
-            config, weights = load_checkpoint(files.weights)
-        except CheckpointError as exc:
-            raise ModelLoadError(f"cannot serve {files.directory}: {exc}") from exc
-        selection = select_backends(files.onnx, config, weights, requested=s.backend, threads=s.cpu_threads)
-        if not selection.backends:
-            raise ModelLoadError(f"no backend can serve {files.directory}: {selection.summary()}")
-        chain = BackendChain(
-            selection.backends,
-            probe=selection.check.passes,
-            failure_threshold=s.fallback_failures,
-            cooldown_s=s.fallback_cooldown_s,
-            on_fallback=lambda source, target, reason: self.metrics.fallbacks.labels(source, target, reason).inc(),
-        )
-        active = chain.active
-        log.info("serving %s with %s on %s; %s", files.directory, active.name, active.device, selection.summary())
-        return ServedModel(self.identity, config, files, s.max_request_rows), selection, chain
+    def _count_fallback(self, source: str, target: str, reason: str) -> None:
+        self.metrics.fallbacks.labels(source, target, reason).inc()
 
     def _run_batch(self, x: np.ndarray) -> tuple[np.ndarray, str]:
         y, backend = self.loaded.chain.run(x)
@@ -190,3 +172,30 @@ class InferenceCore:
         if self._loaded is not None:
             for backend in self._loaded.chain.backends:
                 backend.close()
+
+
+def load_model(
+    settings: Settings, identity: ModelIdentity, on_fallback: FallbackHook
+) -> tuple[ServedModel, Selection, BackendChain]:
+    """Read the model directory, load and self-check the backends, and chain them (blocking)."""
+    s = settings
+    if s.model_dir is None:
+        raise ModelLoadError("no model directory to serve; `mha serve` exports the default model and names it")
+    files = ModelFiles(s.model_dir)
+    try:
+        config, weights = load_checkpoint(files.weights)
+    except CheckpointError as exc:
+        raise ModelLoadError(f"cannot serve {files.directory}: {exc}") from exc
+    selection = select_backends(files.onnx, config, weights, requested=s.backend, threads=s.cpu_threads)
+    if not selection.backends:
+        raise ModelLoadError(f"no backend can serve {files.directory}: {selection.summary()}")
+    chain = BackendChain(
+        selection.backends,
+        probe=selection.check.passes,
+        failure_threshold=s.fallback_failures,
+        cooldown_s=s.fallback_cooldown_s,
+        on_fallback=on_fallback,
+    )
+    active = chain.active
+    log.info("serving %s with %s on %s; %s", files.directory, active.name, active.device, selection.summary())
+    return ServedModel(identity, config, files, s.max_request_rows), selection, chain

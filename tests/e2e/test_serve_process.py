@@ -7,17 +7,19 @@ import shutil
 import subprocess
 import threading
 import time
+import urllib.request
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from prometheus_client.parser import text_string_to_metric_families
 
 from model.checkpoint import load_checkpoint
 from model.reference import attention_view, relative_error
 from service.cli import random_input
 from service.client import InferenceError, MHAClient
-from tests.support import ROOT, server_process
+from tests.support import ROOT, ServerProcess, server_process
 
 TRITON_PYTHON = ROOT / ".venv-triton" / "bin" / "python"
 
@@ -84,6 +86,27 @@ def test_corrupt_onnx_serves_through_torch(default_model_dir: Path, tmp_path: Pa
         assert any(e["level"] == "WARNING" and "ort-cpu unavailable" in e["msg"] for e in logs)
 
 
+def _wait_arrived(server: ServerProcess, count: int, timeout_s: float = 60) -> None:
+    """Until the server's own metrics say `count` ModelInfer calls arrived and several are in flight."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        with urllib.request.urlopen(f"http://127.0.0.1:{server.metrics_port}/metrics", timeout=5) as response:
+            families = {f.name: f for f in text_string_to_metric_families(response.read().decode())}
+        in_flight = families["mha_inflight_requests"].samples[0].value
+        answered = sum(s.value for s in families["mha_requests"].samples if s.labels.get("method") == "ModelInfer")
+        if in_flight + answered >= count and in_flight >= 4:  # a few hundred ms of work left
+            return
+        time.sleep(0.005)
+    raise AssertionError(f"{count} requests never were in the server together")
+
+
+def _wait_log(server: ServerProcess, text: str, timeout_s: float = 30) -> None:
+    deadline = time.monotonic() + timeout_s
+    while text not in server.log():
+        assert time.monotonic() < deadline, f"the server never logged {text!r}"
+        time.sleep(0.005)
+
+
 def test_sigterm_drains_in_flight_requests(default_model_dir: Path, tmp_path: Path) -> None:
     grace = 15.0
     args = [
@@ -105,8 +128,7 @@ def test_sigterm_drains_in_flight_requests(default_model_dir: Path, tmp_path: Pa
             with MHAClient(server.url) as client:
                 x = random_input((8, 1024, 128), seed=i)
                 try:
-                    y = client.infer(x, timeout=60)
-                    outcome: object = _rel(default_model_dir, x.tolist(), y.tolist())
+                    outcome: object = (x, client.infer(x, timeout=60))  # checked after the drain
                 except InferenceError as exc:
                     outcome = exc
             with lock:
@@ -116,11 +138,11 @@ def test_sigterm_drains_in_flight_requests(default_model_dir: Path, tmp_path: Pa
         threads = [threading.Thread(target=one, args=(i,)) for i in range(12)]
         for t in threads:
             t.start()
-        time.sleep(0.3)  # all sent; most still queued behind each other (12 x ~50 ms of compute)
+        _wait_arrived(server, 12)  # all in the server; most queued behind each other (12 x ~50 ms of compute)
         signalled = time.monotonic()
         assert server.proc is not None
         server.proc.send_signal(15)
-        time.sleep(0.1)
+        _wait_log(server, "draining: new requests are refused")
         with MHAClient(server.url) as late, pytest.raises(InferenceError) as info:
             late.infer(np.ones((1, 2, 128), np.float32), timeout=5)
         assert info.value.code.name == "UNAVAILABLE"
@@ -132,6 +154,7 @@ def test_sigterm_drains_in_flight_requests(default_model_dir: Path, tmp_path: Pa
     assert code == 0
     assert exited_after < grace
     assert len(results) == 12
-    assert all(isinstance(r, float) and r < 1e-5 for r in results), results
+    assert all(isinstance(r, tuple) for r in results), [r for r in results if not isinstance(r, tuple)]
+    assert all(_rel(default_model_dir, x.tolist(), y.tolist()) < 1e-5 for x, y in results)  # type: ignore[misc]
     assert any(t > signalled for t in finished), "no request was still in flight at SIGTERM"
     assert "draining" in server.log()
