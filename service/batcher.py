@@ -282,11 +282,14 @@ class Batcher:
         started = self.clock.now()
         try:
             y, backend = await asyncio.get_running_loop().run_in_executor(self._executor, self._run_batch, x)
-        except Exception as exc:  # a failed batch fails every waiter with the same error
+        except Exception as exc:
             self._report(batch, x, (forming, started), "", exc)
-            for item in batch:
-                if not item.future.done():
-                    item.future.set_exception(exc)
+            if len(batch) > 1:  # isolate the culprit: one request's failure never fails the others
+                for item in batch:
+                    if not item.future.done():
+                        await self._execute([item], self.clock.now())
+            elif not batch[0].future.done():
+                batch[0].future.set_exception(exc)
             return
         self._report(batch, x, (forming, started), backend, None)
         for item, out in zip(batch, split(y, [(i.rows, i.seq) for i in batch]), strict=True):

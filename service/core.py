@@ -20,7 +20,7 @@ from model.checkpoint import CheckpointError, load_checkpoint
 from service.backends import BackendChain, Selection, select_backends
 from service.backends.chain import REASONS, FallbackHook
 from service.batcher import Batcher, BatcherConfig, BatchEvent, Clock, MonotonicClock, Timing
-from service.errors import NotReady
+from service.errors import InvalidInput, NotReady
 from service.metrics import Metrics
 from service.render import Serving
 from service.served import ModelIdentity, ServedModel
@@ -139,6 +139,11 @@ class InferenceCore:
         if self.state is not State.READY:
             raise NotReady(f"the model is not ready (state: {self.state.value}); retry shortly")
         y, timing = await self.loaded.batcher.submit(x, deadline)
+        if not np.isfinite(y).all():  # the chain found this input to blame (see BackendChain)
+            raise InvalidInput(
+                f"the output is not finite: the input's values (largest |x| = {float(np.abs(x).max()):.3g}) "
+                "overflow float32 inside attention; scale them down (see docs/api.md for the safe range)"
+            )
         self.metrics.observe_answer(int(x.shape[0]) * int(x.shape[1]), timing.queue_s)
         self.stats.observe_answer(int(x.shape[0]), timing.queue_s)
         return y, timing

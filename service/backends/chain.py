@@ -80,6 +80,8 @@ class BackendChain:
                 previous = (backend, "error")
                 continue
             problem = _output_problem(x, y)
+            if not problem and not self._finite_or_input_to_blame(backend, x, y):
+                problem = "output holds NaN or inf for a finite input that other backends compute finitely"
             if problem:
                 log.error("backend %s returned an invalid output for batch %s: %s", backend.name, x.shape, problem)
                 self._failed(backend)
@@ -89,6 +91,27 @@ class BackendChain:
             self._health[backend.name].consecutive_failures = 0
             return y, backend
         raise BackendFailure(f"every backend failed on a batch of shape {x.shape}: {errors or 'all benched'}")
+
+    def _finite_or_input_to_blame(self, backend: Backend, x: np.ndarray, y: np.ndarray) -> bool:
+        """True when `y` is finite, or its non-finite rows are the input's doing: values so large
+        that attention overflows float32. Then the rows go back as they are (the core answers
+        their requests INVALID_ARGUMENT) and nothing counts against the backend.
+
+        The input is to blame when another healthy backend computes the same rows non-finite
+        too or, with no other backend to ask, when this backend still passes its self-check.
+        """
+        bad = ~np.isfinite(y).reshape(y.shape[0], -1).all(axis=1)  # (B,) rows with NaN or inf
+        if not bad.any():
+            return True
+        rows = x[bad]  # (b, T, C)
+        for other in self.backends:
+            if other is backend or self._health[other.name].benched_until != 0.0:
+                continue
+            try:
+                return not bool(np.isfinite(other.run(rows)).all())
+            except Exception:  # a failing witness says nothing: ask the next
+                continue
+        return self._probe(backend)[0]
 
     def _available(self, backend: Backend) -> bool:
         health = self._health[backend.name]
@@ -124,9 +147,4 @@ class BackendChain:
 
 
 def _output_problem(x: np.ndarray, y: np.ndarray) -> str:
-    """Inputs are finite (the codec checks), so a non-finite output is the backend's fault."""
-    if y.shape != x.shape:
-        return f"output shape {y.shape} for input {x.shape}"
-    if not np.isfinite(y).all():
-        return "output holds NaN or inf"
-    return ""
+    return f"output shape {y.shape} for input {x.shape}" if y.shape != x.shape else ""

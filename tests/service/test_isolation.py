@@ -1,0 +1,75 @@
+"""One client cannot hurt the others: inputs that overflow attention fail alone and bench nothing."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import numpy as np
+import pytest
+import torch
+
+from model.checkpoint import load_checkpoint
+from model.reference import attention_view, relative_error
+from service.client import InferenceError, MHAClient
+from service.codec import decode_infer_response, encode_infer_request
+from service.proto import grpc_service_pb2_grpc as pb_grpc
+from tests.support import ServerThread, make_settings
+
+POISONS = {  # both backends overflow on these (checked in the tests: nothing may be benched)
+    "1e20": np.random.default_rng(3).standard_normal((1, 8, 32), dtype=np.float32) * np.float32(1e20),
+    "max": np.full((1, 8, 32), 3.4e38, np.float32),
+}
+
+
+def _exact(model_dir: Path, x: np.ndarray, y: np.ndarray) -> bool:
+    config, weights = load_checkpoint(model_dir / "weights.safetensors")
+    return relative_error(torch.from_numpy(y.copy()), attention_view(torch.from_numpy(x), weights, config)) < 1e-5
+
+
+@pytest.fixture(scope="module", params=["auto", "torch"], ids=["two-backends", "one-backend"])
+def server(request: pytest.FixtureRequest, small_model_dir: Path) -> Iterator[ServerThread]:
+    settings = make_settings(small_model_dir, backend=request.param, max_batch_size=16, max_queue_delay_ms=20)
+    with ServerThread(settings) as s:
+        yield s
+
+
+def _nothing_benched(server: ServerThread) -> None:
+    assert server.core.loaded.chain.benched() == []
+    fallbacks = [s for m in server.registry.collect() if m.name == "mha_backend_fallbacks" for s in m.samples]
+    assert all(s.value == 0 for s in fallbacks if s.name.endswith("_total")), fallbacks
+
+
+@pytest.mark.parametrize("poison", POISONS.values(), ids=POISONS.keys())
+def test_an_overflowing_input_is_the_clients_mistake(server: ServerThread, small_model_dir: Path, poison) -> None:
+    with MHAClient(server.url) as client:
+        for _ in range(5):  # more than --fallback-failures: a backend blamed for these would be benched
+            with pytest.raises(InferenceError) as info:
+                client.infer(poison)
+            assert info.value.code == grpc.StatusCode.INVALID_ARGUMENT
+            assert "overflow float32 inside attention" in str(info.value)
+        x = np.random.default_rng(0).standard_normal((2, 8, 32), dtype=np.float32)
+        assert _exact(small_model_dir, x, client.infer(x))
+    _nothing_benched(server)
+
+
+def test_innocent_requests_sharing_a_batch_with_a_poison_are_answered(
+    server: ServerThread, small_model_dir: Path
+) -> None:
+    rng = np.random.default_rng(1)
+    xs = [POISONS["1e20"] if i % 3 == 0 else rng.standard_normal((1, 8, 32), dtype=np.float32) for i in range(45)]
+    requests = [encode_infer_request(x, request_id=str(i)) for i, x in enumerate(xs)]
+    with grpc.insecure_channel(server.url) as channel:
+        responses = list(pb_grpc.GRPCInferenceServiceStub(channel).ModelStreamInfer(iter(requests), timeout=60))
+    assert len(responses) == 45
+    for response in responses:
+        i = int(response.infer_response.id)
+        if i % 3 == 0:
+            assert response.error_message.startswith("INVALID_ARGUMENT:") and "overflow" in response.error_message
+        else:
+            assert not response.error_message, response.error_message
+            assert _exact(small_model_dir, xs[i], decode_infer_response(response.infer_response))
+    batches = server.core.stats.batches
+    assert max(batches) > 1, "the stream's requests never shared a batch: the test proves nothing"
+    _nothing_benched(server)
