@@ -62,6 +62,9 @@ class Calls:
     def stream_item(self, method: str, context: grpc.aio.ServicerContext, client_id: str) -> StreamItemScope:
         return StreamItemScope(self, context, Call(method, new_request_id(client_id), inference=True))
 
+    def stream(self, method: str, context: grpc.aio.ServicerContext) -> StreamScope:
+        return StreamScope(self, context, Call(method, new_request_id(), inference=False))
+
     async def refuse(self, method: str, context: grpc.aio.ServicerContext, error: ServiceError) -> None:
         """Answer a call refused before it reached the servicer (e.g. by authentication)."""
         async with self.unary(method, context):
@@ -105,12 +108,13 @@ class _Scope:
         self._calls.opened(self.call)
         return self.call
 
-    def _exit(self, exc: BaseException | None) -> None:
+    def _exit(self, exc: BaseException | None, record: bool = True) -> None:
         if isinstance(exc, asyncio.CancelledError):
             self.call.code = _ended_code(self._context)
         elif exc is not None:
             self._calls.failed(self.call, exc)
-        self._calls.closed(self.call)
+        if record:
+            self._calls.closed(self.call)
         if self._token is not None:
             request_id_var.reset(self._token)
 
@@ -135,3 +139,17 @@ class StreamItemScope(_Scope):
     ) -> bool:
         self._exit(exc)
         return isinstance(exc, Exception)
+
+
+class StreamScope(_Scope):
+    """A stream as a whole. Its requests are counted one by one (stream_item scopes); only an
+    error that ends the stream early (a message that is not a request, draining) is answered
+    with its status, logged and counted here."""
+
+    async def __aexit__(
+        self, typ: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        failed = isinstance(exc, Exception)
+        self._exit(exc, record=failed)
+        if failed:
+            await self._context.abort(self.call.code, self.call.message)

@@ -60,6 +60,7 @@ class InferenceCore:
         self.in_flight = 0  # inference requests in the server (the batcher waits only for these)
         self._idle = asyncio.Event()  # set while in_flight is 0
         self._idle.set()
+        self.draining = asyncio.Event()  # set once draining began: open streams stop reading
         self._loaded: Loaded | None = None
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="infer")
         self._published_active = ""  # the backend mha_backend_info last showed as active
@@ -169,6 +170,7 @@ class InferenceCore:
         if self.state is not State.DRAINING:
             log.info("draining: new requests are refused, in-flight requests finish")
             self._set_state(State.DRAINING)
+            self.draining.set()
 
     async def close(self) -> None:
         if self._loaded is not None:

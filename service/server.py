@@ -17,9 +17,9 @@ from service.auth import BearerTokenInterceptor, read_token
 from service.batcher import Clock
 from service.calls import Calls
 from service.core import InferenceCore, State
+from service.handlers import generic_handler
 from service.metrics import Metrics
 from service.proto import grpc_service_pb2 as pb
-from service.proto import grpc_service_pb2_grpc as pb_grpc
 from service.servicer import InferenceServicer
 from service.settings import Settings
 
@@ -70,7 +70,7 @@ async def start(settings: Settings, registry: CollectorRegistry | None = None, c
             ("grpc.so_reuseport", 0),
         ],
     )
-    pb_grpc.add_GRPCInferenceServiceServicer_to_server(InferenceServicer(core, calls), server)
+    server.add_generic_rpc_handlers((generic_handler(InferenceServicer(core, calls), calls),))
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(

@@ -17,6 +17,7 @@ from service.batcher import Clock
 from service.calls import Calls
 from service.codec import decode_infer_request, encode_infer_response
 from service.core import InferenceCore, State
+from service.errors import NotReady
 from service.proto import grpc_service_pb2 as pb
 from service.proto import grpc_service_pb2_grpc as pb_grpc
 from service.streams import answer_concurrently
@@ -92,9 +93,13 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
     ) -> AsyncIterator[pb.ModelStreamInferResponse]:
         """Requests of one stream are served concurrently (so they can share batches); each
         response carries its request's id. A failed request answers error_message, and the
-        stream goes on."""
-        async for response in answer_concurrently(request_iterator, lambda r: self._stream_one(r, context)):
-            yield response
+        stream goes on; a message that is not a request, or draining, ends it with a status."""
+        draining = (self.core.draining, NotReady("the server is draining for shutdown; reconnect to another replica"))
+        async with self.calls.stream("ModelStreamInfer", context):
+            async for response in answer_concurrently(
+                request_iterator, lambda r: self._stream_one(r, context), draining
+            ):
+                yield response
 
     async def _stream_one(self, request: pb.ModelInferRequest, context: Context) -> pb.ModelStreamInferResponse:
         async with self.calls.stream_item("ModelStreamInfer", context, request.id) as call:

@@ -13,7 +13,9 @@ _END = object()
 
 
 async def answer_concurrently(
-    requests: AsyncIterator[Req], answer: Callable[[Req], Awaitable[Resp]]
+    requests: AsyncIterator[Req],
+    answer: Callable[[Req], Awaitable[Resp]],
+    stop: tuple[asyncio.Event, Exception] | None = None,
 ) -> AsyncIterator[Resp]:
     """Answer each request on its own task and yield the answers as they complete.
 
@@ -21,7 +23,8 @@ async def answer_concurrently(
     requests ended and all were answered, the client cancelled, the deadline passed or the
     stream was closed, the reader and every unanswered request are cancelled and awaited:
     nothing keeps computing for a client that has gone. An error reading the requests is
-    raised once the requests read before it are answered.
+    raised once the requests read before it are answered. `stop` = (event, error): once the
+    event is set, reading stops and, after the answers to what was read, `error` is raised.
     """
     answers: asyncio.Queue[object] = asyncio.Queue()
     tasks: set[asyncio.Task[None]] = set()
@@ -41,12 +44,19 @@ async def answer_concurrently(
             await answers.put(_END)
 
     reader = asyncio.create_task(read())
+    stopper = asyncio.create_task(stop[0].wait()) if stop else None
+    if stopper is not None:
+        stopper.add_done_callback(lambda _: reader.cancel())
     try:
         while (item := await answers.get()) is not _END:
             yield item  # type: ignore[misc]
+        if stop is not None and reader.cancelled():
+            raise stop[1]
         await reader  # raises what ended the reading, if anything did
     finally:
         reader.cancel()
+        if stopper is not None:
+            stopper.cancel()
         pending = list(tasks)
         for task in pending:
             task.cancel()
