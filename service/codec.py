@@ -6,12 +6,12 @@ wire allows (np.frombuffer on raw_input_contents); replies are always raw_output
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from export.layout import INPUT_NAME
-from service.errors import InvalidInput
+from service.errors import InvalidInput, quote
 from service.proto import grpc_service_pb2 as pb
 
 if TYPE_CHECKING:
@@ -25,19 +25,22 @@ def decode_infer_request(request: pb.ModelInferRequest, model: ServedModel) -> n
     """The request's (B, T, C) float32 input, checked against the served model."""
     model.identity.check(request.model_name, request.model_version)
     if len(request.inputs) != 1:
+        names = ", ".join(quote(i.name, 32) for i in request.inputs[:3]) + (", ..." if len(request.inputs) > 3 else "")
         raise InvalidInput(
-            f"expected exactly 1 input tensor {model.input_name!r}, got {len(request.inputs)}: "
-            f"{[i.name for i in request.inputs]}"
+            f"expected exactly 1 input tensor {model.input_name!r}, got {len(request.inputs)}: [{names}]"
         )
     tensor = request.inputs[0]
     if tensor.name != model.input_name:
-        raise InvalidInput(f"unknown input {tensor.name!r}; the model's input is {model.input_name!r}")
+        raise InvalidInput(f"unknown input {quote(tensor.name)}; the model's input is {model.input_name!r}")
     if tensor.datatype != DATATYPE:
-        raise InvalidInput(f"input {tensor.name!r} has datatype {tensor.datatype!r}; expected {DATATYPE!r}")
+        raise InvalidInput(f"input {tensor.name!r} has datatype {quote(tensor.datatype)}; expected {DATATYPE!r}")
     shape = _check_shape(list(tensor.shape), model)
     for out in request.outputs:
         if out.name != model.output_name:
-            raise InvalidInput(f"unknown requested output {out.name!r}; the model's output is {model.output_name!r}")
+            raise InvalidInput(
+                f"unknown requested output {quote(out.name)}; the model's output is {model.output_name!r}"
+            )
+    _refuse_unsupported(request)
     x = _read_contents(request, tensor, shape)
     if not np.isfinite(x).all():
         raise InvalidInput(
@@ -68,11 +71,40 @@ def _check_shape(shape: list[int], model: ServedModel) -> tuple[int, int, int]:
     return B, T, C
 
 
+# Protocol features this server does not implement: refused, never silently ignored.
+UNSUPPORTED_REQUEST_PARAMETERS = ("sequence_id", "sequence_start", "sequence_end")
+UNSUPPORTED_TENSOR_PARAMETERS = ("shared_memory_region", "shared_memory_byte_size", "shared_memory_offset")
+UNSUPPORTED_OUTPUT_PARAMETERS = ("classification", *UNSUPPORTED_TENSOR_PARAMETERS)
+TYPED_FIELDS = ("bool", "int", "int64", "uint", "uint64", "fp32", "fp64", "bytes")
+
+
+def _refuse_unsupported(request: pb.ModelInferRequest) -> None:
+    places: list[tuple[str, Any, tuple[str, ...]]] = [("request", request.parameters, UNSUPPORTED_REQUEST_PARAMETERS)]
+    places += [(f"input {t.name!r}", t.parameters, UNSUPPORTED_TENSOR_PARAMETERS) for t in request.inputs]
+    places += [(f"output {o.name!r}", o.parameters, UNSUPPORTED_OUTPUT_PARAMETERS) for o in request.outputs]
+    for where, parameters, unsupported in places:
+        for key in unsupported:
+            if key in parameters:
+                raise InvalidInput(
+                    f"{where} parameter {key!r} is not supported by this server; send the request without it"
+                )
+
+
+def _typed_fields(tensor: pb.ModelInferRequest.InferInputTensor) -> list[str]:
+    """The typed contents fields that hold values."""
+    if not tensor.HasField("contents"):
+        return []
+    return [f"{kind}_contents" for kind in TYPED_FIELDS if len(getattr(tensor.contents, f"{kind}_contents"))]
+
+
 def _read_contents(
     request: pb.ModelInferRequest, tensor: pb.ModelInferRequest.InferInputTensor, shape: tuple[int, int, int]
 ) -> np.ndarray:
     count = shape[0] * shape[1] * shape[2]
-    has_typed = tensor.HasField("contents") and len(tensor.contents.fp32_contents) > 0
+    typed = _typed_fields(tensor)
+    has_typed = typed == ["fp32_contents"]
+    if typed and not has_typed:
+        raise InvalidInput(f"input {tensor.name!r} is FP32 but carries contents.{', '.join(typed)}; send fp32_contents")
     if request.raw_input_contents:
         if has_typed:
             raise InvalidInput(

@@ -34,3 +34,10 @@ class Unauthenticated(ServiceError):
 
 class BackendFailure(ServiceError):
     """Every backend failed on this batch: a real server fault, answered without details."""
+
+
+def quote(value: str, limit: int = 64) -> str:
+    """A client-supplied string as it may appear in a message or a log line: quoted and cut."""
+    if len(value) <= limit:
+        return repr(value)
+    return f"{value[:limit]!r}... ({len(value)} characters)"

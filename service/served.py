@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from export.layout import INPUT_NAME, OUTPUT_NAME, ModelFiles
-from service.errors import ModelNotFound
+from service.errors import ModelNotFound, quote
 
 if TYPE_CHECKING:
     from model import MHAConfig
@@ -21,10 +21,10 @@ class ModelIdentity:
     def check(self, name: str, version: str) -> None:
         """A request's (name, version); an empty version means the latest, which is ours."""
         if name != self.name:
-            raise ModelNotFound(f"unknown model {name!r}; this server serves {self.name!r}")
+            raise ModelNotFound(f"unknown model {quote(name)}; this server serves {self.name!r}")
         if version not in ("", self.version):
             raise ModelNotFound(
-                f"unknown version {version!r} of model {self.name!r}; "
+                f"unknown version {quote(version)} of model {self.name!r}; "
                 f"available: [{self.version!r}] (or empty for latest)"
             )
 

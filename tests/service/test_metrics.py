@@ -136,3 +136,18 @@ def test_rejected_requests_are_counted(small_model_dir: Path, tmp_path: Path) ->
     assert s[("mha_requests_total", (("code", "UNAUTHENTICATED"), ("method", "ModelInfer")))] == 1
     assert s[("mha_requests_total", (("code", "OK"), ("method", "ModelInfer")))] == 1
     assert s[("mha_tokens_total", ())] == 2
+
+
+def test_made_up_methods_share_one_label(small_model_dir: Path, tmp_path: Path) -> None:
+    """Labels come from a fixed set: 30 invented method names must not make 30 series."""
+    token = tmp_path / "token"
+    token.write_text("t0ken")
+    settings = make_settings(small_model_dir, metrics_port=free_port(), auth_token_file=token, backend="torch")
+    with ServerThread(settings) as server, grpc.insecure_channel(server.url) as channel:
+        for i in range(30):
+            with pytest.raises(grpc.RpcError):
+                channel.unary_unary(f"/evil.Svc/m{i}")(b"", timeout=5)
+        s = samples(scrape(settings.metrics_port))
+    methods = {dict(k[1])["method"] for k in s if k[0] == "mha_requests_total"}
+    assert methods == {"unknown"}
+    assert s[("mha_requests_total", (("code", "UNAUTHENTICATED"), ("method", "unknown")))] == 30
