@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from export.layout import INPUT_NAME, MANIFEST_FILE, MODEL_FILE, WEIGHTS_FILE
+from export.layout import INPUT_NAME, MANIFEST_FILE, MODEL_FILE, OUTPUT_NAME, WEIGHTS_FILE, ModelFiles
 from model import MHAConfig
 from model.checkpoint import Weights, load_checkpoint
 from model.reference import attention_einsum, attention_view, relative_error
@@ -146,6 +146,9 @@ def verify_model_dir(directory: Path, grid: Sequence[tuple[int, int]] | None = N
     if problems:
         return ParityReport(tolerance=TOLERANCE, problems=problems)
     config, weights = load_checkpoint(directory / WEIGHTS_FILE)
+    problems = check_manifest(ModelFiles(directory), config)
+    if problems:
+        return ParityReport(tolerance=TOLERANCE, problems=problems)
     report = check_parity(
         ort_cpu_runner(directory / MODEL_FILE),
         config,
@@ -156,6 +159,36 @@ def verify_model_dir(directory: Path, grid: Sequence[tuple[int, int]] | None = N
     return report
 
 
+def check_manifest(files: ModelFiles, config: MHAConfig) -> list[str]:
+    """What manifest.json does not vouch for: each file's sha256, the config of the weights (as
+    loaded: `config`), and the ONNX graph's tensors. Empty when the directory is as exported."""
+    problems = _check_files(files.directory)
+    if problems:
+        return problems
+    manifest = json.loads(files.manifest.read_text())
+    if manifest.get("config") != config.to_dict():
+        problems.append(f"the weights' config {config.to_dict()} differs from the manifest's {manifest.get('config')}")
+    problems += _graph_problems(files, config)
+    return problems
+
+
+def _graph_problems(files: ModelFiles, config: MHAConfig) -> list[str]:
+    import onnx
+
+    try:
+        graph = onnx.load(str(files.onnx), load_external_data=False).graph
+    except Exception as exc:  # a damaged file: say so, whatever onnx raised
+        return [f"{MODEL_FILE} cannot be read as ONNX: {type(exc).__name__}"]
+    problems = []
+    for values, name in ((graph.input, INPUT_NAME), (graph.output, OUTPUT_NAME)):
+        dims = [[d.dim_value or d.dim_param for d in v.type.tensor_type.shape.dim] for v in values if v.name == name]
+        if dims != [["batch", "seq", config.d_model]]:
+            problems.append(
+                f"{MODEL_FILE}: tensor {name!r} is {dims or 'missing'}; expected [batch, seq, {config.d_model}]"
+            )
+    return problems
+
+
 def _check_files(directory: Path) -> list[str]:
     missing = [n for n in (MODEL_FILE, WEIGHTS_FILE, MANIFEST_FILE) if not (directory / n).is_file()]
     if missing:
@@ -164,6 +197,8 @@ def _check_files(directory: Path) -> list[str]:
         manifest = json.loads((directory / MANIFEST_FILE).read_text())
     except json.JSONDecodeError as exc:
         return [f"{MANIFEST_FILE} is not valid JSON: {exc}"]
+    if not isinstance(manifest, dict):
+        return [f"{MANIFEST_FILE} is not a JSON object"]
     problems = []
     for name in (MODEL_FILE, WEIGHTS_FILE):
         recorded = manifest.get("files", {}).get(name, {}).get("sha256")

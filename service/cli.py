@@ -190,13 +190,19 @@ def verify_server(
 ) -> ParityReport:
     """End-to-end parity of a running server against the float64 references."""
     from export.layout import ModelFiles
-    from export.verify import check_parity
+    from export.verify import check_parity, sha256_file
     from model.checkpoint import load_checkpoint
     from service.client import MHAClient
 
-    config, weights = load_checkpoint(ModelFiles(model_dir).weights)
+    files = ModelFiles(model_dir)
+    config, weights = load_checkpoint(files.weights)
     with MHAClient(url, **client_kwargs) as client:
-        return check_parity(client.infer, config, weights, shapes or server_parity_grid(config.max_seq_len), seed=7)
+        served = client.model_config().parameters["weights_sha256"].string_value
+        report = check_parity(client.infer, config, weights, shapes or server_parity_grid(config.max_seq_len), seed=7)
+    local = sha256_file(files.weights)
+    if served != local:
+        report.problems.append(f"the server serves weights sha256 {served[:12]}..., {model_dir} holds {local[:12]}...")
+    return report
 
 
 def cmd_bench(args: argparse.Namespace) -> int:

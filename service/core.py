@@ -16,6 +16,8 @@ from functools import partial
 import numpy as np
 
 from export.layout import ModelFiles
+from export.verify import check_manifest, sha256_file
+from model import MHAConfig
 from model.checkpoint import CheckpointError, load_checkpoint
 from service.backends import BackendChain, Selection, select_backends
 from service.backends.chain import REASONS, FallbackHook
@@ -193,6 +195,7 @@ def load_model(
         config, weights = load_checkpoint(files.weights)
     except CheckpointError as exc:
         raise ModelLoadError(f"cannot serve {files.directory}: {exc}") from exc
+    verified = _verified(files, config, s.allow_unverified)
     selection = select_backends(files.onnx, config, weights, requested=s.backend, threads=s.cpu_threads)
     if not selection.backends:
         raise ModelLoadError(f"no backend can serve {files.directory}: {selection.summary()}")
@@ -205,4 +208,18 @@ def load_model(
     )
     active = chain.active
     log.info("serving %s with %s on %s; %s", files.directory, active.name, active.device, selection.summary())
-    return ServedModel(identity, config, files, s.max_request_rows), selection, chain
+    served = ServedModel(identity, config, files, s.max_request_rows, sha256_file(files.weights), verified)
+    return served, selection, chain
+
+
+def _verified(files: ModelFiles, config: MHAConfig, allow_unverified: bool) -> bool:
+    """Does manifest.json vouch for what is about to be served? Refuse unless allowed."""
+    problems = check_manifest(files, config)
+    if problems and not allow_unverified:
+        raise ModelLoadError(
+            f"refusing to serve {files.directory}: {'; '.join(problems)}. Re-export it with `mha export`, "
+            "or pass --allow-unverified to serve it anyway"
+        )
+    if problems:
+        log.error("serving %s UNVERIFIED (--allow-unverified): %s", files.directory, "; ".join(problems))
+    return not problems

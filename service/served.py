@@ -35,6 +35,8 @@ class ServedModel:
     config: MHAConfig
     files: ModelFiles
     max_request_rows: int  # largest B accepted in one request
+    weights_sha256: str  # what is served, as clients and dashboards can compare it
+    verified: bool  # manifest.json vouches for both files, the config and the graph
     input_name: str = INPUT_NAME
     output_name: str = OUTPUT_NAME
 
@@ -56,4 +58,6 @@ class ServedModel:
             "n_head": str(c.n_head),
             "max_seq_len": str(c.max_seq_len),
             "causal": str(c.causal).lower(),
+            "weights_sha256": self.weights_sha256,
+            "verified": str(self.verified).lower(),
         }

@@ -54,6 +54,7 @@ class Settings:
     grace_s: float = setting(20.0, "time in-flight requests get to finish on SIGTERM", "s", low=0)
     fallback_failures: int = setting(3, "consecutive failures that bench a backend", low=1)
     fallback_cooldown_s: float = setting(30.0, "time a benched backend waits before its probe", "s", low=0)
+    allow_unverified: bool = setting(False, "serve files manifest.json does not vouch for (logged as an error)")
     tls_cert: Path | None = setting(None, "PEM server certificate; with --tls-key, serve TLS")
     tls_key: Path | None = setting(None, "PEM private key of --tls-cert")
     tls_client_ca: Path | None = setting(None, "PEM CA bundle; clients must present a certificate it signed (mTLS)")
@@ -90,11 +91,20 @@ def _check(f: Field[Any], value: Any) -> None:
         raise ValueError(f"{_flag(f.name)} must be <= {meta['high']:g}, got {value}")
 
 
-def _parser_type(annotation: Any) -> type:
-    """int, float, str or Path, from the field's type (`Path | None` -> Path)."""
+def _boolean(text: str) -> bool:
+    value = text.strip().lower()
+    if value in ("1", "true", "yes", "on"):
+        return True
+    if value in ("0", "false", "no", "off", ""):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
+
+
+def _parser_type(annotation: Any) -> Any:
+    """int, float, str, Path or a strict boolean, from the field's type (`Path | None` -> Path)."""
     if isinstance(annotation, types.UnionType):
         annotation = next(a for a in annotation.__args__ if a is not type(None))
-    return annotation  # type: ignore[no-any-return]
+    return _boolean if annotation is bool else annotation
 
 
 def add_serve_arguments(parser: argparse.ArgumentParser, environ: Mapping[str, str]) -> None:
@@ -105,13 +115,16 @@ def add_serve_arguments(parser: argparse.ArgumentParser, environ: Mapping[str, s
             continue
         env = f"MHA_{f.name.upper()}"
         unit = f" ({f.metadata['unit']})" if f.metadata["unit"] else ""
+        kind = _parser_type(hints[f.name])
+        flag_kind: dict[str, Any] = {"nargs": "?", "const": True} if kind is _boolean else {}  # `--flag` alone: on
         parser.add_argument(
             _flag(f.name),
             dest=f.name,
-            type=_parser_type(hints[f.name]),
+            type=kind,
             choices=f.metadata["choices"],
             default=environ.get(env, f.default),
             help=f"{f.metadata['help']}{unit} [env {env}]",
+            **flag_kind,
         )
 
 

@@ -71,7 +71,8 @@ def test_corrupt_onnx_serves_through_torch(default_model_dir: Path, tmp_path: Pa
     for name in ("weights.safetensors", "manifest.json"):
         shutil.copy(default_model_dir / name, tmp_path / name)
     (tmp_path / "model.onnx").write_bytes(b"\x08\x07garbage" * 1000)
-    with server_process(["--model-dir", str(tmp_path), "--backend", "auto"], tmp_path / "server.log") as server:
+    args = ["--model-dir", str(tmp_path), "--backend", "auto", "--allow-unverified"]
+    with server_process(args, tmp_path / "server.log") as server:
         with MHAClient(server.url) as client:
             x = random_input((3, 17, 128), seed=3)
             y = client.infer(x)
@@ -84,6 +85,8 @@ def test_corrupt_onnx_serves_through_torch(default_model_dir: Path, tmp_path: Pa
         logs = [json.loads(line) for line in server.log().splitlines() if line.startswith("{")]
         assert any("serving" in e["msg"] and "torch-cpu" in e["msg"] for e in logs)
         assert any(e["level"] == "WARNING" and "ort-cpu unavailable" in e["msg"] for e in logs)
+        assert any(e["level"] == "ERROR" and "UNVERIFIED" in e["msg"] for e in logs)
+        assert config.parameters["verified"].string_value == "false"
 
 
 def _wait_arrived(server: ServerProcess, count: int, timeout_s: float = 60) -> None:

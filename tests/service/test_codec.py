@@ -20,7 +20,7 @@ from service.proto import grpc_service_pb2 as pb
 from service.served import ModelIdentity, ServedModel
 
 SPEC = ServedModel(
-    ModelIdentity("mha", "1"), MHAConfig(d_model=8, n_head=2, max_seq_len=16), ModelFiles(Path("m")), max_request_rows=4
+    ModelIdentity("mha", "1"), MHAConfig(d_model=8, n_head=2, max_seq_len=16), ModelFiles(Path("m")), 4, "0" * 64, True
 )
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import subprocess
 import urllib.request
 from collections.abc import Iterator
@@ -100,6 +101,8 @@ def test_labels_of_backends_model_and_fallbacks(traffic: tuple[ServerThread, str
         "n_head": "4",
         "max_seq_len": "64",
         "causal": "true",
+        "weights_sha256": hashlib.sha256((server.settings.model_dir / "weights.safetensors").read_bytes()).hexdigest(),
+        "verified": "true",
     }
     fallbacks = {tuple(sorted(dict(k[1]).items())): v for k, v in s.items() if k[0] == "mha_backend_fallbacks_total"}
     assert fallbacks == {
