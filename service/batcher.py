@@ -37,6 +37,7 @@ class BatcherConfig:
     max_queue_size: int = 256  # requests waiting (not rows); beyond it: RESOURCE_EXHAUSTED
     max_padding_ratio: float = 0.25  # padded tokens / batch tokens allowed when merging T
     causal: bool = True  # merging different T is exact only for causal attention
+    max_cells: int | None = None  # rows x T_max x T_max a merged batch may reach (its attention memory)
 
 
 # Deciding ----------------------------------------------------------------------------------
@@ -86,6 +87,8 @@ def _fits(batch: Sequence[Queued], item: Queued, config: BatcherConfig) -> bool:
     if rows > config.max_batch_size:
         return False
     t_max = max(q.seq for q in batch)
+    if config.max_cells is not None and rows * max(t_max, item.seq) ** 2 > config.max_cells:
+        return False
     if not config.causal:
         return item.seq == t_max
     padded = rows * max(t_max, item.seq)

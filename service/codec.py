@@ -68,6 +68,12 @@ def _check_shape(shape: list[int], model: ServedModel) -> tuple[int, int, int]:
             f"input shape {shape}: B = {B} exceeds this server's limit of {model.max_request_rows} rows per request; "
             "split the batch"
         )
+    need = model.attention_mb(B, T)
+    if need > model.max_attention_mb:
+        raise InvalidInput(
+            f"input shape {shape}: attention needs {need:.0f} MiB (B x {model.config.n_head} heads x T x T x 4 bytes); "
+            f"this server's limit is {model.max_attention_mb:g} MiB per request: split the batch or shorten T"
+        )
     return B, T, C
 
 

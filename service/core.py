@@ -99,6 +99,7 @@ class InferenceCore:
             max_queue_size=s.max_queue_size,
             max_padding_ratio=s.max_padding_ratio,
             causal=model.config.causal,
+            max_cells=model.max_attention_cells,
         )
         batcher = Batcher(
             batching,
@@ -208,7 +209,9 @@ def load_model(
     )
     active = chain.active
     log.info("serving %s with %s on %s; %s", files.directory, active.name, active.device, selection.summary())
-    served = ServedModel(identity, config, files, s.max_request_rows, sha256_file(files.weights), verified)
+    served = ServedModel(
+        identity, config, files, s.max_request_rows, s.max_attention_mb, sha256_file(files.weights), verified
+    )
     return served, selection, chain
 
 

@@ -35,6 +35,7 @@ class ServedModel:
     config: MHAConfig
     files: ModelFiles
     max_request_rows: int  # largest B accepted in one request
+    max_attention_mb: float  # B x heads x T x T x 4 bytes, per request (and per batch)
     weights_sha256: str  # what is served, as clients and dashboards can compare it
     verified: bool  # manifest.json vouches for both files, the config and the graph
     input_name: str = INPUT_NAME
@@ -47,6 +48,15 @@ class ServedModel:
     @property
     def version(self) -> str:
         return self.identity.version
+
+    def attention_mb(self, rows: int, seq: int) -> float:
+        """Memory of the attention weights of `rows` sequences of length `seq`: what large requests cost."""
+        return rows * self.config.n_head * seq * seq * 4 / 2**20
+
+    @property
+    def max_attention_cells(self) -> int:
+        """The budget as rows x T x T, the unit the batcher plans in."""
+        return int(self.max_attention_mb * 2**20 / (4 * self.config.n_head))
 
     def labels(self) -> dict[str, str]:
         """The model's description as strings: mha_model_info and ModelConfig parameters."""

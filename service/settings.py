@@ -50,6 +50,9 @@ class Settings:
     max_queue_size: int = setting(256, "requests waiting before RESOURCE_EXHAUSTED", "requests", low=1)
     max_padding_ratio: float = setting(0.25, "padded share of a batch's tokens when merging T", low=0, high=1)
     max_request_rows: int = setting(256, "largest B in one request", "rows", low=1)
+    max_attention_mb: float = setting(
+        1024.0, "attention memory (B x heads x T x T x 4 bytes) per request and per batch", "MiB", low=1
+    )
     max_message_mb: int = setting(64, "gRPC message size, each way, before RESOURCE_EXHAUSTED", "MiB", low=1)
     grace_s: float = setting(20.0, "time in-flight requests get to finish on SIGTERM", "s", low=0)
     fallback_failures: int = setting(3, "consecutive failures that bench a backend", low=1)

@@ -69,6 +69,14 @@ def test_rows_never_exceed_max_batch_size_but_a_big_request_runs_alone() -> None
     assert plan_batch([Req(9, 4), Req(1, 4)], cfg, now=0).batch == [Req(9, 4)]
 
 
+def test_a_merged_batch_stays_within_the_attention_budget() -> None:
+    cfg = BatcherConfig(max_batch_size=8, max_cells=2 * 64 * 64)  # rows x T_max x T_max
+    queue = [Req(1, 64), Req(1, 64), Req(1, 64), Req(1, 8)]
+    plan = plan_batch(queue, cfg, now=0)
+    assert plan.batch == queue[:2] and plan.rest == queue[2:]
+    assert plan_batch([Req(1, 64), Req(2, 10)], cfg, now=0).batch == [Req(1, 64)]  # 3 rows padded to 64
+
+
 def test_the_oldest_live_request_always_rides_and_order_is_kept() -> None:
     queue = [Req(1, 50, gone=True), Req(1, 3), Req(1, 60), Req(1, 4), Req(1, 5)]
     plan = plan_batch(queue, CFG, now=0)

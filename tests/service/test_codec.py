@@ -20,7 +20,13 @@ from service.proto import grpc_service_pb2 as pb
 from service.served import ModelIdentity, ServedModel
 
 SPEC = ServedModel(
-    ModelIdentity("mha", "1"), MHAConfig(d_model=8, n_head=2, max_seq_len=16), ModelFiles(Path("m")), 4, "0" * 64, True
+    ModelIdentity("mha", "1"),
+    MHAConfig(d_model=8, n_head=2, max_seq_len=16),
+    ModelFiles(Path("m")),
+    4,
+    1.0,
+    "0" * 64,
+    True,
 )
 
 
@@ -120,3 +126,12 @@ def test_unknown_model_and_version() -> None:
     with pytest.raises(ModelNotFound, match="unknown version '7' of model 'mha'"):
         decode_infer_request(encode_infer_request(_x(1, 2, 8), model_version="7"), SPEC)
     assert decode_infer_request(encode_infer_request(_x(1, 2, 8), model_version="1"), SPEC).shape == (1, 2, 8)
+
+
+def test_attention_memory_budget_per_request() -> None:
+    from dataclasses import replace
+
+    tight = replace(SPEC, max_attention_mb=0.005)  # 2 heads: (2, 16) needs 0.0039 MiB, (4, 16) 0.0078
+    assert decode_infer_request(encode_infer_request(_x(2, 16, 8)), tight).shape == (2, 16, 8)
+    with pytest.raises(InvalidInput, match=r"attention needs 0 MiB \(B x 2 heads x T x T x 4 bytes\)"):
+        decode_infer_request(encode_infer_request(_x(4, 16, 8)), tight)
