@@ -111,7 +111,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from dataclasses import replace
 
     from service.requestlog import configure_logging
-    from service.server import serve
+    from service.server import StartupError, serve
     from service.settings import settings_from_namespace
 
     try:
@@ -122,7 +122,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
     configure_logging(settings.log_level, settings.log_format)
     if settings.model_dir is None:
         settings = replace(settings, model_dir=ensure_default_model(settings.default_model_dir))
-    return asyncio.run(serve(settings))
+    try:
+        return asyncio.run(serve(settings))
+    except StartupError as exc:
+        log.error("cannot start: %s", exc)
+        return 2
 
 
 def ensure_default_model(directory: Path) -> Path:

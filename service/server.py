@@ -5,13 +5,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
+import ssl
 import time
 from dataclasses import dataclass
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
-from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client import CollectorRegistry
 
 from service.auth import BearerTokenInterceptor, read_token
 from service.batcher import Clock
@@ -19,6 +20,7 @@ from service.calls import Calls
 from service.core import InferenceCore, State
 from service.handlers import generic_handler
 from service.metrics import Metrics
+from service.metrics_http import MetricsServer
 from service.proto import grpc_service_pb2 as pb
 from service.servicer import InferenceServicer
 from service.settings import Settings
@@ -29,6 +31,10 @@ INFERENCE_SERVICE = pb.DESCRIPTOR.services_by_name["GRPCInferenceService"].full_
 HEALTH_SERVICES = ("", INFERENCE_SERVICE)
 
 
+class StartupError(RuntimeError):
+    """The server cannot start as configured; the message says which setting and why."""
+
+
 @dataclass
 class Running:
     server: grpc.aio.Server
@@ -36,12 +42,36 @@ class Running:
     health: health.aio.HealthServicer
     grpc_port: int
     metrics_port: int  # 0 when disabled
-    metrics_server: object | None = None
+    metrics_server: MetricsServer | None = None
+    health_server: grpc.aio.Server | None = None  # plaintext, health only (--health-port)
+    health_port: int = 0
+
+
+def _check_tls_files(settings: Settings) -> None:
+    """Read the PEM files the way a TLS server will, so that a bad one is named with its reason
+    (gRPC itself only says that it failed to bind)."""
+    assert settings.tls_cert is not None and settings.tls_key is not None
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    try:
+        context.load_cert_chain(settings.tls_cert, settings.tls_key)
+    except (OSError, ssl.SSLError) as exc:
+        raise StartupError(
+            f"--tls-cert {settings.tls_cert} with --tls-key {settings.tls_key}: {exc}; expected a PEM certificate "
+            "and the PEM private key that matches it"
+        ) from exc
+    if settings.tls_client_ca is not None:
+        try:
+            context.load_verify_locations(settings.tls_client_ca)
+        except (OSError, ssl.SSLError) as exc:
+            raise StartupError(
+                f"--tls-client-ca {settings.tls_client_ca}: {exc}; expected PEM CA certificates"
+            ) from exc
 
 
 def _credentials(settings: Settings) -> grpc.ServerCredentials | None:
     if settings.tls_cert is None or settings.tls_key is None:
         return None
+    _check_tls_files(settings)
     ca = settings.tls_client_ca.read_bytes() if settings.tls_client_ca is not None else None
     return grpc.ssl_server_credentials(
         [(settings.tls_key.read_bytes(), settings.tls_cert.read_bytes())],
@@ -57,47 +87,67 @@ async def start(settings: Settings, registry: CollectorRegistry | None = None, c
     """
     metrics = Metrics(registry if registry is not None else CollectorRegistry(auto_describe=True))
     core = InferenceCore(settings, metrics, clock)
+    health_servicer = health.aio.HealthServicer()
+    for service in HEALTH_SERVICES:
+        await health_servicer.set(service, health_pb2.HealthCheckResponse.NOT_SERVING)
+    server = _grpc_server(settings, core, health_servicer)
+    credentials = _credentials(settings)
+    port = _bind(server, f"{settings.host}:{settings.grpc_port}", credentials, "--grpc-port")
+    running = Running(server=server, core=core, health=health_servicer, grpc_port=port, metrics_port=0)
+    if settings.metrics_port:
+        await _start_metrics(running, settings, metrics)
+    if settings.health_port:
+        await _start_health_port(running, settings)
+    await server.start()
+    tls = "TLS" if credentials else "plaintext"
+    log.info("listening: gRPC %s:%d (%s), metrics :%s", settings.host, port, tls, running.metrics_port or "off")
+    return running
+
+
+def _grpc_server(
+    settings: Settings, core: InferenceCore, health_servicer: health.aio.HealthServicer
+) -> grpc.aio.Server:
+    """The server with every service on it: inference (through one call scope), health, reflection."""
     calls = Calls(core)
     interceptors = []
     if settings.auth_token_file is not None:
         interceptors.append(BearerTokenInterceptor(read_token(settings.auth_token_file), calls.refuse))
     limit = settings.max_message_mb * 1024 * 1024
-    server = grpc.aio.server(
-        interceptors=interceptors,
-        options=[
-            ("grpc.max_receive_message_length", limit),
-            ("grpc.max_send_message_length", limit),
-            ("grpc.so_reuseport", 0),
-        ],
-    )
+    options = [("grpc.max_receive_message_length", limit), ("grpc.max_send_message_length", limit)]
+    server = grpc.aio.server(interceptors=interceptors, options=[*options, ("grpc.so_reuseport", 0)])
     server.add_generic_rpc_handlers((generic_handler(InferenceServicer(core, calls), calls),))
-    health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    reflection.enable_server_reflection(
-        (INFERENCE_SERVICE, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME), server
-    )
-    address = f"{settings.host}:{settings.grpc_port}"
-    credentials = _credentials(settings)
-    port = server.add_secure_port(address, credentials) if credentials else server.add_insecure_port(address)
+    health_name = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
+    reflection.enable_server_reflection((INFERENCE_SERVICE, health_name, reflection.SERVICE_NAME), server)
+    return server
+
+
+async def _start_metrics(running: Running, settings: Settings, metrics: Metrics) -> None:
+    running.metrics_server = MetricsServer(metrics.registry)
+    host = settings.metrics_host if settings.metrics_host is not None else settings.host
+    try:
+        running.metrics_port = await running.metrics_server.start(host, settings.metrics_port)
+    except OSError as exc:
+        raise StartupError(f"--metrics-port {settings.metrics_port} on {host}: {exc.strerror}") from exc
+
+
+async def _start_health_port(running: Running, settings: Settings) -> None:
+    """Health only, plaintext: kubelet's gRPC probes cannot present a client certificate."""
+    running.health_server = grpc.aio.server()
+    health_pb2_grpc.add_HealthServicer_to_server(running.health, running.health_server)
+    address = f"{settings.host}:{settings.health_port}"
+    running.health_port = _bind(running.health_server, address, None, "--health-port")
+    await running.health_server.start()
+
+
+def _bind(server: grpc.aio.Server, address: str, credentials: grpc.ServerCredentials | None, flag: str) -> int:
+    try:
+        port = server.add_secure_port(address, credentials) if credentials else server.add_insecure_port(address)
+    except RuntimeError as exc:  # grpc raises this when it cannot listen
+        raise StartupError(f"{flag}: cannot listen on {address} (in use, or not an address of this machine)") from exc
     if port == 0:
-        raise OSError(f"could not bind gRPC to {address}")
-    for service in HEALTH_SERVICES:
-        await health_servicer.set(service, health_pb2.HealthCheckResponse.NOT_SERVING)
-    await server.start()
-    running = Running(server=server, core=core, health=health_servicer, grpc_port=port, metrics_port=0)
-    if settings.metrics_port:
-        running.metrics_server, _ = start_http_server(
-            settings.metrics_port, addr=settings.host, registry=metrics.registry
-        )
-        running.metrics_port = running.metrics_server.server_port  # type: ignore[attr-defined]
-    log.info(
-        "listening: gRPC %s:%d (%s), metrics :%s",
-        settings.host,
-        port,
-        "TLS" if credentials else "plaintext",
-        running.metrics_port or "off",
-    )
-    return running
+        raise StartupError(f"{flag}: cannot listen on {address} (in use, or not an address of this machine)")
+    return port
 
 
 async def load_and_serve(running: Running) -> None:
@@ -122,7 +172,9 @@ async def drain_and_stop(running: Running, grace_s: float) -> None:
     await running.server.stop(max(0.0, grace_s - (time.monotonic() - started)))
     await running.core.close()
     if running.metrics_server is not None:
-        running.metrics_server.shutdown()  # type: ignore[attr-defined]
+        await running.metrics_server.stop()
+    if running.health_server is not None:
+        await running.health_server.stop(0)
     log.info("stopped")
 
 

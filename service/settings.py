@@ -43,6 +43,10 @@ class Settings:
     host: str = setting("0.0.0.0", "address to bind")
     grpc_port: int = setting(8001, "gRPC port; 0 picks a free one", low=0, high=65535)
     metrics_port: int = setting(8002, "Prometheus /metrics port; 0 disables it", low=0, high=65535)
+    metrics_host: str | None = setting(None, "address the /metrics port binds; unset: the same as --host")
+    health_port: int = setting(
+        0, "plaintext port with only the gRPC health service, for probes under mTLS; 0: off", low=0, high=65535
+    )
     backend: str = setting("auto", "backend; auto measures and falls back", choices=BACKEND_CHOICES)
     threads: int = setting(0, "intra-op threads of the CPU backends; 0: the CPUs this process may use", low=0)
     max_batch_size: int = setting(8, "rows per executed batch; 1 turns batching off", "rows", low=1)

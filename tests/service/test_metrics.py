@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import hashlib
+import socket
 import subprocess
+import threading
+import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -154,3 +157,22 @@ def test_made_up_methods_share_one_label(small_model_dir: Path, tmp_path: Path) 
     methods = {dict(k[1])["method"] for k in s if k[0] == "mha_requests_total"}
     assert methods == {"unknown"}
     assert s[("mha_requests_total", (("code", "UNAUTHENTICATED"), ("method", "unknown")))] == 30
+
+
+def test_the_metrics_port_serves_metrics_only_without_a_thread_per_connection(small_model_dir: Path) -> None:
+    settings = make_settings(small_model_dir, metrics_port=free_port(), metrics_host="127.0.0.1", backend="torch")
+    with ServerThread(settings) as server:
+        assert server.running is not None and server.running.metrics_server is not None
+        assert server.running.metrics_server.address == ("127.0.0.1", settings.metrics_port)
+        threads = threading.active_count()
+        idle = [socket.create_connection(("127.0.0.1", settings.metrics_port)) for _ in range(200)]
+        try:
+            assert "mha_requests" in scrape(settings.metrics_port)  # served while 200 connections idle
+            assert threading.active_count() <= threads + 2
+        finally:
+            for s in idle:
+                s.close()
+        for path in ("/healthz", "/", "/metrics/../x"):
+            with pytest.raises(urllib.error.HTTPError) as info:
+                urllib.request.urlopen(f"http://127.0.0.1:{settings.metrics_port}{path}", timeout=5)
+            assert info.value.code == 404

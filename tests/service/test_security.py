@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import datetime
 import ipaddress
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -17,7 +19,7 @@ from cryptography.x509.oid import NameOID
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from service.client import InferenceError, MHAClient
-from tests.support import ServerThread, make_settings
+from tests.support import ServerThread, free_port, make_settings
 
 X = np.ones((1, 4, 32), np.float32)
 
@@ -133,3 +135,47 @@ def test_bearer_token(small_model_dir: Path, tmp_path: Path) -> None:
             health = health_pb2_grpc.HealthStub(channel)
             response = health.Check(health_pb2.HealthCheckRequest(service="inference.GRPCInferenceService"), timeout=5)
             assert response.status == health_pb2.HealthCheckResponse.SERVING
+
+
+def test_under_mtls_probes_use_the_plaintext_health_port(small_model_dir: Path, pki: dict[str, Path]) -> None:
+    settings = make_settings(
+        small_model_dir,
+        tls_cert=pki["server_crt"],
+        tls_key=pki["server_key"],
+        tls_client_ca=pki["ca"],
+        health_port=free_port(),
+        backend="torch",
+    )
+    with ServerThread(settings) as s, grpc.insecure_channel(f"127.0.0.1:{settings.health_port}") as channel:
+        for service in ("", "inference.GRPCInferenceService"):
+            request = health_pb2.HealthCheckRequest(service=service)
+            assert (
+                health_pb2_grpc.HealthStub(channel).Check(request, timeout=5).status
+                == health_pb2.HealthCheckResponse.SERVING
+            )
+        with pytest.raises(grpc.RpcError) as info:  # nothing but health on that port
+            channel.unary_unary("/inference.GRPCInferenceService/ModelInfer")(b"", timeout=5)
+        assert info.value.code() == grpc.StatusCode.UNIMPLEMENTED
+        with _tls_client(s.url, pki) as no_client_cert, pytest.raises(InferenceError):
+            no_client_cert.infer(X, timeout=5)  # the main port still demands a client certificate
+
+
+@pytest.mark.parametrize(
+    ("files", "named"),
+    [
+        (("client_crt", "server_key"), "--tls-cert"),  # a key that does not match the certificate
+        (("server_key", "server_key"), "--tls-cert"),  # not a certificate
+        (("server_crt", "missing"), "--tls-key"),
+    ],
+    ids=["key-mismatch", "not-a-cert", "missing-key"],
+)
+def test_bad_tls_files_are_named_in_one_line(
+    small_model_dir: Path, pki: dict[str, Path], tmp_path: Path, files: tuple[str, str], named: str
+) -> None:
+    cert, key = (pki.get(name, tmp_path / "missing.pem") for name in files)
+    args = ["serve", "--model-dir", str(small_model_dir), "--host", "127.0.0.1", "--grpc-port", "0"]
+    args += ["--metrics-port", "0", "--tls-cert", str(cert), "--tls-key", str(key), "--log-format", "text"]
+    run = subprocess.run([sys.executable, "-m", "service.cli", *args], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 2, run.stderr
+    assert "cannot start: --tls-cert" in run.stderr and named in run.stderr
+    assert "Traceback" not in run.stderr
