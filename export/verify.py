@@ -110,7 +110,7 @@ def check_parity(
             abs_view=(y - ref_v).abs().max().item(),
             abs_einsum=(y - ref_e).abs().max().item(),
         )
-        log.info("parity B=%d T=%d rel(view)=%.2e rel(einsum)=%.2e", batch, seq, row.rel_view, row.rel_einsum)
+        log.debug("parity B=%d T=%d rel(view)=%.2e rel(einsum)=%.2e", batch, seq, row.rel_view, row.rel_einsum)
         report.rows.append(row)
     return report
 

@@ -134,6 +134,10 @@ def import_fused(
     (3C, C) (y = x @ W.T). The layout is told apart by shape.
     """
     prefix = _find_prefix(state) if prefix is None else prefix
+    if f"{prefix}c_attn.weight" not in state:
+        layers = sorted(k.removesuffix("c_attn.weight") for k in state if k.endswith("c_attn.weight"))
+        shown = ", ".join(repr(p) for p in layers[:8]) + (", ..." if len(layers) > 8 else "")
+        raise CheckpointError(f"no layer {prefix!r} in this file (no {prefix}c_attn.weight); its layers: {shown}")
     w_attn = state[f"{prefix}c_attn.weight"]
     w_proj = state.get(f"{prefix}c_proj.weight")
     if w_proj is None:

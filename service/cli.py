@@ -42,8 +42,13 @@ def cmd_export(args: argparse.Namespace) -> int:
     except (CheckpointError, ValueError) as exc:
         log.error("cannot build the model: %s", exc)
         return 2
+    out = Path(args.out)
+    if out.exists() and any(out.iterdir()) and not args.force:
+        raise CliError(
+            f"--out {out} exists and is not empty (a server may be serving it); pass --force to replace it", 2
+        )
     try:
-        report = export_model_dir(Path(args.out), config, weights, opset=args.opset or DEFAULT_OPSET, graph=args.graph)
+        report = export_model_dir(out, config, weights, opset=args.opset or DEFAULT_OPSET, graph=args.graph)
     except ParityError as exc:
         sys.stdout.write(exc.report.table() + "\n")
         log.error("refusing to write %s: the exported model fails parity", args.out)
@@ -76,11 +81,24 @@ def _model_from_args(args: argparse.Namespace) -> tuple[MHAConfig, Weights]:
     return config, init_weights(config, seed=args.seed)
 
 
+class CliError(Exception):
+    """A command cannot do what was asked; the message says why. Exit code 2: the command line
+    is wrong (usage); 1: it is right but the work failed."""
+
+    def __init__(self, message: str, exit_code: int = 1) -> None:
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
 def cmd_verify(args: argparse.Namespace) -> int:
     from export.verify import verify_model_dir
+    from service.client import InferenceError
 
     if args.url:
-        report = verify_server(args.url, Path(args.model_dir), **_client_security(args))
+        try:
+            report = verify_server(args.url, Path(args.model_dir), **_client_security(args))
+        except InferenceError as exc:
+            raise CliError(f"cannot verify the server at {args.url}: {exc}") from exc
     else:
         report = verify_model_dir(Path(args.model_dir))
     sys.stdout.write(report.table() + "\n")
@@ -126,7 +144,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         return asyncio.run(serve(settings))
     except StartupError as exc:
         log.error("cannot start: %s", exc)
-        return 2
+        return exc.exit_code
 
 
 def ensure_default_model(directory: Path) -> Path:
@@ -151,24 +169,25 @@ def cmd_infer(args: argparse.Namespace) -> int:
     from service.client import InferenceError, MHAClient
 
     if args.input:
-        x = np.load(args.input).astype(np.float32)
+        try:
+            x = np.load(args.input).astype(np.float32)
+        except (OSError, ValueError) as exc:
+            raise CliError(f"--input {args.input}: {exc}; expected a .npy file holding a (B, T, C) array", 2) from exc
     else:
         try:
             shape = [int(v) for v in args.shape.split(",")]
-        except ValueError:
-            log.error("--shape %r: expected B,T,C such as 1,64,128", args.shape)
-            return 2
+        except ValueError as exc:
+            raise CliError(f"--shape {args.shape!r}: expected B,T,C such as 1,64,128", 2) from exc
         x = random_input(shape, seed=args.seed)
     with MHAClient(args.url, model=args.model, **_client_security(args)) as client:
         start = time.perf_counter()
         try:
-            y = client.infer(x, timeout=args.timeout)
+            y, backend = client.infer_with_backend(x, timeout=args.timeout)
         except InferenceError as exc:
-            log.error("%s", exc)
-            return 1
+            raise CliError(str(exc)) from exc
         elapsed = time.perf_counter() - start
     sys.stdout.write(
-        f"input {list(x.shape)} -> output {list(y.shape)} in {elapsed * 1e3:.2f} ms; "
+        f"input {list(x.shape)} -> output {list(y.shape)} in {elapsed * 1e3:.2f} ms by {backend}; "
         f"checksum sum={float(y.sum(dtype=np.float64)):.6f} mean|y|={float(np.abs(y).mean()):.6f}\n"
     )
     if args.output:
@@ -193,15 +212,28 @@ def verify_server(
     url: str, model_dir: Path, shapes: Sequence[tuple[int, int]] | None = None, **client_kwargs: Any
 ) -> ParityReport:
     """End-to-end parity of a running server against the float64 references."""
+    import grpc
+
     from export.layout import ModelFiles
     from export.verify import check_parity, sha256_file
     from model.checkpoint import load_checkpoint
-    from service.client import MHAClient
+    from service.client import InferenceError, MHAClient
 
     files = ModelFiles(model_dir)
     config, weights = load_checkpoint(files.weights)
     with MHAClient(url, **client_kwargs) as client:
-        served = client.model_config().parameters["weights_sha256"].string_value
+        parameters = client.model_config().parameters
+        served, served_c = parameters["weights_sha256"].string_value, parameters["d_model"].string_value
+        if served_c != str(config.d_model):
+            raise InferenceError(
+                grpc.StatusCode.FAILED_PRECONDITION, f"it serves C = {served_c}, {model_dir} holds C = {config.d_model}"
+            )
+        log.info(
+            "the server at %s answers with %s on %s",
+            url,
+            parameters["backend"].string_value,
+            parameters["device"].string_value,
+        )
         report = check_parity(client.infer, config, weights, shapes or server_parity_grid(config.max_seq_len), seed=7)
     local = sha256_file(files.weights)
     if served != local:
@@ -236,7 +268,8 @@ def build_parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("export", help="export the model to a verified ONNX model directory")
-    p.add_argument("--out", required=True, help="model directory to write")
+    p.add_argument("--out", required=True, help="model directory to write (new or empty, unless --force)")
+    p.add_argument("--force", action="store_true", help="replace the files of an existing model directory")
     p.add_argument("--checkpoint", help="our safetensors, GPT-2 safetensors (c_attn) or nanoGPT .pt")
     p.add_argument("--import-prefix", help="with several layers in --checkpoint: which, e.g. 'h.0.attn.'")
     p.add_argument("--opset", type=int, default=None, help="ONNX opset (default 23)")
@@ -294,7 +327,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         stream=sys.stderr,
         format="%(asctime)s %(levelname)s %(name)s %(message)s",
     )
-    return int(args.func(args))
+    try:
+        return int(args.func(args))
+    except CliError as exc:
+        log.error("%s", exc)
+        return exc.exit_code
+    except OSError as exc:  # a file named on the command line: missing, unreadable
+        log.error("%s: %s", exc.filename or "", exc.strerror or exc)
+        return 2
 
 
 if __name__ == "__main__":

@@ -72,8 +72,15 @@ class MHAClient:
 
     def infer(self, x: np.ndarray, timeout: float | None = 60.0, request_id: str = "") -> np.ndarray:
         """(B, T, C) -> (B, T, C) float32."""
+        return self.infer_with_backend(x, timeout, request_id)[0]
+
+    def infer_with_backend(
+        self, x: np.ndarray, timeout: float | None = 60.0, request_id: str = ""
+    ) -> tuple[np.ndarray, str]:
+        """(B, T, C) -> ((B, T, C) float32, the backend that computed it, as the server says)."""
         request = encode_infer_request(x, self.model, self.version, request_id)
-        return decode_infer_response(self._call("ModelInfer", request, timeout))  # type: ignore[arg-type]
+        response: pb.ModelInferResponse = self._call("ModelInfer", request, timeout)  # type: ignore[assignment]
+        return decode_infer_response(response), response.parameters["backend"].string_param
 
     def stream_infer(self, xs: Iterable[np.ndarray], timeout: float | None = 120.0) -> Iterator[np.ndarray]:
         """Send many tensors on one stream; yields outputs in request order."""

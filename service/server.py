@@ -32,7 +32,12 @@ HEALTH_SERVICES = ("", INFERENCE_SERVICE)
 
 
 class StartupError(RuntimeError):
-    """The server cannot start as configured; the message says which setting and why."""
+    """The server cannot start as configured; the message says which setting and why.
+    `exit_code` 2: a setting is wrong (usage); 1: the machine refused (a port in use)."""
+
+    def __init__(self, message: str, exit_code: int = 2) -> None:
+        super().__init__(message)
+        self.exit_code = exit_code
 
 
 @dataclass
@@ -111,7 +116,11 @@ def _grpc_server(
     calls = Calls(core)
     interceptors = []
     if settings.auth_token_file is not None:
-        interceptors.append(BearerTokenInterceptor(read_token(settings.auth_token_file), calls.refuse))
+        try:
+            token = read_token(settings.auth_token_file)
+        except (OSError, ValueError) as exc:
+            raise StartupError(f"--auth-token-file {settings.auth_token_file}: {exc}") from exc
+        interceptors.append(BearerTokenInterceptor(token, calls.refuse))
     limit = settings.max_message_mb * 1024 * 1024
     options = [("grpc.max_receive_message_length", limit), ("grpc.max_send_message_length", limit)]
     server = grpc.aio.server(interceptors=interceptors, options=[*options, ("grpc.so_reuseport", 0)])
@@ -128,7 +137,7 @@ async def _start_metrics(running: Running, settings: Settings, metrics: Metrics)
     try:
         running.metrics_port = await running.metrics_server.start(host, settings.metrics_port)
     except OSError as exc:
-        raise StartupError(f"--metrics-port {settings.metrics_port} on {host}: {exc.strerror}") from exc
+        raise StartupError(f"--metrics-port {settings.metrics_port} on {host}: {exc.strerror}", 1) from exc
 
 
 async def _start_health_port(running: Running, settings: Settings) -> None:
@@ -144,9 +153,11 @@ def _bind(server: grpc.aio.Server, address: str, credentials: grpc.ServerCredent
     try:
         port = server.add_secure_port(address, credentials) if credentials else server.add_insecure_port(address)
     except RuntimeError as exc:  # grpc raises this when it cannot listen
-        raise StartupError(f"{flag}: cannot listen on {address} (in use, or not an address of this machine)") from exc
+        raise StartupError(
+            f"{flag}: cannot listen on {address} (in use, or not an address of this machine)", 1
+        ) from exc
     if port == 0:
-        raise StartupError(f"{flag}: cannot listen on {address} (in use, or not an address of this machine)")
+        raise StartupError(f"{flag}: cannot listen on {address} (in use, or not an address of this machine)", 1)
     return port
 
 

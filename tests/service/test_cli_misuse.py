@@ -1,0 +1,151 @@
+"""Every way a person gets `mha` wrong answers one line that says what and why, no traceback;
+exit code 2 for a wrong command line, 1 for work that failed."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.support import ServerThread, free_port, make_settings
+
+
+def _mha(*args: str, env: dict[str, str] | None = None, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
+    environ = {**os.environ, **(env or {})}
+    command = [sys.executable, "-m", "service.cli", *args]
+    return subprocess.run(command, capture_output=True, text=True, timeout=120, env=environ, cwd=cwd)
+
+
+@pytest.fixture(scope="module")
+def taken_port() -> Iterator[int]:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        yield int(s.getsockname()[1])
+
+
+@pytest.fixture(scope="module")
+def small_server(small_model_dir: Path) -> Iterator[ServerThread]:
+    with ServerThread(make_settings(small_model_dir, backend="torch")) as s:
+        yield s
+
+
+def _serve(model_dir: Path, *extra: str) -> list[str]:
+    return ["serve", "--model-dir", str(model_dir), "--host", "127.0.0.1", "--log-format", "text", *extra]
+
+
+CASES = {  # name: (arguments given the fixtures, environment, exit code, what the message must say)
+    "grpc-port-taken": (
+        lambda f: _serve(f["model"], "--grpc-port", str(f["taken"]), "--metrics-port", "0"),
+        {},
+        1,
+        "--grpc-port",
+    ),
+    "metrics-port-taken": (
+        lambda f: _serve(f["model"], "--grpc-port", str(free_port()), "--metrics-port", str(f["taken"])),
+        {},
+        1,
+        "--metrics-port",
+    ),
+    "auth-token-file-missing": (
+        lambda f: _serve(f["model"], "--grpc-port", "0", "--metrics-port", "0", "--auth-token-file", "/nope/token"),
+        {},
+        2,
+        "--auth-token-file /nope/token",
+    ),
+    "tls-cert-missing": (
+        lambda f: _serve(f["model"], "--grpc-port", "0", "--tls-cert", "/nope/c.pem", "--tls-key", "/nope/k.pem"),
+        {},
+        2,
+        "--tls-cert /nope/c.pem",
+    ),
+    "grpc-port-out-of-range": (
+        lambda f: _serve(f["model"], "--grpc-port", "70000"),
+        {},
+        2,
+        "--grpc-port must be <= 65535",
+    ),
+    "padding-ratio-out-of-range": (lambda f: _serve(f["model"], "--max-padding-ratio", "2"), {}, 2, "must be <= 1"),
+    "threads-negative": (lambda f: _serve(f["model"], "--threads", "-1"), {}, 2, "--threads must be >= 0"),
+    "env-port-not-a-number": (lambda f: _serve(f["model"]), {"MHA_GRPC_PORT": "abc"}, 2, "--grpc-port: invalid"),
+    "log-level-unknown": (lambda f: ["--log-level", "LOUD", "serve"], {}, 2, "--log-level: invalid choice"),
+    "infer-input-missing": (lambda f: ["infer", "--input", "/nope/x.npy"], {}, 2, "--input /nope/x.npy"),
+    "infer-token-file-missing": (
+        lambda f: ["infer", "--url", f["url"], "--token-file", "/nope/token"],
+        {},
+        2,
+        "/nope/token: No such file",
+    ),
+    "verify-server-down": (
+        lambda f: ["verify", str(f["model"]), "--url", f"127.0.0.1:{f['taken']}"],
+        {},
+        1,
+        "cannot verify the server at",
+    ),
+    "verify-server-of-another-width": (
+        lambda f: ["verify", str(f["default"]), "--url", f["url"]],
+        {},
+        1,
+        "it serves C = 32",
+    ),
+    "export-unknown-layer": (
+        lambda f: [
+            "export",
+            "--out",
+            str(f["tmp"] / "new"),
+            "--checkpoint",
+            str(f["gpt2"]),
+            "--import-prefix",
+            "h.9.attn.",
+            "--n-head",
+            "2",
+        ],
+        {},
+        2,
+        "no layer 'h.9.attn.' in this file",
+    ),
+    "export-over-a-model": (lambda f: ["export", "--out", str(f["model"])], {}, 2, "pass --force"),
+}
+
+
+@pytest.fixture(scope="module")
+def gpt2_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    import torch
+    from safetensors.torch import save_file
+
+    path = tmp_path_factory.mktemp("gpt2") / "gpt2.safetensors"
+    C = 16
+    save_file({"h.0.attn.c_attn.weight": torch.randn(C, 3 * C), "h.0.attn.c_proj.weight": torch.randn(C, C)}, path)
+    return path
+
+
+@pytest.mark.parametrize(("make_args", "env", "code", "says"), CASES.values(), ids=CASES.keys())
+def test_misuse_gets_one_clear_line(
+    make_args,
+    env: dict[str, str],
+    code: int,
+    says: str,
+    small_model_dir: Path,
+    default_model_dir: Path,
+    taken_port: int,
+    small_server: ServerThread,
+    gpt2_checkpoint: Path,
+    tmp_path: Path,
+) -> None:
+    fixtures = {
+        "model": small_model_dir,
+        "default": default_model_dir,
+        "taken": taken_port,
+        "url": small_server.url,
+        "gpt2": gpt2_checkpoint,
+        "tmp": tmp_path,
+    }
+    run = _mha(*make_args(fixtures), env=env)
+    assert run.returncode == code, run.stderr[-2000:]
+    assert says in run.stderr, run.stderr[-2000:]
+    assert "Traceback" not in run.stderr
