@@ -6,7 +6,16 @@ import itertools
 from collections.abc import Callable
 from functools import partial
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
+from prometheus_client import (
+    GC_COLLECTOR,
+    PLATFORM_COLLECTOR,
+    PROCESS_COLLECTOR,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    Info,
+)
 from prometheus_client import disable_created_metrics as _disable_created
 
 from service.batcher import BatchEvent
@@ -39,6 +48,8 @@ class Metrics:
     def __init__(self, registry: CollectorRegistry) -> None:
         _disable_created()
         self.registry = registry
+        for collector in (PROCESS_COLLECTOR, PLATFORM_COLLECTOR, GC_COLLECTOR):  # process_*, python_*: memory, CPU
+            registry.register(collector)
         seconds = partial(Histogram, buckets=LATENCY_BUCKETS, registry=registry)
         counter, gauge = partial(Counter, registry=registry), partial(Gauge, registry=registry)
         self.requests = counter(

@@ -43,8 +43,11 @@ class JsonFormatter(logging.Formatter):
 
 
 def configure_logging(level: str, fmt: str) -> None:
+    """`fmt` json, text, or auto: text for a person at a terminal, JSON for a log collector."""
     handler = logging.StreamHandler(sys.stderr)
     handler.addFilter(RequestIdFilter())
+    if fmt == "auto":
+        fmt = "text" if sys.stderr.isatty() else "json"
     if fmt == "json":
         handler.setFormatter(JsonFormatter())
     else:

@@ -166,7 +166,17 @@ async def load_and_serve(running: Running) -> None:
     await running.core.load()
     for service in HEALTH_SERVICES:
         await running.health.set(service, health_pb2.HealthCheckResponse.SERVING)
-    log.info("ready: model loaded and self-checked; health SERVING")
+    settings = running.core.settings
+    host = "127.0.0.1" if settings.host in ("0.0.0.0", "::", "") else settings.host
+    log.info(
+        "ready: serving %s on %s:%d (gRPC), metrics on :%s; try `.venv/bin/mha infer --url %s:%d`",
+        running.core.identity.name,
+        settings.host,
+        running.grpc_port,
+        running.metrics_port or "off",
+        host,
+        running.grpc_port,
+    )
 
 
 async def drain_and_stop(running: Running, grace_s: float) -> None:

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any, get_type_hints
 
 BACKEND_CHOICES = ("auto", "ort-cuda", "ort-cpu", "torch")
-LOG_FORMATS = ("json", "text")
+LOG_FORMATS = ("auto", "json", "text")
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 
 
@@ -66,7 +66,7 @@ class Settings:
     tls_key: Path | None = setting(None, "PEM private key of --tls-cert")
     tls_client_ca: Path | None = setting(None, "PEM CA bundle; clients must present a certificate it signed (mTLS)")
     auth_token_file: Path | None = setting(None, "file holding the bearer token clients must send")
-    log_format: str = setting("json", "log line format", choices=LOG_FORMATS)
+    log_format: str = setting("auto", "log lines: text on a terminal, JSON otherwise (auto)", choices=LOG_FORMATS)
     log_level: str = setting("INFO", "log level", choices=LOG_LEVELS, flag=False)
 
     def __post_init__(self) -> None:

@@ -72,6 +72,8 @@ def test_families_and_types(traffic: tuple[ServerThread, str]) -> None:
         "mha_queue_capacity": "gauge",
     }
     assert "_created" not in text
+    others = {f.name for f in text_string_to_metric_families(text)}
+    assert {"process_resident_memory_bytes", "process_cpu_seconds", "python_info"} <= others  # for the dashboard
 
 
 def test_exact_counts(traffic: tuple[ServerThread, str]) -> None:
