@@ -1,0 +1,46 @@
+"""The documentation's commands work as written against a real server."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+from pathlib import Path
+
+import grpc
+from google.protobuf import json_format
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from service.proto import grpc_service_pb2 as pb
+from service.proto import grpc_service_pb2_grpc as pb_grpc
+from tests.support import ROOT, ServerThread, make_settings
+
+
+def _grpcurl_calls() -> list[list[str]]:
+    """Run the API page's grpcurl block in bash, with grpcurl recording its arguments."""
+    text = (ROOT / "docs" / "api.md").read_text()
+    block = re.search(r"With grpcurl.*?```sh\n(.*?)```", text, re.S)
+    assert block, "docs/api.md lost its grpcurl example"
+    script = "grpcurl() { printf '%s\\x1f' \"$@\"; printf '\\x1e'; }\n" + block.group(1)
+    out = subprocess.run(["bash", "-euc", script], capture_output=True, text=True, check=True, timeout=60).stdout
+    return [call.split("\x1f")[:-1] for call in out.split("\x1e")[:-1]]
+
+
+def test_the_grpcurl_examples_run_against_the_default_model(default_model_dir: Path) -> None:
+    calls = _grpcurl_calls()
+    assert len(calls) == 4
+    settings = make_settings(default_model_dir, backend="torch")
+    with ServerThread(settings) as server, grpc.insecure_channel(server.url) as channel:
+        stub = pb_grpc.GRPCInferenceServiceStub(channel)
+        for args in calls:
+            if "-d" not in args:
+                continue  # `list`: reflection, tested with the server
+            body, method = args[args.index("-d") + 1], args[-1]
+            service, name = method.rsplit("/", 1)
+            if service == "grpc.health.v1.Health":
+                request = json_format.Parse(body, health_pb2.HealthCheckRequest())
+                assert health_pb2_grpc.HealthStub(channel).Check(request, timeout=10).status == 1  # SERVING
+                continue
+            request_type = {"ModelMetadata": pb.ModelMetadataRequest, "ModelInfer": pb.ModelInferRequest}[name]
+            response = getattr(stub, name)(json_format.Parse(body, request_type()), timeout=10)
+            if name == "ModelInfer":
+                assert list(response.outputs[0].shape) == [1, 1, 128]
