@@ -29,7 +29,13 @@ def dashboard_queries() -> list[tuple[str, str]]:
     return [(p["title"], t["expr"]) for p in dashboard["panels"] for t in p.get("targets", [])]
 
 
+FILTERS = ("namespace", "job", "pod", "instance")  # what kube-prometheus users filter by
+
+
 def fill(expr: str, instance: str) -> str:
+    """The query as Grafana sends it: one instance (or all), every other filter on All (.*)."""
+    for name in ("namespace", "job", "pod"):
+        expr = expr.replace(f"${name}", ".*")
     return expr.replace("$instance", instance).replace("$__rate_interval", "10s").replace("$__range", "1m")
 
 
@@ -44,11 +50,13 @@ def test_dashboard_structure() -> None:
     assert "__inputs" not in dashboard
     variables = {v["name"]: v for v in dashboard["templating"]["list"]}
     assert variables["datasource"]["type"] == "datasource" and variables["datasource"]["query"] == "prometheus"
-    assert variables["instance"]["includeAll"] and variables["instance"]["multi"]
+    for name in FILTERS:
+        assert variables[name]["includeAll"] and variables[name]["multi"] and variables[name]["allValue"] == ".*"
     for panel in dashboard["panels"]:
         assert panel["datasource"]["uid"] == "${datasource}"
         for target in panel["targets"]:
-            assert 'instance=~"$instance"' in target["expr"], (panel["title"], target["expr"])
+            for name in FILTERS:
+                assert f'{name}=~"${name}"' in target["expr"], (panel["title"], name, target["expr"])
     titles = " ".join(p["title"] for p in dashboard["panels"]).lower()
     for needed in (
         "request rate",
