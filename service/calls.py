@@ -44,9 +44,9 @@ class Call:
         return self.code is grpc.StatusCode.OK
 
 
-def _ended_code(context: grpc.aio.ServicerContext) -> grpc.StatusCode:
+def _ended_code(context: grpc.aio.ServicerContext | None) -> grpc.StatusCode:
     """Why a call was cancelled under us: its deadline passed, or the client went away."""
-    remaining = context.time_remaining()
+    remaining = context.time_remaining() if context is not None else None
     return grpc.StatusCode.DEADLINE_EXCEEDED if remaining is not None and remaining <= 0 else grpc.StatusCode.CANCELLED
 
 
@@ -59,8 +59,14 @@ class Calls:
     ) -> UnaryScope:
         return UnaryScope(self, context, Call(method, new_request_id(client_id), inference))
 
-    def stream_item(self, method: str, context: grpc.aio.ServicerContext, client_id: str) -> StreamItemScope:
-        return StreamItemScope(self, context, Call(method, new_request_id(client_id), inference=True))
+    def stream_item(self, method: str, context: grpc.aio.ServicerContext, client_id: str) -> InBandScope:
+        return InBandScope(self, context, Call(method, new_request_id(client_id), inference=True))
+
+    def in_band(
+        self, method: str, context: grpc.aio.ServicerContext | None, client_id: str = "", inference: bool = False
+    ) -> InBandScope:
+        """A call answered by other means than a gRPC status (HTTP): the status stays on the Call."""
+        return InBandScope(self, context, Call(method, new_request_id(client_id), inference))
 
     def stream(self, method: str, context: grpc.aio.ServicerContext) -> StreamScope:
         return StreamScope(self, context, Call(method, new_request_id(), inference=False))
@@ -99,7 +105,7 @@ class Calls:
 
 
 class _Scope:
-    def __init__(self, calls: Calls, context: grpc.aio.ServicerContext, call: Call) -> None:
+    def __init__(self, calls: Calls, context: grpc.aio.ServicerContext | None, call: Call) -> None:
         self._calls, self._context, self.call = calls, context, call
         self._token: contextvars.Token[str] | None = None
 
@@ -127,12 +133,13 @@ class UnaryScope(_Scope):
     ) -> None:
         self._exit(exc)
         if isinstance(exc, Exception):
+            assert self._context is not None, "a unary scope has a gRPC context"
             await self._context.abort(self.call.code, self.call.message)
 
 
-class StreamItemScope(_Scope):
-    """One request of a stream: a failure is kept on the Call (answered in-band), a cancellation
-    propagates."""
+class InBandScope(_Scope):
+    """One request of a stream, or an HTTP call: a failure is kept on the Call (answered
+    in-band), a cancellation propagates."""
 
     async def __aexit__(
         self, typ: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
@@ -152,4 +159,5 @@ class StreamScope(_Scope):
         failed = isinstance(exc, Exception)
         self._exit(exc, record=failed)
         if failed:
+            assert self._context is not None, "a stream scope has a gRPC context"
             await self._context.abort(self.call.code, self.call.message)

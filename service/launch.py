@@ -34,6 +34,7 @@ class ServerProcess:
     def __init__(self, args: list[str], env: dict[str, str] | None = None, cwd: Path | None = None) -> None:
         self.port = free_port()
         self.metrics_port = free_port()
+        self.http_port = free_port()
         self.args = [
             sys.executable,
             "-m",
@@ -45,6 +46,8 @@ class ServerProcess:
             str(self.port),
             "--metrics-port",
             str(self.metrics_port),
+            "--http-port",
+            str(self.http_port),
             "--log-format",
             "json",
             *args,

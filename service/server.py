@@ -10,6 +10,7 @@ import time
 from dataclasses import dataclass
 
 import grpc
+from aiohttp import web
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from prometheus_client import CollectorRegistry
@@ -19,6 +20,7 @@ from service.batcher import Clock
 from service.calls import Calls
 from service.core import InferenceCore, State
 from service.handlers import generic_handler
+from service.http_api import HttpApi, ssl_context
 from service.metrics import Metrics
 from service.metrics_http import MetricsServer
 from service.proto import grpc_service_pb2 as pb
@@ -50,6 +52,8 @@ class Running:
     metrics_server: MetricsServer | None = None
     health_server: grpc.aio.Server | None = None  # plaintext, health only (--health-port)
     health_port: int = 0
+    http_runner: web.AppRunner | None = None
+    http_port: int = 0  # 0 when disabled
 
 
 def _check_tls_files(settings: Settings) -> None:
@@ -95,7 +99,8 @@ async def start(settings: Settings, registry: CollectorRegistry | None = None, c
     health_servicer = health.aio.HealthServicer()
     for service in HEALTH_SERVICES:
         await health_servicer.set(service, health_pb2.HealthCheckResponse.NOT_SERVING)
-    server = _grpc_server(settings, core, health_servicer)
+    calls, token = Calls(core), _token(settings)
+    server = _grpc_server(settings, core, calls, token, health_servicer)
     credentials = _credentials(settings)
     port = _bind(server, f"{settings.host}:{settings.grpc_port}", credentials, "--grpc-port")
     running = Running(server=server, core=core, health=health_servicer, grpc_port=port, metrics_port=0)
@@ -103,24 +108,35 @@ async def start(settings: Settings, registry: CollectorRegistry | None = None, c
         await _start_metrics(running, settings, metrics)
     if settings.health_port:
         await _start_health_port(running, settings)
+    if settings.http_port:
+        await _start_http(running, settings, HttpApi(core, calls, token))
     await server.start()
     tls = "TLS" if credentials else "plaintext"
-    log.info("listening: gRPC %s:%d (%s), metrics :%s", settings.host, port, tls, running.metrics_port or "off")
+    log.info(
+        "listening: gRPC %s:%d (%s), HTTP :%s, metrics :%s",
+        settings.host,
+        port,
+        tls,
+        running.http_port or "off",
+        running.metrics_port or "off",
+    )
     return running
 
 
+def _token(settings: Settings) -> str | None:
+    if settings.auth_token_file is None:
+        return None
+    try:
+        return read_token(settings.auth_token_file)
+    except (OSError, ValueError) as exc:
+        raise StartupError(f"--auth-token-file {settings.auth_token_file}: {exc}") from exc
+
+
 def _grpc_server(
-    settings: Settings, core: InferenceCore, health_servicer: health.aio.HealthServicer
+    settings: Settings, core: InferenceCore, calls: Calls, token: str | None, health_servicer: health.aio.HealthServicer
 ) -> grpc.aio.Server:
     """The server with every service on it: inference (through one call scope), health, reflection."""
-    calls = Calls(core)
-    interceptors = []
-    if settings.auth_token_file is not None:
-        try:
-            token = read_token(settings.auth_token_file)
-        except (OSError, ValueError) as exc:
-            raise StartupError(f"--auth-token-file {settings.auth_token_file}: {exc}") from exc
-        interceptors.append(BearerTokenInterceptor(token, calls.refuse))
+    interceptors = [BearerTokenInterceptor(token, calls.refuse)] if token is not None else []
     limit = settings.max_message_mb * 1024 * 1024
     options = [("grpc.max_receive_message_length", limit), ("grpc.max_send_message_length", limit)]
     server = grpc.aio.server(interceptors=interceptors, options=[*options, ("grpc.so_reuseport", 0)])
@@ -138,6 +154,17 @@ async def _start_metrics(running: Running, settings: Settings, metrics: Metrics)
         running.metrics_port = await running.metrics_server.start(host, settings.metrics_port)
     except OSError as exc:
         raise StartupError(f"--metrics-port {settings.metrics_port} on {host}: {exc.strerror}", 1) from exc
+
+
+async def _start_http(running: Running, settings: Settings, api: HttpApi) -> None:
+    running.http_runner = web.AppRunner(api.app(), access_log=None, handle_signals=False)
+    await running.http_runner.setup()
+    site = web.TCPSite(running.http_runner, settings.host, settings.http_port, ssl_context=ssl_context(settings))
+    try:
+        await site.start()
+    except OSError as exc:
+        raise StartupError(f"--http-port {settings.http_port} on {settings.host}: {exc.strerror}", 1) from exc
+    running.http_port = int(running.http_runner.addresses[0][1])
 
 
 async def _start_health_port(running: Running, settings: Settings) -> None:
@@ -192,6 +219,8 @@ async def drain_and_stop(running: Running, grace_s: float) -> None:
     await running.core.wait_idle(grace_s)
     await running.server.stop(max(0.0, grace_s - (time.monotonic() - started)))
     await running.core.close()
+    if running.http_runner is not None:
+        await running.http_runner.cleanup()
     if running.metrics_server is not None:
         await running.metrics_server.stop()
     if running.health_server is not None:

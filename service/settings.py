@@ -42,6 +42,7 @@ class Settings:
     model_version: str = setting("1", "model version clients may address")
     host: str = setting("0.0.0.0", "address to bind")
     grpc_port: int = setting(8001, "gRPC port; 0 picks a free one", low=0, high=65535)
+    http_port: int = setting(8000, "HTTP/REST port (KServe v2); 0 disables it", low=0, high=65535)
     metrics_port: int = setting(8002, "Prometheus /metrics port; 0 disables it", low=0, high=65535)
     metrics_host: str | None = setting(None, "address the /metrics port binds; unset: the same as --host")
     health_port: int = setting(

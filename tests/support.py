@@ -26,6 +26,7 @@ def make_settings(model_dir: Path, **overrides: Any) -> Settings:
         model_dir=model_dir,
         host="127.0.0.1",
         grpc_port=0,
+        http_port=0,
         metrics_port=0,
         log_format="text",
         threads=2,

@@ -152,12 +152,13 @@ def test_service_hpa_pdb_networkpolicy() -> None:
     ports = {p["name"]: p for p in service["spec"]["ports"]}
     assert ports["grpc"]["port"] == Settings().grpc_port and ports["grpc"]["appProtocol"] == "kubernetes.io/h2c"
     assert ports["http-metrics"]["port"] == Settings().metrics_port
+    assert ports["http"]["port"] == Settings().http_port
     hpa = by_kind("cpu", "HorizontalPodAutoscaler")
     assert hpa["apiVersion"] == "autoscaling/v2"
     assert {m["type"] for m in hpa["spec"]["metrics"]} == {"Resource", "Pods"}
     assert by_kind("cpu", "PodDisruptionBudget")["spec"]["minAvailable"] == 1
     rules = by_kind("cpu", "NetworkPolicy")["spec"]["ingress"]
-    assert sorted(p["port"] for r in rules for p in r["ports"]) == [8001, 8002]
+    assert sorted(p["port"] for r in rules for p in r["ports"]) == [8000, 8001, 8002]
     monitor = by_kind("cpu", "ServiceMonitor")
     assert monitor["spec"]["endpoints"][0]["port"] == "http-metrics"
     assert monitor["spec"]["selector"]["matchLabels"].items() <= service["metadata"]["labels"].items()
@@ -202,7 +203,7 @@ def test_dockerfile_shape(dockerfile: Path) -> None:
     assert len(stages) == 3, "two stages: build and run"
     final = stages[-1]
     assert re.search(r"(?m)^USER 10001", final)
-    assert re.search(r"(?m)^EXPOSE 8001 8002$", final)
+    assert re.search(r"(?m)^EXPOSE 8000 8001 8002$", final)
     assert re.search(r'(?m)^CMD \["mha", "serve"\]$', final)
     for tool in ("gcc", "build-essential", "pip install", "python3-dev", "python3-venv"):
         assert tool not in final, f"{tool} in the final stage"
@@ -267,6 +268,7 @@ def test_metric_names_in_rules_and_dashboard_exist() -> None:
 def test_ports_match_the_server_defaults() -> None:
     c = container("cpu")
     ports = {p["name"]: p["containerPort"] for p in c["ports"]}
-    assert ports == {"grpc": Settings().grpc_port, "http-metrics": Settings().metrics_port}
+    defaults = Settings()
+    assert ports == {"http": defaults.http_port, "grpc": defaults.grpc_port, "http-metrics": defaults.metrics_port}
     for dockerfile in DOCKERFILES:
-        assert f"EXPOSE {Settings().grpc_port} {Settings().metrics_port}" in dockerfile.read_text()
+        assert f"EXPOSE {defaults.http_port} {defaults.grpc_port} {defaults.metrics_port}" in dockerfile.read_text()

@@ -56,6 +56,33 @@ def test_tritonclient_drives_mha_serve(default_model_dir: Path, tmp_path: Path) 
     assert seen["bad"]["status"] == "StatusCode.INVALID_ARGUMENT" and "expected C = 128" in seen["bad"]["message"]
 
 
+def test_tritonclient_http_drives_the_rest_endpoint(default_model_dir: Path, tmp_path: Path) -> None:
+    with server_process(["--model-dir", str(default_model_dir)], tmp_path / "server.log") as server:
+        out = tmp_path / "seen.json"
+        script = str(Path(__file__).with_name("triton_http_check.py"))
+        run = subprocess.run(
+            [str(TRITON_PYTHON), script, f"127.0.0.1:{server.http_port}", str(out)],
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert run.returncode == 0, run.stderr[-3000:]
+    seen = json.loads(out.read_text())
+    assert seen["live"] and seen["ready"] and seen["model_ready"] and seen["version_ready"]
+    assert not seen["unknown_ready"]
+    assert seen["metadata"]["inputs"][0] == {"name": "x", "datatype": "FP32", "shape": [-1, -1, 128]}
+    assert seen["config"]["input"][0]["dims"] == [-1, 128] and seen["config"]["parameters"]["verified"]
+    assert seen["server_metadata"]["name"] == "mha-serve"
+    assert [u["id"] for u in seen["unary"]] == ["h0", "h1", "h2", ""]
+    for item in seen["unary"]:
+        assert _rel(default_model_dir, item["x"], item["y"]) < 1e-5
+    assert seen["stats"]["model_stats"][0]["inference_count"] == 1 + 2 + 3 + 1
+    mistakes = seen["mistakes"]
+    assert mistakes["C"]["status"] == "400" and "expected C = 128" in mistakes["C"]["message"]
+    assert mistakes["T"]["status"] == "400"
+    assert mistakes["model"]["status"] == "404" and "unknown model 'bert'" in mistakes["model"]["message"]
+
+
 def test_serve_without_model_dir_exports_the_default(tmp_path: Path) -> None:
     default_dir = tmp_path / "models" / "default"
     with server_process(["--default-model-dir", str(default_dir)], tmp_path / "server.log", cwd=tmp_path) as server:

@@ -1,0 +1,265 @@
+"""KServe v2 REST (the Open Inference Protocol over HTTP, as Triton serves it, with Triton's
+binary-data extension) on the same core, batcher and call scope as gRPC; aiohttp's server,
+embedded in the server's event loop.
+
+A JSON (or JSON + binary) request becomes the protobuf request the gRPC path reads, so every
+check of the codec applies unchanged; errors answer `{"error": "..."}` with the HTTP status of
+their gRPC code.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import ssl
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import grpc
+import numpy as np
+from aiohttp import web
+from google.protobuf import json_format
+from google.protobuf.descriptor import Descriptor, FieldDescriptor
+from google.protobuf.message import Message
+
+from service import render
+from service.calls import Call, Calls
+from service.codec import decode_infer_request, encode_infer_response
+from service.core import InferenceCore, State
+from service.errors import InvalidInput, NotReady, Unauthenticated
+from service.proto import grpc_service_pb2 as pb
+from service.settings import Settings
+
+HEADER_LENGTH = "Inference-Header-Content-Length"
+HTTP_STATUS = {
+    grpc.StatusCode.INVALID_ARGUMENT: 400,
+    grpc.StatusCode.UNAUTHENTICATED: 401,
+    grpc.StatusCode.NOT_FOUND: 404,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: 429,
+    grpc.StatusCode.CANCELLED: 499,
+    grpc.StatusCode.UNAVAILABLE: 503,
+    grpc.StatusCode.DEADLINE_EXCEEDED: 504,
+}
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+def error_response(call: Call) -> web.Response:
+    return web.json_response({"error": call.message}, status=HTTP_STATUS.get(call.code, 500))
+
+
+INT64 = {
+    FieldDescriptor.TYPE_INT64,
+    FieldDescriptor.TYPE_UINT64,
+    FieldDescriptor.TYPE_SINT64,
+    FieldDescriptor.TYPE_FIXED64,
+    FieldDescriptor.TYPE_SFIXED64,
+}
+
+
+def proto_json(message: Message) -> dict[str, Any]:
+    """A message as Triton's HTTP endpoint writes it: proto field names, zeros included, and
+    64-bit integers as JSON numbers (protobuf's JSON mapping would write them as strings)."""
+    doc = json_format.MessageToDict(
+        message, preserving_proto_field_name=True, always_print_fields_with_no_presence=True
+    )
+    return _numbers(message.DESCRIPTOR, doc)
+
+
+def _numbers(descriptor: Descriptor, doc: dict[str, Any]) -> dict[str, Any]:
+    for field in descriptor.fields:
+        value = doc.get(field.name)
+        if value is None:
+            continue
+        if field.type in INT64:
+            doc[field.name] = [int(v) for v in value] if isinstance(value, list) else int(value)
+        elif field.message_type is not None and field.message_type.GetOptions().map_entry:
+            inner = field.message_type.fields_by_name["value"].message_type
+            for item in value.values() if inner is not None else ():
+                _numbers(inner, item)
+        elif field.message_type is not None:
+            for item in value if isinstance(value, list) else [value]:
+                _numbers(field.message_type, item)
+    return doc
+
+
+def _parameter(value: object) -> pb.InferParameter:
+    if isinstance(value, bool):
+        return pb.InferParameter(bool_param=value)
+    if isinstance(value, int):
+        return pb.InferParameter(int64_param=value)
+    if isinstance(value, float):
+        return pb.InferParameter(double_param=value)
+    return pb.InferParameter(string_param=str(value))
+
+
+def _tensor_data(tensor: dict[str, Any], binary: memoryview, offset: int) -> tuple[bytes | None, list[float], int]:
+    """(raw bytes, typed values, new offset) of one JSON input tensor."""
+    size = (tensor.get("parameters") or {}).get("binary_data_size")
+    if size is not None:
+        if not isinstance(size, int) or size < 0 or offset + size > len(binary):
+            raise InvalidInput(f"binary_data_size {size!r} does not fit the {len(binary) - offset} bytes sent")
+        return bytes(binary[offset : offset + size]), [], offset + size
+    try:
+        values = np.asarray(tensor.get("data", []), dtype=np.float32).ravel()  # nested or flat: row-major
+    except (TypeError, ValueError) as exc:
+        raise InvalidInput(f"input {tensor.get('name')!r}: data must be numbers ({exc})") from exc
+    return None, values.tolist(), offset
+
+
+def to_infer_request(
+    body: bytes, header_length: int | None, name: str, version: str
+) -> tuple[pb.ModelInferRequest, bool]:
+    """(the protobuf request, whether the client asked for binary outputs)."""
+    split = len(body) if header_length is None else header_length
+    if not 0 <= split <= len(body):
+        raise InvalidInput(f"{HEADER_LENGTH} {header_length} is outside the body's {len(body)} bytes")
+    try:
+        doc = json.loads(body[:split])
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise InvalidInput(f"the request is not valid JSON: {exc}") from exc
+    if not isinstance(doc, dict) or not isinstance(doc.get("inputs", []), list):
+        raise InvalidInput("the request must be a JSON object with an 'inputs' list")
+    request = pb.ModelInferRequest(model_name=name, model_version=version, id=str(doc.get("id", ""))[:256])
+    parameters = dict(doc.get("parameters") or {})
+    binary_out = bool(parameters.pop("binary_data_output", False))
+    for key, value in parameters.items():
+        request.parameters[str(key)].CopyFrom(_parameter(value))
+    binary, offset = memoryview(body)[split:], 0
+    for tensor in doc.get("inputs", []):
+        if not isinstance(tensor, dict):
+            raise InvalidInput("each input must be a JSON object with name, shape, datatype and data")
+        raw, values, offset = _tensor_data(tensor, binary, offset)
+        shape = tensor.get("shape", [])
+        if not isinstance(shape, list) or not all(isinstance(d, int) for d in shape):
+            raise InvalidInput(f"input {tensor.get('name')!r}: shape must be a list of integers, got {shape!r}")
+        entry = request.inputs.add(
+            name=str(tensor.get("name", "")), datatype=str(tensor.get("datatype", "")), shape=shape
+        )
+        if raw is not None:
+            request.raw_input_contents.append(raw)
+        elif values:
+            entry.contents.fp32_contents.extend(values)
+    for output in doc.get("outputs", []) or []:
+        out = request.outputs.add(name=str(output.get("name", "")))
+        out_parameters = dict(output.get("parameters") or {})
+        binary_out = bool(out_parameters.pop("binary_data", binary_out))
+        for key, value in out_parameters.items():
+            out.parameters[str(key)].CopyFrom(_parameter(value))
+    return request, binary_out
+
+
+def from_infer_response(response: pb.ModelInferResponse, binary: bool) -> web.Response:
+    out = response.outputs[0]
+    raw = response.raw_output_contents[0]
+    tensor: dict[str, Any] = {"name": out.name, "datatype": out.datatype, "shape": list(out.shape)}
+    doc = {
+        "model_name": response.model_name,
+        "model_version": response.model_version,
+        "id": response.id,
+        "parameters": {"backend": response.parameters["backend"].string_param},
+        "outputs": [tensor],
+    }
+    if not binary:
+        tensor["data"] = np.frombuffer(raw, dtype="<f4").tolist()
+        return web.json_response(doc)
+    tensor["parameters"] = {"binary_data_size": len(raw)}
+    head = json.dumps(doc).encode()
+    return web.Response(
+        body=head + raw, content_type="application/octet-stream", headers={HEADER_LENGTH: str(len(head))}
+    )
+
+
+class HttpApi:
+    def __init__(self, core: InferenceCore, calls: Calls, token: str | None) -> None:
+        self.core, self.calls = core, calls
+        self._expected = f"Bearer {token}".encode() if token else None
+
+    def app(self) -> web.Application:
+        app = web.Application(client_max_size=self.core.settings.max_message_mb * 2**20)
+        model = "/v2/models/{name}"
+        versioned = "/v2/models/{name}/versions/{version}"
+        app.router.add_get("/v2/health/live", self._live)
+        app.router.add_get("/v2/health/ready", self._ready)
+        app.router.add_get("/v2", self._guard("ServerMetadata", self._server_metadata))
+        for path in (model, versioned):
+            app.router.add_get(path, self._guard("ModelMetadata", self._model_metadata))
+            app.router.add_get(path + "/ready", self._guard("ModelReady", self._model_ready))
+            app.router.add_get(path + "/config", self._guard("ModelConfig", self._model_config))
+            app.router.add_get(path + "/stats", self._guard("ModelStatistics", self._model_stats))
+            app.router.add_post(path + "/infer", self._guard("ModelInfer", self._infer, inference=True))
+        return app
+
+    def _guard(self, method: str, handler: Handler, inference: bool = False) -> Handler:
+        """The call scope every RPC goes through, with the bearer token checked first."""
+
+        async def handle(request: web.Request) -> web.StreamResponse:
+            async with self.calls.in_band(method, None, inference=inference) as call:
+                self._authorize(request)
+                self.core.identity.check(
+                    request.match_info.get("name", self.core.identity.name), request.match_info.get("version", "")
+                )
+                return await handler(request)
+            return error_response(call)
+
+        return handle
+
+    def _authorize(self, request: web.Request) -> None:
+        if self._expected is None:
+            return
+        given = request.headers.get("Authorization", "").encode()
+        if not hmac.compare_digest(given, self._expected):
+            raise Unauthenticated("missing or wrong credentials: send the header 'Authorization: Bearer <token>'")
+
+    async def _live(self, request: web.Request) -> web.Response:
+        return web.json_response({"live": True})
+
+    async def _ready(self, request: web.Request) -> web.Response:
+        ready = self.core.state is State.READY
+        return web.json_response({"ready": ready}, status=200 if ready else 503)
+
+    async def _server_metadata(self, request: web.Request) -> web.Response:
+        from service.servicer import EXTENSIONS, SERVER_NAME, _server_version
+
+        return web.json_response({"name": SERVER_NAME, "version": _server_version(), "extensions": EXTENSIONS})
+
+    async def _model_metadata(self, request: web.Request) -> web.Response:
+        loaded = self.core.loaded
+        meta = render.model_metadata(loaded.model, loaded.chain.active)
+        tensors = lambda ts: [{"name": t.name, "datatype": t.datatype, "shape": list(t.shape)} for t in ts]  # noqa: E731
+        doc = {"name": meta.name, "versions": list(meta.versions), "platform": meta.platform}
+        return web.json_response(doc | {"inputs": tensors(meta.inputs), "outputs": tensors(meta.outputs)})
+
+    async def _model_ready(self, request: web.Request) -> web.Response:
+        if self.core.state is not State.READY:
+            raise NotReady(f"the model is not ready (state: {self.core.state.value})")
+        return web.json_response({"name": self.core.identity.name, "ready": True})
+
+    async def _model_config(self, request: web.Request) -> web.Response:
+        config = render.model_config(self.core.loaded.model, self.core.serving())
+        return web.json_response(proto_json(config))
+
+    async def _model_stats(self, request: web.Request) -> web.Response:
+        identity = self.core.identity
+        stats = render.model_statistics(identity.name, identity.version, self.core.stats)
+        return web.json_response({"model_stats": [proto_json(stats)]})
+
+    async def _infer(self, request: web.Request) -> web.Response:
+        header = request.headers.get(HEADER_LENGTH)
+        if header is not None and not header.isdigit():
+            raise InvalidInput(f"{HEADER_LENGTH} must be a byte count, got {header[:32]!r}")
+        name, version = request.match_info["name"], request.match_info.get("version", "")
+        proto, binary = to_infer_request(await request.read(), int(header) if header else None, name, version)
+        model = self.core.loaded.model
+        y, timing = await self.core.infer(decode_infer_request(proto, model), None)
+        return from_infer_response(encode_infer_response(y, model, proto.id, timing.backend), binary)
+
+
+def ssl_context(settings: Settings) -> ssl.SSLContext | None:
+    if settings.tls_cert is None or settings.tls_key is None:
+        return None
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    context.load_cert_chain(settings.tls_cert, settings.tls_key)
+    if settings.tls_client_ca is not None:
+        context.load_verify_locations(settings.tls_client_ca)
+        context.verify_mode = ssl.CERT_REQUIRED
+    return context

@@ -1,0 +1,116 @@
+"""The HTTP/REST endpoint's own behaviour in-process: statuses for every error, token, draining,
+the binary-data framing. (tritonclient.http drives it end to end in tests/e2e.)"""
+
+from __future__ import annotations
+
+import json
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from model.checkpoint import load_checkpoint
+from model.reference import attention_view, relative_error
+from service.server import drain_and_stop
+from tests.support import ServerThread, free_port, make_settings
+
+
+def _call(port: int, path: str, body: bytes | None = None, headers: dict[str, str] | None = None):
+    request = urllib.request.Request(f"http://127.0.0.1:{port}{path}", data=body, headers=headers or {})
+    try:
+        with urllib.request.urlopen(request, timeout=30) as response:
+            return response.status, dict(response.headers), response.read()
+    except urllib.error.HTTPError as exc:
+        return exc.code, dict(exc.headers), exc.read()
+
+
+@pytest.fixture(scope="module")
+def server(small_model_dir: Path) -> Iterator[ServerThread]:
+    with ServerThread(make_settings(small_model_dir, backend="torch", http_port=free_port(), max_queue_size=1)) as s:
+        yield s
+
+
+def _infer_json(x: np.ndarray, **extra: object) -> bytes:
+    tensor = {"name": "x", "shape": list(x.shape), "datatype": "FP32", "data": x.tolist()}
+    return json.dumps({"inputs": [tensor], **extra}).encode()
+
+
+BAD = {
+    "not-json": (b"{nope", 400, "not valid JSON"),
+    "no-object": (b"[1, 2]", 400, "JSON object"),
+    "wrong-C": (_infer_json(np.zeros((1, 2, 31), np.float32)), 400, "expected C = 32"),
+    "words-as-data": (
+        json.dumps({"inputs": [{"name": "x", "shape": [1, 1, 2], "datatype": "FP32", "data": ["a", "b"]}]}).encode(),
+        400,
+        "data must be numbers",
+    ),
+    "sequence": (
+        _infer_json(np.zeros((1, 2, 32), np.float32), parameters={"sequence_id": 7}),
+        400,
+        "'sequence_id' is not supported",
+    ),
+}
+
+
+@pytest.mark.parametrize(("body", "status", "says"), BAD.values(), ids=BAD.keys())
+def test_client_mistakes_get_the_http_status_of_their_grpc_code(
+    server: ServerThread, body: bytes, status: int, says: str
+) -> None:
+    assert server.settings.http_port
+    code, _, answer = _call(server.settings.http_port, "/v2/models/mha/infer", body)
+    assert code == status and says in json.loads(answer)["error"]
+
+
+def test_binary_data_both_ways(server: ServerThread, small_model_dir: Path) -> None:
+    x = np.random.default_rng(0).standard_normal((2, 5, 32), dtype=np.float32)
+    head = json.dumps(
+        {
+            "inputs": [
+                {"name": "x", "shape": [2, 5, 32], "datatype": "FP32", "parameters": {"binary_data_size": x.nbytes}}
+            ],
+            "outputs": [{"name": "y", "parameters": {"binary_data": True}}],
+        }
+    ).encode()
+    headers = {"Inference-Header-Content-Length": str(len(head))}
+    code, response_headers, body = _call(server.settings.http_port, "/v2/models/mha/infer", head + x.tobytes(), headers)
+    assert code == 200
+    split = int(response_headers["Inference-Header-Content-Length"])
+    doc = json.loads(body[:split])
+    assert doc["outputs"][0]["parameters"]["binary_data_size"] == x.nbytes == len(body) - split
+    y = np.frombuffer(body[split:], np.float32).reshape(x.shape)
+    config, weights = load_checkpoint(small_model_dir / "weights.safetensors")
+    assert relative_error(torch.from_numpy(y.copy()), attention_view(torch.from_numpy(x), weights, config)) < 1e-5
+    code, _, answer = _call(server.settings.http_port, "/v2/models/mha/infer", head + x.tobytes()[:-4], headers)
+    assert code == 400 and "does not fit" in json.loads(answer)["error"]
+
+
+def test_the_token_applies_and_health_stays_open(small_model_dir: Path, tmp_path: Path) -> None:
+    token = tmp_path / "token"
+    token.write_text("t0ken")
+    settings = make_settings(small_model_dir, backend="torch", http_port=free_port(), auth_token_file=token)
+    with ServerThread(settings) as s:
+        body = _infer_json(np.zeros((1, 2, 32), np.float32))
+        assert _call(settings.http_port, "/v2/models/mha/infer", body)[0] == 401
+        assert _call(settings.http_port, "/v2/models/mha/infer", body, {"Authorization": "Bearer t0ken"})[0] == 200
+        assert _call(settings.http_port, "/v2/health/ready")[0] == 200
+        counted = s.registry.get_sample_value("mha_requests_total", {"method": "ModelInfer", "code": "UNAUTHENTICATED"})
+    assert counted == 1
+
+
+def test_draining_answers_503(small_model_dir: Path) -> None:
+    settings = make_settings(small_model_dir, backend="torch", http_port=free_port())
+    with ServerThread(settings) as s:
+        assert s.running is not None
+        s.running.core.start_draining()
+        code, _, answer = _call(
+            settings.http_port, "/v2/models/mha/infer", _infer_json(np.zeros((1, 2, 32), np.float32))
+        )
+        ready = _call(settings.http_port, "/v2/health/ready")[0]
+        s.call(drain_and_stop(s.running, 1.0))
+        s.running = None
+    assert code == 503 and "draining" in json.loads(answer)["error"]
+    assert ready == 503
