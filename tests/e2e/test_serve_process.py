@@ -35,14 +35,15 @@ def test_tritonclient_drives_mha_serve(default_model_dir: Path, tmp_path: Path) 
     with server_process(["--model-dir", str(default_model_dir)], tmp_path / "server.log") as server:
         out = tmp_path / "seen.json"
         run = subprocess.run(
-            [str(TRITON_PYTHON), str(Path(__file__).with_name("triton_check.py")), server.url, str(out)],
+            [str(TRITON_PYTHON), str(Path(__file__).with_name("triton_check.py")), "grpc", server.url, str(out)],
             capture_output=True,
             text=True,
             timeout=300,
         )
         assert run.returncode == 0, run.stderr[-3000:]
     seen = json.loads(out.read_text())
-    assert seen["live"] and seen["ready"] and seen["model_ready"]
+    assert seen["live"] and seen["ready"] and seen["model_ready"] and seen["version_ready"]
+    assert seen["unknown_ready"] == "StatusCode.NOT_FOUND"
     assert seen["metadata"]["name"] == "mha"
     assert seen["metadata"]["inputs"][0] == {"name": "x", "datatype": "FP32", "shape": ["-1", "-1", "128"]}
     assert seen["config"]["config"]["name"] == "mha"
@@ -59,9 +60,9 @@ def test_tritonclient_drives_mha_serve(default_model_dir: Path, tmp_path: Path) 
 def test_tritonclient_http_drives_the_rest_endpoint(default_model_dir: Path, tmp_path: Path) -> None:
     with server_process(["--model-dir", str(default_model_dir)], tmp_path / "server.log") as server:
         out = tmp_path / "seen.json"
-        script = str(Path(__file__).with_name("triton_http_check.py"))
+        script = str(Path(__file__).with_name("triton_check.py"))
         run = subprocess.run(
-            [str(TRITON_PYTHON), script, f"127.0.0.1:{server.http_port}", str(out)],
+            [str(TRITON_PYTHON), script, "http", f"127.0.0.1:{server.http_port}", str(out)],
             capture_output=True,
             text=True,
             timeout=300,
