@@ -30,18 +30,22 @@ def _rel(model_dir: Path, x: list, y: list) -> float:
     return relative_error(torch.tensor(y, dtype=torch.float32), ref)
 
 
-def test_tritonclient_drives_mha_serve(default_model_dir: Path, tmp_path: Path) -> None:
+def _triton_check(model_dir: Path, tmp_path: Path, protocol: str) -> dict:
+    """What tritonclient saw of a real `mha serve` process, over gRPC or HTTP."""
     assert TRITON_PYTHON.exists(), "make install creates .venv-triton with tritonclient"
-    with server_process(["--model-dir", str(default_model_dir)], tmp_path / "server.log") as server:
+    with server_process(["--model-dir", str(model_dir)], tmp_path / "server.log") as server:
         out = tmp_path / "seen.json"
+        url = server.url if protocol == "grpc" else f"127.0.0.1:{server.http_port}"
+        script = str(Path(__file__).with_name("triton_check.py"))
         run = subprocess.run(
-            [str(TRITON_PYTHON), str(Path(__file__).with_name("triton_check.py")), "grpc", server.url, str(out)],
-            capture_output=True,
-            text=True,
-            timeout=300,
+            [str(TRITON_PYTHON), script, protocol, url, str(out)], capture_output=True, text=True, timeout=300
         )
         assert run.returncode == 0, run.stderr[-3000:]
-    seen = json.loads(out.read_text())
+    return json.loads(out.read_text())
+
+
+def test_tritonclient_drives_mha_serve(default_model_dir: Path, tmp_path: Path) -> None:
+    seen = _triton_check(default_model_dir, tmp_path, "grpc")
     assert seen["live"] and seen["ready"] and seen["model_ready"] and seen["version_ready"]
     assert seen["unknown_ready"] == "StatusCode.NOT_FOUND"
     assert seen["metadata"]["name"] == "mha"
@@ -58,17 +62,7 @@ def test_tritonclient_drives_mha_serve(default_model_dir: Path, tmp_path: Path) 
 
 
 def test_tritonclient_http_drives_the_rest_endpoint(default_model_dir: Path, tmp_path: Path) -> None:
-    with server_process(["--model-dir", str(default_model_dir)], tmp_path / "server.log") as server:
-        out = tmp_path / "seen.json"
-        script = str(Path(__file__).with_name("triton_check.py"))
-        run = subprocess.run(
-            [str(TRITON_PYTHON), script, "http", f"127.0.0.1:{server.http_port}", str(out)],
-            capture_output=True,
-            text=True,
-            timeout=300,
-        )
-        assert run.returncode == 0, run.stderr[-3000:]
-    seen = json.loads(out.read_text())
+    seen = _triton_check(default_model_dir, tmp_path, "http")
     assert seen["live"] and seen["ready"] and seen["model_ready"] and seen["version_ready"]
     assert not seen["unknown_ready"]
     assert seen["metadata"]["inputs"][0] == {"name": "x", "datatype": "FP32", "shape": [-1, -1, 128]}
