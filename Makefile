@@ -24,7 +24,7 @@ $(PROMETHEUS):
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -c constraints.txt -e '.[dev]'
+	$(PY) -m pip install -q -c constraints.txt -e '.[dev,gpu]'
 	touch $@
 
 $(TRITON_STAMP): constraints-triton.txt

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import re
 import subprocess
+import tomllib
 from dataclasses import fields
 from functools import cache
 from pathlib import Path
@@ -219,9 +220,19 @@ def test_dockerfile_shape(dockerfile: Path) -> None:
     assert re.search(r"(?m)^USER 10001", final)
     assert re.search(r"(?m)^EXPOSE 8000 8001 8002$", final)
     assert re.search(r'(?m)^CMD \["mha", "serve"\]$', final)
+    assert "HEALTHCHECK" in final and f"127.0.0.1:{Settings().http_port}/v2/health/ready" in final
+    runtime = dockerfile.suffix.lstrip(".")  # Dockerfile.cpu installs .[cpu]: one ONNX Runtime each
+    assert f'".[{runtime}]"' in stages[1]
     for tool in ("gcc", "build-essential", "pip install", "python3-dev", "python3-venv"):
         assert tool not in final, f"{tool} in the final stage"
     assert (ROOT / ".dockerignore").is_file()
+
+
+def test_the_package_names_no_onnx_runtime_but_in_its_extras() -> None:
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    assert not [d for d in project["dependencies"] if d.startswith("onnxruntime")]
+    extras = project["optional-dependencies"]
+    assert extras["cpu"][0].startswith("onnxruntime>") and extras["gpu"][0].startswith("onnxruntime-gpu>")
 
 
 # No drift between deploy/ and the code ---------------------------------------------------------
