@@ -24,7 +24,7 @@ from tests.support import ROOT
 DEPLOY = ROOT / "deploy"
 SCHEMAS = Path(__file__).with_name("schemas")
 VENV_BIN = ROOT / ".venv" / "bin"
-OVERLAYS = ("cpu", "gpu", "dev", "cpu-prometheus")
+OVERLAYS = ("cpu", "gpu", "dev", "cpu-prometheus", "cpu-custom-model")
 BARE = ("cpu", "gpu", "dev")  # apply to a cluster without the Prometheus Operator
 
 
@@ -59,7 +59,19 @@ KINDS = {
     "gpu": [*CORE, "HorizontalPodAutoscaler", "PodDisruptionBudget"],
     "dev": CORE,
     "cpu-prometheus": [*CORE, "HorizontalPodAutoscaler", "PodDisruptionBudget", "ServiceMonitor", "PrometheusRule"],
+    "cpu-custom-model": [*CORE, "HorizontalPodAutoscaler", "PodDisruptionBudget"],
 }
+
+
+def test_a_custom_model_is_exported_where_the_server_reads_it() -> None:
+    pod = by_kind("cpu-custom-model", "Deployment")["spec"]["template"]["spec"]
+    (export,) = pod["initContainers"]
+    command = export["command"]
+    assert command[:2] == ["mha", "export"] and "--checkpoint" in command
+    config = by_kind("cpu-custom-model", "ConfigMap", "mha-serve-config")["data"]
+    assert command[command.index("--out") + 1] == config["MHA_MODEL_DIR"]
+    mounts = {m["name"]: m["mountPath"] for m in pod["containers"][0]["volumeMounts"]}
+    assert config["MHA_MODEL_DIR"].startswith(mounts["models"])
 
 
 @pytest.mark.parametrize("overlay", KINDS)
