@@ -12,7 +12,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from service.proto import grpc_service_pb2 as pb
 from service.proto import grpc_service_pb2_grpc as pb_grpc
-from tests.support import ROOT, ServerThread, make_settings
+from tests.support import ROOT, ServerThread, make_settings, server_process
 
 
 def _grpcurl_calls() -> list[list[str]]:
@@ -44,3 +44,23 @@ def test_the_grpcurl_examples_run_against_the_default_model(default_model_dir: P
             response = getattr(stub, name)(json_format.Parse(body, request_type()), timeout=10)
             if name == "ModelInfer":
                 assert list(response.outputs[0].shape) == [1, 1, 128]
+
+
+def test_the_readme_client_commands_run_as_written(default_model_dir: Path, tmp_path: Path) -> None:
+    """`.venv/bin/mha` is where the README says, and its infer and verify lines work against a
+    server of the default model (at the port the test got instead of 8001)."""
+    block = re.search(r"## Use it\n\n```sh\n(.*?)```", (ROOT / "README.md").read_text(), re.S)
+    assert block, "the README lost its `Use it` commands"
+    lines = [line.split("#")[0].strip() for line in block.group(1).splitlines()]
+    clients = [line for line in lines if line.startswith((".venv/bin/mha infer", ".venv/bin/mha verify"))]
+    assert len(clients) == 2 and (ROOT / ".venv" / "bin" / "mha").exists()
+    models = tmp_path / "models"
+    models.mkdir()
+    (models / "default").symlink_to(default_model_dir)
+    with server_process(["--model-dir", str(default_model_dir)], tmp_path / "server.log") as server:
+        for line in clients:
+            command = line.replace(".venv/bin/mha", str(ROOT / ".venv" / "bin" / "mha"), 1)
+            command = command.replace("127.0.0.1:8001", server.url)  # models/default: the link in cwd
+            run = subprocess.run(command, shell=True, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+            assert run.returncode == 0, (command, run.stderr[-2000:])
+    assert (tmp_path / "y.npy").is_file()
