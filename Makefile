@@ -22,10 +22,12 @@ $(PROMETHEUS):
 	test -x $@
 
 $(STAMP): pyproject.toml constraints.txt
-	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -c constraints.txt -e '.[dev,gpu]'
-	touch $@
+	@echo "installing into $(VENV) (pinned by constraints.txt; the first time takes a few minutes)"
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	@$(PY) -m pip install -q --upgrade pip 2>&1 | grep -v "is ignored: it is neither" || true
+	@$(PY) -m pip install -q -c constraints.txt -e '.[dev,gpu]' > $(VENV)/install.log 2>&1 \
+		|| { cat $(VENV)/install.log; exit 1; }
+	@touch $@
 
 $(TRITON_STAMP): constraints-triton.txt
 	test -x $(TRITON_VENV)/bin/python || $(PYTHON) -m venv $(TRITON_VENV)
@@ -33,7 +35,7 @@ $(TRITON_STAMP): constraints-triton.txt
 	touch $@
 
 serve: $(STAMP)
-	$(VENV)/bin/mha serve $(ARGS)
+	@$(VENV)/bin/mha serve $(ARGS)
 
 export: $(STAMP)
 	$(VENV)/bin/mha export --out $(MODEL_DIR) $(ARGS)

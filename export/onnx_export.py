@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import warnings
 from pathlib import Path
 
 import onnx
@@ -35,17 +36,19 @@ def export_onnx(
     example = torch.zeros(2, min(3, max(2, config.max_seq_len)), config.d_model)
     dynamic = {INPUT_NAME: {0: Dim("batch"), 1: Dim("seq")}}
     log.info("tracing %s graph with torch.onnx.export (dynamo, opset %d)", graph, opset)
-    program = torch.onnx.export(
-        module,
-        (example,),
-        dynamo=True,
-        opset_version=opset,
-        dynamic_shapes=dynamic,
-        external_data=False,
-        input_names=[INPUT_NAME],
-        output_names=[OUTPUT_NAME],
-        verbose=False,
-    )
+    with warnings.catch_warnings():  # the exporter's own deprecation chatter, not ours to act on
+        warnings.simplefilter("ignore", FutureWarning)
+        program = torch.onnx.export(
+            module,
+            (example,),
+            dynamo=True,
+            opset_version=opset,
+            dynamic_shapes=dynamic,
+            external_data=False,
+            input_names=[INPUT_NAME],
+            output_names=[OUTPUT_NAME],
+            verbose=False,
+        )
     if program is None:
         raise ExportError("torch.onnx.export returned no program")
     program.save(str(path), external_data=False)

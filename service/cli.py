@@ -327,6 +327,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         stream=sys.stderr,
         format="%(asctime)s %(levelname)s %(name)s %(message)s",
     )
+    for noisy in ("onnx_ir", "onnxscript"):  # the exporter's optimiser narrates every node at INFO
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+    logging.getLogger("torch.onnx").setLevel(logging.ERROR)
     try:
         return int(args.func(args))
     except CliError as exc:

@@ -55,4 +55,6 @@ def configure_logging(level: str, fmt: str) -> None:
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level.upper())
-    logging.getLogger("onnx_ir").setLevel(logging.WARNING)
+    for noisy in ("onnx_ir", "onnxscript"):  # the exporter's optimiser narrates every node at INFO
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+    logging.getLogger("torch.onnx").setLevel(logging.ERROR)  # "torchvision is not installed" and such
