@@ -196,10 +196,11 @@ async def load_and_serve(running: Running) -> None:
     settings = running.core.settings
     host = "127.0.0.1" if settings.host in ("0.0.0.0", "::", "") else settings.host
     log.info(
-        "ready: serving %s on %s:%d (gRPC), metrics on :%s; try `.venv/bin/mha infer --url %s:%d`",
+        "ready: serving %s on %s, gRPC :%d, HTTP :%s, metrics :%s; try `.venv/bin/mha infer --url %s:%d`",
         running.core.identity.name,
         settings.host,
         running.grpc_port,
+        running.http_port or "off",
         running.metrics_port or "off",
         host,
         running.grpc_port,
