@@ -179,3 +179,20 @@ def test_bad_tls_files_are_named_in_one_line(
     assert run.returncode == 2, run.stderr
     assert "cannot start: --tls-cert" in run.stderr and named in run.stderr
     assert "Traceback" not in run.stderr
+
+
+def test_http_serves_tls_with_the_same_certificate(small_model_dir: Path, pki: dict[str, Path]) -> None:
+    import ssl
+    import urllib.error
+    import urllib.request
+
+    settings = make_settings(
+        small_model_dir, tls_cert=pki["server_crt"], tls_key=pki["server_key"], http_port=free_port(), backend="torch"
+    )
+    with ServerThread(settings):
+        context = ssl.create_default_context(cafile=str(pki["ca"]))
+        url = f"https://127.0.0.1:{settings.http_port}/v2/health/ready"
+        with urllib.request.urlopen(url, context=context, timeout=10) as response:
+            assert response.status == 200
+        with pytest.raises((urllib.error.URLError, ConnectionError)):
+            urllib.request.urlopen(f"http://127.0.0.1:{settings.http_port}/v2/health/ready", timeout=10)
