@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 import subprocess
 import tomllib
 from dataclasses import fields
@@ -309,3 +310,23 @@ def test_ports_match_the_server_defaults() -> None:
     assert ports == {"http": defaults.http_port, "grpc": defaults.grpc_port, "http-metrics": defaults.metrics_port}
     for dockerfile in DOCKERFILES:
         assert f"EXPOSE {defaults.http_port} {defaults.grpc_port} {defaults.metrics_port}" in dockerfile.read_text()
+
+
+def test_the_documented_network_policy_parameters_apply(tmp_path: Path) -> None:
+    text = (ROOT / "docs" / "operations.md").read_text()
+    block = re.search(r"The NetworkPolicy has two parameters.*?```yaml\n(.*?)```", text, re.S)
+    assert block, "docs/operations.md lost its NetworkPolicy example"
+    overlay = DEPLOY / "k8s" / "overlays" / f".doc-example-{tmp_path.name}"  # kustomize loads only below its root
+    overlay.mkdir()
+    try:
+        (overlay / "kustomization.yaml").write_text("resources: [../cpu]\n" + block.group(1))
+        run = subprocess.run(
+            [str(VENV_BIN / "kubectl"), "kustomize", str(overlay)], capture_output=True, text=True, timeout=120
+        )
+    finally:
+        shutil.rmtree(overlay)
+    assert run.returncode == 0, run.stderr
+    policy = next(d for d in yaml.safe_load_all(run.stdout) if d and d["kind"] == "NetworkPolicy")
+    callers, monitoring = (rule["from"][0] for rule in policy["spec"]["ingress"])
+    assert callers == {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "apps"}}}
+    assert monitoring["namespaceSelector"]["matchLabels"]["kubernetes.io/metadata.name"] == "observability"
