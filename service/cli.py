@@ -129,7 +129,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from dataclasses import replace
 
     from service.requestlog import configure_logging
-    from service.server import StartupError, serve
     from service.settings import settings_from_namespace
 
     try:
@@ -137,6 +136,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     except ValueError as exc:
         log.error("invalid settings: %s", exc)
         return 2
+    if not settings.thread_spinning:  # read once, when PyTorch loads its OpenMP runtime: before the import
+        os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    from service.server import StartupError, serve
+
     configure_logging(settings.log_level, settings.log_format)
     if settings.model_dir is None:
         settings = replace(settings, model_dir=ensure_default_model(settings.default_model_dir))

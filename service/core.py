@@ -197,7 +197,9 @@ def load_model(
     except CheckpointError as exc:
         raise ModelLoadError(f"cannot serve {files.directory}: {exc}") from exc
     verified = _verified(files, config, s.allow_unverified)
-    selection = select_backends(files.onnx, config, weights, requested=s.backend, threads=s.cpu_threads)
+    selection = select_backends(
+        files.onnx, config, weights, requested=s.backend, threads=s.cpu_threads, spinning=s.thread_spinning
+    )
     if not selection.backends:
         raise ModelLoadError(f"no backend can serve {files.directory}: {selection.summary()}")
     chain = BackendChain(

@@ -50,6 +50,7 @@ class Settings:
     )
     backend: str = setting("auto", "backend; auto measures and falls back", choices=BACKEND_CHOICES)
     threads: int = setting(0, "intra-op threads of the CPU backends; 0: the CPUs this process may use", low=0)
+    thread_spinning: bool = setting(False, "let idle intra-op threads busy-wait: a little latency for a lot of CPU")
     max_batch_size: int = setting(8, "rows per executed batch; 1 turns batching off", "rows", low=1)
     max_queue_delay_ms: float = setting(2.0, "how long the first request of a batch waits for company", "ms", low=0)
     max_queue_size: int = setting(256, "requests waiting before RESOURCE_EXHAUSTED", "requests", low=1)

@@ -40,10 +40,14 @@ class OrtCpuBackend(Backend):
     device = "cpu"
     platform = "onnxruntime_onnx"
 
-    def __init__(self, model_path: Path, threads: int) -> None:
+    def __init__(self, model_path: Path, threads: int, spinning: bool = False) -> None:
         options = ort.SessionOptions()
         options.intra_op_num_threads = threads
         options.inter_op_num_threads = 1
+        # Idle pool threads busy-wait by default: lower latency for back-to-back runs, but a core
+        # burnt per thread between requests (bench/cpu_per_request.py measures both).
+        options.add_session_config_entry("session.intra_op.allow_spinning", "1" if spinning else "0")
+        options.add_session_config_entry("session.inter_op.allow_spinning", "1" if spinning else "0")
         options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
         options.enable_mem_pattern = False
         options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL

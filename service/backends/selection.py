@@ -70,7 +70,7 @@ class SelfCheck:
 
 
 def _factories(
-    onnx_path: Path, config: MHAConfig, weights: Weights, threads: int, cuda: bool
+    onnx_path: Path, config: MHAConfig, weights: Weights, threads: int, cuda: bool, spinning: bool
 ) -> dict[str, Callable[[], Backend]]:
     from service.backends.ort import OrtCpuBackend, OrtCudaBackend
     from service.backends.pytorch import TorchBackend
@@ -79,7 +79,7 @@ def _factories(
     if cuda:
         factories["ort-cuda"] = lambda: OrtCudaBackend(onnx_path)
         factories["torch-cuda"] = lambda: TorchBackend(config, weights, device="cuda")
-    factories["ort-cpu"] = lambda: OrtCpuBackend(onnx_path, threads=threads)
+    factories["ort-cpu"] = lambda: OrtCpuBackend(onnx_path, threads=threads, spinning=spinning)
     factories["torch-cpu"] = lambda: TorchBackend(config, weights, device="cpu", threads=threads)
     return factories
 
@@ -123,6 +123,7 @@ def select_backends(
     requested: str = "auto",
     threads: int = 1,
     cuda: bool | None = None,
+    spinning: bool = False,
 ) -> Selection:
     """Load every wanted backend, self-check each, and order them.
 
@@ -130,7 +131,7 @@ def select_backends(
     torch-CPU are measured on the probe shapes and the faster serves.
     """
     cuda = torch.cuda.is_available() if cuda is None else cuda
-    factories = _factories(onnx_path, config, weights, threads, cuda)
+    factories = _factories(onnx_path, config, weights, threads, cuda, spinning)
     check = SelfCheck(config, weights)
     loaded: list[tuple[Backend, CandidateReport]] = []
     reports: list[CandidateReport] = []

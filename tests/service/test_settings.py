@@ -81,3 +81,22 @@ def test_settings_are_checked_however_they_are_made() -> None:
 def test_cpu_threads_default_to_the_cpus_this_process_may_use() -> None:
     assert Settings().cpu_threads == len(os.sched_getaffinity(0))
     assert Settings(threads=3).cpu_threads == 3
+
+
+@pytest.mark.parametrize(
+    ("argv", "env", "expected"),
+    [
+        ([], {}, False),
+        (["--thread-spinning"], {}, True),
+        (["--thread-spinning", "false"], {"MHA_THREAD_SPINNING": "1"}, False),
+        ([], {"MHA_THREAD_SPINNING": "yes"}, True),
+    ],
+)
+def test_boolean_settings(argv: list[str], env: dict[str, str], expected: bool) -> None:
+    assert _parse(argv, env).thread_spinning is expected
+
+
+def test_a_boolean_is_not_just_any_word(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        _parse(["--thread-spinning", "maybe"])
+    assert "expected true or false, got 'maybe'" in capsys.readouterr().err

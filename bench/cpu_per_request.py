@@ -1,0 +1,82 @@
+"""Server CPU time per request with idle threads spinning or sleeping, side by side in one run.
+
+For each CPU backend and each setting of --thread-spinning, a real `mha serve` process serves
+closed-loop (1, 64, 128) load at 1 and 8 clients; the server's own user+system time over the
+run (from /proc) divided by the requests it answered is the CPU a request costs. Client and
+server share this machine, so req/s and latency are reported beside it. Writes
+bench/results/cpu_per_request.json. Not a test.
+
+usage: python bench/cpu_per_request.py [--seconds 5] [--model-dir models/default]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+from pathlib import Path
+
+from service.launch import ServerProcess
+from service.loadgen import run_load
+
+log = logging.getLogger("bench")
+CLIENTS = (1, 8)
+TICKS = os.sysconf("SC_CLK_TCK")
+
+
+def _cpu_seconds(pid: int) -> float:
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / TICKS  # utime + stime
+
+
+def measure(model_dir: str, backend: str, spinning: bool, seconds: float, logs: Path) -> list[dict[str, object]]:
+    args = ["--model-dir", model_dir, "--backend", backend, "--thread-spinning", str(spinning).lower()]
+    server = ServerProcess(args)
+    server.env.pop("OMP_WAIT_POLICY", None)  # the setting alone decides
+    rows = []
+    try:
+        server.start(logs / f"cpu-{backend}-{spinning}.log")
+        assert server.proc is not None
+        run_load(server.url, 1, 1.0, [64])  # warm-up
+        for clients in CLIENTS:
+            before = _cpu_seconds(server.proc.pid)
+            result = run_load(server.url, clients, seconds, [64])
+            cpu = _cpu_seconds(server.proc.pid) - before
+            rows.append(
+                {
+                    "backend": backend,
+                    "spinning": spinning,
+                    "clients": clients,
+                    "requests": result.requests,
+                    "rps": round(result.throughput_rps, 1),
+                    "p50_ms": round(result.p50_ms, 3),
+                    "cpu_ms_per_request": round(cpu / max(result.requests, 1) * 1e3, 3),
+                }
+            )
+            log.info("%s", rows[-1])
+    finally:
+        server.terminate()
+    return rows
+
+
+def main() -> int:
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seconds", type=float, default=5.0)
+    parser.add_argument("--model-dir", default="models/default")
+    args = parser.parse_args()
+    logs = Path(__file__).parent / "results"
+    logs.mkdir(parents=True, exist_ok=True)
+    rows = []
+    for backend in ("ort-cpu", "torch"):
+        for spinning in (True, False):
+            rows += measure(args.model_dir, backend, spinning, args.seconds, logs)
+    (logs / "cpu_per_request.json").write_text(json.dumps({"cores": os.cpu_count(), "rows": rows}, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
