@@ -100,20 +100,42 @@ def probe_shapes(config: MHAConfig) -> list[tuple[int, int]]:
     return [(1, min(64, config.max_seq_len)), (4, min(512, config.max_seq_len))]
 
 
-def measure(backend: Backend, config: MHAConfig, repeats: int = 5) -> float:
-    """Geometric mean over the probe shapes of the median time, in milliseconds."""
+MARGIN = 0.8  # a challenger must take at most this share of the incumbent's time to displace it
+
+
+def measure_interleaved(backends: list[Backend], config: MHAConfig, rounds: int = 7) -> list[float]:
+    """Per backend, the geometric mean over the probe shapes of the median time (ms).
+
+    The backends take turns run by run, in an order that alternates every round, so that a
+    burst of load on a shared machine falls on all of them alike.
+    """
     rng = np.random.default_rng(0)
-    logs = []
+    logs: list[list[float]] = [[] for _ in backends]
     for B, T in probe_shapes(config):
         x = rng.standard_normal((B, T, config.d_model), dtype=np.float32)
-        backend.run(x)  # warm-up
-        samples = []
-        for _ in range(repeats):
-            start = time.perf_counter()
-            backend.run(x)
-            samples.append(time.perf_counter() - start)
-        logs.append(math.log(statistics.median(samples) * 1e3))
-    return math.exp(sum(logs) / len(logs))
+        samples: list[list[float]] = [[] for _ in backends]
+        for backend in backends:
+            backend.run(x)  # warm-up
+        for r in range(rounds):
+            order = range(len(backends)) if r % 2 == 0 else reversed(range(len(backends)))
+            for k in order:
+                start = time.perf_counter()
+                backends[k].run(x)
+                samples[k].append(time.perf_counter() - start)
+        for k in range(len(backends)):
+            logs[k].append(math.log(statistics.median(samples[k]) * 1e3))
+    return [math.exp(sum(ls) / len(ls)) for ls in logs]
+
+
+def speed_order(times_ms: list[float], margin: float = MARGIN) -> list[int]:
+    """Indices in serving order: the preferred (first) backend keeps its place unless another is
+    faster by a clear margin, so that the choice does not flip with a noisy measurement."""
+    order = list(range(len(times_ms)))
+    fastest = min(order, key=lambda k: times_ms[k])
+    if times_ms[fastest] < margin * times_ms[0]:
+        order.remove(fastest)
+        order.insert(0, fastest)
+    return order
 
 
 def select_backends(
@@ -152,15 +174,22 @@ def select_backends(
             continue
         report.reason = why
         loaded.append((backend, report))
+    preferred = loaded[0][1].name if loaded else ""
     if not cuda and len(loaded) > 1:
-        for backend, report in loaded:
-            report.probe_ms = measure(backend, config)
-            report.reason += f", probe {report.probe_ms:.3f} ms"
-        loaded.sort(key=lambda pair: pair[1].probe_ms or math.inf)
+        times = measure_interleaved([b for b, _ in loaded], config)
+        for (_, report), ms in zip(loaded, times, strict=True):
+            report.probe_ms = ms
+            report.reason += f", probe {ms:.3f} ms"
+        loaded = [loaded[k] for k in speed_order(times)]
     for i, (_, report) in enumerate(loaded):
         report.status = "serving" if i == 0 else "fallback"
         if i == 0 and len(loaded) > 1:
-            report.reason += " (first in order)" if cuda else " (fastest on this machine)"
+            if cuda:
+                report.reason += " (first in order)"
+            elif report.name == preferred:
+                report.reason += f" (preferred; no other is faster by {1 / MARGIN - 1:.0%})"
+            else:
+                report.reason += f" (faster than {preferred} by more than {1 / MARGIN - 1:.0%})"
     selection = Selection(backends=[b for b, _ in loaded], check=check, candidates=reports)
     log.info("backend selection: %s", selection.summary())
     return selection

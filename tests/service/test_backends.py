@@ -16,7 +16,7 @@ from service.backends import BackendChain, BackendLoadError, select_backends
 from service.backends.base import Backend
 from service.backends.ort import OrtCpuBackend, OrtCudaBackend
 from service.backends.pytorch import TorchBackend
-from service.backends.selection import SelfCheck
+from service.backends.selection import SelfCheck, speed_order
 from service.errors import BackendFailure
 
 
@@ -45,10 +45,20 @@ def test_auto_without_cuda_measures_and_orders(small_model_dir: Path) -> None:
     assert sorted(names) == ["ort-cpu", "torch-cpu"]
     reports = {c.name: c for c in selection.candidates}
     serving = reports[names[0]]
-    assert serving.status == "serving" and "fastest on this machine" in serving.reason
+    assert serving.status == "serving"
+    assert "(preferred; no other is faster by 25%)" in serving.reason or "faster than ort-cpu" in serving.reason
     assert reports[names[1]].status == "fallback"
     assert serving.probe_ms is not None and reports[names[1]].probe_ms is not None
-    assert serving.probe_ms <= reports[names[1]].probe_ms
+    if serving.name != "ort-cpu":  # displaced the preferred one: by the margin
+        assert serving.probe_ms < 0.8 * reports["ort-cpu"].probe_ms
+
+
+@pytest.mark.parametrize(
+    ("times", "order"),
+    [([10, 9], [0, 1]), ([10, 7.9], [1, 0]), ([10, 12], [0, 1]), ([10, 11, 5], [2, 0, 1]), ([10, 7.9, 8.5], [1, 0, 2])],
+)
+def test_the_preferred_backend_keeps_its_place_unless_clearly_slower(times: list[float], order: list[int]) -> None:
+    assert speed_order(times) == order
 
 
 def test_explicit_backend(small_model_dir: Path) -> None:
