@@ -245,16 +245,69 @@ def verify_server(
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
+    """Closed-loop load at each concurrency in turn: a table on the terminal, JSON/CSV on request."""
+    from dataclasses import replace
+
+    from service.loadgen import run_load, server_cpu_seconds
+
+    levels, seqs = _int_list(args.concurrency, "--concurrency"), _int_list(args.seq_lens, "--seq-lens")
+    security = _client_security(args)
+    d_model = args.d_model or _served_width(args.url, security)
+    metrics_url = None if args.metrics_url == "off" else args.metrics_url or f"{args.url.rsplit(':', 1)[0]}:8002"
+    results = []
+    for n, clients in enumerate(levels, 1):
+        sys.stderr.write(f"[{n}/{len(levels)}] {clients} clients for {args.seconds:g} s ...\n")
+        cpu_before = server_cpu_seconds(metrics_url) if metrics_url else None
+        result = run_load(args.url, clients, args.seconds, seqs, batch=args.batch, d_model=d_model, **security)
+        cpu_after = server_cpu_seconds(metrics_url) if metrics_url else None
+        if cpu_before is not None and cpu_after is not None and result.requests:
+            result = replace(result, server_cpu_ms_per_request=(cpu_after - cpu_before) / result.requests * 1e3)
+        results.append(result)
+        if result.stopped:
+            raise CliError(f"stopped: the server refused the requests: {result.stopped}")
+    _write_results(results, args)
+    return 0 if all(r.requests for r in results) else 1
+
+
+def _int_list(text: str, flag: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",")]
+    except ValueError as exc:
+        raise CliError(f"{flag} {text!r}: expected integers separated by commas, such as 1,8,32", 2) from exc
+    if not values or min(values) < 1:
+        raise CliError(f"{flag} {text!r}: expected positive integers", 2)
+    return values
+
+
+def _served_width(url: str, security: dict[str, Any]) -> int:
+    """C, from the server's own model config."""
+    from service.client import InferenceError, MHAClient
+
+    try:
+        with MHAClient(url, **security) as client:
+            return int(client.model_config().parameters["d_model"].string_value)
+    except (InferenceError, ValueError) as exc:
+        raise CliError(f"cannot read the model's width from {url}: {exc}; pass --d-model") from exc
+
+
+def _write_results(results: list[Any], args: argparse.Namespace) -> None:
+    import csv
     import json
 
-    from service.loadgen import run_load
-
-    seqs = [int(t) for t in args.seq_lens.split(",")]
-    result = run_load(
-        args.url, args.concurrency, args.seconds, seqs, batch=args.batch, d_model=args.d_model, **_client_security(args)
-    )
-    sys.stdout.write(json.dumps(result.to_dict()) + "\n")
-    return 0 if result.requests else 1
+    columns = ["concurrency", "requests", "throughput_rps", "p50_ms", "p90_ms", "p95_ms", "p99_ms"]
+    columns.append("server_cpu_ms_per_request")
+    lines = [" ".join(f"{c.replace('_ms', '').replace('_per_request', '/req'):>12}" for c in columns)]
+    for r in results:
+        row = r.to_dict()
+        lines.append(" ".join(f"{row[c]:>12.2f}" if isinstance(row[c], float) else f"{row[c]!s:>12}" for c in columns))
+    sys.stdout.write("\n".join(lines) + "\n")
+    if args.json:
+        Path(args.json).write_text(json.dumps([r.to_dict() for r in results], indent=1) + "\n")
+    if args.csv:
+        with open(args.csv, "w", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=columns, extrasaction="ignore")
+            writer.writeheader()
+            writer.writerows(r.to_dict() for r in results)
 
 
 def build_parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
@@ -310,13 +363,16 @@ def build_parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
     _add_client_args(p)
     p.set_defaults(func=cmd_infer)
 
-    p = sub.add_parser("bench", help="closed-loop load on a running server: throughput, p50, p99")
+    p = sub.add_parser("bench", help="closed-loop load on a running server: req/s, latency percentiles, CPU")
     p.add_argument("--url", default="127.0.0.1:8001", help="HOST:PORT (default 127.0.0.1:8001)")
-    p.add_argument("--concurrency", type=int, default=8, help="clients, one request in flight each (default 8)")
-    p.add_argument("--seconds", type=float, default=10.0, help="duration (default 10)")
+    p.add_argument("--concurrency", default="1,8,32", help="clients per level, comma-separated (default 1,8,32)")
+    p.add_argument("--seconds", type=float, default=10.0, help="duration of each level (default 10)")
     p.add_argument("--batch", type=int, default=1, help="B per request (default 1)")
     p.add_argument("--seq-lens", default="64", help="T values drawn at random, comma-separated (default 64)")
-    p.add_argument("--d-model", type=int, default=128, help="C (default 128)")
+    p.add_argument("--d-model", type=int, default=None, help="C (default: the server's)")
+    p.add_argument("--metrics-url", help="HOST:PORT of the server's /metrics for CPU per request (default :8002; off)")
+    p.add_argument("--json", help="write the results as JSON to this file")
+    p.add_argument("--csv", help="write the results as CSV to this file")
     _add_client_args(p)
     p.set_defaults(func=cmd_bench)
     return parser

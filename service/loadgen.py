@@ -2,28 +2,50 @@
 
 from __future__ import annotations
 
-import statistics
 import threading
 import time
+import urllib.request
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
+import grpc
 import numpy as np
+from prometheus_client.parser import text_string_to_metric_families
 
 from service.client import InferenceError, MHAClient
+
+# The client's own mistakes: every further request would fail the same way, so the run stops.
+STOP_ON = {
+    grpc.StatusCode.INVALID_ARGUMENT,
+    grpc.StatusCode.NOT_FOUND,
+    grpc.StatusCode.UNAUTHENTICATED,
+    grpc.StatusCode.PERMISSION_DENIED,
+    grpc.StatusCode.UNIMPLEMENTED,
+}
 
 
 @dataclass(frozen=True)
 class LoadResult:
+    concurrency: int
     requests: int
     errors: dict[str, int]  # status code name -> count
     seconds: float
     throughput_rps: float
     p50_ms: float
+    p90_ms: float
+    p95_ms: float
     p99_ms: float
+    stopped: str = ""  # why the run stopped early: the server's own message
+    server_cpu_ms_per_request: float | None = None  # from the server's process_cpu_seconds_total
 
     def to_dict(self) -> dict[str, object]:
         return asdict(self)
+
+
+def _percentile(sorted_values: list[float], q: float) -> float:
+    if not sorted_values:
+        return float("nan")
+    return sorted_values[min(len(sorted_values) - 1, int(q * len(sorted_values)))] * 1e3
 
 
 def run_load(
@@ -38,13 +60,14 @@ def run_load(
     """Each of `concurrency` clients sends (batch, T, d_model) requests, T drawn from seq_lens."""
     latencies: list[float] = []
     errors: dict[str, int] = {}
+    stopped: list[str] = []
     lock = threading.Lock()
     stop_at = time.monotonic() + seconds
 
     def worker(i: int) -> None:
         rng = np.random.default_rng(i)
         with MHAClient(url, **client_kwargs) as client:  # type: ignore[arg-type]
-            while time.monotonic() < stop_at:
+            while time.monotonic() < stop_at and not stopped:
                 x = rng.standard_normal((batch, int(rng.choice(seq_lens)), d_model), dtype=np.float32)
                 start = time.perf_counter()
                 try:
@@ -52,6 +75,8 @@ def run_load(
                 except InferenceError as exc:
                     with lock:
                         errors[exc.code.name] = errors.get(exc.code.name, 0) + 1
+                        if exc.code in STOP_ON and not stopped:
+                            stopped.append(str(exc))
                     continue
                 with lock:
                     latencies.append(time.perf_counter() - start)
@@ -64,12 +89,28 @@ def run_load(
         t.join()
     elapsed = time.monotonic() - started
     latencies.sort()
-    n = len(latencies)
     return LoadResult(
-        requests=n,
+        concurrency=concurrency,
+        requests=len(latencies),
         errors=errors,
         seconds=elapsed,
-        throughput_rps=n / elapsed,
-        p50_ms=statistics.median(latencies) * 1e3 if n else float("nan"),
-        p99_ms=latencies[min(n - 1, int(0.99 * n))] * 1e3 if n else float("nan"),
+        throughput_rps=len(latencies) / elapsed,
+        p50_ms=_percentile(latencies, 0.5),
+        p90_ms=_percentile(latencies, 0.9),
+        p95_ms=_percentile(latencies, 0.95),
+        p99_ms=_percentile(latencies, 0.99),
+        stopped=stopped[0] if stopped else "",
     )
+
+
+def server_cpu_seconds(metrics_url: str) -> float | None:
+    """The server's process_cpu_seconds_total, or None when its metrics cannot be read."""
+    try:
+        with urllib.request.urlopen(f"http://{metrics_url}/metrics", timeout=5) as response:
+            text = response.read().decode()
+    except OSError:
+        return None
+    for family in text_string_to_metric_families(text):
+        if family.name == "process_cpu_seconds":
+            return float(sum(s.value for s in family.samples))
+    return None

@@ -13,7 +13,7 @@ import torch
 from model.checkpoint import load_checkpoint
 from model.reference import attention_view, relative_error
 from service.cli import main as mha
-from tests.support import ServerThread, make_settings
+from tests.support import ServerThread, free_port, make_settings
 
 
 @pytest.fixture(scope="module")
@@ -45,20 +45,32 @@ def test_infer_random_and_errors(server: ServerThread, capsys: pytest.CaptureFix
     assert mha(["infer", "--url", server.url, "--shape", "one,4"]) == 2
 
 
-def test_bench(server: ServerThread, capsys: pytest.CaptureFixture[str]) -> None:
-    args = [
-        "bench",
-        "--url",
-        server.url,
-        "--concurrency",
-        "2",
-        "--seconds",
-        "1",
-        "--seq-lens",
-        "4,9",
-        "--d-model",
-        "32",
-    ]
-    assert mha(args) == 0
-    result = json.loads(capsys.readouterr().out)
-    assert result["requests"] > 0 and result["errors"] == {} and result["p99_ms"] >= result["p50_ms"] > 0
+def test_bench_sweeps_concurrency_and_writes_json_and_csv(
+    small_model_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    settings = make_settings(small_model_dir, backend="torch", metrics_port=free_port())
+    with ServerThread(settings) as server:
+        args = ["bench", "--url", server.url, "--concurrency", "1,2", "--seconds", "1", "--seq-lens", "4,9"]
+        args += ["--metrics-url", f"127.0.0.1:{settings.metrics_port}"]  # C comes from the server
+        args += ["--json", str(tmp_path / "r.json"), "--csv", str(tmp_path / "r.csv")]
+        assert mha(args) == 0
+    table = capsys.readouterr().out.splitlines()
+    assert table[0].split()[:3] == ["concurrency", "requests", "throughput_rps"] and len(table) == 3
+    results = json.loads((tmp_path / "r.json").read_text())
+    assert [r["concurrency"] for r in results] == [1, 2]
+    for r in results:
+        assert r["requests"] > 0 and r["errors"] == {} and not r["stopped"]
+        assert r["p99_ms"] >= r["p95_ms"] >= r["p90_ms"] >= r["p50_ms"] > 0
+        assert r["server_cpu_ms_per_request"] > 0
+    assert (tmp_path / "r.csv").read_text().splitlines()[0].startswith("concurrency,requests,throughput_rps")
+
+
+def test_bench_stops_at_once_with_the_servers_message(
+    server: ServerThread, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    args = ["bench", "--url", server.url, "--concurrency", "4", "--seconds", "300", "--d-model", "31"]
+    args += ["--metrics-url", "off", "--json", str(tmp_path / "r.json")]
+    assert mha(args) == 1  # at once: a 300 s run would time the test out
+    said = caplog.text
+    assert "stopped: the server refused the requests: INVALID_ARGUMENT" in said and "expected C = 32" in said
+    assert not (tmp_path / "r.json").exists()
