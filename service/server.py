@@ -139,7 +139,8 @@ def _grpc_server(
     interceptors = [BearerTokenInterceptor(token, calls.refuse)] if token is not None else []
     limit = settings.max_message_mb * 1024 * 1024
     options = [("grpc.max_receive_message_length", limit), ("grpc.max_send_message_length", limit)]
-    server = grpc.aio.server(interceptors=interceptors, options=[*options, ("grpc.so_reuseport", 0)])
+    reuse = ("grpc.so_reuseport", 1 if settings.reuse_port else 0)  # shared only among --workers
+    server = grpc.aio.server(interceptors=interceptors, options=[*options, reuse])
     server.add_generic_rpc_handlers((generic_handler(InferenceServicer(core, calls), calls),))
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     health_name = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
@@ -159,7 +160,13 @@ async def _start_metrics(running: Running, settings: Settings, metrics: Metrics)
 async def _start_http(running: Running, settings: Settings, api: HttpApi) -> None:
     running.http_runner = web.AppRunner(api.app(), access_log=None, handle_signals=False)
     await running.http_runner.setup()
-    site = web.TCPSite(running.http_runner, settings.host, settings.http_port, ssl_context=ssl_context(settings))
+    site = web.TCPSite(
+        running.http_runner,
+        settings.host,
+        settings.http_port,
+        ssl_context=ssl_context(settings),
+        reuse_port=settings.reuse_port or None,
+    )
     try:
         await site.start()
     except OSError as exc:

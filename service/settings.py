@@ -49,6 +49,8 @@ class Settings:
         0, "plaintext port with only the gRPC health service, for probes under mTLS; 0: off", low=0, high=65535
     )
     backend: str = setting("auto", "backend; auto measures and falls back", choices=BACKEND_CHOICES)
+    workers: str = setting("1", "server processes sharing the ports; auto: one per GPU, else one per 2 CPUs")
+    reuse_port: bool = setting(False, "share the ports with other processes (what each of --workers does)")
     threads: int = setting(0, "intra-op threads of the CPU backends; 0: the CPUs this process may use", low=0)
     thread_spinning: bool = setting(False, "let idle intra-op threads busy-wait: a little latency for a lot of CPU")
     max_batch_size: int = setting(8, "rows per executed batch; 1 turns batching off", "rows", low=1)
@@ -76,6 +78,8 @@ class Settings:
             _check(f, getattr(self, f.name))
         if (self.tls_cert is None) != (self.tls_key is None):
             raise ValueError("--tls-cert and --tls-key go together; give both or neither")
+        if self.workers != "auto" and not (self.workers.isdigit() and int(self.workers) >= 1):
+            raise ValueError(f"--workers {self.workers!r}: expected a positive number or auto")
         if self.tls_client_ca is not None and self.tls_cert is None:
             raise ValueError("--tls-client-ca (mTLS) needs --tls-cert and --tls-key")
 
@@ -135,6 +139,16 @@ def add_serve_arguments(parser: argparse.ArgumentParser, environ: Mapping[str, s
             help=f"{f.metadata['help']}{unit} [env {env}]",
             **flag_kind,
         )
+
+
+def to_argv(settings: Settings) -> list[str]:
+    """`mha serve` flags that rebuild `settings` (those that differ from the defaults)."""
+    argv: list[str] = []
+    for f in fields(Settings):
+        value = getattr(settings, f.name)
+        if f.metadata["flag"] and value != f.default and value is not None:
+            argv += [_flag(f.name), str(value).lower() if isinstance(value, bool) else str(value)]
+    return argv
 
 
 def settings_from_namespace(ns: argparse.Namespace, log_level: str) -> Settings:

@@ -100,3 +100,18 @@ def test_a_boolean_is_not_just_any_word(capsys: pytest.CaptureFixture[str]) -> N
     with pytest.raises(SystemExit):
         _parse(["--thread-spinning", "maybe"])
     assert "expected true or false, got 'maybe'" in capsys.readouterr().err
+
+
+def test_settings_travel_to_workers_as_flags() -> None:
+    from service.settings import to_argv
+
+    argv = ["--grpc-port", "9001", "--backend", "torch", "--thread-spinning", "--model-dir", "/m", "--workers", "3"]
+    s = _parse(argv)
+    assert _parse(to_argv(s)) == s
+
+
+@pytest.mark.parametrize("value", ["0", "-1", "many", "2.5"])
+def test_workers_is_a_positive_number_or_auto(value: str) -> None:
+    with pytest.raises(ValueError, match="--workers"):
+        _parse(["--workers", value])
+    assert _parse(["--workers", "auto"]).workers == "auto"

@@ -1,0 +1,188 @@
+"""`mha serve --workers N`: N full server processes sharing the gRPC and HTTP ports (SO_REUSEPORT),
+under one supervisor, gunicorn's pre-fork model without the fork.
+
+The supervisor starts the workers, restarts one that dies (logged and counted), forwards SIGTERM
+and waits for every worker's drain. It serves the one /metrics endpoint: each worker exports on a
+loopback port of its own, and the supervisor sums counters and histograms across workers and
+labels gauges with the worker's index. Each worker batches only the requests of its own
+connections; a client with one channel sticks to one worker.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import socket
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+
+from prometheus_client import CollectorRegistry
+from prometheus_client.core import Metric
+from prometheus_client.parser import text_string_to_metric_families
+
+from service.metrics_http import MetricsServer
+from service.settings import Settings
+
+log = logging.getLogger(__name__)
+
+SUMMED = {"counter", "histogram", "summary"}  # across workers; gauges and infos get a worker label
+MAX_RESTARTS = 5  # within RESTART_WINDOW_S: beyond it, the supervisor gives up and exits 1
+RESTART_WINDOW_S = 60.0
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class Worker:
+    index: int
+    metrics_port: int
+    process: asyncio.subprocess.Process | None = None
+    restarts: list[float] = field(default_factory=list)  # time.monotonic() of each restart
+
+
+class WorkersCollector:
+    """The workers' /metrics, merged: a custom prometheus-client collector."""
+
+    def __init__(self, workers: Sequence[Worker], restarts: dict[int, int]) -> None:
+        self._workers, self._restarts = workers, restarts
+
+    def collect(self) -> Iterator[Metric]:
+        headers: dict[str, Metric] = {}
+        values: dict[str, dict[tuple[str, tuple[tuple[str, str], ...]], float]] = {}
+        for worker in self._workers:
+            for family in self._scrape(worker):
+                headers.setdefault(family.name, Metric(family.name, family.documentation, family.type))
+                self._merge(values.setdefault(family.name, {}), family, worker.index)
+        for name, header in headers.items():
+            for (sample, labels), value in values[name].items():
+                header.add_sample(sample, dict(labels), value)
+            yield header
+        restarts = Metric("mha_worker_restarts", "Workers restarted after they died, by worker.", "counter")
+        for index, count in sorted(self._restarts.items()):
+            restarts.add_sample("mha_worker_restarts_total", {"worker": str(index)}, float(count))
+        yield restarts
+
+    @staticmethod
+    def _scrape(worker: Worker) -> list[Metric]:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{worker.metrics_port}/metrics", timeout=5) as response:
+                return list(text_string_to_metric_families(response.read().decode()))
+        except OSError:
+            return []  # starting, restarting or gone: its series are absent from this scrape
+
+    @staticmethod
+    def _merge(values: dict[tuple[str, tuple[tuple[str, str], ...]], float], family: Metric, index: int) -> None:
+        """Counters and histograms add up (bucket order kept); gauges stay apart, by worker."""
+        for sample in family.samples:
+            labels = sample.labels if family.type in SUMMED else {**sample.labels, "worker": str(index)}
+            key = (sample.name, tuple(labels.items()))
+            values[key] = values.get(key, 0.0) + sample.value
+
+
+class Supervisor:
+    def __init__(self, settings: Settings, argv: Sequence[str], count: int) -> None:
+        self.settings = settings
+        self._argv = list(argv)  # `mha serve` arguments, without --workers
+        self.workers = [Worker(i, _free_port()) for i in range(count)]
+        self.restarts: dict[int, int] = {i: 0 for i in range(count)}
+        self._stopping = False
+
+    def _command(self, worker: Worker) -> list[str]:
+        own = [
+            "--workers",
+            "1",
+            "--reuse-port",
+            "--metrics-port",
+            str(worker.metrics_port),
+            "--metrics-host",
+            "127.0.0.1",
+        ]
+        return [sys.executable, "-m", "service.cli", "serve", *self._argv, *own]
+
+    async def _spawn(self, worker: Worker) -> None:
+        env = {**os.environ, "MHA_LOG_LEVEL": self.settings.log_level}
+        worker.process = await asyncio.create_subprocess_exec(*self._command(worker), env=env)
+        log.info(
+            "worker %d started (pid %d, metrics 127.0.0.1:%d)", worker.index, worker.process.pid, worker.metrics_port
+        )
+
+    async def _watch(self, worker: Worker) -> None:
+        """Restart the worker whenever it dies, unless the supervisor is stopping."""
+        while True:
+            assert worker.process is not None
+            code = await worker.process.wait()
+            if self._stopping:
+                return
+            now = time.monotonic()
+            worker.restarts = [t for t in worker.restarts if now - t < RESTART_WINDOW_S] + [now]
+            if len(worker.restarts) > MAX_RESTARTS:
+                log.error(
+                    "worker %d died %d times within %.0f s; giving up", worker.index, MAX_RESTARTS, RESTART_WINDOW_S
+                )
+                raise RuntimeError(f"worker {worker.index} keeps dying (last exit code {code})")
+            self.restarts[worker.index] += 1
+            log.error(
+                "worker %d (pid %d) died with exit code %s; restarting it", worker.index, worker.process.pid, code
+            )
+            await self._spawn(worker)
+
+    async def run(self) -> int:
+        loop = asyncio.get_running_loop()
+        stop = asyncio.Event()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        registry = CollectorRegistry(auto_describe=False)
+        registry.register(WorkersCollector(self.workers, self.restarts))  # type: ignore[arg-type]
+        metrics = MetricsServer(registry)
+        if self.settings.metrics_port:
+            await metrics.start(self.settings.metrics_host or self.settings.host, self.settings.metrics_port)
+        for worker in self.workers:
+            await self._spawn(worker)
+        log.info("supervising %d workers on gRPC :%d", len(self.workers), self.settings.grpc_port)
+        watchers = [asyncio.create_task(self._watch(w)) for w in self.workers]
+        stopper = asyncio.create_task(stop.wait())
+        done, _ = await asyncio.wait([stopper, *watchers], return_when=asyncio.FIRST_COMPLETED)
+        failed = stopper not in done
+        await self._stop_all()
+        for task in [stopper, *watchers]:
+            task.cancel()
+        await metrics.stop()
+        return 1 if failed else 0
+
+    async def _stop_all(self) -> None:
+        """SIGTERM to every worker, then wait for each one's drain."""
+        self._stopping = True
+        log.info("stopping %d workers: each drains within %.0f s", len(self.workers), self.settings.grace_s)
+        for worker in self.workers:
+            if worker.process is not None and worker.process.returncode is None:
+                worker.process.send_signal(signal.SIGTERM)
+        for worker in self.workers:
+            if worker.process is not None:
+                try:
+                    await asyncio.wait_for(worker.process.wait(), self.settings.grace_s + 10)
+                except TimeoutError:
+                    log.error("worker %d did not stop in time; killing it", worker.index)
+                    worker.process.kill()
+                    await worker.process.wait()
+
+
+def worker_count(setting: str) -> int:
+    """--workers: a number, or auto: one per GPU where there are GPUs, else one per 2 CPUs."""
+    if setting != "auto":
+        return int(setting)
+    gpus = (
+        [d for d in os.listdir("/dev") if d.startswith("nvidia") and d[6:].isdigit()] if os.path.isdir("/dev") else []
+    )
+    if gpus:
+        return len(gpus)
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, cpus // 2)
