@@ -16,7 +16,7 @@ import logging
 import time
 from dataclasses import dataclass, field
 from types import TracebackType
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import grpc
 
@@ -53,6 +53,7 @@ def _ended_code(context: grpc.aio.ServicerContext | None) -> grpc.StatusCode:
 class Calls:
     def __init__(self, core: InferenceCore) -> None:
         self._core = core
+        self._children: dict[tuple[str, grpc.StatusCode], tuple[Any, Any]] = {}  # method labels: a fixed set
 
     def unary(
         self, method: str, context: grpc.aio.ServicerContext, client_id: str = "", inference: bool = False
@@ -87,21 +88,25 @@ class Calls:
 
     def closed(self, call: Call) -> None:
         elapsed = time.perf_counter() - call.started
-        metrics = self._core.metrics
-        metrics.requests.labels(method=call.method, code=call.code.name).inc()
-        metrics.request_duration.labels(method=call.method).observe(elapsed)
+        counted, timed = self._series(call.method, call.code)
+        counted.inc()
+        timed.observe(elapsed)
         if call.inference:
             self._core.request_finished()
             self._core.stats.observe_request(call.ok, elapsed)
-        if call.inference or not call.ok:
-            log.log(
-                logging.DEBUG if call.ok else logging.WARNING,
-                "%s %s %s",
-                call.method,
-                call.code.name,
-                call.message,
-                extra={"method": call.method, "code": call.code.name, "duration_ms": round(elapsed * 1e3, 3)},
-            )
+        level = logging.DEBUG if call.ok else logging.WARNING
+        if (call.inference or not call.ok) and log.isEnabledFor(level):  # no record built that nobody reads
+            extra = {"method": call.method, "code": call.code.name, "duration_ms": round(elapsed * 1e3, 3)}
+            log.log(level, "%s %s %s", call.method, call.code.name, call.message, extra=extra)
+
+    def _series(self, method: str, code: grpc.StatusCode) -> tuple[Any, Any]:
+        """The labelled counter and histogram of (method, code), looked up once."""
+        key = (method, code)
+        if key not in self._children:
+            metrics = self._core.metrics
+            counted = metrics.requests.labels(method=method, code=code.name)
+            self._children[key] = (counted, metrics.request_duration.labels(method=method))
+        return self._children[key]
 
 
 class _Scope:
