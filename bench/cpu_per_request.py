@@ -11,12 +11,12 @@ usage: python bench/cpu_per_request.py [--seconds 5] [--model-dir models/default
 
 from __future__ import annotations
 
-import argparse
-import json
 import logging
 import os
 import sys
 from pathlib import Path
+
+import common
 
 from service.launch import ServerProcess
 from service.loadgen import run_load
@@ -63,18 +63,15 @@ def measure(model_dir: str, backend: str, spinning: bool, seconds: float, logs: 
 
 
 def main() -> int:
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = common.parser(__doc__)
     parser.add_argument("--seconds", type=float, default=5.0)
     parser.add_argument("--model-dir", default="models/default")
     args = parser.parse_args()
-    logs = Path(__file__).parent / "results"
-    logs.mkdir(parents=True, exist_ok=True)
     rows = []
     for backend in ("ort-cpu", "torch"):
         for spinning in (True, False):
-            rows += measure(args.model_dir, backend, spinning, args.seconds, logs)
-    (logs / "cpu_per_request.json").write_text(json.dumps({"cores": os.cpu_count(), "rows": rows}, indent=1) + "\n")
+            rows += measure(args.model_dir, backend, spinning, args.seconds, common.RESULTS)
+    common.write_json("cpu_per_request.json", {"cores": os.cpu_count(), "rows": rows})
     return 0
 
 

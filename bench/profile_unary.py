@@ -11,12 +11,12 @@ usage: python bench/profile_unary.py [--seconds 10] [--model-dir models/default]
 
 from __future__ import annotations
 
-import argparse
 import io
 import logging
 import pstats
 import sys
-from pathlib import Path
+
+import common
 
 from service.launch import ServerProcess
 from service.loadgen import run_load
@@ -25,14 +25,12 @@ log = logging.getLogger("bench")
 
 
 def main() -> int:
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = common.parser(__doc__)
     parser.add_argument("--seconds", type=float, default=10.0)
     parser.add_argument("--model-dir", default="models/default")
     parser.add_argument("--top", type=int, default=25)
     args = parser.parse_args()
-    results = Path(__file__).parent / "results"
-    results.mkdir(parents=True, exist_ok=True)
+    results = common.RESULTS
     profile = results / "profile_unary.prof"
     server = ServerProcess(["--model-dir", args.model_dir, "--backend", "ort-cpu"])
     server.args[1:3] = ["-m", "cProfile", "-o", str(profile), "-m", "service.cli"]

@@ -10,12 +10,11 @@ usage: python bench/workers.py [--workers 1,2] [--clients 16] [--seconds 5] [--m
 
 from __future__ import annotations
 
-import argparse
-import json
 import logging
 import os
 import sys
-from pathlib import Path
+
+import common
 
 from service.launch import ServerProcess
 from service.loadgen import run_load
@@ -24,21 +23,18 @@ log = logging.getLogger("bench")
 
 
 def main() -> int:
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = common.parser(__doc__)
     parser.add_argument("--workers", default="1,2")
     parser.add_argument("--clients", type=int, default=16)
     parser.add_argument("--seconds", type=float, default=5.0)
     parser.add_argument("--seq-len", type=int, default=64)
     parser.add_argument("--model-dir", default="models/default")
     args = parser.parse_args()
-    results = Path(__file__).parent / "results"
-    results.mkdir(parents=True, exist_ok=True)
     rows = []
     for workers in [int(w) for w in args.workers.split(",")]:
         server = ServerProcess(["--model-dir", args.model_dir, "--workers", str(workers), "--threads", "1"])
         try:
-            server.start(results / f"workers-{workers}.log")
+            server.start(common.RESULTS / f"workers-{workers}.log")
             run_load(server.url, args.clients, 1.0, [args.seq_len])  # warm-up
             result = run_load(server.url, args.clients, args.seconds, [args.seq_len])
         finally:
@@ -46,8 +42,7 @@ def main() -> int:
         rows.append({"workers": workers, "rps": round(result.throughput_rps, 1), "p50_ms": round(result.p50_ms, 3)})
         rows[-1]["vs_one_worker"] = round(rows[-1]["rps"] / rows[0]["rps"], 2)
         log.info("%s", rows[-1])
-    payload = {"cores": os.cpu_count(), "clients": args.clients, "rows": rows}
-    (results / "workers.json").write_text(json.dumps(payload, indent=1) + "\n")
+    common.write_json("workers.json", {"cores": os.cpu_count(), "clients": args.clients, "rows": rows})
     return 0
 
 
