@@ -1,9 +1,10 @@
 """Server CPU time per request with idle threads spinning or sleeping, side by side in one run.
 
 For each CPU backend and each setting of --thread-spinning, a real `mha serve` process serves
-closed-loop (1, 64, 128) load at 1 and 8 clients; the server's own user+system time over the
-run (from /proc) divided by the requests it answered is the CPU a request costs. Client and
-server share this machine, so req/s and latency are reported beside it. Writes
+closed-loop (1, 64, 128) load at 1 and 8 clients; the server's own CPU time over the run (its
+process_cpu_seconds_total, what `mha bench` reads too) divided by the requests it answered is
+the CPU a request costs. Client and server share this machine, so req/s and latency are
+reported beside it. Writes
 bench/results/cpu_per_request.json. Not a test.
 
 usage: python bench/cpu_per_request.py [--seconds 5] [--model-dir models/default]
@@ -19,17 +20,10 @@ from pathlib import Path
 import common
 
 from service.launch import ServerProcess
-from service.loadgen import run_load
+from service.loadgen import run_load, server_cpu_seconds
 
 log = logging.getLogger("bench")
 CLIENTS = (1, 8)
-TICKS = os.sysconf("SC_CLK_TCK")
-
-
-def _cpu_seconds(pid: int) -> float:
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / TICKS  # utime + stime
 
 
 def measure(model_dir: str, backend: str, spinning: bool, seconds: float, logs: Path) -> list[dict[str, object]]:
@@ -39,12 +33,14 @@ def measure(model_dir: str, backend: str, spinning: bool, seconds: float, logs: 
     rows = []
     try:
         server.start(logs / f"cpu-{backend}-{spinning}.log")
-        assert server.proc is not None
         run_load(server.url, 1, 1.0, [64])  # warm-up
         for clients in CLIENTS:
-            before = _cpu_seconds(server.proc.pid)
+            metrics = f"127.0.0.1:{server.metrics_port}"
+            before = server_cpu_seconds(metrics)
             result = run_load(server.url, clients, seconds, [64])
-            cpu = _cpu_seconds(server.proc.pid) - before
+            after = server_cpu_seconds(metrics)
+            assert before is not None and after is not None, "the server's /metrics could not be read"
+            cpu = after - before
             rows.append(
                 {
                     "backend": backend,

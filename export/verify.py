@@ -141,12 +141,13 @@ def verify_model_dir(directory: Path, grid: Sequence[tuple[int, int]] | None = N
 
     The default seed differs from export's, so verification sees inputs export never used.
     """
-    directory = Path(directory)
-    problems = _check_files(directory)
+    files = ModelFiles(Path(directory))
+    weights_sha256 = sha256_file(files.weights) if files.weights.is_file() else ""
+    problems = _check_files(files, weights_sha256)  # before loading: a damaged file is named, not loaded
     if problems:
         return ParityReport(tolerance=TOLERANCE, problems=problems)
-    config, weights = load_checkpoint(directory / WEIGHTS_FILE)
-    problems = check_manifest(ModelFiles(directory), config)
+    config, weights = load_checkpoint(files.weights)
+    problems = _content_problems(files, config)
     if problems:
         return ParityReport(tolerance=TOLERANCE, problems=problems)
     report = check_parity(
@@ -159,17 +160,20 @@ def verify_model_dir(directory: Path, grid: Sequence[tuple[int, int]] | None = N
     return report
 
 
-def check_manifest(files: ModelFiles, config: MHAConfig) -> list[str]:
-    """What manifest.json does not vouch for: each file's sha256, the config of the weights (as
-    loaded: `config`), and the ONNX graph's tensors. Empty when the directory is as exported."""
-    problems = _check_files(files.directory)
-    if problems:
-        return problems
+def check_manifest(files: ModelFiles, config: MHAConfig, weights_sha256: str) -> list[str]:
+    """What manifest.json does not vouch for: each file's sha256 (the weights' hashed by the caller,
+    who needs it too), the config of the weights (as loaded: `config`), and the ONNX graph's
+    tensors. Empty when the directory is as exported."""
+    return _check_files(files, weights_sha256) or _content_problems(files, config)
+
+
+def _content_problems(files: ModelFiles, config: MHAConfig) -> list[str]:
+    """The config and the graph against the manifest; its hashes already matched."""
     manifest = json.loads(files.manifest.read_text())
+    problems = []
     if manifest.get("config") != config.to_dict():
         problems.append(f"the weights' config {config.to_dict()} differs from the manifest's {manifest.get('config')}")
-    problems += _graph_problems(files, config)
-    return problems
+    return problems + _graph_problems(files, config)
 
 
 def _graph_problems(files: ModelFiles, config: MHAConfig) -> list[str]:
@@ -189,20 +193,20 @@ def _graph_problems(files: ModelFiles, config: MHAConfig) -> list[str]:
     return problems
 
 
-def _check_files(directory: Path) -> list[str]:
+def _check_files(files: ModelFiles, weights_sha256: str) -> list[str]:
+    directory = files.directory
     missing = [n for n in (MODEL_FILE, WEIGHTS_FILE, MANIFEST_FILE) if not (directory / n).is_file()]
     if missing:
         return [f"{directory}: missing {missing}"]
     try:
-        manifest = json.loads((directory / MANIFEST_FILE).read_text())
+        manifest = json.loads(files.manifest.read_text())
     except json.JSONDecodeError as exc:
         return [f"{MANIFEST_FILE} is not valid JSON: {exc}"]
     if not isinstance(manifest, dict):
         return [f"{MANIFEST_FILE} is not a JSON object"]
     problems = []
-    for name in (MODEL_FILE, WEIGHTS_FILE):
+    for name, actual in ((MODEL_FILE, sha256_file(files.onnx)), (WEIGHTS_FILE, weights_sha256)):
         recorded = manifest.get("files", {}).get(name, {}).get("sha256")
-        actual = sha256_file(directory / name)
         if recorded != actual:
             problems.append(f"{name}: sha256 {actual[:12]}... differs from the manifest's {str(recorded)[:12]}...")
     return problems

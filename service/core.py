@@ -19,7 +19,7 @@ from export.layout import ModelFiles
 from export.verify import check_manifest, sha256_file
 from model import MHAConfig
 from model.checkpoint import CheckpointError, load_checkpoint
-from service.backends import BackendChain, Selection, select_backends
+from service.backends import Backend, BackendChain, Selection, select_backends
 from service.backends.chain import REASONS, FallbackHook
 from service.batcher import Batcher, BatcherConfig, BatchEvent, Clock, MonotonicClock, Timing
 from service.errors import InvalidInput, NotReady
@@ -73,6 +73,10 @@ class InferenceCore:
         if self._loaded is None:
             raise NotReady("the model is still loading; retry shortly")
         return self._loaded
+
+    def active_backend(self) -> Backend | None:
+        """The backend serving now; None until the model is loaded and ready."""
+        return self.loaded.chain.active if self.state is State.READY else None
 
     def serving(self) -> Serving:
         chain, s = self.loaded.chain, self.settings
@@ -196,7 +200,8 @@ def load_model(
         config, weights = load_checkpoint(files.weights)
     except CheckpointError as exc:
         raise ModelLoadError(f"cannot serve {files.directory}: {exc}") from exc
-    verified = _verified(files, config, s.allow_unverified)
+    weights_sha256 = sha256_file(files.weights)  # once: the manifest check and the published identity
+    verified = _verified(files, config, weights_sha256, s.allow_unverified)
     selection = select_backends(
         files.onnx, config, weights, requested=s.backend, threads=s.cpu_threads, spinning=s.thread_spinning
     )
@@ -211,15 +216,13 @@ def load_model(
     )
     active = chain.active
     log.info("serving %s with %s on %s; %s", files.directory, active.name, active.device, selection.summary())
-    served = ServedModel(
-        identity, config, files, s.max_request_rows, s.max_attention_mb, sha256_file(files.weights), verified
-    )
+    served = ServedModel(identity, config, files, s.max_request_rows, s.max_attention_mb, weights_sha256, verified)
     return served, selection, chain
 
 
-def _verified(files: ModelFiles, config: MHAConfig, allow_unverified: bool) -> bool:
+def _verified(files: ModelFiles, config: MHAConfig, weights_sha256: str, allow_unverified: bool) -> bool:
     """Does manifest.json vouch for what is about to be served? Refuse unless allowed."""
-    problems = check_manifest(files, config)
+    problems = check_manifest(files, config, weights_sha256)
     if problems and not allow_unverified:
         raise ModelLoadError(
             f"refusing to serve {files.directory}: {'; '.join(problems)}. Re-export it with `mha export`, "

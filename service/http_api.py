@@ -218,9 +218,7 @@ class HttpApi:
         return web.json_response({"ready": ready}, status=200 if ready else 503)
 
     async def _server_metadata(self, request: web.Request) -> web.Response:
-        from service.servicer import EXTENSIONS, SERVER_NAME, _server_version
-
-        return web.json_response({"name": SERVER_NAME, "version": _server_version(), "extensions": EXTENSIONS})
+        return web.json_response(proto_json(render.server_metadata(self.core.active_backend())))
 
     async def _model_metadata(self, request: web.Request) -> web.Response:
         loaded = self.core.loaded

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import cache
+from importlib.metadata import PackageNotFoundError, version
 
 import grpc
 
@@ -26,6 +28,24 @@ class Serving:
     selection: str  # why this order: each candidate's verdict
     max_batch_size: int
     max_queue_delay_ms: float
+
+
+SERVER_NAME = "mha-serve"
+EXTENSIONS = ("model_configuration", "statistics", "streaming", "health", "reflection")
+
+
+@cache
+def server_version() -> str:
+    try:
+        return version("mha-serve")
+    except PackageNotFoundError:
+        return "0+unknown"
+
+
+def server_metadata(active: Backend | None) -> pb.ServerMetadataResponse:
+    """Name, version and extensions; once a backend serves, `backend:<name>@<device>` too."""
+    extensions = [*EXTENSIONS, *([f"backend:{active.name}@{active.device}"] if active is not None else [])]
+    return pb.ServerMetadataResponse(name=SERVER_NAME, version=server_version(), extensions=extensions)
 
 
 def model_metadata(model: ServedModel, active: Backend) -> pb.ModelMetadataResponse:

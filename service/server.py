@@ -224,7 +224,8 @@ async def drain_and_stop(running: Running, grace_s: float) -> None:
         await running.health.set(service, health_pb2.HealthCheckResponse.NOT_SERVING)
     running.core.start_draining()
     started = time.monotonic()
-    await running.core.wait_idle(grace_s)
+    if not await running.core.wait_idle(grace_s):
+        log.warning("grace period over with %d requests in flight: stopping anyway", running.core.in_flight)
     await running.server.stop(max(0.0, grace_s - (time.monotonic() - started)))
     await running.core.close()
     if running.http_runner is not None:

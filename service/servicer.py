@@ -7,7 +7,6 @@ codec reads requests and `render` writes what the server knows.
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
-from importlib.metadata import PackageNotFoundError, version
 from typing import TypeAlias
 
 import grpc
@@ -22,16 +21,7 @@ from service.proto import grpc_service_pb2 as pb
 from service.proto import grpc_service_pb2_grpc as pb_grpc
 from service.streams import answer_concurrently
 
-SERVER_NAME = "mha-serve"
-EXTENSIONS = ["model_configuration", "statistics", "streaming", "health", "reflection"]
 Context: TypeAlias = grpc.aio.ServicerContext
-
-
-def _server_version() -> str:
-    try:
-        return version("mha-serve")
-    except PackageNotFoundError:
-        return "0+unknown"
 
 
 def _deadline(context: Context, clock: Clock) -> float | None:
@@ -59,11 +49,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
 
     async def ServerMetadata(self, request: pb.ServerMetadataRequest, context: Context) -> pb.ServerMetadataResponse:
         async with self.calls.unary("ServerMetadata", context):
-            extensions = list(EXTENSIONS)
-            if self.core.state is State.READY:
-                active = self.core.loaded.chain.active
-                extensions.append(f"backend:{active.name}@{active.device}")
-            return pb.ServerMetadataResponse(name=SERVER_NAME, version=_server_version(), extensions=extensions)
+            return render.server_metadata(self.core.active_backend())
 
     async def ModelMetadata(self, request: pb.ModelMetadataRequest, context: Context) -> pb.ModelMetadataResponse:
         async with self.calls.unary("ModelMetadata", context):

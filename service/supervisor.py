@@ -14,7 +14,6 @@ import asyncio
 import logging
 import os
 import signal
-import socket
 import sys
 import time
 import urllib.request
@@ -25,6 +24,7 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 
+from service.launch import free_port
 from service.metrics_http import MetricsServer
 from service.settings import Settings
 
@@ -33,12 +33,6 @@ log = logging.getLogger(__name__)
 SUMMED = {"counter", "histogram", "summary"}  # across workers; gauges and infos get a worker label
 MAX_RESTARTS = 5  # within RESTART_WINDOW_S: beyond it, the supervisor gives up and exits 1
 RESTART_WINDOW_S = 60.0
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @dataclass
@@ -92,7 +86,7 @@ class Supervisor:
     def __init__(self, settings: Settings, argv: Sequence[str], count: int) -> None:
         self.settings = settings
         self._argv = list(argv)  # `mha serve` arguments, without --workers
-        self.workers = [Worker(i, _free_port()) for i in range(count)]
+        self.workers = [Worker(i, free_port()) for i in range(count)]
         self.restarts: dict[int, int] = {i: 0 for i in range(count)}
         self._stopping = False
 
