@@ -17,7 +17,7 @@ class ModelNotFound(ServiceError):
 
 
 class Overloaded(ServiceError):
-    """The queue is full; the client may retry later."""
+    """A limit of this server is reached: the queue is full (retry later) or a message is too large."""
 
 
 class NotReady(ServiceError):

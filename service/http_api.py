@@ -26,7 +26,7 @@ from service import render
 from service.calls import Call, Calls
 from service.codec import decode_infer_request, encode_infer_response
 from service.core import InferenceCore, State
-from service.errors import InvalidInput, NotReady, Unauthenticated
+from service.errors import InvalidInput, NotReady, Overloaded, Unauthenticated, quote
 from service.proto import grpc_service_pb2 as pb
 from service.settings import Settings
 
@@ -82,10 +82,24 @@ def _numbers(descriptor: Descriptor, doc: dict[str, Any]) -> dict[str, Any]:
     return doc
 
 
+INT64_RANGE = (-(2**63), 2**63 - 1)
+
+
+def _object(value: object, what: str) -> dict[str, Any]:
+    """A JSON object where the protocol wants one (absent: empty)."""
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise InvalidInput(f"{what} must be a JSON object, got {type(value).__name__}")
+    return value
+
+
 def _parameter(value: object) -> pb.InferParameter:
     if isinstance(value, bool):
         return pb.InferParameter(bool_param=value)
     if isinstance(value, int):
+        if not INT64_RANGE[0] <= value <= INT64_RANGE[1]:
+            raise InvalidInput(f"parameter value {quote(str(value))} does not fit 64 bits")
         return pb.InferParameter(int64_param=value)
     if isinstance(value, float):
         return pb.InferParameter(double_param=value)
@@ -94,16 +108,22 @@ def _parameter(value: object) -> pb.InferParameter:
 
 def _tensor_data(tensor: dict[str, Any], binary: memoryview, offset: int) -> tuple[bytes | None, list[float], int]:
     """(raw bytes, typed values, new offset) of one JSON input tensor."""
-    size = (tensor.get("parameters") or {}).get("binary_data_size")
+    size = _object(tensor.get("parameters"), "an input's parameters").get("binary_data_size")
     if size is not None:
-        if not isinstance(size, int) or size < 0 or offset + size > len(binary):
-            raise InvalidInput(f"binary_data_size {size!r} does not fit the {len(binary) - offset} bytes sent")
+        if isinstance(size, bool) or not isinstance(size, int) or size < 0 or offset + size > len(binary):
+            raise InvalidInput(
+                f"binary_data_size {quote(str(size))} does not fit the {len(binary) - offset} bytes sent"
+            )
         return bytes(binary[offset : offset + size]), [], offset + size
     try:
         values = np.asarray(tensor.get("data", []), dtype=np.float32).ravel()  # nested or flat: row-major
     except (TypeError, ValueError) as exc:
-        raise InvalidInput(f"input {tensor.get('name')!r}: data must be numbers ({exc})") from exc
+        raise InvalidInput(f"input {quote(str(tensor.get('name')))}: data must be numbers ({exc})") from exc
     return None, values.tolist(), offset
+
+
+def _is_int64(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and INT64_RANGE[0] <= value <= INT64_RANGE[1]
 
 
 def to_infer_request(
@@ -115,12 +135,12 @@ def to_infer_request(
         raise InvalidInput(f"{HEADER_LENGTH} {header_length} is outside the body's {len(body)} bytes")
     try:
         doc = json.loads(body[:split])
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise InvalidInput(f"the request is not valid JSON: {exc}") from exc
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
+        raise InvalidInput(f"the request is not valid JSON: {str(exc) or type(exc).__name__}") from exc
     if not isinstance(doc, dict) or not isinstance(doc.get("inputs", []), list):
         raise InvalidInput("the request must be a JSON object with an 'inputs' list")
     request = pb.ModelInferRequest(model_name=name, model_version=version, id=str(doc.get("id", ""))[:256])
-    parameters = dict(doc.get("parameters") or {})
+    parameters = dict(_object(doc.get("parameters"), "the request's parameters"))
     binary_out = bool(parameters.pop("binary_data_output", False))
     for key, value in parameters.items():
         request.parameters[str(key)].CopyFrom(_parameter(value))
@@ -130,8 +150,11 @@ def to_infer_request(
             raise InvalidInput("each input must be a JSON object with name, shape, datatype and data")
         raw, values, offset = _tensor_data(tensor, binary, offset)
         shape = tensor.get("shape", [])
-        if not isinstance(shape, list) or not all(isinstance(d, int) for d in shape):
-            raise InvalidInput(f"input {tensor.get('name')!r}: shape must be a list of integers, got {shape!r}")
+        if not isinstance(shape, list) or not all(_is_int64(d) for d in shape):
+            raise InvalidInput(
+                f"input {quote(str(tensor.get('name')))}: shape must be a list of 64-bit integers, "
+                f"got {quote(str(shape))}"
+            )
         entry = request.inputs.add(
             name=str(tensor.get("name", "")), datatype=str(tensor.get("datatype", "")), shape=shape
         )
@@ -139,9 +162,13 @@ def to_infer_request(
             request.raw_input_contents.append(raw)
         elif values:
             entry.contents.fp32_contents.extend(values)
-    for output in doc.get("outputs", []) or []:
+    outputs = doc.get("outputs") or []
+    if not isinstance(outputs, list):
+        raise InvalidInput("the request's outputs must be a JSON list")
+    for output in outputs:
+        output = _object(output, "each requested output")
         out = request.outputs.add(name=str(output.get("name", "")))
-        out_parameters = dict(output.get("parameters") or {})
+        out_parameters = dict(_object(output.get("parameters"), "an output's parameters"))
         binary_out = bool(out_parameters.pop("binary_data", binary_out))
         for key, value in out_parameters.items():
             out.parameters[str(key)].CopyFrom(_parameter(value))
@@ -242,11 +269,16 @@ class HttpApi:
         return web.json_response({"model_stats": [proto_json(stats)]})
 
     async def _infer(self, request: web.Request) -> web.Response:
+        try:
+            body = await request.read()
+        except web.HTTPRequestEntityTooLarge as exc:
+            limit = self.core.settings.max_message_mb
+            raise Overloaded(f"the request body is larger than this server's limit of {limit} MiB") from exc
         header = request.headers.get(HEADER_LENGTH)
         if header is not None and not header.isdigit():
             raise InvalidInput(f"{HEADER_LENGTH} must be a byte count, got {header[:32]!r}")
         name, version = request.match_info["name"], request.match_info.get("version", "")
-        proto, binary = to_infer_request(await request.read(), int(header) if header else None, name, version)
+        proto, binary = to_infer_request(body, int(header) if header else None, name, version)
         model = self.core.loaded.model
         y, timing = await self.core.infer(decode_infer_request(proto, model), None)
         return from_infer_response(encode_infer_response(y, model, proto.id, timing.backend), binary)

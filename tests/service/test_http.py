@@ -39,8 +39,21 @@ def _infer_json(x: np.ndarray, **extra: object) -> bytes:
     return json.dumps({"inputs": [tensor], **extra}).encode()
 
 
+def _with(**fields: object) -> bytes:
+    tensor = {"name": "x", "shape": [1, 1, 32], "datatype": "FP32", "data": [1.0] * 32}
+    return json.dumps({"inputs": [{**tensor, **fields.pop("tensor", {})}], **fields}).encode()
+
+
 BAD = {
     "not-json": (b"{nope", 400, "not valid JSON"),
+    "nested-too-deep": (b"[" * 100_000 + b"]" * 100_000, 400, "not valid JSON"),
+    "parameters-a-list": (_with(parameters=[1]), 400, "the request's parameters must be a JSON object"),
+    "outputs-not-objects": (_with(outputs=[5]), 400, "each requested output must be a JSON object"),
+    "outputs-an-object": (_with(outputs={"a": 1}), 400, "outputs must be a JSON list"),
+    "input-parameters-a-number": (_with(tensor={"parameters": 5}), 400, "an input's parameters must be a JSON"),
+    "shape-over-64-bits": (_with(tensor={"shape": [1, 1, 1 << 70]}), 400, "shape must be a list of 64-bit integers"),
+    "parameter-over-64-bits": (_with(parameters={"p": 1 << 70}), 400, "does not fit 64 bits"),
+    "binary-size-a-bool": (_with(tensor={"parameters": {"binary_data_size": True}}), 400, "does not fit"),
     "no-object": (b"[1, 2]", 400, "JSON object"),
     "wrong-C": (_infer_json(np.zeros((1, 2, 31), np.float32)), 400, "expected C = 32"),
     "words-as-data": (
@@ -63,6 +76,13 @@ def test_client_mistakes_get_the_http_status_of_their_grpc_code(
     assert server.settings.http_port
     code, _, answer = _call(server.settings.http_port, "/v2/models/mha/infer", body)
     assert code == status and says in json.loads(answer)["error"]
+
+
+def test_a_body_over_the_message_limit_is_resource_exhausted(small_model_dir: Path) -> None:
+    settings = make_settings(small_model_dir, backend="torch", http_port=free_port(), max_message_mb=1)
+    with ServerThread(settings):
+        code, _, answer = _call(settings.http_port, "/v2/models/mha/infer", b"x" * (2 << 20))
+    assert code == 429 and "larger than this server's limit of 1 MiB" in json.loads(answer)["error"]
 
 
 def test_binary_data_both_ways(server: ServerThread, small_model_dir: Path) -> None:
