@@ -11,8 +11,9 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from export.layout import INPUT_NAME
-from service.errors import InvalidInput, quote
+from service.errors import FeatureOff, InvalidInput, quote
 from service.proto import grpc_service_pb2 as pb
+from service.shm import OFF_MESSAGE, Placement, SystemRegions
 
 if TYPE_CHECKING:
     from service.served import ServedModel
@@ -21,8 +22,11 @@ DATATYPE = "FP32"
 FLOAT32 = np.dtype("<f4")
 
 
-def decode_infer_request(request: pb.ModelInferRequest, model: ServedModel) -> np.ndarray:
-    """The request's (B, T, C) float32 input, checked against the served model."""
+def decode_infer_request(
+    request: pb.ModelInferRequest, model: ServedModel, regions: SystemRegions | None = None
+) -> np.ndarray:
+    """The request's (B, T, C) float32 input, checked against the served model; read from a
+    shared memory region when the input names one."""
     model.identity.check(request.model_name, request.model_version)
     if len(request.inputs) != 1:
         names = ", ".join(quote(i.name, 32) for i in request.inputs[:3]) + (", ..." if len(request.inputs) > 3 else "")
@@ -41,7 +45,11 @@ def decode_infer_request(request: pb.ModelInferRequest, model: ServedModel) -> n
                 f"unknown requested output {quote(out.name)}; the model's output is {model.output_name!r}"
             )
     _refuse_unsupported(request)
-    x = _read_contents(request, tensor, shape)
+    where = placement(tensor.parameters, f"input {tensor.name!r}", regions)
+    if where is None:
+        x = _read_contents(request, tensor, shape)
+    else:
+        x = _read_region(request, tensor, shape, where, regions)
     if not np.isfinite(x).all():
         raise InvalidInput(
             f"input {tensor.name!r} holds {int((~np.isfinite(x)).sum())} NaN or inf values; expected finite floats"
@@ -79,14 +87,13 @@ def _check_shape(shape: list[int], model: ServedModel) -> tuple[int, int, int]:
 
 # Protocol features this server does not implement: refused, never silently ignored.
 UNSUPPORTED_REQUEST_PARAMETERS = ("sequence_id", "sequence_start", "sequence_end")
-UNSUPPORTED_TENSOR_PARAMETERS = ("shared_memory_region", "shared_memory_byte_size", "shared_memory_offset")
-UNSUPPORTED_OUTPUT_PARAMETERS = ("classification", *UNSUPPORTED_TENSOR_PARAMETERS)
+UNSUPPORTED_OUTPUT_PARAMETERS = ("classification",)
+SHM_REGION, SHM_SIZE, SHM_OFFSET = "shared_memory_region", "shared_memory_byte_size", "shared_memory_offset"
 TYPED_FIELDS = ("bool", "int", "int64", "uint", "uint64", "fp32", "fp64", "bytes")
 
 
 def _refuse_unsupported(request: pb.ModelInferRequest) -> None:
     places: list[tuple[str, Any, tuple[str, ...]]] = [("request", request.parameters, UNSUPPORTED_REQUEST_PARAMETERS)]
-    places += [(f"input {t.name!r}", t.parameters, UNSUPPORTED_TENSOR_PARAMETERS) for t in request.inputs]
     places += [(f"output {o.name!r}", o.parameters, UNSUPPORTED_OUTPUT_PARAMETERS) for o in request.outputs]
     for where, parameters, unsupported in places:
         for key in unsupported:
@@ -94,6 +101,72 @@ def _refuse_unsupported(request: pb.ModelInferRequest) -> None:
                 raise InvalidInput(
                     f"{where} parameter {key!r} is not supported by this server; send the request without it"
                 )
+
+
+def placement(parameters: Any, where: str, regions: SystemRegions | None) -> Placement | None:
+    """The shared memory placement that a tensor's parameters name, or None when they name none."""
+    if not any(key in parameters for key in (SHM_REGION, SHM_SIZE, SHM_OFFSET)):
+        return None
+    if regions is None or not regions.enabled:
+        raise FeatureOff(OFF_MESSAGE)
+    if SHM_REGION not in parameters or SHM_SIZE not in parameters:
+        raise InvalidInput(f"{where}: shared memory needs both {SHM_REGION!r} and {SHM_SIZE!r}")
+    region = parameters[SHM_REGION]
+    if region.WhichOneof("parameter_choice") != "string_param":
+        raise InvalidInput(f"{where}: {SHM_REGION!r} must be a string_param naming a registered region")
+    size = _count_parameter(parameters, SHM_SIZE, where)
+    offset = _count_parameter(parameters, SHM_OFFSET, where) if SHM_OFFSET in parameters else 0
+    return Placement(region.string_param, size, offset)
+
+
+def _count_parameter(parameters: Any, key: str, where: str) -> int:
+    """A byte count or offset: an int64_param or uint64_param, not negative."""
+    kind = parameters[key].WhichOneof("parameter_choice")
+    if kind not in ("int64_param", "uint64_param"):
+        raise InvalidInput(f"{where}: {key!r} must be an int64_param byte count, got {kind or 'nothing'}")
+    value = int(getattr(parameters[key], kind))
+    if value < 0:
+        raise InvalidInput(f"{where}: {key!r} is {value}; expected a byte count >= 0")
+    return value
+
+
+def output_placement(
+    request: pb.ModelInferRequest, shape: tuple[int, ...], regions: SystemRegions | None
+) -> Placement | None:
+    """Where the output goes when the request asks for it in shared memory: checked before the
+    compute, so that a bad placement costs nothing."""
+    for out in request.outputs:
+        where = placement(out.parameters, f"output {out.name!r}", regions)
+        if where is not None and regions is not None:
+            need = int(np.prod(shape)) * FLOAT32.itemsize
+            if where.byte_size < need:
+                raise InvalidInput(
+                    f"output {out.name!r}: {SHM_SIZE} {where.byte_size} is too small; shape {list(shape)} of FP32 "
+                    f"needs {need} bytes"
+                )
+            regions.check(where, need)
+            return where
+    return None
+
+
+def _read_region(
+    request: pb.ModelInferRequest,
+    tensor: pb.ModelInferRequest.InferInputTensor,
+    shape: tuple[int, int, int],
+    where: Placement,
+    regions: SystemRegions | None,
+) -> np.ndarray:
+    if request.raw_input_contents or _typed_fields(tensor):
+        raise InvalidInput(f"input {tensor.name!r} names a shared memory region and also carries data; send one")
+    x = np.empty(shape, dtype=FLOAT32)  # (B, T, C)
+    if where.byte_size != x.nbytes:
+        raise InvalidInput(
+            f"input {tensor.name!r}: {SHM_SIZE} {where.byte_size}; shape {list(shape)} of FP32 needs exactly "
+            f"{x.nbytes} bytes"
+        )
+    assert regions is not None  # placement() refused the request otherwise
+    regions.read(where, x)
+    return x
 
 
 def _typed_fields(tensor: pb.ModelInferRequest.InferInputTensor) -> list[str]:
@@ -135,11 +208,27 @@ def _read_contents(
     raise InvalidInput(f"input {tensor.name!r} carries no data; expected raw_input_contents or contents.fp32_contents")
 
 
-def encode_infer_response(y: np.ndarray, model: ServedModel, request_id: str, backend: str) -> pb.ModelInferResponse:
+def encode_infer_response(
+    y: np.ndarray,
+    model: ServedModel,
+    request_id: str,
+    backend: str,
+    target: Placement | None = None,
+    regions: SystemRegions | None = None,
+) -> pb.ModelInferResponse:
+    """The reply: y in raw_output_contents, or written to `target` in shared memory (then the
+    output carries the placement's parameters and no contents)."""
     response = pb.ModelInferResponse(model_name=model.name, model_version=model.version, id=request_id)
-    response.outputs.add(name=model.output_name, datatype=DATATYPE, shape=list(y.shape))
+    out = response.outputs.add(name=model.output_name, datatype=DATATYPE, shape=list(y.shape))
     response.parameters["backend"].string_param = backend
-    response.raw_output_contents.append(np.ascontiguousarray(y, dtype=FLOAT32).tobytes())
+    y = np.ascontiguousarray(y, dtype=FLOAT32)
+    if target is None or regions is None:
+        response.raw_output_contents.append(y.tobytes())
+        return response
+    regions.write(target, y)
+    out.parameters[SHM_REGION].string_param = target.region
+    out.parameters[SHM_SIZE].int64_param = y.nbytes
+    out.parameters[SHM_OFFSET].int64_param = target.offset
     return response
 
 

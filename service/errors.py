@@ -12,8 +12,24 @@ class InvalidInput(ServiceError):
     """The client sent something malformed: rank, C, T, datatype, byte count, names."""
 
 
-class ModelNotFound(ServiceError):
+class NotFound(ServiceError):
+    """Something the client named does not exist here."""
+
+
+class ModelNotFound(NotFound):
     """Unknown model name or version."""
+
+
+class RegionNotFound(NotFound):
+    """A shared memory region name that is not registered."""
+
+
+class RegionExists(ServiceError):
+    """Registering a shared memory region under a name already taken."""
+
+
+class FeatureOff(ServiceError):
+    """A protocol extension this server does not offer, or that its operator turned off."""
 
 
 class Overloaded(ServiceError):

@@ -24,20 +24,23 @@ from google.protobuf.message import Message
 
 from service import render
 from service.calls import Call, Calls
-from service.codec import decode_infer_request, encode_infer_response
+from service.codec import decode_infer_request, encode_infer_response, output_placement
 from service.core import InferenceCore, State
 from service.errors import InvalidInput, NotReady, Overloaded, Unauthenticated, quote
 from service.proto import grpc_service_pb2 as pb
 from service.settings import Settings
+from service.shm import SystemRegions
 
 HEADER_LENGTH = "Inference-Header-Content-Length"
 HTTP_STATUS = {
     grpc.StatusCode.INVALID_ARGUMENT: 400,
     grpc.StatusCode.UNAUTHENTICATED: 401,
     grpc.StatusCode.NOT_FOUND: 404,
+    grpc.StatusCode.ALREADY_EXISTS: 409,
     grpc.StatusCode.RESOURCE_EXHAUSTED: 429,
     grpc.StatusCode.CANCELLED: 499,
     grpc.StatusCode.UNAVAILABLE: 503,
+    grpc.StatusCode.UNIMPLEMENTED: 501,
     grpc.StatusCode.DEADLINE_EXCEEDED: 504,
 }
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -158,6 +161,9 @@ def to_infer_request(
         entry = request.inputs.add(
             name=str(tensor.get("name", "")), datatype=str(tensor.get("datatype", "")), shape=shape
         )
+        for key, value in _object(tensor.get("parameters"), "an input's parameters").items():
+            if key != "binary_data_size":  # e.g. shared_memory_region: the codec reads it
+                entry.parameters[str(key)].CopyFrom(_parameter(value))
         if raw is not None:
             request.raw_input_contents.append(raw)
         elif values:
@@ -177,7 +183,6 @@ def to_infer_request(
 
 def from_infer_response(response: pb.ModelInferResponse, binary: bool) -> web.Response:
     out = response.outputs[0]
-    raw = response.raw_output_contents[0]
     tensor: dict[str, Any] = {"name": out.name, "datatype": out.datatype, "shape": list(out.shape)}
     doc = {
         "model_name": response.model_name,
@@ -186,6 +191,10 @@ def from_infer_response(response: pb.ModelInferResponse, binary: bool) -> web.Re
         "parameters": {"backend": response.parameters["backend"].string_param},
         "outputs": [tensor],
     }
+    if not response.raw_output_contents:  # written to shared memory: the placement, no data
+        tensor["parameters"] = {key: getattr(p, p.WhichOneof("parameter_choice")) for key, p in out.parameters.items()}
+        return web.json_response(doc)
+    raw = response.raw_output_contents[0]
     if not binary:
         tensor["data"] = np.frombuffer(raw, dtype="<f4").tolist()
         return web.json_response(doc)
@@ -197,8 +206,8 @@ def from_infer_response(response: pb.ModelInferResponse, binary: bool) -> web.Re
 
 
 class HttpApi:
-    def __init__(self, core: InferenceCore, calls: Calls, token: str | None) -> None:
-        self.core, self.calls = core, calls
+    def __init__(self, core: InferenceCore, calls: Calls, token: str | None, regions: SystemRegions) -> None:
+        self.core, self.calls, self.regions = core, calls, regions
         self._expected = f"Bearer {token}".encode() if token else None
 
     def app(self) -> web.Application:
@@ -214,6 +223,11 @@ class HttpApi:
             app.router.add_get(path + "/config", self._guard("ModelConfig", self._model_config))
             app.router.add_get(path + "/stats", self._guard("ModelStatistics", self._model_stats))
             app.router.add_post(path + "/infer", self._guard("ModelInfer", self._infer, inference=True))
+        shm, region = "/v2/systemsharedmemory", "/v2/systemsharedmemory/region/{region}"
+        for path in (shm, region):
+            app.router.add_get(path + "/status", self._guard("SystemSharedMemoryStatus", self._shm_status))
+            app.router.add_post(path + "/unregister", self._guard("SystemSharedMemoryUnregister", self._shm_unregister))
+        app.router.add_post(region + "/register", self._guard("SystemSharedMemoryRegister", self._shm_register))
         return app
 
     def _guard(self, method: str, handler: Handler, inference: bool = False) -> Handler:
@@ -268,6 +282,25 @@ class HttpApi:
         stats = render.model_statistics(identity.name, identity.version, self.core.stats)
         return web.json_response({"model_stats": [proto_json(stats)]})
 
+    async def _shm_register(self, request: web.Request) -> web.Response:
+        try:
+            doc = _object(json.loads(await request.read() or b"{}"), "the registration")
+        except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
+            raise InvalidInput(f"the registration is not valid JSON: {str(exc) or type(exc).__name__}") from exc
+        key, offset, size = doc.get("key"), doc.get("offset", 0), doc.get("byte_size")
+        if not isinstance(key, str) or not _is_int64(offset) or not _is_int64(size) or offset < 0:  # type: ignore[operator]
+            raise InvalidInput('expected {"key": "/name", "offset": bytes >= 0, "byte_size": bytes}')
+        self.regions.register(request.match_info["region"], key, int(offset), int(size))  # type: ignore[arg-type]
+        return web.json_response({})
+
+    async def _shm_unregister(self, request: web.Request) -> web.Response:
+        self.regions.unregister(request.match_info.get("region", ""))
+        return web.json_response({})
+
+    async def _shm_status(self, request: web.Request) -> web.Response:
+        regions = self.regions.status(request.match_info.get("region", ""))
+        return web.json_response([region.described() for region in regions])
+
     async def _infer(self, request: web.Request) -> web.Response:
         try:
             body = await request.read()
@@ -280,8 +313,11 @@ class HttpApi:
         name, version = request.match_info["name"], request.match_info.get("version", "")
         proto, binary = to_infer_request(body, int(header) if header else None, name, version)
         model = self.core.loaded.model
-        y, timing = await self.core.infer(decode_infer_request(proto, model), None)
-        return from_infer_response(encode_infer_response(y, model, proto.id, timing.backend), binary)
+        x = decode_infer_request(proto, model, self.regions)
+        target = output_placement(proto, x.shape, self.regions)
+        y, timing = await self.core.infer(x, None)
+        response = encode_infer_response(y, model, proto.id, timing.backend, target, self.regions)
+        return from_infer_response(response, binary)
 
 
 def ssl_context(settings: Settings) -> ssl.SSLContext | None:

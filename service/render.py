@@ -16,6 +16,7 @@ from service.backends.base import Backend
 from service.codec import DATATYPE
 from service.proto import grpc_service_pb2 as pb
 from service.served import ServedModel
+from service.shm import Region
 from service.stats import Duration, ModelStats
 
 
@@ -118,3 +119,11 @@ def stream_error(request: pb.ModelInferRequest, code: grpc.StatusCode, message: 
         error_message=f"{code.name}: {message}",
         infer_response=pb.ModelInferResponse(model_name=request.model_name, id=request.id),
     )
+
+
+def system_shm_status(regions: list[Region]) -> pb.SystemSharedMemoryStatusResponse:
+    response = pb.SystemSharedMemoryStatusResponse()
+    for region in regions:
+        entry = response.regions[region.name]
+        entry.name, entry.key, entry.offset, entry.byte_size = region.name, region.key, region.offset, region.byte_size
+    return response

@@ -26,6 +26,7 @@ from service.metrics_http import MetricsServer
 from service.proto import grpc_service_pb2 as pb
 from service.servicer import InferenceServicer
 from service.settings import Settings
+from service.shm import SystemRegions
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +55,7 @@ class Running:
     health_port: int = 0
     http_runner: web.AppRunner | None = None
     http_port: int = 0  # 0 when disabled
+    regions: SystemRegions | None = None
 
 
 def _check_tls_files(settings: Settings) -> None:
@@ -100,16 +102,17 @@ async def start(settings: Settings, registry: CollectorRegistry | None = None, c
     for service in HEALTH_SERVICES:
         await health_servicer.set(service, health_pb2.HealthCheckResponse.NOT_SERVING)
     calls, token = Calls(core), _token(settings)
-    server = _grpc_server(settings, core, calls, token, health_servicer)
+    regions = SystemRegions(settings.shared_memory == "system", settings.max_shared_memory_regions)
+    server = _grpc_server(settings, InferenceServicer(core, calls, regions), calls, token, health_servicer)
     credentials = _credentials(settings)
     port = _bind(server, f"{settings.host}:{settings.grpc_port}", credentials, "--grpc-port")
-    running = Running(server=server, core=core, health=health_servicer, grpc_port=port, metrics_port=0)
+    running = Running(server, core, health_servicer, grpc_port=port, metrics_port=0, regions=regions)
     if settings.metrics_port:
         await _start_metrics(running, settings, metrics)
     if settings.health_port:
         await _start_health_port(running, settings)
     if settings.http_port:
-        await _start_http(running, settings, HttpApi(core, calls, token))
+        await _start_http(running, settings, HttpApi(core, calls, token, regions))
     await server.start()
     tls = "TLS" if credentials else "plaintext"
     log.info(
@@ -133,7 +136,11 @@ def _token(settings: Settings) -> str | None:
 
 
 def _grpc_server(
-    settings: Settings, core: InferenceCore, calls: Calls, token: str | None, health_servicer: health.aio.HealthServicer
+    settings: Settings,
+    servicer: InferenceServicer,
+    calls: Calls,
+    token: str | None,
+    health_servicer: health.aio.HealthServicer,
 ) -> grpc.aio.Server:
     """The server with every service on it: inference (through one call scope), health, reflection."""
     interceptors = [BearerTokenInterceptor(token, calls.refuse)] if token is not None else []
@@ -141,7 +148,7 @@ def _grpc_server(
     options = [("grpc.max_receive_message_length", limit), ("grpc.max_send_message_length", limit)]
     reuse = ("grpc.so_reuseport", 1 if settings.reuse_port else 0)  # shared only among --workers
     server = grpc.aio.server(interceptors=interceptors, options=[*options, reuse])
-    server.add_generic_rpc_handlers((generic_handler(InferenceServicer(core, calls), calls),))
+    server.add_generic_rpc_handlers((generic_handler(servicer, calls),))
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     health_name = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
     reflection.enable_server_reflection((INFERENCE_SERVICE, health_name, reflection.SERVICE_NAME), server)
@@ -228,6 +235,8 @@ async def drain_and_stop(running: Running, grace_s: float) -> None:
         log.warning("grace period over with %d requests in flight: stopping anyway", running.core.in_flight)
     await running.server.stop(max(0.0, grace_s - (time.monotonic() - started)))
     await running.core.close()
+    if running.regions is not None:
+        running.regions.close()
     if running.http_runner is not None:
         await running.http_runner.cleanup()
     if running.metrics_server is not None:

@@ -14,14 +14,19 @@ import grpc
 from service import render
 from service.batcher import Clock
 from service.calls import Calls
-from service.codec import decode_infer_request, encode_infer_response
+from service.codec import decode_infer_request, encode_infer_response, output_placement
 from service.core import InferenceCore, State
-from service.errors import NotReady
+from service.errors import FeatureOff, NotReady, RegionNotFound, quote
 from service.proto import grpc_service_pb2 as pb
 from service.proto import grpc_service_pb2_grpc as pb_grpc
+from service.shm import SystemRegions
 from service.streams import answer_concurrently
 
 Context: TypeAlias = grpc.aio.ServicerContext
+CUDA_SHM_OFF = (
+    "CUDA shared memory is not offered by this server; register a system shared memory region "
+    "(SystemSharedMemoryRegister) or send the tensor in the request"
+)
 
 
 def _deadline(context: Context, clock: Clock) -> float | None:
@@ -31,8 +36,8 @@ def _deadline(context: Context, clock: Clock) -> float | None:
 
 
 class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
-    def __init__(self, core: InferenceCore, calls: Calls) -> None:
-        self.core, self.calls = core, calls
+    def __init__(self, core: InferenceCore, calls: Calls, regions: SystemRegions) -> None:
+        self.core, self.calls, self.regions = core, calls, regions
 
     async def ServerLive(self, request: pb.ServerLiveRequest, context: Context) -> pb.ServerLiveResponse:
         async with self.calls.unary("ServerLive", context):
@@ -70,6 +75,46 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
             stats = render.model_statistics(identity.name, identity.version, self.core.stats)
             return pb.ModelStatisticsResponse(model_stats=[stats])
 
+    async def SystemSharedMemoryRegister(
+        self, request: pb.SystemSharedMemoryRegisterRequest, context: Context
+    ) -> pb.SystemSharedMemoryRegisterResponse:
+        async with self.calls.unary("SystemSharedMemoryRegister", context):
+            self.regions.register(request.name, request.key, request.offset, request.byte_size)
+            return pb.SystemSharedMemoryRegisterResponse()
+
+    async def SystemSharedMemoryUnregister(
+        self, request: pb.SystemSharedMemoryUnregisterRequest, context: Context
+    ) -> pb.SystemSharedMemoryUnregisterResponse:
+        async with self.calls.unary("SystemSharedMemoryUnregister", context):
+            self.regions.unregister(request.name)
+            return pb.SystemSharedMemoryUnregisterResponse()
+
+    async def SystemSharedMemoryStatus(
+        self, request: pb.SystemSharedMemoryStatusRequest, context: Context
+    ) -> pb.SystemSharedMemoryStatusResponse:
+        async with self.calls.unary("SystemSharedMemoryStatus", context):
+            return render.system_shm_status(self.regions.status(request.name))
+
+    async def CudaSharedMemoryRegister(
+        self, request: pb.CudaSharedMemoryRegisterRequest, context: Context
+    ) -> pb.CudaSharedMemoryRegisterResponse:
+        async with self.calls.unary("CudaSharedMemoryRegister", context):
+            raise FeatureOff(CUDA_SHM_OFF)
+
+    async def CudaSharedMemoryUnregister(
+        self, request: pb.CudaSharedMemoryUnregisterRequest, context: Context
+    ) -> pb.CudaSharedMemoryUnregisterResponse:
+        async with self.calls.unary("CudaSharedMemoryUnregister", context):
+            return pb.CudaSharedMemoryUnregisterResponse()  # no CUDA region is ever registered
+
+    async def CudaSharedMemoryStatus(
+        self, request: pb.CudaSharedMemoryStatusRequest, context: Context
+    ) -> pb.CudaSharedMemoryStatusResponse:
+        async with self.calls.unary("CudaSharedMemoryStatus", context):
+            if request.name:
+                raise RegionNotFound(f"no CUDA shared memory region named {quote(request.name)} is registered")
+            return pb.CudaSharedMemoryStatusResponse()
+
     async def ModelInfer(self, request: pb.ModelInferRequest, context: Context) -> pb.ModelInferResponse:
         async with self.calls.unary("ModelInfer", context, request.id, inference=True):
             return await self._infer(request, context)
@@ -94,5 +139,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
 
     async def _infer(self, request: pb.ModelInferRequest, context: Context) -> pb.ModelInferResponse:
         model = self.core.loaded.model
-        y, timing = await self.core.infer(decode_infer_request(request, model), _deadline(context, self.core.clock))
-        return encode_infer_response(y, model, request.id, timing.backend)
+        x = decode_infer_request(request, model, self.regions)
+        target = output_placement(request, x.shape, self.regions)
+        y, timing = await self.core.infer(x, _deadline(context, self.core.clock))
+        return encode_infer_response(y, model, request.id, timing.backend, target, self.regions)

@@ -17,6 +17,7 @@ from typing import Any, get_type_hints
 
 BACKEND_CHOICES = ("auto", "ort-cuda", "ort-cpu", "torch")
 LOG_FORMATS = ("auto", "json", "text")
+SHARED_MEMORY_CHOICES = ("off", "system")
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 
 
@@ -58,6 +59,10 @@ class Settings:
     max_queue_size: int = setting(256, "requests waiting before RESOURCE_EXHAUSTED", "requests", low=1)
     max_padding_ratio: float = setting(0.25, "padded share of a batch's tokens when merging T", low=0, high=1)
     max_request_rows: int = setting(256, "largest B in one request", "rows", low=1)
+    shared_memory: str = setting(
+        "off", "Triton's system shared memory, for clients on this host", choices=SHARED_MEMORY_CHOICES
+    )
+    max_shared_memory_regions: int = setting(64, "registered shared memory regions at most", "regions", low=1)
     max_attention_mb: float = setting(
         1024.0, "attention memory (B x heads x T x T x 4 bytes) per request and per batch", "MiB", low=1
     )

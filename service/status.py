@@ -6,17 +6,21 @@ import grpc
 
 from service.errors import (
     DeadlineExceeded,
+    FeatureOff,
     InvalidInput,
-    ModelNotFound,
+    NotFound,
     NotReady,
     Overloaded,
+    RegionExists,
     ServiceError,
     Unauthenticated,
 )
 
 STATUS: dict[type[ServiceError], grpc.StatusCode] = {
     InvalidInput: grpc.StatusCode.INVALID_ARGUMENT,
-    ModelNotFound: grpc.StatusCode.NOT_FOUND,
+    NotFound: grpc.StatusCode.NOT_FOUND,
+    RegionExists: grpc.StatusCode.ALREADY_EXISTS,
+    FeatureOff: grpc.StatusCode.UNIMPLEMENTED,
     Overloaded: grpc.StatusCode.RESOURCE_EXHAUSTED,
     NotReady: grpc.StatusCode.UNAVAILABLE,
     DeadlineExceeded: grpc.StatusCode.DEADLINE_EXCEEDED,

@@ -33,7 +33,8 @@ def _rel(model_dir: Path, x: list, y: list) -> float:
 def _triton_check(model_dir: Path, tmp_path: Path, protocol: str) -> dict:
     """What tritonclient saw of a real `mha serve` process, over gRPC or HTTP."""
     assert TRITON_PYTHON.exists(), "make install creates .venv-triton with tritonclient"
-    with server_process(["--model-dir", str(model_dir)], tmp_path / "server.log") as server:
+    args = ["--model-dir", str(model_dir), "--shared-memory", "system"]
+    with server_process(args, tmp_path / "server.log") as server:
         out = tmp_path / "seen.json"
         url = server.url if protocol == "grpc" else f"127.0.0.1:{server.http_port}"
         script = str(Path(__file__).with_name("triton_check.py"))
@@ -59,6 +60,19 @@ def test_tritonclient_drives_mha_serve(default_model_dir: Path, tmp_path: Path) 
         assert _rel(default_model_dir, item["x"], item["y"]) < 1e-5
     assert sorted(s["id"] for s in seen["stream"]) == ["s0", "s1", "s2"]
     assert seen["bad"]["status"] == "StatusCode.INVALID_ARGUMENT" and "expected C = 128" in seen["bad"]["message"]
+    _check_shared_memory(seen["shm"], default_model_dir, "StatusCode.NOT_FOUND")
+
+
+def _check_shared_memory(seen: dict, model_dir: Path, not_found: str) -> None:
+    """tritonclient registered two regions, ran (4, 512, 128) through them, and unregistered them."""
+    status = seen["status"]
+    regions = status["regions"] if isinstance(status, dict) else {r["name"]: r for r in status}
+    assert sorted(regions) == ["in", "out"] and int(regions["in"]["byte_size"]) == 4 * 512 * 128 * 4
+    assert seen["output"] == {"region": "out", "data_in_reply": False}, "the output went to shared memory only"
+    assert _rel(model_dir, seen["x"], seen["y"]) < 1e-5
+    assert seen["missing"]["status"] == not_found and "'missing'" in seen["missing"]["message"]
+    after = seen["after"]
+    assert not (after.get("regions") if isinstance(after, dict) else after)
 
 
 def test_tritonclient_http_drives_the_rest_endpoint(default_model_dir: Path, tmp_path: Path) -> None:
@@ -76,6 +90,7 @@ def test_tritonclient_http_drives_the_rest_endpoint(default_model_dir: Path, tmp
     assert mistakes["C"]["status"] == "400" and "expected C = 128" in mistakes["C"]["message"]
     assert mistakes["T"]["status"] == "400"
     assert mistakes["model"]["status"] == "404" and "unknown model 'bert'" in mistakes["model"]["message"]
+    _check_shared_memory(seen["shm"], default_model_dir, "404")
 
 
 def test_serve_without_model_dir_exports_the_default(tmp_path: Path) -> None:

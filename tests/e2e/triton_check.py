@@ -5,12 +5,14 @@ Prints nothing on success; writes what it saw as JSON for the test to assert on.
 """
 
 import json
+import os
 import queue
 import sys
 
 import numpy as np
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
+import tritonclient.utils.shared_memory as shm
 
 
 def unknown_model_ready(client):
@@ -31,6 +33,55 @@ def server_facts(client, **json_kw):
         "config": client.get_model_config("mha", **json_kw),
         "server_metadata": client.get_server_metadata(**json_kw),
     }
+
+
+def _output_facts(result, module):
+    """Where the reply says the output is, and whether it carried the data too."""
+    if module is grpcclient:
+        output = result.get_output("y")
+        region = output.parameters["shared_memory_region"].string_param
+        return {"region": region, "data_in_reply": len(result.get_response().raw_output_contents) > 0}
+    output = result.get_output("y")
+    region = output.get("parameters", {}).get("shared_memory_region")
+    return {"region": region, "data_in_reply": "data" in output or "binary_data_size" in output.get("parameters", {})}
+
+
+def shared_memory_round_trip(client, module, C, rng):
+    """A (4, 512, C) input and its output through system shared memory, as Triton's users do it."""
+    x = rng.standard_normal((4, 512, C), dtype=np.float32)
+    tag = f"{module.__name__.split('.')[-1]}_{os.getpid()}"
+    regions = {
+        name: shm.create_shared_memory_region(name, f"/mha_check_{name}_{tag}", x.nbytes) for name in ("in", "out")
+    }
+    try:
+        shm.set_shared_memory_region(regions["in"], [x])
+        client.unregister_system_shared_memory()
+        for name in regions:
+            client.register_system_shared_memory(name, f"/mha_check_{name}_{tag}", x.nbytes)
+        status = client.get_system_shared_memory_status(**({"as_json": True} if module is grpcclient else {}))
+        tensor = module.InferInput("x", list(x.shape), "FP32")
+        tensor.set_shared_memory("in", x.nbytes)
+        output = module.InferRequestedOutput("y")
+        output.set_shared_memory("out", x.nbytes)
+        result = client.infer("mha", [tensor], outputs=[output])
+        y = shm.get_contents_as_numpy(regions["out"], np.float32, list(x.shape))
+        seen = {
+            "status": status,
+            "x": x.tolist(),
+            "y": y.tolist(),
+            "output": _output_facts(result, module),
+        }
+        tensor.set_shared_memory("missing", x.nbytes)
+        try:
+            client.infer("mha", [tensor])
+        except module.InferenceServerException as exc:
+            seen["missing"] = {"status": exc.status(), "message": exc.message()}
+        client.unregister_system_shared_memory()
+        seen["after"] = client.get_system_shared_memory_status(**({"as_json": True} if module is grpcclient else {}))
+        return seen
+    finally:
+        for region in regions.values():
+            shm.destroy_shared_memory_region(region)
 
 
 def check_grpc(url):
@@ -76,6 +127,7 @@ def check_grpc(url):
     except grpcclient.InferenceServerException as exc:
         seen["bad"] = {"status": exc.status(), "message": exc.message()}
 
+    seen["shm"] = shared_memory_round_trip(client, grpcclient, C, rng)
     return seen
 
 
@@ -112,6 +164,7 @@ def check_http(url):
             mistakes[name] = {"status": exc.status(), "message": exc.message()}
     seen["mistakes"] = mistakes
 
+    seen["shm"] = shared_memory_round_trip(client, httpclient, C, rng)
     return seen
 
 

@@ -27,7 +27,7 @@ CLIENT_MISTAKES = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND}
 
 @pytest.fixture(scope="module")
 def server(small_model_dir: Path) -> Iterator[ServerThread]:
-    with ServerThread(make_settings(small_model_dir, backend="auto", max_request_rows=16)) as s:
+    with ServerThread(make_settings(small_model_dir, backend="auto", max_request_rows=16, shared_memory="system")) as s:
         yield s
 
 

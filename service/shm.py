@@ -1,0 +1,176 @@
+"""System shared memory regions, Triton's extension: a client on the same host registers a POSIX
+shared memory object (`/dev/shm/<key>`) under a name, then names it in a request instead of
+sending the tensor's bytes.
+
+The server never maps a region: it holds an open descriptor and reads and writes with
+pread/pwrite after checking the object's current size, so a region that its owner truncates
+or unlinks gives a clean error instead of SIGBUS. Every call runs on the event loop's thread;
+a lookup and the read or write that follows it happen with no await between them.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import stat
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from service.errors import FeatureOff, InvalidInput, Overloaded, RegionExists, RegionNotFound, quote
+
+log = logging.getLogger(__name__)
+
+SHM_DIR = Path("/dev/shm")
+KEY_PATTERN = re.compile(r"/*([A-Za-z0-9._-]{1,255})")  # a POSIX shm name: one component, no slashes inside
+NAME_LIMIT = 128
+OFF_MESSAGE = (
+    "system shared memory is turned off on this server (--shared-memory off); send the tensor in the "
+    "request, or start the server with --shared-memory system"
+)
+
+
+@dataclass(frozen=True)
+class Region:
+    """A registered region: `byte_size` bytes at `offset` of the shared memory object `key`."""
+
+    name: str
+    key: str
+    offset: int
+    byte_size: int
+    fd: int
+
+    def described(self) -> dict[str, str | int]:
+        return {"name": self.name, "key": self.key, "offset": self.offset, "byte_size": self.byte_size}
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where a request's tensor lives: `byte_size` bytes at `offset` inside region `region`."""
+
+    region: str
+    byte_size: int
+    offset: int
+
+
+class SystemRegions:
+    """The registered regions of this process, by name."""
+
+    def __init__(self, enabled: bool, max_regions: int, directory: Path = SHM_DIR) -> None:
+        self.enabled, self.max_regions, self.directory = enabled, max_regions, directory
+        self._regions: dict[str, Region] = {}
+
+    def register(self, name: str, key: str, offset: int, byte_size: int) -> None:
+        self._check_enabled()
+        _check_name(name)
+        if name in self._regions:
+            raise RegionExists(f"a shared memory region named {quote(name)} is already registered; unregister it first")
+        if len(self._regions) >= self.max_regions:
+            raise Overloaded(
+                f"this server holds its limit of {self.max_regions} shared memory regions; unregister one first"
+            )
+        if byte_size <= 0:
+            raise InvalidInput(f"region {quote(name)}: byte_size {byte_size}; expected a positive size")
+        fd = self._open(key)
+        try:
+            size = os.fstat(fd).st_size
+            if offset + byte_size > size:
+                raise InvalidInput(
+                    f"region {quote(name)}: offset {offset} + byte_size {byte_size} exceeds the {size} bytes "
+                    f"of shared memory object {quote(key)}"
+                )
+        except BaseException:
+            os.close(fd)
+            raise
+        self._regions[name] = Region(name, key, offset, byte_size, fd)
+        log.info("registered shared memory region %s (key %s, %d bytes)", quote(name), quote(key), byte_size)
+
+    def unregister(self, name: str) -> None:
+        """Forget `name`; an empty name forgets every region. Unknown names are not an error (as Triton)."""
+        self._check_enabled()
+        self._forget(list(self._regions) if name == "" else [name])
+
+    def status(self, name: str) -> list[Region]:
+        """The regions named `name`, or all of them for an empty name."""
+        self._check_enabled()
+        if name == "":
+            return list(self._regions.values())
+        return [self._lookup(name)]
+
+    def check(self, where: Placement, nbytes: int) -> None:
+        """Refuse an access of `nbytes` at `where` that the region or its object cannot hold."""
+        self._bounds(where, nbytes)
+
+    def read(self, where: Placement, out: np.ndarray) -> None:
+        """Fill `out` (C-contiguous) with the placement's bytes."""
+        region, start = self._bounds(where, out.nbytes)
+        got = os.preadv(region.fd, [out.data.cast("B")], start)
+        if got != out.nbytes:
+            raise InvalidInput(f"region {quote(region.name)}: read {got} of {out.nbytes} bytes; its object shrank")
+
+    def write(self, where: Placement, data: np.ndarray) -> None:
+        region, start = self._bounds(where, data.nbytes)
+        os.pwrite(region.fd, np.ascontiguousarray(data).data.cast("B"), start)
+
+    def close(self) -> None:
+        self._forget(list(self._regions))
+
+    def _forget(self, names: list[str]) -> None:
+        for name in names:
+            region = self._regions.pop(name, None)
+            if region is not None:
+                os.close(region.fd)
+
+    def _check_enabled(self) -> None:
+        if not self.enabled:
+            raise FeatureOff(OFF_MESSAGE)
+
+    def _lookup(self, name: str) -> Region:
+        self._check_enabled()
+        region = self._regions.get(name)
+        if region is None:
+            raise RegionNotFound(f"no shared memory region named {quote(name)} is registered on this server")
+        return region
+
+    def _bounds(self, where: Placement, nbytes: int) -> tuple[Region, int]:
+        """The region and the object offset of an access of `nbytes`, checked against the region
+        as registered and against the object's size now."""
+        region = self._lookup(where.region)
+        if where.offset + nbytes > region.byte_size:
+            raise InvalidInput(
+                f"region {quote(region.name)}: offset {where.offset} + {nbytes} bytes exceeds its registered "
+                f"byte_size {region.byte_size}"
+            )
+        start = region.offset + where.offset
+        size = os.fstat(region.fd).st_size
+        if start + nbytes > size:
+            raise InvalidInput(
+                f"region {quote(region.name)}: its object {quote(region.key)} is now {size} bytes, too small for "
+                f"{nbytes} bytes at {start}; its owner truncated it: re-register the region"
+            )
+        return region, start
+
+    def _open(self, key: str) -> int:
+        match = KEY_PATTERN.fullmatch(key)
+        if match is None or match.group(1) in (".", ".."):
+            raise InvalidInput(
+                f"shared memory key {quote(key)} is not a POSIX shared memory name; expected '/name' with "
+                "letters, digits, '.', '_' or '-'"
+            )
+        try:
+            fd = os.open(self.directory / match.group(1), os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except FileNotFoundError:
+            raise InvalidInput(f"no shared memory object {quote(key)} exists on this host") from None
+        except OSError as exc:
+            raise InvalidInput(f"cannot open shared memory object {quote(key)}: {exc.strerror}") from None
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            os.close(fd)
+            raise InvalidInput(f"shared memory object {quote(key)} is not a regular shared memory object")
+        return fd
+
+
+def _check_name(name: str) -> None:
+    if not name or len(name) > NAME_LIMIT:
+        raise InvalidInput(f"region name {quote(name)}: expected 1 to {NAME_LIMIT} characters")
