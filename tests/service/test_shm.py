@@ -19,11 +19,12 @@ from hypothesis import strategies as st
 
 from model.checkpoint import load_checkpoint
 from model.reference import attention_view, relative_error
-from service.codec import encode_infer_request
+from service.codec import encode_infer_request, encode_infer_response, output_placement
 from service.errors import FeatureOff, InvalidInput, Overloaded, RegionExists, RegionNotFound
 from service.proto import grpc_service_pb2 as pb
 from service.proto import grpc_service_pb2_grpc as pb_grpc
 from service.shm import Placement, SystemRegions
+from tests.service.test_codec import SPEC
 from tests.support import ServerThread, make_settings
 
 C = 32
@@ -319,3 +320,18 @@ def test_registry_errors_are_domain_errors(tmp_path: Path) -> None:
         regions.register("l", "/link", 0, 8)  # symbolic links are not followed
     with pytest.raises(FeatureOff):
         SystemRegions(False, 1, tmp_path).register("a", "obj", 0, 64)
+
+
+def test_a_region_unregistered_while_its_request_computes_is_not_found(tmp_path: Path) -> None:
+    """The output placement is checked before the compute and looked up again to write."""
+    x = np.ones((1, 2, C), np.float32)
+    (tmp_path / "out").write_bytes(bytes(x.nbytes))
+    regions = SystemRegions(True, 4, tmp_path)
+    regions.register("out", "/out", 0, x.nbytes)
+    request = _shm_request(x.shape, "in", out=("out", 0))
+    target = output_placement(request, x.shape, regions)
+    assert target == Placement("out", x.nbytes, 0)
+    regions.unregister("out")  # meanwhile, the client unregisters it
+    with pytest.raises(RegionNotFound, match="'out'"):
+        encode_infer_response(x, SPEC, "r", "torch", target, regions)
+    assert (tmp_path / "out").read_bytes() == bytes(x.nbytes)
