@@ -8,7 +8,7 @@ TRITON_STAMP := $(TRITON_VENV)/.installed
 MODEL_DIR ?= models/default
 ARGS ?=
 
-.PHONY: install serve test export lint proto bench deploy-gen clean
+.PHONY: install serve test export lint proto bench bench-servers deploy-gen clean
 
 PROMETHEUS := .tools/prometheus/usr/bin/prometheus
 
@@ -58,5 +58,14 @@ bench: $(STAMP)
 	$(PY) bench/onnx_graphs.py
 	$(PY) bench/batching.py
 
+# KServe and MLServer, each in its own environment (their pins: bench/constraints/), for
+# bench/compare.py; not needed by the tests.
+bench-servers: .venv-kserve/.installed .venv-mlserver/.installed
+
+.venv-%/.installed: bench/constraints/%.txt
+	test -x .venv-$*/bin/python || $(PYTHON) -m venv .venv-$*
+	.venv-$*/bin/python -m pip install -q -r $<
+	touch $@
+
 clean:
-	rm -rf $(VENV) $(TRITON_VENV) models .tools
+	rm -rf $(VENV) $(TRITON_VENV) .venv-kserve .venv-mlserver models .tools

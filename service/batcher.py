@@ -38,9 +38,21 @@ class BatcherConfig:
     max_padding_ratio: float = 0.25  # padded tokens / batch tokens allowed when merging T
     causal: bool = True  # merging different T is exact only for causal attention
     max_cells: int | None = None  # rows x T_max x T_max a merged batch may reach (its attention memory)
+    inline_max_mflop: float = 0.0  # batches this small run on the event loop: a thread hop costs more
 
 
 # Deciding ----------------------------------------------------------------------------------
+
+
+def batch_mflop(rows: int, seq: int, width: int) -> float:
+    """Work of one forward pass over (rows, seq, width): four projections and the two
+    attention products, in millions of floating-point operations."""
+    return (8 * rows * seq * width * width + 4 * rows * seq * seq * width) / 1e6
+
+
+def runs_inline(shape: tuple[int, ...], config: BatcherConfig) -> bool:
+    """Whether a merged batch of `shape` (rows, T, C) is computed on the event loop's thread."""
+    return batch_mflop(*shape[:3]) <= config.inline_max_mflop
 
 
 class Queued(Protocol):
@@ -284,7 +296,10 @@ class Batcher:
         x = merge([i.x for i in batch])  # (sum B, T_max, C)
         started = self.clock.now()
         try:
-            y, backend = await asyncio.get_running_loop().run_in_executor(self._executor, self._run_batch, x)
+            if await self._alone_and_small(batch, x):
+                y, backend = self._run_batch(x)
+            else:
+                y, backend = await asyncio.get_running_loop().run_in_executor(self._executor, self._run_batch, x)
         except Exception as exc:
             self._report(batch, x, (forming, started), "", exc)
             if len(batch) > 1:  # isolate the culprit: one request's failure never fails the others
@@ -298,6 +313,18 @@ class Batcher:
         for item, out in zip(batch, split(y, [(i.rows, i.seq) for i in batch]), strict=True):
             if not item.future.done():
                 item.future.set_result((out, Timing(started - item.enqueued, int(x.shape[0]), backend)))
+
+    async def _alone_and_small(self, batch: list[_Pending], x: np.ndarray) -> bool:
+        """Whether to compute on the event loop: a small batch of the only request in the server.
+        One turn of the loop first lets requests that have already arrived join the queue (then
+        the batch goes to the worker thread, and they gather while it computes)."""
+        if len(batch) > 1 or not runs_inline(x.shape, self.config) or not self._alone():
+            return False
+        await asyncio.sleep(0)
+        return not self._queue and self._alone()
+
+    def _alone(self) -> bool:
+        return self._in_flight is not None and self._in_flight() <= 1
 
     def _report(
         self,

@@ -261,9 +261,12 @@ def cmd_bench(args: argparse.Namespace) -> int:
     metrics_url = None if args.metrics_url == "off" else args.metrics_url or f"{args.url.rsplit(':', 1)[0]}:8002"
     results = []
     for n, clients in enumerate(levels, 1):
-        sys.stderr.write(f"[{n}/{len(levels)}] {clients} clients for {args.seconds:g} s ...\n")
+        progress = _progress_bar(f"[{n}/{len(levels)}] {clients:>4} clients", args.seconds)
         cpu_before = server_cpu_seconds(metrics_url) if metrics_url else None
-        result = run_load(args.url, clients, args.seconds, seqs, batch=args.batch, d_model=d_model, **security)
+        result = run_load(
+            args.url, clients, args.seconds, seqs, batch=args.batch, d_model=d_model, progress=progress, **security
+        )
+        progress(args.seconds, result.requests, done=True)
         cpu_after = server_cpu_seconds(metrics_url) if metrics_url else None
         if cpu_before is not None and cpu_after is not None and result.requests:
             result = replace(result, server_cpu_ms_per_request=(cpu_after - cpu_before) / result.requests * 1e3)
@@ -272,6 +275,22 @@ def cmd_bench(args: argparse.Namespace) -> int:
             raise CliError(f"stopped: the server refused the requests: {result.stopped}")
     _write_results(results, args)
     return 0 if all(r.requests for r in results) else 1
+
+
+def _progress_bar(label: str, seconds: float) -> Any:
+    """A progress line on stderr, redrawn in place on a terminal (one line per level otherwise)."""
+    terminal = sys.stderr.isatty()
+
+    def show(elapsed: float, requests: int, done: bool = False) -> None:
+        if not terminal and not done:
+            return
+        filled = int(24 * min(1.0, elapsed / seconds)) if seconds else 24
+        bar = "#" * filled + "." * (24 - filled)
+        line = f"{label} [{bar}] {min(elapsed, seconds):5.1f}/{seconds:g} s {requests:>8} req"
+        sys.stderr.write(("\r" if terminal else "") + line + ("\n" if done else ""))
+        sys.stderr.flush()
+
+    return show
 
 
 def _int_list(text: str, flag: str) -> list[int]:
@@ -313,6 +332,20 @@ def _write_results(results: list[Any], args: argparse.Namespace) -> None:
             writer = csv.DictWriter(f, fieldnames=columns, extrasaction="ignore")
             writer.writeheader()
             writer.writerows(r.to_dict() for r in results)
+    if args.plot:
+        _plot(results, args)
+
+
+def _plot(results: list[Any], args: argparse.Namespace) -> None:
+    try:
+        from service.benchplot import plot_sweep
+    except ImportError as exc:  # pragma: no cover - the dev install has matplotlib
+        raise CliError(f"--plot needs matplotlib: pip install 'mha-serve[plot]' ({exc})") from exc
+    shape = f"B={args.batch}, T in {{{args.seq_lens}}}"
+    try:
+        plot_sweep(results, Path(args.plot), f"mha bench {args.url}: {shape}")
+    except ImportError as exc:
+        raise CliError(f"--plot needs matplotlib: pip install 'mha-serve[plot]' ({exc})") from exc
 
 
 def build_parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
@@ -378,6 +411,7 @@ def build_parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
     p.add_argument("--metrics-url", help="HOST:PORT of the server's /metrics for CPU per request (default :8002; off)")
     p.add_argument("--json", help="write the results as JSON to this file")
     p.add_argument("--csv", help="write the results as CSV to this file")
+    p.add_argument("--plot", help="write a PNG of latency and throughput against concurrency (needs matplotlib)")
     _add_client_args(p)
     p.set_defaults(func=cmd_bench)
     return parser

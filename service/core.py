@@ -104,6 +104,7 @@ class InferenceCore:
             max_padding_ratio=s.max_padding_ratio,
             causal=model.config.causal,
             max_cells=model.max_attention_cells,
+            inline_max_mflop=s.inline_max_mflop,
         )
         batcher = Batcher(
             batching,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import threading
 import time
 import urllib.request
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 
 import grpc
@@ -55,9 +55,11 @@ def run_load(
     seq_lens: Sequence[int],
     batch: int = 1,
     d_model: int = 128,
+    progress: Callable[[float, int], None] | None = None,
     **client_kwargs: object,
 ) -> LoadResult:
-    """Each of `concurrency` clients sends (batch, T, d_model) requests, T drawn from seq_lens."""
+    """Each of `concurrency` clients sends (batch, T, d_model) requests, T drawn from seq_lens;
+    `progress(elapsed_s, requests)` is called about 4 times a second while they run."""
     latencies: list[float] = []
     errors: dict[str, int] = {}
     stopped: list[str] = []
@@ -85,8 +87,10 @@ def run_load(
     threads = [threading.Thread(target=worker, args=(i,)) for i in range(concurrency)]
     for t in threads:
         t.start()
-    for t in threads:
-        t.join()
+    while alive := [t for t in threads if t.is_alive()]:
+        alive[0].join(0.25)
+        if progress is not None:
+            progress(time.monotonic() - started, len(latencies))
     elapsed = time.monotonic() - started
     latencies.sort()
     return LoadResult(

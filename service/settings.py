@@ -59,6 +59,9 @@ class Settings:
     max_queue_size: int = setting(256, "requests waiting before RESOURCE_EXHAUSTED", "requests", low=1)
     max_padding_ratio: float = setting(0.25, "padded share of a batch's tokens when merging T", low=0, high=1)
     max_request_rows: int = setting(256, "largest B in one request", "rows", low=1)
+    inline_max_mflop: float = setting(
+        16.0, "batches up to this much work run on the event loop, without a thread hop; 0: never", "MFLOP", low=0
+    )
     shared_memory: str = setting(
         "off", "Triton's system shared memory, for clients on this host", choices=SHARED_MEMORY_CHOICES
     )

@@ -7,7 +7,7 @@ import asyncio
 import threading
 from collections.abc import Callable, Coroutine
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +21,7 @@ from model import MHAConfig
 from model.checkpoint import init_weights, load_checkpoint
 from model.reference import attention_view, relative_error
 from service.backends.pytorch import TorchBackend
-from service.batcher import Batcher, BatcherConfig, BatchEvent, form_at, merge, plan_batch, split
+from service.batcher import Batcher, BatcherConfig, BatchEvent, batch_mflop, form_at, merge, plan_batch, split
 from service.client import InferenceError, MHAClient
 from service.errors import DeadlineExceeded, Overloaded
 from tests.support import ManualClock, ServerThread, make_settings
@@ -121,6 +121,7 @@ class Gated:
     def __init__(self, fail: bool = False, open_: bool = True, poison: float | None = None) -> None:
         self.backend = TorchBackend(CONFIG, WEIGHTS)
         self.batches: list[tuple[int, ...]] = []
+        self.threads: list[bool] = []  # per batch: computed on the event loop's (main) thread
         self.gate = threading.Event()
         self.entered = threading.Semaphore(0)
         self.fail, self.poison = fail, poison
@@ -129,6 +130,7 @@ class Gated:
 
     def __call__(self, x: np.ndarray) -> tuple[np.ndarray, str]:
         self.batches.append(x.shape)
+        self.threads.append(threading.current_thread() is threading.main_thread())
         self.entered.release()
         self.gate.wait(30)
         if self.fail or (self.poison is not None and bool((x == self.poison).any())):
@@ -178,6 +180,29 @@ def test_a_lone_client_pays_no_delay() -> None:
 
     events, _ = _with_batcher(scenario, in_flight=1)
     assert [e.requests for e in events] == [1]
+
+
+def test_only_a_small_batch_of_a_lone_request_is_computed_on_the_event_loop() -> None:
+    assert batch_mflop(1, 4, 16) == pytest.approx((8 * 4 * 256 + 4 * 16 * 16) / 1e6)
+    config = replace(CFG, inline_max_mflop=1.0)  # (1, 4, 16) is 0.009 MFLOP, (1, 512, 16) 17.8
+
+    async def scenario(batcher: Batcher, run: Gated, clock: ManualClock) -> None:
+        await batcher.submit(_x(1, 4))
+        await batcher.submit(_x(1, 512))
+
+    _, lone = _with_batcher(scenario, config, in_flight=1)
+    assert lone.threads == [True, False]
+    _, off = _with_batcher(scenario, CFG, in_flight=1)  # inline_max_mflop 0: never
+    assert off.threads == [False, False]
+
+    async def crowded(batcher: Batcher, run: Gated, clock: ManualClock) -> None:
+        first = asyncio.ensure_future(batcher.submit(_x(1, 4)))
+        await _until(lambda: clock.waiting == 1)
+        clock.advance(CFG.max_queue_delay_s)
+        await first
+
+    _, others = _with_batcher(crowded, config, in_flight=5)  # others in the server: the worker thread
+    assert others.threads == [False]
 
 
 def test_with_others_in_the_server_the_first_request_waits_for_company_then_goes() -> None:
@@ -324,7 +349,9 @@ def _requests_total(registry: CollectorRegistry, code: str) -> float:
 
 
 def test_tiny_queue_under_load_answers_resource_exhausted_only(small_model_dir: Path) -> None:
-    settings = make_settings(small_model_dir, max_batch_size=1, max_queue_size=1, max_queue_delay_ms=0, backend="torch")
+    settings = make_settings(
+        small_model_dir, max_batch_size=1, max_queue_size=1, max_queue_delay_ms=0, backend="torch", inline_max_mflop=0
+    )  # every batch on the worker thread, so that the queue fills while it computes
     codes: list[str] = []
     lock = threading.Lock()
     with ServerThread(settings) as server:

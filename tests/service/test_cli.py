@@ -53,6 +53,7 @@ def test_bench_sweeps_concurrency_and_writes_json_and_csv(
         args = ["bench", "--url", server.url, "--concurrency", "1,2", "--seconds", "1", "--seq-lens", "4,9"]
         args += ["--metrics-url", f"127.0.0.1:{settings.metrics_port}"]  # C comes from the server
         args += ["--json", str(tmp_path / "r.json"), "--csv", str(tmp_path / "r.csv")]
+        args += ["--plot", str(tmp_path / "r.png")]
         assert mha(args) == 0
     table = capsys.readouterr().out.splitlines()
     assert table[0].split()[:3] == ["concurrency", "requests", "throughput_rps"] and len(table) == 3
@@ -63,6 +64,8 @@ def test_bench_sweeps_concurrency_and_writes_json_and_csv(
         assert r["p99_ms"] >= r["p95_ms"] >= r["p90_ms"] >= r["p50_ms"] > 0
         assert r["server_cpu_ms_per_request"] > 0
     assert (tmp_path / "r.csv").read_text().splitlines()[0].startswith("concurrency,requests,throughput_rps")
+    png = (tmp_path / "r.png").read_bytes()
+    assert png.startswith(b"\x89PNG\r\n\x1a\n") and len(png) > 10_000, "a real plot, not an empty image"
 
 
 def test_bench_stops_at_once_with_the_servers_message(

@@ -1,0 +1,256 @@
+"""mha-serve beside KServe, MLServer and two floor servers, side by side in one run.
+
+Every server serves the same model.onnx on this machine's CPU; one closed-loop gRPC client
+(service.loadgen: N threads, one request at a time each) drives each in turn, client and server
+sharing the cores. The floors are the cheapest Python gRPC servers of the same protocol: `none`
+returns its input (protocol and copies only), `ort-inline` runs ONNX Runtime on the event loop.
+KServe and MLServer run in their own virtual environments (`make bench-servers`); a server whose
+environment is missing is left out and said so. For each server: p50 and req/s per case, and the
+server's CPU time per request (user + system of its whole process group, from /proc). mha-serve
+also runs (4, 512, 128) with input and output in system shared memory, and that shape's
+in-process time on the backend that served it is measured in this process.
+
+Writes bench/results/compare.json and prints a table. Not a test.
+
+usage: python bench/compare.py [--seconds 5] [--model-dir models/default]
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from multiprocessing import shared_memory
+from pathlib import Path
+
+import common
+import grpc
+import numpy as np
+
+from service.launch import free_port
+from service.loadgen import run_load
+from service.proto import grpc_service_pb2 as pb
+from service.proto import grpc_service_pb2_grpc as pb_grpc
+
+log = logging.getLogger("bench")
+HERE = Path(__file__).parent
+ROOT = HERE.parent
+CASES = [  # (name, B, T, clients)
+    ("(1, 64, 128) 1 client", 1, 64, 1),
+    ("(1, 64, 128) 8 clients", 1, 64, 8),
+    ("(1, 64, 128) 32 clients", 1, 64, 32),
+    ("(4, 512, 128) 1 client", 4, 512, 1),
+]
+CLK_TCK = os.sysconf("SC_CLK_TCK")
+
+
+def group_cpu_seconds(pgid: int) -> float:
+    """User + system CPU seconds of every live process in process group `pgid`."""
+    total = 0
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            fields = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[2]) == pgid:  # fields after the name: state, ppid, pgrp, ...
+            total += int(fields[11]) + int(fields[12])  # utime, stime
+    return total / CLK_TCK
+
+
+def server_command(name: str, model_dir: Path, port: int) -> tuple[list[str], dict[str, str]] | None:
+    """How to start server `name` on `port`, or None when its environment is not installed."""
+    py, env = sys.executable, {"PYTHONPATH": str(ROOT)}
+    if name == "mha-serve":
+        mha = [py, "-m", "service.cli", "serve", "--host", "127.0.0.1", "--grpc-port", str(port), "--http-port", "0"]
+        return [*mha, "--metrics-port", "0", "--model-dir", str(model_dir), "--shared-memory", "system"], env
+    if name.startswith("floor"):
+        mode = "ort" if "ORT" in name else "none"
+        return [py, str(HERE / "servers" / "floor.py"), mode, str(port), str(model_dir)], env
+    if name == "KServe + ORT":
+        kserve = ROOT / ".venv-kserve" / "bin" / "python"
+        ports = {"KSERVE_GRPC_PORT": str(port), "KSERVE_HTTP_PORT": str(free_port())}
+        script = str(HERE / "servers" / "kserve_ort.py")
+        return ([str(kserve), script, str(model_dir)], ports) if kserve.exists() else None
+    mlserver = ROOT / ".venv-mlserver" / "bin" / "mlserver"
+    return ([str(mlserver), "start", str(_mlserver_dir(model_dir, port))], {}) if mlserver.exists() else None
+
+
+SERVERS = ("mha-serve", "KServe + ORT", "MLServer + ORT", "floor: ORT in-line", "floor: no compute")
+
+
+def _mlserver_dir(model_dir: Path, port: int) -> Path:
+    folder = common.RESULTS / "mlserver"
+    (folder / "mha").mkdir(parents=True, exist_ok=True)
+    (folder / "mha" / "runtime.py").write_text((HERE / "servers" / "mlserver_ort" / "runtime.py").read_text())
+    settings = {"grpc_port": port, "http_port": free_port(), "metrics_port": free_port(), "debug": False}
+    uri = str(model_dir / "model.onnx")
+    model = {"name": "mha", "implementation": "runtime.MHARuntime", "parameters": {"uri": uri}}
+    common.write_json("mlserver/settings.json", settings)
+    common.write_json("mlserver/mha/model-settings.json", model)
+    return folder
+
+
+def wait_ready(url: str, proc: subprocess.Popen[bytes], timeout: float = 180) -> None:
+    deadline = time.monotonic() + timeout
+    with grpc.insecure_channel(url) as channel:
+        stub = pb_grpc.GRPCInferenceServiceStub(channel)
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                raise RuntimeError(f"the server exited with {proc.returncode} before it was ready (see its log)")
+            try:
+                if stub.ServerReady(pb.ServerReadyRequest(), timeout=2).ready:
+                    x = np.zeros((1, 4, 128), np.float32)
+                    request = pb.ModelInferRequest(model_name="mha")
+                    request.inputs.add(name="x", datatype="FP32", shape=list(x.shape))
+                    request.raw_input_contents.append(x.tobytes())
+                    stub.ModelInfer(request, timeout=30)  # the model answers, not only the server
+                    return
+            except grpc.RpcError:
+                pass
+            time.sleep(0.5)
+    raise TimeoutError(f"{url} did not become ready")
+
+
+def measure(name: str, command: list[str], env: dict[str, str], url: str, seconds: float, log_path: Path) -> dict:
+    with open(log_path, "w") as out:
+        proc = subprocess.Popen(
+            command, env={**os.environ, **env}, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+        )
+    rows: dict[str, dict] = {}
+    try:
+        wait_ready(url, proc)
+        run_load(url, 1, 1.0, [64])  # warm-up
+        for case, B, T, clients in CASES:
+            before = group_cpu_seconds(proc.pid)
+            result = run_load(url, clients, seconds, [T], batch=B)
+            cpu = group_cpu_seconds(proc.pid) - before
+            rows[case] = {
+                "p50_ms": round(result.p50_ms, 3),
+                "rps": round(result.throughput_rps, 1),
+                "server_cpu_ms_per_request": round(cpu / max(result.requests, 1) * 1e3, 3),
+                "errors": result.errors,
+            }
+            log.info("%-20s %-26s %s", name, case, rows[case])
+        if name == "mha-serve":
+            rows["(4, 512, 128) 1 client, shared memory"] = shared_memory_case(url, seconds)
+            log.info("%-20s shared memory            %s", name, rows["(4, 512, 128) 1 client, shared memory"])
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+    return rows
+
+
+def _placed(parameters: object, region: str, nbytes: int) -> None:
+    parameters["shared_memory_region"].string_param = region  # type: ignore[index]
+    parameters["shared_memory_byte_size"].int64_param = nbytes  # type: ignore[index]
+
+
+def shared_memory_case(url: str, seconds: float) -> dict:
+    """(4, 512, 128), one client, input and output in system shared memory; also the backend."""
+    x = np.random.default_rng(0).standard_normal((4, 512, 128), dtype=np.float32)
+    objects = [shared_memory.SharedMemory(create=True, size=x.nbytes) for _ in range(2)]
+    latencies: list[float] = []
+    try:
+        np.ndarray(x.shape, np.float32, objects[0].buf)[:] = x
+        with grpc.insecure_channel(url) as channel:
+            stub = pb_grpc.GRPCInferenceServiceStub(channel)
+            for region, shm in zip(("in", "out"), objects, strict=True):
+                key = "/" + shm.name.lstrip("/")
+                stub.SystemSharedMemoryRegister(
+                    pb.SystemSharedMemoryRegisterRequest(name=region, key=key, byte_size=x.nbytes)
+                )
+            request = pb.ModelInferRequest(model_name="mha")
+            _placed(request.inputs.add(name="x", datatype="FP32", shape=list(x.shape)).parameters, "in", x.nbytes)
+            _placed(request.outputs.add(name="y").parameters, "out", x.nbytes)
+            backend = stub.ModelInfer(request, timeout=30).parameters["backend"].string_param
+            stop = time.monotonic() + seconds
+            while time.monotonic() < stop:
+                start = time.perf_counter()
+                stub.ModelInfer(request, timeout=30)
+                latencies.append(time.perf_counter() - start)
+            stub.SystemSharedMemoryUnregister(pb.SystemSharedMemoryUnregisterRequest())
+    finally:
+        for shm in objects:
+            shm.close()
+            shm.unlink()
+    return {"p50_ms": round(float(np.median(latencies)) * 1e3, 3), "requests": len(latencies), "backend": backend}
+
+
+def in_process_ms(model_dir: Path, backend: str, seconds: float) -> float:
+    """Median time of one (4, 512, 128) run on `backend`, in this process, as the server builds it."""
+    from model.checkpoint import load_checkpoint
+    from service.backends.ort import OrtCpuBackend
+    from service.backends.pytorch import TorchBackend
+
+    threads = len(os.sched_getaffinity(0))
+    if backend == "torch":
+        config, weights = load_checkpoint(model_dir / "weights.safetensors")
+        runner = TorchBackend(config, weights, threads=threads)
+    else:
+        runner = OrtCpuBackend(model_dir / "model.onnx", threads)
+    x = np.random.default_rng(0).standard_normal((4, 512, 128), dtype=np.float32)
+    times = []
+    stop = time.monotonic() + seconds
+    while time.monotonic() < stop or len(times) < 5:
+        start = time.perf_counter()
+        runner.run(x)
+        times.append(time.perf_counter() - start)
+    runner.close()
+    return round(float(np.median(times[2:])) * 1e3, 3)
+
+
+def main() -> int:
+    parser = common.parser(__doc__)
+    parser.add_argument("--seconds", type=float, default=5.0)
+    parser.add_argument("--model-dir", type=Path, default=Path("models/default"))
+    args = parser.parse_args()
+    model_dir = args.model_dir.resolve()
+    results: dict[str, object] = {"machine": f"{socket.gethostname()}: {len(os.sched_getaffinity(0))} CPUs"}
+    servers: dict[str, dict] = {}
+    for name in SERVERS:
+        port = free_port()
+        command = server_command(name, model_dir, port)
+        if command is None:
+            log.warning("%s: its environment is not installed (make bench-servers); left out", name)
+            continue
+        logs = common.RESULTS / f"compare-{name.split()[0].strip(':').lower()}.log"
+        try:
+            servers[name] = measure(name, *command, f"127.0.0.1:{port}", args.seconds, logs)
+        except (RuntimeError, TimeoutError) as exc:
+            log.error("%s: %s", name, exc)
+            servers[name] = {"error": str(exc)}
+    shm = servers["mha-serve"]["(4, 512, 128) 1 client, shared memory"]
+    shm["in_process_ms"] = in_process_ms(model_dir, shm["backend"], args.seconds)
+    results["servers"] = servers
+    common.write_json("compare.json", results)
+    markdown = table(servers)
+    (common.RESULTS / "compare.md").write_text(markdown)
+    sys.stdout.write(markdown)
+    return 0
+
+
+def table(servers: dict[str, dict]) -> str:
+    """The run as a markdown table: p50 for one client, req/s for many, CPU per request."""
+    names = [n for n in SERVERS if n in servers and "error" not in servers[n]]
+    lines = ["| case | " + " | ".join(names) + " |", "|---" * (len(names) + 1) + "|"]
+    for case, _, _, clients in CASES:
+        metric = "p50_ms" if clients == 1 else "rps"
+        unit = "p50 ms" if clients == 1 else "req/s"
+        lines.append(f"| {case}, {unit} | " + " | ".join(f"{servers[n][case][metric]:g}" for n in names) + " |")
+    for case, *_ in CASES[:2]:
+        cells = " | ".join(f"{servers[n][case]['server_cpu_ms_per_request']:g}" for n in names)
+        lines.append(f"| {case}, server CPU ms/request | {cells} |")
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,53 @@
+"""The floors of the comparison: the cheapest Python gRPC servers of the same protocol.
+
+`none` answers each ModelInfer with its own input (the protocol and the copies, no compute);
+`ort` runs ONNX Runtime in-line on the event loop (the compute with nothing around it: no
+batching, no checks, no metrics). Run by bench/compare.py in the main virtual environment.
+
+usage: python bench/servers/floor.py none|ort PORT MODEL_DIR
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+from pathlib import Path
+
+import grpc
+import numpy as np
+import onnxruntime as ort
+
+from service.proto import grpc_service_pb2 as pb
+from service.proto import grpc_service_pb2_grpc as pb_grpc
+
+
+class Floor(pb_grpc.GRPCInferenceServiceServicer):
+    def __init__(self, session: ort.InferenceSession | None) -> None:
+        self.session = session
+
+    async def ServerReady(self, request: pb.ServerReadyRequest, context: object) -> pb.ServerReadyResponse:
+        return pb.ServerReadyResponse(ready=True)
+
+    async def ModelInfer(self, request: pb.ModelInferRequest, context: object) -> pb.ModelInferResponse:
+        shape = list(request.inputs[0].shape)
+        raw = request.raw_input_contents[0]
+        if self.session is not None:
+            x = np.frombuffer(raw, np.float32).reshape(shape)  # (B, T, C)
+            raw = self.session.run(None, {"x": x})[0].tobytes()
+        response = pb.ModelInferResponse(model_name=request.model_name, id=request.id)
+        response.outputs.add(name="y", datatype="FP32", shape=shape)
+        response.raw_output_contents.append(raw)
+        return response
+
+
+async def serve(mode: str, port: int, model_dir: Path) -> None:
+    session = ort.InferenceSession(str(model_dir / "model.onnx"), providers=["CPUExecutionProvider"])
+    server = grpc.aio.server(options=[("grpc.max_receive_message_length", 64 << 20)])
+    pb_grpc.add_GRPCInferenceServiceServicer_to_server(Floor(session if mode == "ort" else None), server)
+    server.add_insecure_port(f"127.0.0.1:{port}")
+    await server.start()
+    await server.wait_for_termination()
+
+
+if __name__ == "__main__":
+    asyncio.run(serve(sys.argv[1], int(sys.argv[2]), Path(sys.argv[3])))

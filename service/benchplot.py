@@ -1,0 +1,34 @@
+"""The PNG of `mha bench --plot`: latency percentiles and throughput against concurrency.
+
+matplotlib is an optional dependency (`pip install 'mha-serve[plot]'`), imported only here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+
+def plot_sweep(results: Sequence[Any], path: Path, title: str) -> None:
+    """Two panels over concurrency: p50/p90/p99 in ms (log scale), and req/s."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only, no display
+    import matplotlib.pyplot as plt
+
+    clients = [r.concurrency for r in results]
+    fig, (latency, throughput) = plt.subplots(1, 2, figsize=(10, 4), constrained_layout=True)
+    for key, style in (("p50_ms", "o-"), ("p90_ms", "s--"), ("p99_ms", "^:")):
+        latency.plot(clients, [getattr(r, key) for r in results], style, label=key.replace("_ms", ""))
+    latency.set(xscale="log", yscale="log", xlabel="concurrent clients", ylabel="latency (ms)", title="latency")
+    latency.legend()
+    throughput.plot(clients, [r.throughput_rps for r in results], "o-", color="tab:green")
+    throughput.set(xscale="log", xlabel="concurrent clients", ylabel="requests / s", title="throughput")
+    throughput.set_ylim(bottom=0)
+    for axes in (latency, throughput):
+        axes.set_xticks(clients, [str(c) for c in clients])
+        axes.grid(True, alpha=0.3)
+    fig.suptitle(title)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
