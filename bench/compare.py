@@ -17,12 +17,15 @@ usage: python bench/compare.py [--seconds 5] [--model-dir models/default]
 
 from __future__ import annotations
 
+import json
 import logging
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from multiprocessing import shared_memory
 from pathlib import Path
@@ -85,14 +88,15 @@ SERVERS = ("mha-serve", "KServe + ORT", "MLServer + ORT", "floor: ORT in-line", 
 
 
 def _mlserver_dir(model_dir: Path, port: int) -> Path:
-    folder = common.RESULTS / "mlserver"
-    (folder / "mha").mkdir(parents=True, exist_ok=True)
-    (folder / "mha" / "runtime.py").write_text((HERE / "servers" / "mlserver_ort" / "runtime.py").read_text())
+    """A model repository for `mlserver start`, in a temporary folder: settings and the runtime."""
+    folder = Path(tempfile.mkdtemp(prefix="mha-mlserver-"))
+    (folder / "mha").mkdir()
+    shutil.copy(HERE / "servers" / "mlserver_ort" / "runtime.py", folder / "mha" / "runtime.py")
     settings = {"grpc_port": port, "http_port": free_port(), "metrics_port": free_port(), "debug": False}
     uri = str(model_dir / "model.onnx")
     model = {"name": "mha", "implementation": "runtime.MHARuntime", "parameters": {"uri": uri}}
-    common.write_json("mlserver/settings.json", settings)
-    common.write_json("mlserver/mha/model-settings.json", model)
+    (folder / "settings.json").write_text(json.dumps(settings))
+    (folder / "mha" / "model-settings.json").write_text(json.dumps(model))
     return folder
 
 
