@@ -39,16 +39,26 @@ class MultiHeadAttention(nn.Module):
         return module.eval()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        B, T, C = x.shape
-        nh, hs = self.config.n_head, self.config.head_size
-        q = self.q_proj(x).view(B, T, nh, hs).transpose(1, 2)  # (B, nh, T, hs)
-        k = self.k_proj(x).view(B, T, nh, hs).transpose(1, 2)  # (B, nh, T, hs)
-        v = self.v_proj(x).view(B, T, nh, hs).transpose(1, 2)  # (B, nh, T, hs)
+        q, k, v = self.project(x)  # (B, nh, T, hs) each
         if self.fast:
             y = F.scaled_dot_product_attention(q, k, v, is_causal=self.config.causal)
         else:
             y = self._plain_attention(q, k, v)  # (B, nh, T, hs)
-        y = y.transpose(1, 2).contiguous().view(B, T, C)  # (B, T, C)
+        return self.merge(y)
+
+    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(B, T, C) -> q, k, v, each (B, nh, T, hs)."""
+        B, T, _ = x.shape
+        nh, hs = self.config.n_head, self.config.head_size
+        q = self.q_proj(x).view(B, T, nh, hs).transpose(1, 2)  # (B, nh, T, hs)
+        k = self.k_proj(x).view(B, T, nh, hs).transpose(1, 2)  # (B, nh, T, hs)
+        v = self.v_proj(x).view(B, T, nh, hs).transpose(1, 2)  # (B, nh, T, hs)
+        return q, k, v
+
+    def merge(self, y: torch.Tensor) -> torch.Tensor:
+        """(B, nh, T, hs) per head -> (B, T, C) through o_proj."""
+        B, _, T, _ = y.shape
+        y = y.transpose(1, 2).contiguous().view(B, T, self.config.d_model)  # (B, T, C)
         return self.o_proj(y)
 
     def _plain_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -59,3 +69,17 @@ class MultiHeadAttention(nn.Module):
             att = att.masked_fill(future, torch.finfo(att.dtype).min)
         att = F.softmax(att, dim=-1)
         return att @ v  # (B, nh, T, hs)
+
+
+def cached_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, past: torch.Tensor) -> torch.Tensor:
+    """Causal attention of new queries over cached keys, aligned to each row's own position.
+
+    q (R, nh, t, hs) are the queries of tokens at positions past[r] + i; keys and values
+    (R, nh, L, hs) hold every earlier token of row r and these ones at [0, past[r] + t). Key j is
+    visible to query i iff j <= past[r] + i, so padding beyond a row's length is never seen.
+    """
+    R, _, t, _ = q.shape
+    L = keys.size(2)
+    position = past.view(R, 1, 1) + torch.arange(t, device=q.device).view(1, t, 1)  # (R, t, 1)
+    visible = torch.arange(L, device=q.device).view(1, 1, L) <= position  # (R, t, L)
+    return F.scaled_dot_product_attention(q, keys, values, attn_mask=visible.unsqueeze(1))  # (R, nh, t, hs)

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from export.layout import INPUT_NAME
+from service.control import SequenceControl
 from service.errors import FeatureOff, InvalidInput, quote
 from service.proto import grpc_service_pb2 as pb
 from service.shm import OFF_MESSAGE, Placement, SystemRegions
@@ -86,8 +87,9 @@ def _check_shape(shape: list[int], model: ServedModel) -> tuple[int, int, int]:
 
 
 # Protocol features this server does not implement: refused, never silently ignored.
-UNSUPPORTED_REQUEST_PARAMETERS = ("sequence_id", "sequence_start", "sequence_end")
+UNSUPPORTED_REQUEST_PARAMETERS: tuple[str, ...] = ()
 UNSUPPORTED_OUTPUT_PARAMETERS = ("classification",)
+SEQUENCE_ID_LIMIT = 128  # characters of a string sequence_id
 SHM_REGION, SHM_SIZE, SHM_OFFSET = "shared_memory_region", "shared_memory_byte_size", "shared_memory_offset"
 TYPED_FIELDS = ("bool", "int", "int64", "uint", "uint64", "fp32", "fp64", "bytes")
 
@@ -101,6 +103,37 @@ def _refuse_unsupported(request: pb.ModelInferRequest) -> None:
                 raise InvalidInput(
                     f"{where} parameter {key!r} is not supported by this server; send the request without it"
                 )
+
+
+def sequence_control(request: pb.ModelInferRequest) -> SequenceControl | None:
+    """Triton's sequence parameters, checked: None for a stateless request (no sequence_id)."""
+    parameters = request.parameters
+    flags = {key: _flag(parameters, key) for key in ("sequence_start", "sequence_end")}
+    if "sequence_id" not in parameters:
+        if any(flags.values()):
+            raise InvalidInput("sequence_start and sequence_end need a sequence_id (int64 > 0 or a string)")
+        return None
+    param = parameters["sequence_id"]
+    kind = param.WhichOneof("parameter_choice")
+    if kind in ("int64_param", "uint64_param"):
+        number = int(getattr(param, kind))
+        if number <= 0:
+            raise InvalidInput(f"sequence_id {number}: expected an integer >= 1 (0 means no sequence) or a string")
+        return SequenceControl(number, start=flags["sequence_start"], end=flags["sequence_end"])
+    if kind != "string_param":
+        raise InvalidInput(f"sequence_id must be an int64_param or a string_param, got {kind or 'nothing'}")
+    text = param.string_param
+    if not 1 <= len(text) <= SEQUENCE_ID_LIMIT:
+        raise InvalidInput(f"sequence_id {quote(text)}: expected 1 to {SEQUENCE_ID_LIMIT} characters")
+    return SequenceControl(text, start=flags["sequence_start"], end=flags["sequence_end"])
+
+
+def _flag(parameters: Any, key: str) -> bool:
+    if key not in parameters:
+        return False
+    if parameters[key].WhichOneof("parameter_choice") != "bool_param":
+        raise InvalidInput(f"{key} must be a bool_param")
+    return bool(parameters[key].bool_param)
 
 
 def placement(parameters: Any, where: str, regions: SystemRegions | None) -> Placement | None:

@@ -21,15 +21,20 @@ from model import MHAConfig
 from model.checkpoint import CheckpointError, load_checkpoint
 from service.backends import Backend, BackendChain, Selection, select_backends
 from service.backends.chain import REASONS, FallbackHook
+from service.backends.steps import StepRunner
 from service.batcher import Batcher, BatcherConfig, BatchEvent, Clock, MonotonicClock, Timing
+from service.control import SequenceControl
 from service.errors import InvalidInput, NotReady
 from service.metrics import Metrics
 from service.render import Serving
+from service.sequences import SequenceLimits, SequenceStore
 from service.served import ModelIdentity, ServedModel
 from service.settings import Settings
 from service.stats import ModelStats
+from service.steps import Decoder, StepBatcher
 
 log = logging.getLogger(__name__)
+STEP_BACKEND = StepRunner.name  # decode steps run on PyTorch, where the sequences' caches live
 
 
 class State(enum.Enum):
@@ -49,6 +54,7 @@ class Loaded:
     selection: Selection
     chain: BackendChain
     batcher: Batcher
+    decoder: Decoder
 
 
 class InferenceCore:
@@ -92,7 +98,7 @@ class InferenceCore:
         """Load, self-check and order the backends off the event loop, then start batching."""
         try:
             load = partial(load_model, self.settings, self.identity, self._count_fallback)
-            model, selection, chain = await asyncio.get_running_loop().run_in_executor(self._executor, load)
+            model, selection, chain, runner = await asyncio.get_running_loop().run_in_executor(self._executor, load)
         except Exception:
             self._set_state(State.FAILED)
             raise
@@ -114,7 +120,8 @@ class InferenceCore:
             in_flight=lambda: self.in_flight,
             clock=self.clock,
         )
-        self._loaded = Loaded(model, selection, chain, batcher)
+        decoder = _decoder(s, model.config, runner, self._executor, self.clock, self.metrics)
+        self._loaded = Loaded(model, selection, chain, batcher, decoder)
         batcher.start()
         self.metrics.loaded(model.labels(), s.max_queue_size, lambda: batcher.depth)
         self.metrics.init_fallbacks([b.name for b in chain.backends], REASONS)
@@ -143,10 +150,7 @@ class InferenceCore:
 
     async def infer(self, x: np.ndarray, deadline: float | None) -> tuple[np.ndarray, Timing]:
         """(B, T, C) -> (B, T, C) through the queue; `deadline` is on `self.clock`."""
-        if self.state is State.DRAINING:
-            raise NotReady("the server is draining for shutdown; retry on another replica")
-        if self.state is not State.READY:
-            raise NotReady(f"the model is not ready (state: {self.state.value}); retry shortly")
+        self._check_ready()
         y, timing = await self.loaded.batcher.submit(x, deadline)
         if not np.isfinite(y).all():  # the chain found this input to blame (see BackendChain)
             raise InvalidInput(
@@ -156,6 +160,20 @@ class InferenceCore:
         self.metrics.observe_answer(int(x.shape[0]) * int(x.shape[1]), timing.queue_s)
         self.stats.observe_answer(int(x.shape[0]), timing.queue_s)
         return y, timing
+
+    async def step(self, control: SequenceControl, x: np.ndarray) -> tuple[np.ndarray, Timing]:
+        """A decode step of a live sequence: (B, t, C) new tokens -> their (B, t, C) outputs."""
+        self._check_ready()
+        y = await self.loaded.decoder.step(control, x)
+        self.metrics.observe_answer(int(x.shape[0]) * int(x.shape[1]), 0.0)
+        self.stats.observe_answer(int(x.shape[0]), 0.0)
+        return y, Timing(0.0, int(x.shape[0]), STEP_BACKEND)
+
+    def _check_ready(self) -> None:
+        if self.state is State.DRAINING:
+            raise NotReady("the server is draining for shutdown; retry on another replica")
+        if self.state is not State.READY:
+            raise NotReady(f"the model is not ready (state: {self.state.value}); retry shortly")
 
     def request_started(self) -> None:
         self.in_flight += 1
@@ -182,6 +200,7 @@ class InferenceCore:
 
     async def close(self) -> None:
         if self._loaded is not None:
+            self._loaded.decoder.sequences.clear()
             await self._loaded.batcher.stop()
         self._executor.shutdown(wait=True)
         if self._loaded is not None:
@@ -191,8 +210,9 @@ class InferenceCore:
 
 def load_model(
     settings: Settings, identity: ModelIdentity, on_fallback: FallbackHook
-) -> tuple[ServedModel, Selection, BackendChain]:
-    """Read the model directory, load and self-check the backends, and chain them (blocking)."""
+) -> tuple[ServedModel, Selection, BackendChain, StepRunner]:
+    """Read the model directory, load and self-check the backends, and chain them; the step
+    runner for incremental decoding (blocking)."""
     s = settings
     if s.model_dir is None:
         raise ModelLoadError("no model directory to serve; `mha serve` exports the default model and names it")
@@ -218,7 +238,20 @@ def load_model(
     active = chain.active
     log.info("serving %s with %s on %s; %s", files.directory, active.name, active.device, selection.summary())
     served = ServedModel(identity, config, files, s.max_request_rows, s.max_attention_mb, weights_sha256, verified)
-    return served, selection, chain
+    return served, selection, chain, StepRunner(config, weights)
+
+
+def _decoder(
+    s: Settings, config: MHAConfig, runner: StepRunner, executor: ThreadPoolExecutor, clock: Clock, metrics: Metrics
+) -> Decoder:
+    """Live sequences within the settings' limits, their gauges, and the batcher of their steps."""
+    limits = SequenceLimits(s.max_sequences, s.sequence_idle_timeout_s, int(s.max_sequence_state_mb * 2**20))
+
+    def changed(store: SequenceStore, evicted: str | None) -> None:
+        metrics.sequences_changed(len(store), store.state_bytes, evicted)
+
+    steps = StepBatcher(runner.run, executor, max_rows=max(s.max_batch_size, 1) * 8)
+    return Decoder(SequenceStore(config, limits, clock.now, changed), steps)
 
 
 def _verified(files: ModelFiles, config: MHAConfig, weights_sha256: str, allow_unverified: bool) -> bool:

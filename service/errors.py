@@ -24,6 +24,10 @@ class RegionNotFound(NotFound):
     """A shared memory region name that is not registered."""
 
 
+class SequenceNotFound(NotFound):
+    """A step for a sequence that is not live: never started, ended, evicted or restarted."""
+
+
 class RegionExists(ServiceError):
     """Registering a shared memory region under a name already taken."""
 

@@ -23,8 +23,8 @@ from google.protobuf.descriptor import Descriptor, FieldDescriptor
 from google.protobuf.message import Message
 
 from service import render
+from service.answer import answer_infer
 from service.calls import Call, Calls
-from service.codec import decode_infer_request, encode_infer_response, output_placement
 from service.core import InferenceCore, State
 from service.errors import InvalidInput, NotReady, Overloaded, Unauthenticated, quote
 from service.proto import grpc_service_pb2 as pb
@@ -312,12 +312,7 @@ class HttpApi:
             raise InvalidInput(f"{HEADER_LENGTH} must be a byte count, got {header[:32]!r}")
         name, version = request.match_info["name"], request.match_info.get("version", "")
         proto, binary = to_infer_request(body, int(header) if header else None, name, version)
-        model = self.core.loaded.model
-        x = decode_infer_request(proto, model, self.regions)
-        target = output_placement(proto, x.shape, self.regions)
-        y, timing = await self.core.infer(x, None)
-        response = encode_infer_response(y, model, proto.id, timing.backend, target, self.regions)
-        return from_infer_response(response, binary)
+        return from_infer_response(await answer_infer(self.core, self.regions, proto, None), binary)
 
 
 def ssl_context(settings: Settings) -> ssl.SSLContext | None:

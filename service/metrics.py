@@ -42,6 +42,9 @@ LATENCY_BUCKETS = (
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 
 
+EVICTION_REASONS = ("idle", "budget")  # the label's fixed set
+
+
 class Metrics:
     """Every series the service exports; names are a public interface (dashboards, alerts)."""
 
@@ -76,6 +79,19 @@ class Metrics:
         )
         self.model_info = Info("mha_model", "The model being served.", registry=registry)
         self.ready = gauge("mha_ready", "1 when the model is loaded, self-checked and serving.")
+        self.sequences_active = gauge("mha_sequences_active", "Live sequences whose keys and values are kept.")
+        self.sequence_state_bytes = gauge("mha_sequence_state_bytes", "Bytes of the live sequences' keys and values.")
+        self.sequence_evictions = counter(
+            "mha_sequence_evictions", "Live sequences evicted, by reason (idle timeout, state budget).", ["reason"]
+        )
+        for reason in EVICTION_REASONS:
+            self.sequence_evictions.labels(reason)
+
+    def sequences_changed(self, active: int, state_bytes: int, evicted: str | None) -> None:
+        self.sequences_active.set(active)
+        self.sequence_state_bytes.set(state_bytes)
+        if evicted is not None:
+            self.sequence_evictions.labels(evicted).inc()
 
     def loaded(self, model_labels: dict[str, str], queue_capacity: int, queue_depth: Callable[[], int]) -> None:
         self.model_info.info(model_labels)

@@ -12,9 +12,9 @@ from typing import TypeAlias
 import grpc
 
 from service import render
+from service.answer import answer_infer
 from service.batcher import Clock
 from service.calls import Calls
-from service.codec import decode_infer_request, encode_infer_response, output_placement
 from service.core import InferenceCore, State
 from service.errors import FeatureOff, NotReady, RegionNotFound, quote
 from service.proto import grpc_service_pb2 as pb
@@ -138,8 +138,4 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         return render.stream_error(request, call.code, call.message)
 
     async def _infer(self, request: pb.ModelInferRequest, context: Context) -> pb.ModelInferResponse:
-        model = self.core.loaded.model
-        x = decode_infer_request(request, model, self.regions)
-        target = output_placement(request, x.shape, self.regions)
-        y, timing = await self.core.infer(x, _deadline(context, self.core.clock))
-        return encode_infer_response(y, model, request.id, timing.backend, target, self.regions)
+        return await answer_infer(self.core, self.regions, request, _deadline(context, self.core.clock))

@@ -62,6 +62,9 @@ class Settings:
     inline_max_mflop: float = setting(
         16.0, "batches up to this much work run on the event loop, without a thread hop; 0: never", "MFLOP", low=0
     )
+    max_sequences: int = setting(256, "live sequences (incremental decoding) kept at most", "sequences", low=1)
+    sequence_idle_timeout_s: float = setting(60.0, "a live sequence idle this long is evicted", "s", low=0)
+    max_sequence_state_mb: float = setting(1024.0, "keys and values of live sequences at most", "MiB", low=0)
     shared_memory: str = setting(
         "off", "Triton's system shared memory, for clients on this host", choices=SHARED_MEMORY_CHOICES
     )

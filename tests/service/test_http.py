@@ -63,8 +63,8 @@ BAD = {
     ),
     "sequence": (
         _infer_json(np.zeros((1, 2, 32), np.float32), parameters={"sequence_id": 7}),
-        400,
-        "'sequence_id' is not supported",
+        404,
+        "start it again with sequence_start",
     ),
 }
 

@@ -1,0 +1,64 @@
+"""Decode steps of live sequences on PyTorch: the new tokens' projections for every sequence of a
+batch in one matmul each, attention of each sequence over its own cache (no copy of the cache,
+whatever the lengths), and one output projection."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from model import MHAConfig, MultiHeadAttention
+from model.attention import cached_attention
+from model.checkpoint import Weights
+from service.batcher import merge
+from service.sequences import Sequence
+
+
+@dataclass(frozen=True)
+class StepInput:
+    sequence: Sequence
+    x: np.ndarray  # (B, t, C): the new tokens of each of the sequence's B rows
+
+
+class StepRunner:
+    """Computes steps and writes the new keys and values into each sequence's cache at
+    [length, length + t); the caller commits `length` once the answer is delivered, so a step
+    that fails or is abandoned leaves its sequence as it was."""
+
+    name = "torch-cpu"
+
+    def __init__(self, config: MHAConfig, weights: Weights) -> None:
+        self.config = config
+        self.module = MultiHeadAttention.from_weights(config, weights)
+
+    @torch.inference_mode()
+    def run(self, steps: Seq[StepInput]) -> list[np.ndarray]:
+        """The outputs (B, t, C) of each step, in order."""
+        x = torch.from_numpy(merge([s.x for s in steps]))  # (R, t_max, C), right-padded
+        q, k, v = self.module.project(x)  # (R, nh, t_max, hs)
+        heads = torch.zeros_like(q)  # (R, nh, t_max, hs)
+        row = 0
+        for step in steps:
+            B, t = step.x.shape[0], step.x.shape[1]
+            rows = slice(row, row + B)
+            heads[rows, :, :t] = self._attend(step.sequence, q[rows, :, :t], k[rows, :, :t], v[rows, :, :t])
+            row += B
+        y = self.module.merge(heads).numpy()  # (R, t_max, C)
+        outputs, row = [], 0
+        for step in steps:
+            B, t = step.x.shape[0], step.x.shape[1]
+            outputs.append(y[row : row + B, :t])  # (B, t, C)
+            row += B
+        return outputs
+
+    @staticmethod
+    def _attend(sequence: Sequence, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """(B, nh, t, hs) heads of the new tokens, their keys and values written into the cache."""
+        P, t = sequence.length, q.shape[2]
+        sequence.keys[:, :, P : P + t] = k
+        sequence.values[:, :, P : P + t] = v
+        past = torch.full((q.shape[0],), P)
+        return cached_attention(q, sequence.keys[:, :, : P + t], sequence.values[:, :, : P + t], past)

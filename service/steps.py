@@ -1,0 +1,122 @@
+"""Batches the decode steps of different sequences: a step that finds the runner idle runs at
+once; steps that arrive while it computes run together next (no waiting for company: a step
+is usually one token, and its client waits for it before sending the next)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable, Sequence
+from concurrent.futures import Executor
+from dataclasses import dataclass
+
+import numpy as np
+
+from service.backends.steps import StepInput
+from service.control import SequenceControl
+from service.errors import InvalidInput
+from service.sequences import SequenceStore
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class _Pending:
+    step: StepInput
+    future: asyncio.Future[np.ndarray]
+
+
+class StepBatcher:
+    def __init__(
+        self, run: Callable[[Sequence[StepInput]], list[np.ndarray]], executor: Executor, max_rows: int
+    ) -> None:
+        self._run, self._executor, self.max_rows = run, executor, max_rows
+        self._pending: list[_Pending] = []
+        self._task: asyncio.Task[None] | None = None
+        self.batches: list[int] = []  # steps per executed batch, for tests and statistics
+
+    async def submit(self, step: StepInput) -> np.ndarray:
+        """y (B, t, C) of the step; the sequence's length advances only if the answer is taken."""
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[np.ndarray] = loop.create_future()
+        self._pending.append(_Pending(step, future))
+        if self._task is None or self._task.done():
+            self._task = loop.create_task(self._drain(), name="steps")
+        return await future
+
+    async def _drain(self) -> None:
+        while self._pending:
+            batch = self._take()
+            if batch:
+                await self._execute(batch)
+
+    def _take(self) -> list[_Pending]:
+        """Live steps of at most max_rows rows (always at least one), oldest first."""
+        batch: list[_Pending] = []
+        rows = 0
+        while self._pending:
+            item = self._pending[0]
+            if item.future.done():  # cancelled while waiting: never computed
+                self._pending.pop(0)
+                continue
+            B = item.step.x.shape[0]
+            if batch and rows + B > self.max_rows:
+                break
+            batch.append(self._pending.pop(0))
+            rows += B
+        return batch
+
+    async def _execute(self, batch: list[_Pending]) -> None:
+        loop = asyncio.get_running_loop()
+        try:
+            ys = await loop.run_in_executor(self._executor, self._run, [p.step for p in batch])
+        except Exception as exc:
+            if len(batch) == 1:
+                _fail(batch[0], exc)
+                return
+            for item in batch:  # isolate the culprit: one sequence's failure never fails the others
+                await self._execute([item])
+            return
+        self.batches.append(len(batch))
+        for item, y in zip(batch, ys, strict=True):
+            _answer(item, y)
+
+
+def _answer(item: _Pending, y: np.ndarray) -> None:
+    """Commit the step (its sequence grows by t tokens) and answer it; an abandoned step or a
+    non-finite output commits nothing, so the sequence stays as it was."""
+    if item.future.done():
+        return
+    if not np.isfinite(y).all():
+        item.future.set_exception(
+            InvalidInput(
+                "the output is not finite: the input's values overflow float32 inside attention; the step "
+                "was not added to the sequence"
+            )
+        )
+        return
+    item.step.sequence.length += item.step.x.shape[1]
+    item.future.set_result(y)
+
+
+def _fail(item: _Pending, exc: BaseException) -> None:
+    if not item.future.done():
+        item.future.set_exception(exc)
+
+
+class Decoder:
+    """Incremental decoding: live sequences and the batcher of their steps."""
+
+    def __init__(self, sequences: SequenceStore, steps: StepBatcher) -> None:
+        self.sequences, self.steps = sequences, steps
+
+    async def step(self, control: SequenceControl, x: np.ndarray) -> np.ndarray:
+        """(B, t, C) new tokens of the sequence -> their (B, t, C) outputs."""
+        sequence = self.sequences.open(control, int(x.shape[0]), int(x.shape[2]))
+        async with sequence.lock:  # this sequence's steps one at a time, in arrival order
+            self.sequences.check_room(sequence, int(x.shape[1]))
+            y = await self.steps.submit(StepInput(sequence, x))
+            self.sequences.touch(sequence)
+            if control.end:
+                self.sequences.end(sequence)
+        return y

@@ -1,0 +1,230 @@
+"""Incremental decoding over Triton's sequence parameters: every step's answer is the last rows of
+the model over the whole prefix (float64 reference), steps of different sequences share batches
+exactly, and every bad case answers its documented status."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import numpy as np
+import pytest
+import torch
+
+from model import MHAConfig
+from model.checkpoint import load_checkpoint
+from model.reference import attention_view, relative_error
+from service.backends.steps import StepInput, StepRunner
+from service.codec import decode_infer_response, encode_infer_request
+from service.control import SequenceControl
+from service.errors import InvalidInput, Overloaded, SequenceNotFound
+from service.proto import grpc_service_pb2 as pb
+from service.proto import grpc_service_pb2_grpc as pb_grpc
+from service.sequences import SequenceLimits, SequenceStore
+from tests.support import ManualClock, ServerThread, make_settings
+
+C = 32  # the small model: 4 heads, max_seq_len 64
+
+
+@pytest.fixture(scope="module")
+def server(small_model_dir: Path) -> Iterator[ServerThread]:
+    with ServerThread(make_settings(small_model_dir, backend="ort-cpu", max_sequences=16)) as s:
+        yield s
+
+
+@pytest.fixture
+def stub(server: ServerThread) -> Iterator[pb_grpc.GRPCInferenceServiceStub]:
+    with grpc.insecure_channel(server.url) as channel:
+        yield pb_grpc.GRPCInferenceServiceStub(channel)
+
+
+def _step(x: np.ndarray, sequence_id: int | str, start: bool = False, end: bool = False) -> pb.ModelInferRequest:
+    request = encode_infer_request(x)
+    if isinstance(sequence_id, int):
+        request.parameters["sequence_id"].int64_param = sequence_id
+    else:
+        request.parameters["sequence_id"].string_param = sequence_id
+    request.parameters["sequence_start"].bool_param = start
+    request.parameters["sequence_end"].bool_param = end
+    return request
+
+
+def _reference_tail(model_dir: Path, prefix: np.ndarray, t: int) -> torch.Tensor:
+    config, weights = load_checkpoint(model_dir / "weights.safetensors")
+    return attention_view(torch.from_numpy(prefix), weights, config)[:, -t:]
+
+
+def _drive(stub, model_dir: Path, sequence_id: int | str, chunks: list[int], B: int, seed: int) -> list[float]:  # type: ignore[no-untyped-def]
+    """Send a sequence in chunks of t tokens; the relative error of each answer."""
+    rng = np.random.default_rng(seed)
+    prefix = np.zeros((B, 0, C), np.float32)
+    errors = []
+    for i, t in enumerate(chunks):
+        x = rng.standard_normal((B, t, C), dtype=np.float32)
+        prefix = np.concatenate([prefix, x], axis=1)  # (B, P + t, C)
+        response = stub.ModelInfer(_step(x, sequence_id, start=i == 0, end=i == len(chunks) - 1), timeout=30)
+        y = decode_infer_response(response)
+        assert y.shape == (B, t, C)
+        errors.append(relative_error(torch.from_numpy(y.copy()), _reference_tail(model_dir, prefix, t)))
+    return errors
+
+
+def test_eight_concurrent_sequences_are_exact_step_by_step(server: ServerThread, small_model_dir: Path) -> None:
+    rng = np.random.default_rng(0)
+    plans = []
+    for i in range(8):
+        chunks = [int(rng.integers(1, 6))] + [1 if rng.random() < 0.6 else int(rng.integers(2, 5)) for _ in range(12)]
+        plans.append((i + 1 if i % 2 else f"seq-{i}", chunks, 1 + i % 2))
+    errors: list[float] = []
+    failures: list[BaseException] = []
+    barrier = threading.Barrier(len(plans))
+
+    def run(plan: tuple[int | str, list[int], int], seed: int) -> None:
+        with grpc.insecure_channel(server.url) as channel:
+            barrier.wait()
+            try:
+                errors.extend(_drive(pb_grpc.GRPCInferenceServiceStub(channel), small_model_dir, *plan, seed=seed))
+            except BaseException as exc:  # asserted below
+                failures.append(exc)
+
+    threads = [threading.Thread(target=run, args=(plan, i)) for i, plan in enumerate(plans)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not failures, failures[:2]
+    assert len(errors) == 8 * 13 and max(errors) < 1e-5
+    assert max(server.core.loaded.decoder.steps.batches) > 1, "steps of different sequences never shared a batch"
+    assert len(server.core.loaded.decoder.sequences) == 0, "every sequence ended"
+
+
+def test_restart_begins_again_and_end_frees(stub, small_model_dir: Path) -> None:
+    assert max(_drive(stub, small_model_dir, 77, [3, 1, 1], B=1, seed=1)) < 1e-5
+    assert max(_drive(stub, small_model_dir, 78, [5, 2], B=2, seed=2)[:1]) < 1e-5
+    # restart 78 mid-way (its last step above ended it; start it twice without ending)
+    x = np.ones((1, 4, C), np.float32)
+    stub.ModelInfer(_step(x, 78, start=True))
+    errors = _drive(stub, small_model_dir, 78, [2, 1, 1], B=1, seed=3)  # starts again: the old state is gone
+    assert max(errors) < 1e-5
+
+
+def _code(stub, request: pb.ModelInferRequest) -> tuple[grpc.StatusCode, str]:  # type: ignore[no-untyped-def]
+    with pytest.raises(grpc.RpcError) as info:
+        stub.ModelInfer(request, timeout=30)
+    return info.value.code(), info.value.details() or ""
+
+
+def test_every_bad_step_answers_its_status(stub) -> None:
+    x = np.ones((1, 2, C), np.float32)
+    stub.ModelInfer(_step(x, 500, start=True))
+    bad_id = encode_infer_request(x)
+    bad_id.parameters["sequence_id"].double_param = 1.5
+    empty = encode_infer_request(x)
+    empty.parameters["sequence_id"].string_param = ""
+    negative = encode_infer_request(x)
+    negative.parameters["sequence_id"].int64_param = -3
+    flag_only = encode_infer_request(x)
+    flag_only.parameters["sequence_end"].bool_param = True
+    cases = {
+        "unknown": (_step(x, 404), grpc.StatusCode.NOT_FOUND, "start it again with sequence_start"),
+        "end-unknown": (_step(x, 405, end=True), grpc.StatusCode.NOT_FOUND, "is not known"),
+        "other-B": (_step(np.ones((2, 1, C), np.float32), 500), grpc.StatusCode.INVALID_ARGUMENT, "B = 1 rows"),
+        "too-long": (_step(np.ones((1, 63, C), np.float32), 500), grpc.StatusCode.INVALID_ARGUMENT, "max_seq_len 64"),
+        "double-id": (bad_id, grpc.StatusCode.INVALID_ARGUMENT, "int64_param or a string_param"),
+        "empty-id": (empty, grpc.StatusCode.INVALID_ARGUMENT, "1 to 128 characters"),
+        "negative-id": (negative, grpc.StatusCode.INVALID_ARGUMENT, "expected an integer >= 1"),
+        "flag-only": (flag_only, grpc.StatusCode.INVALID_ARGUMENT, "need a sequence_id"),
+    }
+    for name, (request, code, expected) in cases.items():
+        got, message = _code(stub, request)
+        assert (got, expected in message) == (code, True), (name, got, message)
+    stub.ModelInfer(_step(np.ones((1, 62, C), np.float32), 500, end=True))  # 2 + 62 = max_seq_len: fits
+    got, message = _code(stub, _step(x, 500))
+    assert got == grpc.StatusCode.NOT_FOUND and "ended (sequence_end)" in message
+
+
+def test_a_wrong_width_is_refused_before_any_state(stub) -> None:
+    got, message = _code(stub, _step(np.ones((1, 2, C + 1), np.float32), 600, start=True))
+    assert got == grpc.StatusCode.INVALID_ARGUMENT and "expected C = 32" in message
+    got, _ = _code(stub, _step(np.ones((1, 2, C), np.float32), 600))
+    assert got == grpc.StatusCode.NOT_FOUND
+
+
+# The pieces, without gRPC: the runner's batches across past lengths, and the store's limits.
+
+
+def _runner(small_model_dir: Path) -> tuple[StepRunner, MHAConfig, dict]:
+    config, weights = load_checkpoint(small_model_dir / "weights.safetensors")
+    return StepRunner(config, weights), config, weights
+
+
+def test_a_batch_that_mixes_past_lengths_equals_each_sequence_alone(small_model_dir: Path) -> None:
+    runner, config, weights = _runner(small_model_dir)
+    clock = ManualClock()
+    store = SequenceStore(config, SequenceLimits(), clock.now)
+    rng = np.random.default_rng(4)
+    pasts, news = [0, 5, 17, 40], [3, 1, 6, 2]
+    prefixes, sequences = [], []
+    for i, (P, t) in enumerate(zip(pasts, news, strict=True)):
+        sequence = store.open(SequenceControl(i, start=True), 1 + i % 2, C)
+        prefix = rng.standard_normal((sequence.rows, P + t, C), dtype=np.float32)
+        if P:  # bring it to P tokens, alone
+            store.check_room(sequence, P)
+            (y,) = runner.run([StepInput(sequence, prefix[:, :P])])
+            sequence.length += P
+        store.check_room(sequence, t)
+        prefixes.append(prefix)
+        sequences.append(sequence)
+    steps = [StepInput(s, p[:, -t:]) for s, p, t in zip(sequences, prefixes, news, strict=True)]
+    batched = runner.run(steps)  # one call: four sequences at past 0, 5, 17 and 40
+    for y, prefix, t in zip(batched, prefixes, news, strict=True):
+        reference = attention_view(torch.from_numpy(prefix), weights, config)[:, -t:]
+        assert relative_error(torch.from_numpy(y.copy()), reference) < 1e-5
+    alone = [runner.run([step])[0] for step in steps]  # nothing was committed: the same again, alone
+    for y, y_alone in zip(batched, alone, strict=True):
+        np.testing.assert_allclose(y, y_alone, rtol=1e-5, atol=1e-6)
+
+
+def test_idle_sequences_are_evicted_and_say_so(small_model_dir: Path) -> None:
+    config, _ = load_checkpoint(small_model_dir / "weights.safetensors")
+    clock = ManualClock()
+    evictions: list[str | None] = []
+    store = SequenceStore(config, SequenceLimits(idle_timeout_s=10), clock.now, lambda s, r: evictions.append(r))
+    store.open(SequenceControl(1, start=True), 1, C)
+    clock.advance(5)
+    store.touch(store.open(SequenceControl(2, start=True), 1, C))
+    clock.advance(6)  # 1 has idled 11 s, 2 only 6 s
+    with pytest.raises(SequenceNotFound, match="evicted after 10 s idle"):
+        store.open(SequenceControl(1), 1, C)
+    assert store.open(SequenceControl(2), 1, C).id == 2
+    assert evictions.count("idle") == 1
+
+
+def test_the_budget_evicts_idle_sequences_and_refuses_when_all_are_busy(small_model_dir: Path) -> None:
+    config, _ = load_checkpoint(small_model_dir / "weights.safetensors")
+    clock = ManualClock()
+    one = 2 * config.d_model * 16 * 4  # a new sequence's cache: 16 positions of keys and values, B = 1
+    store = SequenceStore(config, SequenceLimits(max_sequences=2, max_state_bytes=2 * one), clock.now)
+    first = store.open(SequenceControl(1, start=True), 1, C)
+    clock.advance(1)
+    second = store.open(SequenceControl(2, start=True), 1, C)
+    clock.advance(1)
+    store.open(SequenceControl(3, start=True), 1, C)  # room for 3: the least recently used (1) goes
+    assert not first.live and second.live
+    with pytest.raises(SequenceNotFound, match="state budget"):
+        store.open(SequenceControl(1), 1, C)
+
+    async def all_busy() -> None:
+        async with store.open(SequenceControl(2), 1, C).lock, store.open(SequenceControl(3), 1, C).lock:
+            with pytest.raises(Overloaded, match="every sequence is stepping"):
+                store.open(SequenceControl(4, start=True), 1, C)
+
+    import asyncio
+
+    asyncio.run(all_busy())
+    with pytest.raises(InvalidInput, match="not causal"):
+        SequenceStore(MHAConfig(d_model=32, n_head=4, causal=False), SequenceLimits(), clock.now).open(
+            SequenceControl(1, start=True), 1, C
+        )
