@@ -87,7 +87,13 @@ class InferenceCore:
     def serving(self) -> Serving:
         chain, s = self.loaded.chain, self.settings
         return Serving(
-            chain.backends, chain.active, self.loaded.selection.summary(), s.max_batch_size, s.max_queue_delay_ms
+            chain.backends,
+            chain.active,
+            self.loaded.selection.summary(),
+            s.max_batch_size,
+            s.max_queue_delay_ms,
+            s.max_sequences,
+            s.sequence_idle_timeout_s,
         )
 
     def _set_state(self, state: State) -> None:
@@ -103,17 +109,8 @@ class InferenceCore:
             self._set_state(State.FAILED)
             raise
         s = self.settings
-        batching = BatcherConfig(
-            max_batch_size=s.max_batch_size,
-            max_queue_delay_s=s.max_queue_delay_ms / 1e3,
-            max_queue_size=s.max_queue_size,
-            max_padding_ratio=s.max_padding_ratio,
-            causal=model.config.causal,
-            max_cells=model.max_attention_cells,
-            inline_max_mflop=s.inline_max_mflop,
-        )
         batcher = Batcher(
-            batching,
+            _batching(s, model),
             run_batch=self._run_batch,
             executor=self._executor,
             on_batch=self._observe_batch,
@@ -123,6 +120,7 @@ class InferenceCore:
         decoder = _decoder(s, model.config, runner, self._executor, self.clock, self.metrics)
         self._loaded = Loaded(model, selection, chain, batcher, decoder)
         batcher.start()
+        decoder.start(expiry_period_s=min(1.0, max(s.sequence_idle_timeout_s / 4, 0.05)))
         self.metrics.loaded(model.labels(), s.max_queue_size, lambda: batcher.depth)
         self.metrics.init_fallbacks([b.name for b in chain.backends], REASONS)
         self._publish_backends()
@@ -200,7 +198,7 @@ class InferenceCore:
 
     async def close(self) -> None:
         if self._loaded is not None:
-            self._loaded.decoder.sequences.clear()
+            self._loaded.decoder.close()
             await self._loaded.batcher.stop()
         self._executor.shutdown(wait=True)
         if self._loaded is not None:
@@ -239,6 +237,18 @@ def load_model(
     log.info("serving %s with %s on %s; %s", files.directory, active.name, active.device, selection.summary())
     served = ServedModel(identity, config, files, s.max_request_rows, s.max_attention_mb, weights_sha256, verified)
     return served, selection, chain, StepRunner(config, weights)
+
+
+def _batching(s: Settings, model: ServedModel) -> BatcherConfig:
+    return BatcherConfig(
+        max_batch_size=s.max_batch_size,
+        max_queue_delay_s=s.max_queue_delay_ms / 1e3,
+        max_queue_size=s.max_queue_size,
+        max_padding_ratio=s.max_padding_ratio,
+        causal=model.config.causal,
+        max_cells=model.max_attention_cells,
+        inline_max_mflop=s.inline_max_mflop,
+    )
 
 
 def _decoder(

@@ -29,6 +29,8 @@ class Serving:
     selection: str  # why this order: each candidate's verdict
     max_batch_size: int
     max_queue_delay_ms: float
+    max_sequences: int = 0  # live sequences kept for incremental decoding; 0: not offered
+    sequence_idle_timeout_s: float = 0.0
 
 
 SERVER_NAME = "mha-serve"
@@ -77,6 +79,11 @@ def model_config(model: ServedModel, serving: Serving) -> pb.ModelConfig:
     if serving.max_batch_size > 1:
         config.dynamic_batching.max_queue_delay_microseconds = int(serving.max_queue_delay_ms * 1000)
         config.dynamic_batching.preferred_batch_size.append(serving.max_batch_size)
+    if serving.max_sequences and model.config.causal:
+        sequences = config.sequence_batching
+        sequences.max_sequence_idle_microseconds = int(serving.sequence_idle_timeout_s * 1e6)
+        sequences.oldest.max_candidate_sequences = serving.max_sequences
+        sequences.oldest.preserve_ordering = True  # one sequence's steps run in arrival order
     params = {
         "backend": active.name,
         "device": active.device,

@@ -109,6 +109,23 @@ class Decoder:
 
     def __init__(self, sequences: SequenceStore, steps: StepBatcher) -> None:
         self.sequences, self.steps = sequences, steps
+        self._expiry: asyncio.Task[None] | None = None
+
+    def start(self, expiry_period_s: float) -> None:
+        """Evict idle sequences even when no step arrives, so that their memory and gauges follow."""
+
+        async def expire() -> None:
+            while True:
+                await asyncio.sleep(expiry_period_s)
+                self.sequences.expire_idle()
+
+        self._expiry = asyncio.get_running_loop().create_task(expire(), name="sequence-expiry")
+
+    def close(self) -> None:
+        """Live sequences are lost with the process (clients restart them elsewhere with their prefix)."""
+        if self._expiry is not None:
+            self._expiry.cancel()
+        self.sequences.clear()
 
     async def step(self, control: SequenceControl, x: np.ndarray) -> np.ndarray:
         """(B, t, C) new tokens of the sequence -> their (B, t, C) outputs."""

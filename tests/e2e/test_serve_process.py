@@ -198,3 +198,32 @@ def test_sigterm_drains_in_flight_requests(default_model_dir: Path, tmp_path: Pa
     assert all(_rel(default_model_dir, x.tolist(), y.tolist()) < 1e-5 for x, y in results)  # type: ignore[misc]
     assert any(t > signalled for t in finished), "no request was still in flight at SIGTERM"
     assert "draining" in server.log()
+
+
+def test_tritonclient_decodes_eight_sequences_step_by_step(default_model_dir: Path, tmp_path: Path) -> None:
+    """Triton's sequence protocol, as tritonclient speaks it: streams and unary calls, t = 1 and
+    t > 1, a restart half-way; every answer is the last rows of the model over the prefix."""
+    assert TRITON_PYTHON.exists(), "make install creates .venv-triton with tritonclient"
+    with server_process(["--model-dir", str(default_model_dir)], tmp_path / "server.log") as server:
+        out = tmp_path / "sequences.json"
+        script = str(Path(__file__).with_name("triton_sequences.py"))
+        run = subprocess.run(
+            [str(TRITON_PYTHON), script, server.url, str(out)], capture_output=True, text=True, timeout=300
+        )
+        assert run.returncode == 0, run.stderr[-3000:]
+    seen = json.loads(out.read_text())
+    assert "sequence_batching" in seen["config"]["config"]
+    config, weights = load_checkpoint(default_model_dir / "weights.safetensors")
+    checked = 0
+    for sequence in seen["sequences"]:
+        assert sequence is not None, "a sequence's thread failed (see the script's stderr)"
+        prefix = None
+        for step in sequence["steps"]:
+            x = np.array(step["x"], np.float32)
+            prefix = x if step["start"] else np.concatenate([prefix, x], axis=1)  # (B, P + t, C)
+            reference = attention_view(torch.from_numpy(prefix), weights, config)[:, -x.shape[1] :]
+            assert relative_error(torch.tensor(step["y"], dtype=torch.float32), reference) < 1e-5
+            checked += 1
+        assert sequence["after_end"]["status"] == "StatusCode.NOT_FOUND", sequence["after_end"]
+        assert "ended (sequence_end)" in sequence["after_end"]["message"]
+    assert checked == 8 * 16

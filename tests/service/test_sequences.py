@@ -5,6 +5,7 @@ exactly, and every bad case answers its documented status."""
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -228,3 +229,22 @@ def test_the_budget_evicts_idle_sequences_and_refuses_when_all_are_busy(small_mo
         SequenceStore(MHAConfig(d_model=32, n_head=4, causal=False), SequenceLimits(), clock.now).open(
             SequenceControl(1, start=True), 1, C
         )
+
+
+def test_an_idle_sequence_is_evicted_without_traffic_and_the_gauges_follow(small_model_dir: Path) -> None:
+    clock = ManualClock()
+    settings = make_settings(small_model_dir, backend="torch", sequence_idle_timeout_s=30)
+    with ServerThread(settings, clock=clock) as server, grpc.insecure_channel(server.url) as channel:
+        stub = pb_grpc.GRPCInferenceServiceStub(channel)
+        stub.ModelInfer(_step(np.ones((2, 5, C), np.float32), 9, start=True), timeout=30)
+        gauge = lambda name: server.registry.get_sample_value(name)  # noqa: E731
+        assert gauge("mha_sequences_active") == 1
+        assert gauge("mha_sequence_state_bytes") == 2 * 2 * C * 16 * 4  # keys and values, B = 2, 16 positions
+        clock.advance(31)  # no request arrives: the periodic expiry evicts it
+        deadline = time.monotonic() + 10
+        while gauge("mha_sequences_active") != 0 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert gauge("mha_sequences_active") == 0 and gauge("mha_sequence_state_bytes") == 0
+        assert server.registry.get_sample_value("mha_sequence_evictions_total", {"reason": "idle"}) == 1
+        got, message = _code(stub, _step(np.ones((2, 1, C), np.float32), 9))
+        assert got == grpc.StatusCode.NOT_FOUND and "evicted after 30 s idle" in message
