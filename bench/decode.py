@@ -1,0 +1,189 @@
+"""Incremental decoding against re-sending the whole prefix, side by side in one run.
+
+A real `mha serve` process per model; one gRPC client generates a sequence one token at a time:
+  - cached: Triton's sequence parameters, each step sends the new token (B = 1, t = 1);
+  - full recompute: each step sends the whole prefix as a stateless request and keeps the last row.
+Both runs see the same tokens. For d_model 512 (8 heads) over 1024 tokens and the default model
+over 512: total time, and time per token against position. Then, on the default model, tokens
+per second with 1, 8 and 32 concurrent sequences (one client thread each), and the p50 of a
+cached step against a stateless (1, 1, C) request. Writes bench/results/decode.json and
+bench/results/decode.png. Not a test.
+
+usage: python bench/decode.py [--tokens-512 1024] [--tokens-default 512] [--concurrent-tokens 128]
+"""
+
+from __future__ import annotations
+
+import logging
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import common
+import grpc
+import numpy as np
+
+from service.codec import decode_infer_response, encode_infer_request
+from service.launch import ServerProcess
+from service.proto import grpc_service_pb2 as pb
+from service.proto import grpc_service_pb2_grpc as pb_grpc
+
+log = logging.getLogger("bench")
+
+
+def _step_request(x: np.ndarray, sequence_id: int, start: bool, end: bool) -> pb.ModelInferRequest:
+    request = encode_infer_request(x)
+    request.parameters["sequence_id"].int64_param = sequence_id
+    request.parameters["sequence_start"].bool_param = start
+    request.parameters["sequence_end"].bool_param = end
+    return request
+
+
+def generate(stub: pb_grpc.GRPCInferenceServiceStub, tokens: np.ndarray, cached: bool, sequence_id: int) -> list[float]:
+    """Seconds per step for a (1, N, C) sequence fed one token at a time."""
+    times = []
+    n = tokens.shape[1]
+    for i in range(n):
+        if cached:
+            request = _step_request(tokens[:, i : i + 1], sequence_id, start=i == 0, end=i == n - 1)
+        else:
+            request = encode_infer_request(tokens[:, : i + 1])  # the whole prefix, every step
+        start = time.perf_counter()
+        y = decode_infer_response(stub.ModelInfer(request, timeout=60))
+        times.append(time.perf_counter() - start)
+        assert y.shape[1] == (1 if cached else i + 1)
+    return times
+
+
+def compare_one_model(model_dir: Path, tokens: int, width: int, logs: Path) -> dict[str, object]:
+    server = ServerProcess(["--model-dir", str(model_dir)])
+    server.start(logs)
+    try:
+        x = np.random.default_rng(0).standard_normal((1, tokens, width), dtype=np.float32)
+        with grpc.insecure_channel(server.url) as channel:
+            stub = pb_grpc.GRPCInferenceServiceStub(channel)
+            generate(stub, x[:, :16], cached=True, sequence_id=1)  # warm-up
+            cached = generate(stub, x, cached=True, sequence_id=2)
+            full = generate(stub, x, cached=False, sequence_id=0)
+    finally:
+        server.terminate()
+    first, last = np.median(cached[:64]), np.median(cached[-64:])
+    result = {
+        "d_model": width,
+        "tokens": tokens,
+        "cached_total_s": round(sum(cached), 3),
+        "recompute_total_s": round(sum(full), 3),
+        "recompute_over_cached": round(sum(full) / sum(cached), 2),
+        "cached_first64_median_ms": round(first * 1e3, 3),
+        "cached_last64_median_ms": round(last * 1e3, 3),
+        "cached_last_over_first": round(float(last / first), 2),
+        "cached_ms": [round(t * 1e3, 3) for t in cached],
+        "recompute_ms": [round(t * 1e3, 3) for t in full],
+    }
+    log.info("%s", {k: v for k, v in result.items() if not k.endswith("_ms")})
+    return result
+
+
+def concurrent_sequences(url: str, width: int, sequences: int, tokens: int) -> float:
+    """Tokens per second of `sequences` concurrent sequences, each generating `tokens` tokens."""
+    barrier = threading.Barrier(sequences + 1)
+    failures: list[BaseException] = []
+
+    def run(index: int) -> None:
+        x = np.random.default_rng(index).standard_normal((1, tokens, width), dtype=np.float32)
+        with grpc.insecure_channel(url) as channel:
+            stub = pb_grpc.GRPCInferenceServiceStub(channel)
+            barrier.wait()
+            try:
+                generate(stub, x, cached=True, sequence_id=10_000 + index)
+            except BaseException as exc:  # reported below
+                failures.append(exc)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(sequences)]
+    for t in threads:
+        t.start()
+    barrier.wait()
+    started = time.perf_counter()
+    for t in threads:
+        t.join()
+    elapsed = time.perf_counter() - started
+    if failures:
+        raise failures[0]
+    return sequences * tokens / elapsed
+
+
+def step_against_stateless(url: str, width: int, count: int = 300) -> dict[str, float]:
+    x = np.random.default_rng(1).standard_normal((1, count, width), dtype=np.float32)
+    with grpc.insecure_channel(url) as channel:
+        stub = pb_grpc.GRPCInferenceServiceStub(channel)
+        cached = generate(stub, x, cached=True, sequence_id=77)
+        stateless = []
+        for i in range(count):
+            request = encode_infer_request(x[:, i : i + 1])
+            start = time.perf_counter()
+            stub.ModelInfer(request, timeout=60)
+            stateless.append(time.perf_counter() - start)
+    step, plain = float(np.median(cached[20:])), float(np.median(stateless[20:]))
+    return {
+        "cached_step_p50_ms": round(step * 1e3, 3),
+        "stateless_1x1_p50_ms": round(plain * 1e3, 3),
+        "ratio": round(step / plain, 2),
+    }
+
+
+def plot(results: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(results), figsize=(6 * len(results), 4), constrained_layout=True)
+    for ax, r in zip(np.atleast_1d(axes), results, strict=True):
+        positions = np.arange(1, r["tokens"] + 1)
+        ax.plot(positions, r["recompute_ms"], ",", color="tab:red", alpha=0.5, label="re-send the prefix")
+        ax.plot(positions, r["cached_ms"], ",", color="tab:blue", alpha=0.5, label="KV cache (sequence_id)")
+        ax.set(
+            yscale="log",
+            xlabel="position (tokens so far)",
+            ylabel="ms per token",
+            title=f"d_model {r['d_model']}: {r['recompute_over_cached']}x less total time",
+        )
+        ax.legend(markerscale=20)
+        ax.grid(True, alpha=0.3)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def main() -> int:
+    parser = common.parser(__doc__)
+    parser.add_argument("--tokens-512", type=int, default=1024)
+    parser.add_argument("--tokens-default", type=int, default=512)
+    parser.add_argument("--concurrent-tokens", type=int, default=128)
+    args = parser.parse_args()
+    results = common.RESULTS
+    with tempfile.TemporaryDirectory() as tmp:
+        wide = Path(tmp) / "d512"
+        export = [sys.executable, "-m", "service.cli", "export", "--out", str(wide), "--d-model", "512"]
+        subprocess.run([*export, "--n-head", "8", "--max-seq-len", "1024"], check=True, capture_output=True)
+        runs = [compare_one_model(wide, args.tokens_512, 512, results / "decode-512.log")]
+    default = Path("models/default")
+    runs.append(compare_one_model(default, args.tokens_default, 128, results / "decode-default.log"))
+    server = ServerProcess(["--model-dir", str(default)])
+    server.start(results / "decode-concurrent.log")
+    try:
+        rates = {n: round(concurrent_sequences(server.url, 128, n, args.concurrent_tokens), 1) for n in (1, 8, 32)}
+        versus = step_against_stateless(server.url, 128)
+    finally:
+        server.terminate()
+    log.info("tokens/s by concurrent sequences: %s; a cached step against a stateless (1, 1, C): %s", rates, versus)
+    summary = {"models": runs, "tokens_per_s": rates, "32_over_1": round(rates[32] / rates[1], 2), "step": versus}
+    common.write_json("decode.json", summary)
+    plot(runs, results / "decode.png")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
