@@ -11,8 +11,11 @@ from pathlib import Path
 WEIGHTS_FILE = "weights.safetensors"
 MODEL_FILE = "model.onnx"
 MANIFEST_FILE = "manifest.json"
+STEP_FILE = "step.onnx"  # incremental decoding: new tokens with the past keys and values
 INPUT_NAME = "x"  # (batch, seq, C) float32
 OUTPUT_NAME = "y"  # (batch, seq, C) float32
+PAST_NAMES = ("past_key", "past_value")  # (batch, n_head, past, head_size) float32, step.onnx inputs
+PRESENT_NAMES = ("present_key", "present_value")  # (batch, n_head, past + new, head_size), its outputs
 
 
 @dataclass(frozen=True)
@@ -28,6 +31,10 @@ class ModelFiles:
     @property
     def onnx(self) -> Path:
         return self.directory / MODEL_FILE
+
+    @property
+    def step(self) -> Path:
+        return self.directory / STEP_FILE
 
     @property
     def manifest(self) -> Path:

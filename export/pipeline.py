@@ -14,15 +14,28 @@ import onnx
 import onnxruntime as ort
 import torch
 
-from export.layout import INPUT_NAME, MANIFEST_FILE, MODEL_FILE, OUTPUT_NAME, WEIGHTS_FILE
+from export.layout import (
+    INPUT_NAME,
+    MANIFEST_FILE,
+    MODEL_FILE,
+    OUTPUT_NAME,
+    PAST_NAMES,
+    PRESENT_NAMES,
+    STEP_FILE,
+    WEIGHTS_FILE,
+)
 from export.onnx_export import DEFAULT_OPSET, export_onnx
+from export.step_graph import export_step_graph
 from export.verify import (
     TOLERANCE,
     ParityReport,
     check_parity,
+    check_step_parity,
     ort_cpu_runner,
+    ort_step_runner,
     parity_grid,
     sha256_file,
+    step_parity_grid,
 )
 from model import MHAConfig
 from model.checkpoint import Weights, save_checkpoint
@@ -65,15 +78,43 @@ def export_model_dir(
         report = check_parity(ort_cpu_runner(staging / MODEL_FILE), config, weights, grid, tolerance=tolerance)
         if not report.ok:
             raise ParityError(report)
-        manifest = _manifest(staging, config, opset, graph, report)
+        files = [WEIGHTS_FILE, MODEL_FILE]
+        step_report = _export_step(staging, config, weights, tolerance)
+        if step_report is not None:
+            files.append(STEP_FILE)
+        manifest = _manifest(staging, config, opset, graph, report, step_report, files)
         (staging / MANIFEST_FILE).write_text(json.dumps(manifest, indent=2) + "\n")
-        for name in (WEIGHTS_FILE, MODEL_FILE, MANIFEST_FILE):  # manifest last: it vouches for the others
+        for name in (*files, MANIFEST_FILE):  # manifest last: it vouches for the others
             os.replace(staging / name, out / name)
+        if step_report is not None:  # the caller's table shows both graphs
+            report.rows += step_report.rows
     log.info("wrote %s (%s %.1f KiB)", out, MODEL_FILE, (out / MODEL_FILE).stat().st_size / 1024)
     return report
 
 
-def _manifest(staging: Path, config: MHAConfig, opset: int, graph: str, report: ParityReport) -> dict[str, object]:
+def _export_step(staging: Path, config: MHAConfig, weights: Weights, tolerance: float) -> ParityReport | None:
+    """step.onnx for a causal model, verified on its (B, past, t) grid; None for a non-causal one."""
+    if not config.causal:
+        return None
+    export_step_graph(config, weights, staging / STEP_FILE)
+    grid = step_parity_grid(config.max_seq_len)
+    log.info("checking the step graph on ONNX Runtime (CPU) over %d (B, past, t) shapes", len(grid))
+    report = check_step_parity(ort_step_runner(staging / STEP_FILE), config, weights, grid, tolerance=tolerance)
+    if not report.ok:
+        raise ParityError(report)
+    return report
+
+
+def _manifest(
+    staging: Path,
+    config: MHAConfig,
+    opset: int,
+    graph: str,
+    report: ParityReport,
+    step_report: ParityReport | None,
+    files: list[str],
+) -> dict[str, object]:
+    step = {"file": STEP_FILE, "inputs": [INPUT_NAME, *PAST_NAMES], "outputs": [OUTPUT_NAME, *PRESENT_NAMES]}
     return {
         "format": 1,
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
@@ -83,8 +124,7 @@ def _manifest(staging: Path, config: MHAConfig, opset: int, graph: str, report: 
         "input": {"name": INPUT_NAME, "datatype": "FP32", "shape": ["batch", "seq", config.d_model]},
         "output": {"name": OUTPUT_NAME, "datatype": "FP32", "shape": ["batch", "seq", config.d_model]},
         "files": {
-            name: {"sha256": sha256_file(staging / name), "bytes": (staging / name).stat().st_size}
-            for name in (MODEL_FILE, WEIGHTS_FILE)
+            name: {"sha256": sha256_file(staging / name), "bytes": (staging / name).stat().st_size} for name in files
         },
         "versions": {
             "torch": torch.__version__,
@@ -93,4 +133,5 @@ def _manifest(staging: Path, config: MHAConfig, opset: int, graph: str, report: 
             "onnxscript": version("onnxscript"),
         },
         "parity": report.to_dict(),
+        **({"step": step, "step_parity": step_report.to_dict()} if step_report is not None else {}),
     }

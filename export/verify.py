@@ -12,7 +12,16 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from export.layout import INPUT_NAME, MANIFEST_FILE, MODEL_FILE, OUTPUT_NAME, WEIGHTS_FILE, ModelFiles
+from export.layout import (
+    INPUT_NAME,
+    MANIFEST_FILE,
+    MODEL_FILE,
+    OUTPUT_NAME,
+    PAST_NAMES,
+    STEP_FILE,
+    WEIGHTS_FILE,
+    ModelFiles,
+)
 from model import MHAConfig
 from model.checkpoint import Weights, load_checkpoint
 from model.reference import attention_einsum, attention_view, relative_error
@@ -27,11 +36,12 @@ Runner = Callable[[np.ndarray], np.ndarray]
 @dataclass(frozen=True)
 class ParityRow:
     batch: int
-    seq: int
+    seq: int  # T; for a step, the new tokens t
     rel_view: float
     rel_einsum: float
     abs_view: float
     abs_einsum: float
+    past: int | None = None  # a step of step.onnx: the tokens before the new ones
 
     @property
     def worst(self) -> float:
@@ -52,11 +62,12 @@ class ParityReport:
         return {"tolerance": self.tolerance, "ok": self.ok, "grid": [asdict(r) for r in self.rows]}
 
     def table(self) -> str:
-        lines = [f"{'B':>3} {'T':>6} {'rel(view)':>11} {'rel(einsum)':>11} {'max|abs|':>10}  result"]
+        lines = [f"{'B':>3} {'T':>6} {'past':>6} {'rel(view)':>11} {'rel(einsum)':>11} {'max|abs|':>10}  result"]
         for r in self.rows:
             verdict = "ok" if r.worst <= self.tolerance else "FAIL"
+            past = "-" if r.past is None else str(r.past)
             lines.append(
-                f"{r.batch:>3} {r.seq:>6} {r.rel_view:>11.2e} {r.rel_einsum:>11.2e} "
+                f"{r.batch:>3} {r.seq:>6} {past:>6} {r.rel_view:>11.2e} {r.rel_einsum:>11.2e} "
                 f"{max(r.abs_view, r.abs_einsum):>10.2e}  {verdict}"
             )
         lines += [f"problem: {p}" for p in self.problems]
@@ -83,6 +94,75 @@ def parity_grid(max_seq_len: int) -> list[tuple[int, int]]:
     return seen
 
 
+def step_parity_grid(max_seq_len: int) -> list[tuple[int, int, int]]:
+    """(B, past, t) triples: past = 0, t = 1, chunks, and past + t = max_seq_len."""
+    L = max_seq_len
+    triples = [(1, 0, 1), (2, 0, min(5, L)), (1, 1, 1), (3, min(13, L - 1), 1), (2, L // 2, min(7, L - L // 2))]
+    triples += [(1, L - 1, 1), (4, max(0, L - 16), min(16, L))]
+    return list(dict.fromkeys((b, min(p, L - 1), max(1, min(t, L - min(p, L - 1)))) for b, p, t in triples))
+
+
+StepRunner = Callable[[np.ndarray, np.ndarray, np.ndarray], tuple[np.ndarray, np.ndarray, np.ndarray]]
+
+
+def check_step_parity(
+    run: StepRunner,
+    config: MHAConfig,
+    weights: Weights,
+    grid: Sequence[tuple[int, int, int]],
+    seed: int = 0,
+    tolerance: float = TOLERANCE,
+) -> ParityReport:
+    """A step graph given the past keys and values of a random prefix: its y against the last t rows
+    of both references over the whole prefix, and its present keys and values against the
+    projections of the whole prefix."""
+    from model import MultiHeadAttention
+
+    module = MultiHeadAttention.from_weights(config, weights)
+    report = ParityReport(tolerance=tolerance)
+    gen = torch.Generator().manual_seed(seed)
+    for batch, past, new in grid:
+        prefix = torch.randn(batch, past + new, config.d_model, generator=gen)  # (B, past + t, C)
+        with torch.no_grad():
+            _, keys, values = module.project(prefix)  # (B, nh, past + t, hs)
+        inputs = (prefix[:, past:].numpy(), keys[:, :, :past].numpy(), values[:, :, :past].numpy())
+        y, present_key, present_value = (torch.from_numpy(np.array(a, dtype=np.float64)) for a in run(*inputs))
+        cache_error = max(relative_error(present_key, keys), relative_error(present_value, values))
+        if cache_error > tolerance:
+            report.problems.append(f"(B={batch}, past={past}, t={new}): present keys/values off by {cache_error:.2e}")
+        ref_v = attention_view(prefix, weights, config)[:, past:]
+        ref_e = attention_einsum(prefix, weights, config)[:, past:]
+        report.rows.append(_row(batch, new, y, ref_v, ref_e, past))
+    return report
+
+
+def _row(
+    batch: int, seq: int, y: torch.Tensor, ref_v: torch.Tensor, ref_e: torch.Tensor, past: int | None
+) -> ParityRow:
+    return ParityRow(
+        batch=batch,
+        seq=seq,
+        rel_view=relative_error(y, ref_v),
+        rel_einsum=relative_error(y, ref_e),
+        abs_view=(y - ref_v).abs().max().item(),
+        abs_einsum=(y - ref_e).abs().max().item(),
+        past=past,
+    )
+
+
+def ort_step_runner(model_path: Path) -> StepRunner:
+    import onnxruntime as ort
+
+    session = ort.InferenceSession(str(model_path), providers=["CPUExecutionProvider"])
+    past_key, past_value = PAST_NAMES
+
+    def run(x: np.ndarray, keys: np.ndarray, values: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        y, present_key, present_value = session.run(None, {INPUT_NAME: x, past_key: keys, past_value: values})
+        return y, present_key, present_value
+
+    return run
+
+
 def check_parity(
     run: Runner,
     config: MHAConfig,
@@ -100,16 +180,7 @@ def check_parity(
         if tuple(y.shape) != tuple(x.shape):
             report.problems.append(f"(B={batch}, T={seq}): output shape {tuple(y.shape)}, expected {tuple(x.shape)}")
             continue
-        ref_v = attention_view(x, weights, config)
-        ref_e = attention_einsum(x, weights, config)
-        row = ParityRow(
-            batch=batch,
-            seq=seq,
-            rel_view=relative_error(y, ref_v),
-            rel_einsum=relative_error(y, ref_e),
-            abs_view=(y - ref_v).abs().max().item(),
-            abs_einsum=(y - ref_e).abs().max().item(),
-        )
+        row = _row(batch, seq, y, attention_view(x, weights, config), attention_einsum(x, weights, config), None)
         log.debug("parity B=%d T=%d rel(view)=%.2e rel(einsum)=%.2e", batch, seq, row.rel_view, row.rel_einsum)
         report.rows.append(row)
     return report
@@ -157,6 +228,10 @@ def verify_model_dir(directory: Path, grid: Sequence[tuple[int, int]] | None = N
         grid if grid is not None else parity_grid(config.max_seq_len),
         seed=seed,
     )
+    if files.step.is_file():
+        steps = check_step_parity(ort_step_runner(files.step), config, weights, step_parity_grid(config.max_seq_len))
+        report.rows += steps.rows
+        report.problems += steps.problems
     return report
 
 
@@ -205,7 +280,10 @@ def _check_files(files: ModelFiles, weights_sha256: str) -> list[str]:
     if not isinstance(manifest, dict):
         return [f"{MANIFEST_FILE} is not a JSON object"]
     problems = []
-    for name, actual in ((MODEL_FILE, sha256_file(files.onnx)), (WEIGHTS_FILE, weights_sha256)):
+    hashed = [(MODEL_FILE, sha256_file(files.onnx)), (WEIGHTS_FILE, weights_sha256)]
+    if STEP_FILE in manifest.get("files", {}):  # directories exported before step.onnx existed have none
+        hashed.append((STEP_FILE, sha256_file(files.step) if files.step.is_file() else "missing"))
+    for name, actual in hashed:
         recorded = manifest.get("files", {}).get(name, {}).get("sha256")
         if recorded != actual:
             problems.append(f"{name}: sha256 {actual[:12]}... differs from the manifest's {str(recorded)[:12]}...")
