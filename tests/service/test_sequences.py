@@ -248,3 +248,58 @@ def test_an_idle_sequence_is_evicted_without_traffic_and_the_gauges_follow(small
         assert server.registry.get_sample_value("mha_sequence_evictions_total", {"reason": "idle"}) == 1
         got, message = _code(stub, _step(np.ones((2, 1, C), np.float32), 9))
         assert got == grpc.StatusCode.NOT_FOUND and "evicted after 30 s idle" in message
+
+
+def test_steps_sent_before_the_previous_is_answered_queue_in_arrival_order(
+    server: ServerThread, small_model_dir: Path
+) -> None:
+    """A stream carries 12 steps of one sequence at once; the server serves a stream's requests
+    concurrently, so they all wait on the sequence: each must see exactly the steps before it."""
+    rng = np.random.default_rng(11)
+    tokens = rng.standard_normal((1, 12, C), dtype=np.float32)
+    requests = [_step(tokens[:, i : i + 1], "burst", start=i == 0, end=i == 11) for i in range(12)]
+    for i, request in enumerate(requests):
+        request.id = str(i)
+    with grpc.insecure_channel(server.url) as channel:
+        responses = list(pb_grpc.GRPCInferenceServiceStub(channel).ModelStreamInfer(iter(requests), timeout=60))
+    assert [r.error_message for r in responses] == [""] * 12
+    for response in responses:
+        i = int(response.infer_response.id)
+        y = decode_infer_response(response.infer_response)
+        assert (
+            relative_error(torch.from_numpy(y.copy()), _reference_tail(small_model_dir, tokens[:, : i + 1], 1)) < 1e-5
+        )
+
+
+def test_a_failed_step_leaves_its_sequence_as_it_was(small_model_dir: Path) -> None:
+    """The compute fails once (a lost device, say): that step answers its error, nothing is added
+    to the sequence, and the same step sent again is exact."""
+    import asyncio
+    from concurrent.futures import ThreadPoolExecutor
+
+    from service.steps import Decoder, StepBatcher
+
+    runner, config, weights = _runner(small_model_dir)
+    calls: list[int] = []
+
+    def flaky(steps):  # type: ignore[no-untyped-def]
+        calls.append(len(steps))
+        if len(calls) == 2:  # the second compute fails
+            raise RuntimeError("device lost")
+        return runner.run(steps)
+
+    x = np.random.default_rng(2).standard_normal((1, 5, C), dtype=np.float32)
+
+    async def scenario() -> None:
+        with ThreadPoolExecutor(1) as pool:
+            clock = ManualClock()
+            decoder = Decoder(SequenceStore(config, SequenceLimits(), clock.now), StepBatcher(flaky, pool, 8))
+            await decoder.step(SequenceControl(1, start=True), x[:, :3])
+            with pytest.raises(RuntimeError, match="device lost"):
+                await decoder.step(SequenceControl(1), x[:, 3:])
+            assert decoder.sequences.open(SequenceControl(1), 1, C).length == 3
+            y = await decoder.step(SequenceControl(1), x[:, 3:])
+            reference = attention_view(torch.from_numpy(x), weights, config)[:, 3:]
+            assert relative_error(torch.from_numpy(y.copy()), reference) < 1e-5
+
+    asyncio.run(scenario())
