@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import time
 from pathlib import Path
 
 import numpy as np
@@ -24,6 +25,20 @@ def _load_session(
         raise BackendLoadError(f"ONNX Runtime could not load {model_path.name}: {exc}") from exc
 
 
+def _cpu_options(threads: int, spinning: bool) -> ort.SessionOptions:
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = threads
+    options.inter_op_num_threads = 1
+    # Idle pool threads busy-wait by default: lower latency for back-to-back runs, but a core
+    # burnt per thread between requests (bench/cpu_per_request.py measures both).
+    options.add_session_config_entry("session.intra_op.allow_spinning", "1" if spinning else "0")
+    options.add_session_config_entry("session.inter_op.allow_spinning", "1" if spinning else "0")
+    options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
+    options.enable_mem_pattern = False
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    return options
+
+
 SHRINK_CELLS = 1 << 22  # rows x T x T from which a run hands its arena memory back afterwards
 
 
@@ -40,26 +55,50 @@ class OrtCpuBackend(Backend):
     device = "cpu"
     platform = "onnxruntime_onnx"
 
-    def __init__(self, model_path: Path, threads: int, spinning: bool = False) -> None:
-        options = ort.SessionOptions()
-        options.intra_op_num_threads = threads
-        options.inter_op_num_threads = 1
-        # Idle pool threads busy-wait by default: lower latency for back-to-back runs, but a core
-        # burnt per thread between requests (bench/cpu_per_request.py measures both).
-        options.add_session_config_entry("session.intra_op.allow_spinning", "1" if spinning else "0")
-        options.add_session_config_entry("session.inter_op.allow_spinning", "1" if spinning else "0")
-        options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
-        options.enable_mem_pattern = False
-        options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-        self._session = _load_session(model_path, options, ["CPUExecutionProvider"])
+    def __init__(self, model_path: Path, threads: int, spinning: bool = False, width: int | None = None) -> None:
+        self._session = _load_session(model_path, _cpu_options(threads, spinning), ["CPUExecutionProvider"])
         self._input = self._session.get_inputs()[0].name
         self.threads = threads
         self._shrink = ort.RunOptions()
         self._shrink.add_run_config_entry("memory.enable_memory_arena_shrinkage", "cpu:0")
+        # Small batches run on a second, single-threaded session when that measures faster: waking
+        # the pool costs more than it saves on a few tokens ((1, 64, 128): 0.16 ms alone, 0.20 ms
+        # on two threads). The crossover is measured here, per model and machine.
+        self._single: ort.InferenceSession | None = None
+        self.single_max_tokens = 0  # rows x T up to which the single-threaded session runs
+        if threads > 1 and width is not None:
+            self._single = _load_session(model_path, _cpu_options(1, spinning), ["CPUExecutionProvider"])
+            self.single_max_tokens = self._crossover(width)
+            log.info("ORT-CPU: batches of up to %d tokens run single-threaded (measured)", self.single_max_tokens)
 
     def run(self, x: np.ndarray) -> np.ndarray:
+        tokens = int(x.shape[0]) * int(x.shape[1])
+        if self._single is not None and tokens <= self.single_max_tokens:
+            return self._single.run(None, {self._input: x})[0]
         large = int(x.shape[0]) * int(x.shape[1]) ** 2 >= SHRINK_CELLS
         return self._session.run(None, {self._input: x}, self._shrink if large else None)[0]
+
+    def _crossover(self, width: int) -> int:
+        """The largest T of (1, T, C), among powers of 4, that one thread computes at least as fast
+        as the pool (after warm-up, interleaved medians of 9 runs each); 0 when the pool always wins."""
+        assert self._single is not None
+        best = 0
+        for T in (1, 4, 16, 64, 256):
+            x = np.random.default_rng(T).standard_normal((1, T, width), dtype=np.float32)
+            for session in (self._single, self._session):  # warm-up: first runs allocate
+                for _ in range(3):
+                    session.run(None, {self._input: x})
+            one: list[float] = []
+            many: list[float] = []
+            for _ in range(9):
+                for session, times in ((self._single, one), (self._session, many)):
+                    start = time.perf_counter()
+                    session.run(None, {self._input: x})
+                    times.append(time.perf_counter() - start)
+            if np.median(one) > np.median(many):
+                break
+            best = T
+        return best
 
 
 class OrtCudaBackend(Backend):

@@ -79,7 +79,7 @@ def _factories(
     if cuda:
         factories["ort-cuda"] = lambda: OrtCudaBackend(onnx_path)
         factories["torch-cuda"] = lambda: TorchBackend(config, weights, device="cuda")
-    factories["ort-cpu"] = lambda: OrtCpuBackend(onnx_path, threads=threads, spinning=spinning)
+    factories["ort-cpu"] = lambda: OrtCpuBackend(onnx_path, threads=threads, spinning=spinning, width=config.d_model)
     factories["torch-cpu"] = lambda: TorchBackend(config, weights, device="cpu", threads=threads)
     return factories
 

@@ -28,6 +28,23 @@ def test_cpu_backends_match_reference(small_model_dir: Path) -> None:
         assert relative_error(torch.from_numpy(backend.run(x)), ref) < 1e-5, backend
 
 
+def test_ort_cpu_runs_small_batches_single_threaded_below_a_measured_crossover(small_model_dir: Path) -> None:
+    config, weights = load_checkpoint(small_model_dir / "weights.safetensors")
+    backend = OrtCpuBackend(small_model_dir / "model.onnx", threads=2, width=32)
+    assert backend.single_max_tokens in (0, 1, 4, 16, 64, 256)
+    backend.single_max_tokens = 16  # whatever was measured: both routes stay exact
+    routes: list[str] = []
+    for name in ("_single", "_session"):  # a spy on each real session: which one ran
+        session = getattr(backend, name)
+        session.run = lambda *a, _run=session.run, _name=name, **k: routes.append(_name) or _run(*a, **k)
+    for shape in ((1, 16, 32), (1, 17, 32), (4, 61, 32)):
+        x = np.random.default_rng(1).standard_normal(shape, dtype=np.float32)
+        reference = attention_view(torch.from_numpy(x), weights, config)
+        assert relative_error(torch.from_numpy(backend.run(x)), reference) < 1e-5
+    assert routes == ["_single", "_session", "_session"]
+    assert OrtCpuBackend(small_model_dir / "model.onnx", threads=1, width=32)._single is None  # one thread, one session
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without a GPU")
 def test_ort_cuda_is_confirmed_not_assumed(small_model_dir: Path) -> None:
     """onnxruntime-gpu lists the CUDA provider even without a GPU; the backend must refuse."""
