@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import enum
 import logging
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import partial
@@ -117,7 +118,7 @@ class InferenceCore:
             in_flight=lambda: self.in_flight,
             clock=self.clock,
         )
-        decoder = _decoder(s, model.config, runner, self._executor, self.clock, self.metrics)
+        decoder = _decoder(s, model.config, runner, self._executor, self.clock, self.metrics, lambda: self.in_flight)
         self._loaded = Loaded(model, selection, chain, batcher, decoder)
         batcher.start()
         decoder.start(expiry_period_s=min(1.0, max(s.sequence_idle_timeout_s / 4, 0.05)))
@@ -252,7 +253,13 @@ def _batching(s: Settings, model: ServedModel) -> BatcherConfig:
 
 
 def _decoder(
-    s: Settings, config: MHAConfig, runner: StepRunner, executor: ThreadPoolExecutor, clock: Clock, metrics: Metrics
+    s: Settings,
+    config: MHAConfig,
+    runner: StepRunner,
+    executor: ThreadPoolExecutor,
+    clock: Clock,
+    metrics: Metrics,
+    in_flight: Callable[[], int],
 ) -> Decoder:
     """Live sequences within the settings' limits, their gauges, and the batcher of their steps."""
     limits = SequenceLimits(s.max_sequences, s.sequence_idle_timeout_s, int(s.max_sequence_state_mb * 2**20))
@@ -260,7 +267,8 @@ def _decoder(
     def changed(store: SequenceStore, evicted: str | None) -> None:
         metrics.sequences_changed(len(store), store.state_bytes, evicted)
 
-    steps = StepBatcher(runner.run, executor, max_rows=max(s.max_batch_size, 1) * 8)
+    rows = max(s.max_batch_size, 1) * 8
+    steps = StepBatcher(runner.run, executor, rows, in_flight=in_flight, inline_max_mflop=s.inline_max_mflop)
     return Decoder(SequenceStore(config, limits, clock.now, changed), steps)
 
 

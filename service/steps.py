@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from service.backends.steps import StepInput
+from service.batcher import batch_mflop
 from service.control import SequenceControl
 from service.errors import InvalidInput
 from service.sequences import SequenceStore
@@ -28,9 +29,16 @@ class _Pending:
 
 class StepBatcher:
     def __init__(
-        self, run: Callable[[Sequence[StepInput]], list[np.ndarray]], executor: Executor, max_rows: int
+        self,
+        run: Callable[[Sequence[StepInput]], list[np.ndarray]],
+        executor: Executor,
+        max_rows: int,
+        in_flight: Callable[[], int] | None = None,
+        inline_max_mflop: float = 0.0,
     ) -> None:
         self._run, self._executor, self.max_rows = run, executor, max_rows
+        self._in_flight = in_flight  # requests in the server; None: assume others
+        self.inline_max_mflop = inline_max_mflop
         self._pending: list[_Pending] = []
         self._task: asyncio.Task[None] | None = None
         self.batches: list[int] = []  # steps per executed batch, for tests and statistics
@@ -66,10 +74,21 @@ class StepBatcher:
             rows += B
         return batch
 
+    def _inline(self, batch: list[_Pending]) -> bool:
+        """A lone small step of the only request in the server runs on the event loop: the hop
+        to the worker thread and back would cost more than its compute (as for stateless batches)."""
+        if len(batch) > 1 or self._pending or self._in_flight is None or self._in_flight() > 1:
+            return False
+        x = batch[0].step.x
+        return batch_mflop(int(x.shape[0]), int(x.shape[1]), int(x.shape[2])) <= self.inline_max_mflop
+
     async def _execute(self, batch: list[_Pending]) -> None:
         loop = asyncio.get_running_loop()
         try:
-            ys = await loop.run_in_executor(self._executor, self._run, [p.step for p in batch])
+            if self._inline(batch):
+                ys = self._run([p.step for p in batch])
+            else:
+                ys = await loop.run_in_executor(self._executor, self._run, [p.step for p in batch])
         except Exception as exc:
             if len(batch) == 1:
                 _fail(batch[0], exc)

@@ -303,3 +303,30 @@ def test_a_failed_step_leaves_its_sequence_as_it_was(small_model_dir: Path) -> N
             assert relative_error(torch.from_numpy(y.copy()), reference) < 1e-5
 
     asyncio.run(scenario())
+
+
+def test_a_lone_small_step_is_computed_on_the_event_loop(small_model_dir: Path) -> None:
+    import asyncio
+    from concurrent.futures import ThreadPoolExecutor
+
+    from service.steps import StepBatcher
+
+    runner, config, _ = _runner(small_model_dir)
+    on_main: list[bool] = []
+
+    def spy(steps):  # type: ignore[no-untyped-def]
+        on_main.append(threading.current_thread() is threading.main_thread())
+        return runner.run(steps)
+
+    async def scenario(in_flight: int, inline_max_mflop: float) -> None:
+        with ThreadPoolExecutor(1) as pool:
+            store = SequenceStore(config, SequenceLimits(), ManualClock().now)
+            batcher = StepBatcher(spy, pool, 8, in_flight=lambda: in_flight, inline_max_mflop=inline_max_mflop)
+            sequence = store.open(SequenceControl(1, start=True), 1, C)
+            store.check_room(sequence, 2)
+            await batcher.submit(StepInput(sequence, np.ones((1, 2, C), np.float32)))
+
+    asyncio.run(scenario(in_flight=1, inline_max_mflop=16))  # alone and small: on the loop
+    asyncio.run(scenario(in_flight=3, inline_max_mflop=16))  # others in the server: the worker thread
+    asyncio.run(scenario(in_flight=1, inline_max_mflop=0))  # turned off
+    assert on_main == [True, False, False]
