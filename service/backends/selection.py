@@ -160,8 +160,13 @@ def select_backends(
     for name in _wanted(requested, cuda):
         report = CandidateReport(name=name, status="unavailable", reason="")
         reports.append(report)
+        factory = factories.get(name)
+        if factory is None:  # a CUDA backend asked for where torch sees no CUDA device
+            report.reason = "failed to load: needs a CUDA device, and torch sees none (no GPU, driver or CUDA build)"
+            log.warning("backend %s unavailable: %s", name, report.reason)
+            continue
         try:
-            backend = factories[name]()
+            backend = factory()
         except (BackendLoadError, RuntimeError, OSError) as exc:
             report.reason = f"failed to load: {exc}"
             log.warning("backend %s unavailable: %s", name, exc)

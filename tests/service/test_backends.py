@@ -86,6 +86,16 @@ def test_explicit_backend(small_model_dir: Path) -> None:
     assert [b.name for b in selection.backends] == ["torch-cpu"]
 
 
+def test_ort_cuda_asked_for_without_cuda_is_unavailable_not_a_crash(small_model_dir: Path) -> None:
+    """--backend ort-cuda where torch sees no CUDA once raised KeyError: 'ort-cuda'."""
+    config, weights = load_checkpoint(small_model_dir / "weights.safetensors")
+    selection = select_backends(ModelFiles(small_model_dir).onnx, config, weights, "ort-cuda", threads=1, cuda=False)
+    assert selection.backends == []
+    (candidate,) = selection.candidates
+    assert (candidate.name, candidate.status) == ("ort-cuda", "unavailable")
+    assert "needs a CUDA device" in candidate.reason
+
+
 @pytest.mark.parametrize("damage", ["missing", "corrupt"])
 def test_broken_onnx_falls_back_to_torch(small_model_dir: Path, tmp_path: Path, damage: str) -> None:
     for name in ("weights.safetensors", "manifest.json", "model.onnx"):
