@@ -27,6 +27,7 @@ from service.batcher import Batcher, BatcherConfig, BatchEvent, Clock, Monotonic
 from service.control import SequenceControl
 from service.errors import InvalidInput, NotReady
 from service.metrics import Metrics
+from service.readiness import DeviceHealth
 from service.render import Serving
 from service.sequences import SequenceLimits, SequenceStore
 from service.served import ModelIdentity, ServedModel
@@ -74,6 +75,7 @@ class InferenceCore:
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="infer")
         self._published_active = ""  # the backend mha_backend_info last showed as active
         metrics.inflight.set_function(lambda: self.in_flight)
+        self.device = DeviceHealth(settings.require_device, metrics)  # the server's health follows serving_ok()
 
     @property
     def loaded(self) -> Loaded:
@@ -86,16 +88,7 @@ class InferenceCore:
         return self.loaded.chain.active if self.state is State.READY else None
 
     def serving(self) -> Serving:
-        chain, s = self.loaded.chain, self.settings
-        return Serving(
-            chain.backends,
-            chain.active,
-            self.loaded.selection.summary(),
-            s.max_batch_size,
-            s.max_queue_delay_ms,
-            s.max_sequences,
-            s.sequence_idle_timeout_s,
-        )
+        return _serving(self.loaded, self.settings)
 
     def _set_state(self, state: State) -> None:
         self.state = state
@@ -135,14 +128,21 @@ class InferenceCore:
         return y, backend.name
 
     def _observe_batch(self, event: BatchEvent) -> None:
+        if self.device.observe(event.error):
+            self._set_state(State.FAILED)
         self.metrics.observe_batch(event)
         self.stats.observe_batch(event)
         self._publish_backends()
+
+    def serving_ok(self) -> bool:
+        """Ready for traffic: loaded, and on the required device (--require-device) if any."""
+        return self.state is State.READY and self.device.allows(self.loaded.chain.active)
 
     def _publish_backends(self) -> None:
         chain = self.loaded.chain
         if chain.active.name != self._published_active:
             self._published_active = chain.active.name
+            self.device.serving_changed(self.serving_ok())
             self.metrics.set_backends(
                 (chain.active.name, chain.active.device), [(b.name, b.device) for b in chain.backends]
             )
@@ -169,6 +169,7 @@ class InferenceCore:
         return y, Timing(0.0, int(x.shape[0]), STEP_BACKEND)
 
     def _check_ready(self) -> None:
+        self.device.check()
         if self.state is State.DRAINING:
             raise NotReady("the server is draining for shutdown; retry on another replica")
         if self.state is not State.READY:
@@ -238,6 +239,12 @@ def load_model(
     log.info("serving %s with %s on %s; %s", files.directory, active.name, active.device, selection.summary())
     served = ServedModel(identity, config, files, s.max_request_rows, s.max_attention_mb, weights_sha256, verified)
     return served, selection, chain, StepRunner(config, weights)
+
+
+def _serving(loaded: Loaded, s: Settings) -> Serving:
+    chain, summary = loaded.chain, loaded.selection.summary()
+    limits = (s.max_batch_size, s.max_queue_delay_ms, s.max_sequences, s.sequence_idle_timeout_s)
+    return Serving(chain.backends, chain.active, summary, *limits)
 
 
 def _batching(s: Settings, model: ServedModel) -> BatcherConfig:

@@ -56,6 +56,11 @@ class BackendFailure(ServiceError):
     """Every backend failed on this batch: a real server fault, answered without details."""
 
 
+class DeviceLost(BackendFailure):
+    """A sticky CUDA error: the device's context is broken for every backend of this process,
+    so nothing falls back onto it; the server stops serving and exits to be replaced."""
+
+
 def quote(value: str, limit: int = 64) -> str:
     """A client-supplied string as it may appear in a message or a log line: quoted and cut."""
     if len(value) <= limit:

@@ -79,6 +79,9 @@ class Metrics:
         )
         self.model_info = Info("mha_model", "The model being served.", registry=registry)
         self.ready = gauge("mha_ready", "1 when the model is loaded, self-checked and serving.")
+        self.device_required = gauge(
+            "mha_device_required", "1 for the device this server must serve on (--require-device).", ["device"]
+        )
         self.sequences_active = gauge("mha_sequences_active", "Live sequences whose keys and values are kept.")
         self.sequence_state_bytes = gauge("mha_sequence_state_bytes", "Bytes of the live sequences' keys and values.")
         self.sequence_evictions = counter(

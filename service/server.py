@@ -7,7 +7,7 @@ import logging
 import signal
 import ssl
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import grpc
 from aiohttp import web
@@ -56,6 +56,7 @@ class Running:
     http_runner: web.AppRunner | None = None
     http_port: int = 0  # 0 when disabled
     regions: SystemRegions | None = None
+    tasks: set[asyncio.Task[None]] = field(default_factory=set)  # keeps background tasks referenced
 
 
 def _check_tls_files(settings: Settings) -> None:
@@ -114,6 +115,7 @@ async def start(settings: Settings, registry: CollectorRegistry | None = None, c
     if settings.http_port:
         await _start_http(running, settings, HttpApi(core, calls, token, regions))
     await server.start()
+    running.tasks.add(asyncio.get_running_loop().create_task(_not_serving_when_lost(running)))
     tls = "TLS" if credentials else "plaintext"
     log.info(
         "listening: gRPC %s:%d (%s), HTTP :%s, metrics :%s",
@@ -203,10 +205,15 @@ def _bind(server: grpc.aio.Server, address: str, credentials: grpc.ServerCredent
 
 
 async def load_and_serve(running: Running) -> None:
-    """Load the model; SERVING only once it passed its self-check."""
-    await running.core.load()
-    for service in HEALTH_SERVICES:
-        await running.health.set(service, health_pb2.HealthCheckResponse.SERVING)
+    """Load the model; SERVING only once it passed its self-check, and while it serves on the
+    required device (--require-device)."""
+    core = running.core
+    await core.load()
+    core.device.on_serving = lambda ok: _health_task(running, ok)
+    await _set_health(running, core.serving_ok())
+    if not core.serving_ok():
+        refuse_readiness(running)
+        return
     settings = running.core.settings
     host = "127.0.0.1" if settings.host in ("0.0.0.0", "::", "") else settings.host
     log.info(
@@ -219,6 +226,41 @@ async def load_and_serve(running: Running) -> None:
         host,
         running.grpc_port,
     )
+
+
+async def _not_serving_when_lost(running: Running) -> None:
+    """A lost device: both health services NOT_SERVING, so that the liveness probe fails too."""
+    await running.core.device.lost.wait()
+    for service in HEALTH_SERVICES:
+        await running.health.set(service, health_pb2.HealthCheckResponse.NOT_SERVING)
+
+
+def refuse_readiness(running: Running) -> None:
+    active = running.core.loaded.chain.active
+    log.error(
+        "refusing readiness: --require-device %s, but %s on %s serves; %s",
+        running.core.settings.require_device,
+        active.name,
+        active.device,
+        running.core.loaded.selection.summary(),
+    )
+
+
+def _health_task(running: Running, ok: bool) -> None:
+    """Health follows the core (a fallback off the required device, or back onto it)."""
+    if not ok:
+        refuse_readiness(running)
+    running.tasks.add(task := asyncio.get_running_loop().create_task(_set_health(running, ok)))
+    task.add_done_callback(running.tasks.discard)
+
+
+async def _set_health(running: Running, ok: bool) -> None:
+    """The process is alive (service ""); the inference service is ready only when `ok`."""
+    if running.core.state is State.DRAINING or running.core.device.lost.is_set():
+        return  # draining and a lost device set health themselves
+    serving, not_serving = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
+    await running.health.set("", serving)
+    await running.health.set(INFERENCE_SERVICE, serving if ok else not_serving)
 
 
 async def drain_and_stop(running: Running, grace_s: float) -> None:
@@ -243,6 +285,8 @@ async def drain_and_stop(running: Running, grace_s: float) -> None:
         await running.metrics_server.stop()
     if running.health_server is not None:
         await running.health_server.stop(0)
+    for task in running.tasks:
+        task.cancel()
     log.info("stopped")
 
 
@@ -255,14 +299,19 @@ async def serve(settings: Settings) -> int:
         loop.add_signal_handler(sig, stop.set)
     loader = asyncio.create_task(load_and_serve(running))
     stopper = asyncio.create_task(stop.wait())
+    lost = asyncio.create_task(running.core.device.lost.wait())
     await asyncio.wait({loader, stopper}, return_when=asyncio.FIRST_COMPLETED)
     if loader.done() and loader.exception() is not None:
         log.error("cannot serve: %s", loader.exception())
         await drain_and_stop(running, 0)
         return 1
-    if not stop.is_set():
-        await stopper
+    await asyncio.wait({stopper, lost}, return_when=asyncio.FIRST_COMPLETED)
+    if lost.done() and not stop.is_set():
+        log.error("exiting: the device is lost (%s)", running.core.device.lost_reason)
+        await drain_and_stop(running, settings.grace_s)
+        return 1
     log.info("signal received: draining (grace %.1f s)", settings.grace_s)
     loader.cancel()
+    lost.cancel()
     await drain_and_stop(running, settings.grace_s)
     return 0 if running.core.state in (State.DRAINING, State.READY) else 1

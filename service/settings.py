@@ -18,6 +18,7 @@ from typing import Any, get_type_hints
 BACKEND_CHOICES = ("auto", "ort-cuda", "ort-cpu", "torch")
 LOG_FORMATS = ("auto", "json", "text")
 SHARED_MEMORY_CHOICES = ("off", "system")
+DEVICE_CHOICES = ("any", "cuda")
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 
 
@@ -50,6 +51,9 @@ class Settings:
         0, "plaintext port with only the gRPC health service, for probes under mTLS; 0: off", low=0, high=65535
     )
     backend: str = setting("auto", "backend; auto measures and falls back", choices=BACKEND_CHOICES)
+    require_device: str = setting(
+        "any", "cuda: ready only while a CUDA backend serves (no silent CPU fallback)", choices=DEVICE_CHOICES
+    )
     workers: str = setting("1", "server processes sharing the ports; auto: one per GPU, else one per 2 CPUs")
     reuse_port: bool = setting(False, "share the ports with other processes (what each of --workers does)")
     threads: int = setting(0, "intra-op threads of the CPU backends; 0: the CPUs this process may use", low=0)

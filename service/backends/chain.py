@@ -14,13 +14,32 @@ from dataclasses import dataclass
 import numpy as np
 
 from service.backends.base import Backend
-from service.errors import BackendFailure
+from service.errors import BackendFailure, DeviceLost
 
 log = logging.getLogger(__name__)
 
 FallbackHook = Callable[[str, str, str], None]  # (from, to, reason)
 REASONS = ("error", "invalid_output")  # a bounded set: it becomes a metric label
 ProbeFn = Callable[[Backend], tuple[bool, str]]
+
+# CUDA errors after which the context is unusable until the process exits (CUDA's "sticky" errors):
+# falling back to another backend on the same device would fail too, or worse, answer wrongly.
+STICKY_CUDA_ERRORS = (
+    "illegal memory access",
+    "unspecified launch failure",
+    "device-side assert",
+    "misaligned address",
+    "illegal instruction",
+    "uncorrectable ecc",
+    "hardware stack error",
+    "launch timed out",
+)
+
+
+def is_sticky_device_error(backend: Backend, exc: BaseException) -> bool:
+    """A CUDA backend's error that leaves the device's context broken for the whole process."""
+    text = str(exc).lower()
+    return backend.device.startswith("cuda") and any(marker in text for marker in STICKY_CUDA_ERRORS)
 
 
 @dataclass
@@ -73,8 +92,10 @@ class BackendChain:
                 self._fallback(previous[0].name, backend.name, previous[1])
             try:
                 y = backend.run(x)
-            except Exception as exc:  # any backend fault: try the next one
+            except Exception as exc:  # any backend fault: try the next one, unless the device is gone
                 log.error("backend %s failed on batch %s: %s", backend.name, x.shape, exc, exc_info=True)
+                if is_sticky_device_error(backend, exc):
+                    raise DeviceLost(f"{backend.name} on {backend.device}: {exc}") from exc
                 self._failed(backend)
                 errors.append(f"{backend.name}: {type(exc).__name__}: {exc}")
                 previous = (backend, "error")

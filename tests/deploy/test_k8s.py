@@ -25,8 +25,8 @@ from tests.support import ROOT
 DEPLOY = ROOT / "deploy"
 SCHEMAS = Path(__file__).with_name("schemas")
 VENV_BIN = ROOT / ".venv" / "bin"
-OVERLAYS = ("cpu", "gpu", "dev", "cpu-prometheus", "cpu-custom-model")
-BARE = ("cpu", "gpu", "dev")  # apply to a cluster without the Prometheus Operator
+OVERLAYS = ("cpu", "gpu", "gpu-nvidia-runtime", "dev", "cpu-prometheus", "cpu-custom-model")
+BARE = ("cpu", "gpu", "gpu-nvidia-runtime", "dev")  # apply to a cluster without the Prometheus Operator
 
 
 @cache
@@ -58,10 +58,29 @@ KINDS = {
     "base": [*CORE, "HorizontalPodAutoscaler", "PodDisruptionBudget"],
     "cpu": [*CORE, "HorizontalPodAutoscaler", "PodDisruptionBudget"],
     "gpu": [*CORE, "HorizontalPodAutoscaler", "PodDisruptionBudget"],
+    "gpu-nvidia-runtime": [*CORE, "HorizontalPodAutoscaler", "PodDisruptionBudget"],
     "dev": CORE,
     "cpu-prometheus": [*CORE, "HorizontalPodAutoscaler", "PodDisruptionBudget", "ServiceMonitor", "PrometheusRule"],
     "cpu-custom-model": [*CORE, "HorizontalPodAutoscaler", "PodDisruptionBudget"],
 }
+
+
+def test_the_gpu_overlay_rolls_drains_and_refuses_cpu_in_a_full_gpu_pool() -> None:
+    deployment = by_kind("gpu", "Deployment")
+    assert deployment["spec"]["strategy"]["rollingUpdate"] == {"maxSurge": 0, "maxUnavailable": 1}  # no spare GPU
+    pdb = by_kind("gpu", "PodDisruptionBudget")["spec"]
+    hpa = by_kind("gpu", "HorizontalPodAutoscaler")["spec"]
+    assert "minAvailable" not in pdb and pdb["maxUnavailable"] == 1, "a drain must be able to evict the last pod"
+    assert hpa["minReplicas"] == 1
+    env = {e["name"]: e["value"] for e in container("gpu")["env"] if "value" in e}
+    assert env["MHA_REQUIRE_DEVICE"] == "cuda"
+    assert int(env["MHA_THREADS"]) == int(container("gpu")["resources"]["limits"]["cpu"])
+    assert Settings(require_device=env["MHA_REQUIRE_DEVICE"], threads=int(env["MHA_THREADS"]))  # valid values
+    assert "runtimeClassName" not in deployment["spec"]["template"]["spec"]
+    nvidia = by_kind("gpu-nvidia-runtime", "Deployment")["spec"]["template"]["spec"]
+    assert nvidia["runtimeClassName"] == "nvidia"
+    assert by_kind("cpu", "Deployment")["spec"]["strategy"]["rollingUpdate"] == {"maxSurge": 1, "maxUnavailable": 0}
+    assert by_kind("cpu", "PodDisruptionBudget")["spec"] == {**by_kind("base", "PodDisruptionBudget")["spec"]}
 
 
 def test_a_custom_model_is_exported_where_the_server_reads_it() -> None:

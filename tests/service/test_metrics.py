@@ -70,6 +70,7 @@ def test_families_and_types(traffic: tuple[ServerThread, str]) -> None:
         "mha_model_info": "gauge",
         "mha_ready": "gauge",
         "mha_sequences_active": "gauge",
+        "mha_device_required": "gauge",
         "mha_sequence_state_bytes": "gauge",
         "mha_sequence_evictions": "counter",
         "mha_queue_capacity": "gauge",

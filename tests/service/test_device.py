@@ -1,0 +1,95 @@
+"""No silent CPU fallback: --require-device cuda refuses readiness while a CPU backend serves, and
+a sticky CUDA error stops the replica instead of falling back onto a broken device."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import grpc
+import numpy as np
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from service.backends.base import Backend
+from service.backends.chain import BackendChain, _Health, is_sticky_device_error
+from service.client import InferenceError, MHAClient
+from service.errors import DeviceLost
+from tests.support import ServerThread, make_settings
+
+INFERENCE = "inference.GRPCInferenceService"
+
+
+def _health(url: str, service: str) -> str:
+    with grpc.insecure_channel(url) as channel:
+        response = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=service), timeout=5)
+    return health_pb2.HealthCheckResponse.ServingStatus.Name(response.status)
+
+
+def test_require_cuda_refuses_readiness_on_cpu_and_says_why(
+    small_model_dir: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    settings = make_settings(small_model_dir, backend="auto", require_device="cuda")
+    with ServerThread(settings) as server:
+        assert _health(server.url, INFERENCE) == "NOT_SERVING"
+        assert _health(server.url, "") == "SERVING", "alive: the liveness probe must not restart it in a loop"
+        assert server.registry.get_sample_value("mha_device_required", {"device": "cuda"}) == 1
+        active = [
+            s.labels
+            for m in server.registry.collect()
+            if m.name == "mha_backend_info"
+            for s in m.samples
+            if s.value == 1
+        ]
+        assert active and active[0]["device"] == "cpu"  # what the alert matches on
+    assert any("refusing readiness: --require-device cuda" in r.getMessage() for r in caplog.records)
+
+
+def test_without_the_requirement_cpu_is_ready(small_model_dir: Path) -> None:
+    with ServerThread(make_settings(small_model_dir, backend="torch")) as server:
+        assert _health(server.url, INFERENCE) == "SERVING"
+        assert server.registry.get_sample_value("mha_device_required", {"device": "cuda"}) is None
+
+
+class BrokenCuda(Backend):
+    """Stands in for a CUDA backend whose context a sticky error has broken (no GPU here)."""
+
+    name, device, platform = "ort-cuda", "cuda:0", "onnxruntime_onnx"
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def run(self, x: np.ndarray) -> np.ndarray:
+        self.calls += 1
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+
+def test_a_sticky_cuda_error_does_not_fall_back(small_model_dir: Path) -> None:
+    class Cpu(Backend):
+        name, device, platform = "ort-cpu", "cpu", "onnxruntime_onnx"
+
+        def run(self, x: np.ndarray) -> np.ndarray:
+            raise AssertionError("a batch fell back from a broken device")
+
+    chain = BackendChain([BrokenCuda(), Cpu()], probe=lambda b: (True, ""))
+    with pytest.raises(DeviceLost, match="illegal memory access"):
+        chain.run(np.ones((1, 2, 32), np.float32))
+    assert not is_sticky_device_error(Cpu(), RuntimeError("illegal memory access"))  # only on a CUDA device
+    assert not is_sticky_device_error(BrokenCuda(), RuntimeError("CUDA out of memory"))  # not sticky
+
+
+def test_a_lost_device_stops_the_replica(small_model_dir: Path) -> None:
+    with ServerThread(make_settings(small_model_dir, backend="torch")) as server:
+        chain = server.core.loaded.chain
+        broken = BrokenCuda()
+        chain.backends.insert(0, broken)  # as if ort-cuda served, then broke
+        chain._health[broken.name] = _Health()
+        with MHAClient(server.url) as client:
+            with pytest.raises(InferenceError) as first:
+                client.infer(np.ones((1, 3, 32), np.float32))
+            assert first.value.code == grpc.StatusCode.INTERNAL
+            with pytest.raises(InferenceError) as after:
+                client.infer(np.ones((1, 3, 32), np.float32))
+            assert after.value.code == grpc.StatusCode.UNAVAILABLE and "lost its device" in str(after.value)
+        assert _health(server.url, "") == "NOT_SERVING" and _health(server.url, INFERENCE) == "NOT_SERVING"
+        assert server.registry.get_sample_value("mha_ready") == 0
+        assert broken.calls == 1
