@@ -224,7 +224,13 @@ def load_model(
     weights_sha256 = sha256_file(files.weights)  # once: the manifest check and the published identity
     verified = _verified(files, config, weights_sha256, s.allow_unverified)
     selection = select_backends(
-        files.onnx, config, weights, requested=s.backend, threads=s.cpu_threads, spinning=s.thread_spinning
+        files.onnx,
+        config,
+        weights,
+        requested=s.backend,
+        threads=s.cpu_threads,
+        spinning=s.thread_spinning,
+        gpu_mem_limit_mb=s.gpu_mem_limit_mb,
     )
     if not selection.backends:
         raise ModelLoadError(f"no backend can serve {files.directory}: {selection.summary()}")

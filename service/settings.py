@@ -51,6 +51,7 @@ class Settings:
         0, "plaintext port with only the gRPC health service, for probes under mTLS; 0: off", low=0, high=65535
     )
     backend: str = setting("auto", "backend; auto measures and falls back", choices=BACKEND_CHOICES)
+    gpu_mem_limit_mb: int = setting(0, "cap on ORT's CUDA arena (gpu_mem_limit); 0: no cap", "MiB", low=0)
     require_device: str = setting(
         "any", "cuda: ready only while a CUDA backend serves (no silent CPU fallback)", choices=DEVICE_CHOICES
     )

@@ -101,25 +101,34 @@ class OrtCpuBackend(Backend):
         return best
 
 
+def cuda_provider_options(device_id: int, mem_limit_mb: int) -> dict[str, object]:
+    """The CUDA provider's options; `mem_limit_mb` > 0 caps ORT's arena (gpu_mem_limit), which
+    otherwise grows beside PyTorch's caching allocator on the same device until one runs out."""
+    options: dict[str, object] = {
+        "device_id": device_id,
+        "arena_extend_strategy": "kSameAsRequested",
+        "use_tf32": 0,  # fp32 parity against the float64 reference needs full fp32 matmuls
+        "cudnn_conv_algo_search": "DEFAULT",
+    }
+    if mem_limit_mb > 0:
+        options["gpu_mem_limit"] = mem_limit_mb * 2**20
+    return options
+
+
 class OrtCudaBackend(Backend):
     """ORT's CUDA provider, confirmed by get_providers(); inputs and outputs bound with IOBinding."""
 
     name = "ort-cuda"
     platform = "onnxruntime_onnx"
 
-    def __init__(self, model_path: Path, device_id: int = 0) -> None:
+    def __init__(self, model_path: Path, device_id: int = 0, mem_limit_mb: int = 0) -> None:
         if "CUDAExecutionProvider" not in ort.get_available_providers():
             raise BackendLoadError(
                 f"this onnxruntime build has no CUDA provider (available: {ort.get_available_providers()})"
             )
         if hasattr(ort, "preload_dlls"):
             ort.preload_dlls()
-        cuda = {
-            "device_id": device_id,
-            "arena_extend_strategy": "kSameAsRequested",
-            "use_tf32": 0,  # fp32 parity against the float64 reference needs full fp32 matmuls
-            "cudnn_conv_algo_search": "DEFAULT",
-        }
+        cuda = cuda_provider_options(device_id, mem_limit_mb)
         options = ort.SessionOptions()
         options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
         session = _load_session(model_path, options, [("CUDAExecutionProvider", cuda), "CPUExecutionProvider"])

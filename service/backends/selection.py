@@ -70,14 +70,20 @@ class SelfCheck:
 
 
 def _factories(
-    onnx_path: Path, config: MHAConfig, weights: Weights, threads: int, cuda: bool, spinning: bool
+    onnx_path: Path,
+    config: MHAConfig,
+    weights: Weights,
+    threads: int,
+    cuda: bool,
+    spinning: bool,
+    gpu_mem_limit_mb: int = 0,
 ) -> dict[str, Callable[[], Backend]]:
     from service.backends.ort import OrtCpuBackend, OrtCudaBackend
     from service.backends.pytorch import TorchBackend
 
     factories: dict[str, Callable[[], Backend]] = {}
     if cuda:
-        factories["ort-cuda"] = lambda: OrtCudaBackend(onnx_path)
+        factories["ort-cuda"] = lambda: OrtCudaBackend(onnx_path, mem_limit_mb=gpu_mem_limit_mb)
         factories["torch-cuda"] = lambda: TorchBackend(config, weights, device="cuda")
     factories["ort-cpu"] = lambda: OrtCpuBackend(onnx_path, threads=threads, spinning=spinning, width=config.d_model)
     factories["torch-cpu"] = lambda: TorchBackend(config, weights, device="cpu", threads=threads)
@@ -146,6 +152,7 @@ def select_backends(
     threads: int = 1,
     cuda: bool | None = None,
     spinning: bool = False,
+    gpu_mem_limit_mb: int = 0,
 ) -> Selection:
     """Load every wanted backend, self-check each, and order them.
 
@@ -153,7 +160,7 @@ def select_backends(
     torch-CPU are measured on the probe shapes and the faster serves.
     """
     cuda = torch.cuda.is_available() if cuda is None else cuda
-    factories = _factories(onnx_path, config, weights, threads, cuda, spinning)
+    factories = _factories(onnx_path, config, weights, threads, cuda, spinning, gpu_mem_limit_mb)
     check = SelfCheck(config, weights)
     loaded: list[tuple[Backend, CandidateReport]] = []
     reports: list[CandidateReport] = []

@@ -209,3 +209,11 @@ def test_self_check_rejects_wrong_weights(small_model_dir: Path) -> None:
     tampered = {**weights, "o_proj.bias": weights["o_proj.bias"] + 0.01}
     ok, why = SelfCheck(config, weights).passes(TorchBackend(config, tampered))
     assert not ok and "relative error" in why
+
+
+def test_the_cuda_arena_is_capped_when_asked() -> None:
+    from service.backends.ort import cuda_provider_options
+
+    assert "gpu_mem_limit" not in cuda_provider_options(0, 0)
+    capped = cuda_provider_options(1, 2048)
+    assert capped["gpu_mem_limit"] == 2048 * 2**20 and capped["device_id"] == 1 and capped["use_tf32"] == 0
