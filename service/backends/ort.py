@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import logging
+import os
+import re
+import tempfile
 import time
 from pathlib import Path
 
@@ -101,6 +104,65 @@ class OrtCpuBackend(Backend):
         return best
 
 
+COMPUTE_OPS = ("Attention", "MatMul", "Gemm", "Softmax")  # where the FLOPs are: these must run on the GPU
+_PLACED = re.compile(r"(All nodes|Node\(s\)) placed on \[(\w+)\]\. Number of nodes: (\d+)")
+_NODE = re.compile(r"\]\s+(\w+) \(([^)]*)\)\s*$")
+
+
+def parse_placements(log_text: str) -> dict[str, list[str]]:
+    """Node placements from ONNX Runtime's verbose session log: provider -> the op types placed
+    on it ("*" for "all nodes"), as VerifyEachNodeIsAssignedToAnEp writes them."""
+    placements: dict[str, list[str]] = {}
+    current: list[str] | None = None
+    for line in log_text.splitlines():
+        if (match := _PLACED.search(line)) is not None:
+            everything, provider = match.group(1) == "All nodes", match.group(2)
+            current = placements.setdefault(provider, [])
+            if everything:
+                current.append("*")
+                current = None
+            continue
+        if current is not None and "VerifyEachNodeIsAssignedToAnEp" in line and (node := _NODE.search(line)):
+            current.append(node.group(1))
+    return placements
+
+
+def node_placements(model_path: Path, providers: list[str | tuple[str, dict[str, object]]]) -> dict[str, list[str]]:
+    """Where ONNX Runtime places each node of `model_path` with `providers`: a session created
+    with verbose logging, its log (written by ORT's C++ code to fd 2) captured and parsed."""
+    options = ort.SessionOptions()
+    options.log_severity_level = 0
+    options.log_verbosity_level = 0
+    with tempfile.TemporaryFile(mode="w+b") as captured:
+        saved = os.dup(2)
+        try:
+            os.dup2(captured.fileno(), 2)
+            _load_session(model_path, options, providers)
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+        captured.seek(0)
+        return parse_placements(captured.read().decode(errors="replace"))
+
+
+def off_device(placements: dict[str, list[str]], provider: str) -> list[str]:
+    """The compute-heavy op types that `placements` puts anywhere but on `provider` ("every
+    node" when another provider took them all; everything when the log said nothing)."""
+    if not placements:
+        return ["every node (ONNX Runtime logged no placements)"]
+    stray = set()
+    for ep, ops in placements.items():
+        if ep != provider:
+            stray |= {"every node" if op == "*" else op for op in ops if op == "*" or op in COMPUTE_OPS}
+    return sorted(stray)
+
+
+def describe_placements(placements: dict[str, list[str]]) -> str:
+    return "; ".join(
+        f"all nodes on {ep}" if ops == ["*"] else f"{len(ops)} nodes on {ep}" for ep, ops in placements.items()
+    )
+
+
 def cuda_provider_options(device_id: int, mem_limit_mb: int) -> dict[str, object]:
     """The CUDA provider's options; `mem_limit_mb` > 0 caps ORT's arena (gpu_mem_limit), which
     otherwise grows beside PyTorch's caching allocator on the same device until one runs out."""
@@ -135,6 +197,10 @@ class OrtCudaBackend(Backend):
         providers = session.get_providers()
         if not providers or providers[0] != "CUDAExecutionProvider":
             raise BackendLoadError(f"ONNX Runtime did not enable the CUDA provider: session providers are {providers}")
+        self.placements = node_placements(model_path, [("CUDAExecutionProvider", cuda), "CPUExecutionProvider"])
+        if stray := off_device(self.placements, "CUDAExecutionProvider"):
+            raise BackendLoadError(f"ONNX Runtime placed {', '.join(stray)} off the GPU: {self.placements}")
+        self.placement = describe_placements(self.placements)  # reported in the selection reason
         self._session = session
         self.providers: list[str] = providers  # confirmed: CUDAExecutionProvider first
         self._input = session.get_inputs()[0].name

@@ -184,7 +184,7 @@ def select_backends(
             log.warning("backend %s rejected: %s", name, why)
             backend.close()
             continue
-        report.reason = why
+        report.reason = why + (f", {backend.placement}" if hasattr(backend, "placement") else "")
         loaded.append((backend, report))
     preferred = loaded[0][1].name if loaded else ""
     if not cuda and len(loaded) > 1:

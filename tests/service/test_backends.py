@@ -217,3 +217,33 @@ def test_the_cuda_arena_is_capped_when_asked() -> None:
     assert "gpu_mem_limit" not in cuda_provider_options(0, 0)
     capped = cuda_provider_options(1, 2048)
     assert capped["gpu_mem_limit"] == 2048 * 2**20 and capped["device_id"] == 1 and capped["use_tf32"] == 0
+
+
+_V = "2026-11-30 12:06:37.6 [V:onnxruntime:, session_state.cc:1581 VerifyEachNodeIsAssignedToAnEp]"
+GPU_LOG = "\n".join(  # what ORT's verbose log says when a graph is split between providers
+    [
+        f"{_V} Node placements",
+        f"{_V}  Node(s) placed on [CUDAExecutionProvider]. Number of nodes: 3",
+        *(f"{_V}   {op}" for op in ("MatMul (node_MatMul_3)", "Add (node_Add_4)", "MatMul (node_MatMul_11)")),
+        f"{_V}  Node(s) placed on [CPUExecutionProvider]. Number of nodes: 2",
+        *(f"{_V}   {op}" for op in ("Shape (node_Shape_0)", "Attention (node_Attention_7)")),
+        "2026-11-30 12:06:37.6 [V:onnxruntime:, session_state.cc:193 CreateGraphInfo] SaveMLValueNameIndexMapping",
+    ]
+)
+
+
+def test_node_placements_are_read_from_onnx_runtime_itself(small_model_dir: Path) -> None:
+    """get_providers() lists what is registered; the placement log says where nodes run."""
+    from service.backends.ort import node_placements, off_device, parse_placements
+
+    placements = parse_placements(GPU_LOG)
+    assert placements == {
+        "CUDAExecutionProvider": ["MatMul", "Add", "MatMul"],
+        "CPUExecutionProvider": ["Shape", "Attention"],
+    }
+    assert off_device(placements, "CUDAExecutionProvider") == ["Attention"]  # Shape on the CPU is fine
+    real = node_placements(small_model_dir / "model.onnx", ["CPUExecutionProvider"])  # a real session's log
+    assert real == {"CPUExecutionProvider": ["*"]}
+    assert off_device(real, "CUDAExecutionProvider") == ["every node"]
+    assert off_device(real, "CPUExecutionProvider") == []
+    assert off_device({}, "CUDAExecutionProvider")  # no log: not confirmed
