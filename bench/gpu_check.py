@@ -1,12 +1,20 @@
 """GPU checks for a machine with a CUDA device: one script, results as JSON under --out (or $OUT).
 
-1. ORT with the CUDA provider: get_providers() starts with CUDAExecutionProvider.
-2. Parity of ORT-CUDA and torch-CUDA against the float64 references over a (B, T) grid.
-3. `select_backends(auto)` picks ort-cuda; with the CUDA provider made to fail (a backend that
-   raises), the chain falls back and keeps answering within tolerance.
-4. Timings with CUDA events (median of many runs after warm-up), side by side: ORT-CUDA fp32,
-   torch eager fp32 (plain path), torch SDPA fp32/bf16/fp16, over shapes from (4, 512, 128) to
-   (8, 4096, 1024); achieved FLOP/s (8·B·T·C² + 4·B·T²·C) against a measured fp32/bf16 matmul rate.
+Sections, each written to gpu_check.json as soon as it ends (an exception is recorded in its
+section and the next one runs, so one failure does not lose the run of a scarce device):
+
+1. providers: ORT with the CUDA provider; get_providers() and where ORT placed each node.
+2. parity: ORT-CUDA and torch-CUDA against the float64 references over the (B, T) grid, and the
+   step graph (step.onnx) on ORT-CUDA over its (B, past, t) grid.
+3. selection: `select_backends(auto)` picks ort-cuda; with the CUDA provider made to fail, the
+   chain falls back and keeps answering within tolerance.
+4. timings: ORT-CUDA fp32 (IOBinding on device buffers, and plain session.run from host
+   arrays), torch eager fp32, torch SDPA fp32/bf16/fp16 over shapes up to (8, 4096, 1024); each
+   timed the same way (synchronize, run, synchronize: ORT runs on its own stream, so CUDA events
+   on torch's stream would not see it); FLOP/s (8·B·T·C² + 4·B·T²·C) against a measured matmul
+   rate. The timing graphs are exported without the parity grid (the grid runs on the CPU in
+   float64: about 30 GB of host RAM at (7, 4096, 1024)); parity is section 2's job.
+5. memory: peak device memory of torch and ORT's arena after the timings.
 
 usage: python bench/gpu_check.py [--out DIR] [--quick]
 Without a CUDA device it says so and exits 0 having written only that fact.
@@ -21,7 +29,12 @@ import os
 import statistics
 import sys
 import tempfile
+import time
+import traceback
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -30,26 +43,49 @@ log = logging.getLogger("gpu_check")
 SHAPES = [(4, 512, 128, 8), (8, 1024, 256, 8), (8, 2048, 512, 8), (8, 4096, 1024, 16)]
 
 
-def cuda_time_ms(fn, repeats: int = 50, warmup: int = 10) -> float:
+class Results:
+    """gpu_check.json, rewritten after every section."""
+
+    def __init__(self, path: Path) -> None:
+        self.path, self.data = path, {"cuda": torch.cuda.is_available(), "torch": torch.__version__}
+        self.write()
+
+    def write(self) -> None:
+        self.path.write_text(json.dumps(self.data, indent=2, default=str))
+
+    @contextmanager
+    def section(self, name: str) -> Iterator[dict[str, Any]]:
+        entry: dict[str, Any] = {}
+        started = time.monotonic()
+        try:
+            yield entry
+        except Exception as exc:  # recorded, and the next section runs
+            entry["error"] = f"{type(exc).__name__}: {exc}"
+            entry["traceback"] = traceback.format_exc()[-4000:]
+            log.exception("section %s failed", name)
+        entry["seconds"] = round(time.monotonic() - started, 1)
+        self.data[name] = entry
+        self.write()
+
+
+def synced_ms(fn: Callable[[], object], repeats: int = 30, warmup: int = 5) -> float:
+    """Median wall time of fn between two device synchronizations (any stream, any runtime)."""
     for _ in range(warmup):
         fn()
-    torch.cuda.synchronize()
     samples = []
     for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
+        torch.cuda.synchronize()
+        start = time.perf_counter()
         fn()
-        end.record()
-        end.synchronize()
-        samples.append(start.elapsed_time(end))
+        torch.cuda.synchronize()
+        samples.append((time.perf_counter() - start) * 1e3)
     return statistics.median(samples)
 
 
 def matmul_rate(dtype: torch.dtype, n: int = 8192) -> float:
     a = torch.randn(n, n, device="cuda", dtype=dtype)
     b = torch.randn(n, n, device="cuda", dtype=dtype)
-    ms = cuda_time_ms(lambda: a @ b, repeats=20, warmup=5)
-    return 2 * n**3 / (ms / 1e3)
+    return 2 * n**3 / (synced_ms(lambda: a @ b, repeats=10, warmup=3) / 1e3)
 
 
 def main() -> int:
@@ -61,98 +97,143 @@ def main() -> int:
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    results: dict[str, object] = {"cuda": torch.cuda.is_available(), "torch": torch.__version__}
+    results = Results(out / "gpu_check.json")
     if not torch.cuda.is_available():
         log.info("no CUDA device: nothing to check")
-        (out / "gpu_check.json").write_text(json.dumps(results, indent=2))
         return 0
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
     import onnxruntime as ort
 
-    from export.layout import INPUT_NAME, OUTPUT_NAME, ModelFiles
     from export.pipeline import export_model_dir
-    from export.verify import check_parity, parity_grid
-    from model import MHAConfig, MultiHeadAttention
+    from model import MHAConfig
     from model.checkpoint import init_weights
+
+    results.data["device"] = torch.cuda.get_device_name(0)
+    results.data["onnxruntime"] = ort.__version__
+    config = MHAConfig()
+    weights = init_weights(config, seed=0)
+    model_dir = Path(tempfile.mkdtemp()) / "model"
+    export_model_dir(model_dir, config, weights)  # the served model: full parity grid, step graph
+    with results.section("providers") as entry:
+        providers(entry, model_dir)
+    with results.section("parity") as entry:
+        parity(entry, model_dir, config, weights)
+    with results.section("selection") as entry:
+        selection(entry, model_dir, config, weights)
+    rates: dict[str, float] = {}
+    with results.section("matmul_flops") as entry:
+        rates.update(fp32=matmul_rate(torch.float32), bf16=matmul_rate(torch.bfloat16))
+        entry.update(rates)
+    for B, T, C, nh in SHAPES[:2] if args.quick else SHAPES:
+        with results.section(f"timing_{B}x{T}x{C}") as entry:
+            timing(entry, B, T, C, nh, rates, repeats=10 if args.quick else 30)
+    with results.section("memory") as entry:
+        entry["torch_max_allocated_mib"] = torch.cuda.max_memory_allocated() / 2**20
+        entry["device_used_mib"] = (torch.cuda.mem_get_info()[1] - torch.cuda.mem_get_info()[0]) / 2**20
+    log.info(
+        "%s", json.dumps({k: v for k, v in results.data.items() if not k.startswith("timing")}, default=str)[:3000]
+    )
+    return 0
+
+
+def providers(entry: dict[str, Any], model_dir: Path) -> None:
+    from service.backends.ort import OrtCudaBackend
+
+    backend = OrtCudaBackend(model_dir / "model.onnx")  # refuses unless compute nodes are on CUDA
+    entry["get_providers"] = backend.providers
+    entry["placements"] = backend.placements
+    entry["placement"] = backend.placement
+
+
+def parity(entry: dict[str, Any], model_dir: Path, config: Any, weights: Any) -> None:
+    import onnxruntime as ort
+
+    from export.layout import INPUT_NAME, PAST_NAMES
+    from export.verify import check_parity, check_step_parity, parity_grid, step_parity_grid
+    from service.backends.ort import OrtCudaBackend, cuda_provider_options
+    from service.backends.pytorch import TorchBackend
+
+    grid = parity_grid(config.max_seq_len)
+    for backend in (OrtCudaBackend(model_dir / "model.onnx"), TorchBackend(config, weights, device="cuda")):
+        report = check_parity(backend.run, config, weights, grid, seed=3)
+        entry[backend.name] = report.to_dict()
+        log.info("%s parity:\n%s", backend.name, report.table())
+    cuda = [("CUDAExecutionProvider", cuda_provider_options(0, 0)), "CPUExecutionProvider"]
+    session = ort.InferenceSession(str(model_dir / "step.onnx"), providers=cuda)
+
+    def step(x: np.ndarray, keys: np.ndarray, values: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        y, k, v = session.run(None, {INPUT_NAME: x, PAST_NAMES[0]: keys, PAST_NAMES[1]: values})
+        return y, k, v
+
+    report = check_step_parity(step, config, weights, step_parity_grid(config.max_seq_len), seed=3)
+    entry["step_graph_ort_cuda"] = report.to_dict()
+    log.info("step graph parity on ORT-CUDA:\n%s", report.table())
+
+
+def selection(entry: dict[str, Any], model_dir: Path, config: Any, weights: Any) -> None:
+    from export.verify import check_parity, parity_grid
     from service.backends import BackendChain, select_backends
     from service.backends.ort import OrtCudaBackend
     from service.backends.pytorch import TorchBackend
     from service.backends.selection import SelfCheck
 
-    results["device"] = torch.cuda.get_device_name(0)
-    results["onnxruntime"] = ort.__version__
-    config = MHAConfig()
-    weights = init_weights(config, seed=0)
-    model_dir = Path(tempfile.mkdtemp()) / "model"
-    export_model_dir(model_dir, config, weights)
-
-    ort_cuda = OrtCudaBackend(ModelFiles(model_dir).onnx)
-    results["ort_providers"] = ort_cuda._session.get_providers()
-    torch_cuda = TorchBackend(config, weights, device="cuda")
-    grid = parity_grid(config.max_seq_len)
-    for backend in (ort_cuda, torch_cuda):
-        report = check_parity(backend.run, config, weights, grid, seed=3)
-        results[f"parity_{backend.name}"] = report.to_dict()
-        log.info("%s parity:\n%s", backend.name, report.table())
-
-    selection = select_backends(ModelFiles(model_dir).onnx, config, weights, "auto")
-    results["auto_order"] = [b.name for b in selection.backends]
-    results["auto_reasons"] = selection.summary()
+    chosen = select_backends(model_dir / "model.onnx", config, weights, "auto")
+    entry["auto_order"] = [b.name for b in chosen.backends]
+    entry["auto_reasons"] = chosen.summary()
 
     class Broken(OrtCudaBackend):
-        def run(self, x):
+        def run(self, x: np.ndarray) -> np.ndarray:
             raise RuntimeError("CUDA provider made to fail")
 
-    broken = Broken(ModelFiles(model_dir).onnx)
     fallbacks: list[tuple[str, str, str]] = []
     chain = BackendChain(
-        [broken, torch_cuda], probe=SelfCheck(config, weights).passes, on_fallback=lambda *a: fallbacks.append(a)
+        [Broken(model_dir / "model.onnx"), TorchBackend(config, weights, device="cuda")],
+        probe=SelfCheck(config, weights).passes,
+        on_fallback=lambda *a: fallbacks.append(a),
     )
-    report = check_parity(lambda x: chain.run(x)[0], config, weights, grid[:4], seed=4)
-    results["fallback"] = {"ok": report.ok, "fallbacks": fallbacks, "benched": chain.benched()}
+    report = check_parity(lambda x: chain.run(x)[0], config, weights, parity_grid(config.max_seq_len)[:4], seed=4)
+    entry["fallback"] = {"ok": report.ok, "fallbacks": fallbacks, "benched": chain.benched()}
 
-    rates = {"fp32": matmul_rate(torch.float32), "bf16": matmul_rate(torch.bfloat16)}
-    results["matmul_flops"] = rates
-    timings = []
-    for B, T, C, nh in SHAPES[:2] if args.quick else SHAPES:
-        cfg = MHAConfig(d_model=C, n_head=nh, max_seq_len=T)
-        w = init_weights(cfg, seed=1)
-        d = Path(tempfile.mkdtemp()) / "m"
-        export_model_dir(d, cfg, w)
-        x = torch.randn(B, T, C, device="cuda")
-        session = OrtCudaBackend(ModelFiles(d).onnx)._session
-        binding = session.io_binding()
-        y = torch.empty_like(x)
-        binding.bind_input(INPUT_NAME, "cuda", 0, np.float32, list(x.shape), x.data_ptr())
-        binding.bind_output(OUTPUT_NAME, "cuda", 0, np.float32, list(y.shape), y.data_ptr())
-        row: dict[str, object] = {"B": B, "T": T, "C": C, "n_head": nh}
-        row["ort_cuda_fp32_ms"] = cuda_time_ms(lambda s=session, b=binding: s.run_with_iobinding(b))
-        plain = MultiHeadAttention.from_weights(cfg, w, fast=False).cuda()
-        sdpa = MultiHeadAttention.from_weights(cfg, w, fast=True).cuda()
-        with torch.inference_mode():
-            row["torch_eager_fp32_ms"] = cuda_time_ms(lambda m=plain, xx=x: m(xx))
-            row["torch_sdpa_fp32_ms"] = cuda_time_ms(lambda m=sdpa, xx=x: m(xx))
-            for name, dtype in (("bf16", torch.bfloat16), ("fp16", torch.float16)):
-                m16, x16 = MultiHeadAttention.from_weights(cfg, w).cuda().to(dtype), x.to(dtype)
-                row[f"torch_sdpa_{name}_ms"] = cuda_time_ms(lambda m=m16, xx=x16: m(xx))
-        flops = 8 * B * T * C * C + 4 * B * T * T * C
-        row["flops"] = flops
-        for key in [k for k in row if k.endswith("_ms")]:
-            achieved = flops / (float(row[key]) / 1e3)
-            peak = rates["bf16"] if ("bf16" in key or "fp16" in key) else rates["fp32"]
-            row[key.replace("_ms", "_of_matmul_peak")] = achieved / peak
-        log.info("%s", row)
-        timings.append(row)
-    results["timings"] = timings
-    (out / "gpu_check.json").write_text(json.dumps(results, indent=2, default=str))
-    log.info(
-        "providers %s; auto order %s; fallback ok %s",
-        results["ort_providers"],
-        results["auto_order"],
-        results["fallback"],
-    )
-    return 0
+
+def timing(entry: dict[str, Any], B: int, T: int, C: int, nh: int, rates: dict[str, float], repeats: int) -> None:
+    from export.layout import INPUT_NAME, OUTPUT_NAME
+    from export.onnx_export import export_onnx
+    from model import MHAConfig, MultiHeadAttention
+    from model.checkpoint import init_weights
+    from service.backends.ort import OrtCudaBackend
+
+    cfg = MHAConfig(d_model=C, n_head=nh, max_seq_len=T)
+    w = init_weights(cfg, seed=1)
+    path = Path(tempfile.mkdtemp()) / "model.onnx"
+    export_onnx(cfg, w, path)  # no parity grid here: section 2 checks the served model
+    x = torch.randn(B, T, C, device="cuda")
+    backend = OrtCudaBackend(path)
+    session = backend._session
+    binding = session.io_binding()
+    y = torch.empty_like(x)
+    binding.bind_input(INPUT_NAME, "cuda", 0, np.float32, list(x.shape), x.data_ptr())
+    binding.bind_output(OUTPUT_NAME, "cuda", 0, np.float32, list(y.shape), y.data_ptr())
+    host = x.cpu().numpy()
+    entry.update(B=B, T=T, C=C, n_head=nh)
+    entry["ort_cuda_iobinding_device_ms"] = synced_ms(lambda: session.run_with_iobinding(binding), repeats)
+    entry["ort_cuda_backend_run_from_host_ms"] = synced_ms(lambda: backend.run(host), repeats)
+    entry["ort_cuda_session_run_from_host_ms"] = synced_ms(lambda: session.run(None, {INPUT_NAME: host}), repeats)
+    plain = MultiHeadAttention.from_weights(cfg, w, fast=False).cuda()
+    sdpa = MultiHeadAttention.from_weights(cfg, w, fast=True).cuda()
+    with torch.inference_mode():
+        entry["torch_eager_fp32_ms"] = synced_ms(lambda: plain(x), repeats)
+        entry["torch_sdpa_fp32_ms"] = synced_ms(lambda: sdpa(x), repeats)
+        for name, dtype in (("bf16", torch.bfloat16), ("fp16", torch.float16)):
+            m16, x16 = MultiHeadAttention.from_weights(cfg, w).cuda().to(dtype), x.to(dtype)
+            entry[f"torch_sdpa_{name}_ms"] = synced_ms(lambda m=m16, xx=x16: m(xx), repeats)
+    flops = 8 * B * T * C * C + 4 * B * T * T * C
+    entry["flops"] = flops
+    for key in [k for k in entry if k.endswith("_ms")]:
+        peak = rates.get("bf16" if ("bf16" in key or "fp16" in key) else "fp32")
+        if peak:
+            entry[key.replace("_ms", "_of_matmul_peak")] = flops / (float(entry[key]) / 1e3) / peak
+    log.info("%s", entry)
 
 
 if __name__ == "__main__":
