@@ -16,6 +16,12 @@ INPUT_NAME = "x"  # (batch, seq, C) float32
 OUTPUT_NAME = "y"  # (batch, seq, C) float32
 PAST_NAMES = ("past_key", "past_value")  # (batch, n_head, past, head_size) float32, step.onnx inputs
 PRESENT_NAMES = ("present_key", "present_value")  # (batch, n_head, past + new, head_size), its outputs
+PRECISIONS = ("fp32", "fp16", "bf16")
+
+
+def precision_file(precision: str) -> str:
+    """model.onnx computes in fp32; model.fp16.onnx and model.bf16.onnx in half (fp32 in and out)."""
+    return MODEL_FILE if precision == "fp32" else f"model.{precision}.onnx"
 
 
 @dataclass(frozen=True)

@@ -23,9 +23,10 @@ from export.layout import (
     PRESENT_NAMES,
     STEP_FILE,
     WEIGHTS_FILE,
+    precision_file,
 )
-from export.onnx_export import DEFAULT_OPSET, export_onnx
-from export.step_graph import export_step_graph
+from export.onnx_export import DEFAULT_OPSET, ExportError, export_onnx
+from export.step_graph import build_precision_graph, export_step_graph, precision_tolerance
 from export.verify import (
     TOLERANCE,
     ParityReport,
@@ -58,8 +59,10 @@ def export_model_dir(
     opset: int = DEFAULT_OPSET,
     graph: str = "attention",
     tolerance: float = TOLERANCE,
+    precisions: tuple[str, ...] = ("fp32",),
 ) -> ParityReport:
-    """Export, verify, and only then move the three files into `out`."""
+    """Export, verify, and only then move the files into `out`: weights, model.onnx, step.onnx
+    (causal models), a graph per extra precision (fp16, bf16), manifest.json last."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix=".export-", dir=out) as tmp:
@@ -82,13 +85,39 @@ def export_model_dir(
         step_report = _export_step(staging, config, weights, tolerance)
         if step_report is not None:
             files.append(STEP_FILE)
+        halves = {p: _export_precision(staging, config, weights, p) for p in precisions if p != "fp32"}
+        files += [precision_file(p) for p in halves]
         manifest = _manifest(staging, config, opset, graph, report, step_report, files)
+        manifest["precisions"] = {"fp32": {"file": MODEL_FILE, "tolerance": tolerance}} | {
+            p: {"file": precision_file(p), "tolerance": r.tolerance, "parity": r.to_dict()} for p, r in halves.items()
+        }
         (staging / MANIFEST_FILE).write_text(json.dumps(manifest, indent=2) + "\n")
         for name in (*files, MANIFEST_FILE):  # manifest last: it vouches for the others
             os.replace(staging / name, out / name)
         if step_report is not None:  # the caller's table shows both graphs
             report.rows += step_report.rows
     log.info("wrote %s (%s %.1f KiB)", out, MODEL_FILE, (out / MODEL_FILE).stat().st_size / 1024)
+    return report
+
+
+def _export_precision(staging: Path, config: MHAConfig, weights: Weights, precision: str) -> ParityReport:
+    """model.<precision>.onnx, verified on ONNX Runtime (CPU) within the format's tolerance."""
+    path = staging / precision_file(precision)
+    model = build_precision_graph(config, weights, precision)
+    onnx.checker.check_model(model, full_check=True)
+    onnx.save(model, str(path))
+    tolerance = precision_tolerance(precision, config)
+    log.info("checking %s on ONNX Runtime (CPU), tolerance %.1e", path.name, tolerance)
+    try:
+        runner = ort_cpu_runner(path)
+    except Exception as exc:  # ORT's own error types: e.g. no CPU kernel for bf16 MatMul
+        raise ExportError(
+            f"ONNX Runtime here cannot run {path.name} ({str(exc)[:200]}); export {precision} where a runtime "
+            "with its kernels (a CUDA device) can verify it"
+        ) from exc
+    report = check_parity(runner, config, weights, parity_grid(config.max_seq_len), tolerance=tolerance)
+    if not report.ok:
+        raise ParityError(report)
     return report
 
 

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import numpy as np
 import onnx
+import torch
 from onnx import TensorProto, helper, numpy_helper
 
 from export.layout import INPUT_NAME, OUTPUT_NAME, PAST_NAMES, PRESENT_NAMES
@@ -72,14 +73,29 @@ def build_step_graph(config: MHAConfig, weights: Weights) -> onnx.ModelProto:
     )
 
 
-def _linear(name: str, source: str, weights: Weights, initializers: list[onnx.TensorProto]) -> list[onnx.NodeProto]:
+ELEM_TYPES = {"fp32": TensorProto.FLOAT, "fp16": TensorProto.FLOAT16, "bf16": TensorProto.BFLOAT16}
+TORCH_TYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+def _initializer(tensor: torch.Tensor, name: str, precision: str) -> onnx.TensorProto:
+    """A weight as an initializer in `precision` (bf16 through its raw bytes: numpy has no bf16)."""
+    t = tensor.detach().to(TORCH_TYPES[precision]).contiguous()
+    if precision != "bf16":
+        return numpy_helper.from_array(t.numpy(), name)
+    raw = t.view(torch.int16).numpy().tobytes()
+    return helper.make_tensor(name, TensorProto.BFLOAT16, list(t.shape), raw, raw=True)
+
+
+def _linear(
+    name: str, source: str, weights: Weights, initializers: list[onnx.TensorProto], precision: str = "fp32"
+) -> list[onnx.NodeProto]:
     """nn.Linear as MatMul by the transposed weight (C, C), then Add of the bias when there is one."""
-    weight = weights[f"{name}.weight"].float().T.contiguous().numpy()  # (C_in, C_out)
-    initializers.append(numpy_helper.from_array(weight, f"{name}.weight_t"))
+    weight = weights[f"{name}.weight"].float().T  # (C_in, C_out)
+    initializers.append(_initializer(weight, f"{name}.weight_t", precision))
     bias = weights.get(f"{name}.bias")
     if bias is None:
         return [helper.make_node("MatMul", [source, f"{name}.weight_t"], [f"{name}.out"])]
-    initializers.append(numpy_helper.from_array(bias.float().numpy(), f"{name}.bias"))
+    initializers.append(_initializer(bias.float(), f"{name}.bias", precision))
     return [
         helper.make_node("MatMul", [source, f"{name}.weight_t"], [f"{name}.matmul"]),
         helper.make_node("Add", [f"{name}.matmul", f"{name}.bias"], [f"{name}.out"]),
@@ -112,3 +128,49 @@ def export_step_graph(config: MHAConfig, weights: Weights, path: Path) -> None:
     onnx.checker.check_model(model, full_check=True)
     onnx.save(model, str(path))
     log.info("wrote %s (%.1f KiB)", path.name, path.stat().st_size / 1024)
+
+
+def build_precision_graph(config: MHAConfig, weights: Weights, precision: str) -> onnx.ModelProto:
+    """The whole-sequence graph computed in `precision` (fp16 or bf16) with float32 x and y: a
+    Cast in, the weights stored in `precision`, one Attention op, a Cast out."""
+    if precision not in ("fp16", "bf16"):
+        raise StepGraphError(f"precision {precision!r}: expected fp16 or bf16 (fp32 is model.onnx)")
+    C, nh, hs = config.d_model, config.n_head, config.head_size
+    initializers: list[onnx.TensorProto] = []
+    nodes = [helper.make_node("Cast", [INPUT_NAME], ["x_half"], to=ELEM_TYPES[precision])]
+    for name in ("q_proj", "k_proj", "v_proj"):
+        nodes += _linear(name, "x_half", weights, initializers, precision)
+    nodes.append(
+        helper.make_node(
+            "Attention",
+            ["q_proj.out", "k_proj.out", "v_proj.out"],
+            ["heads"],
+            q_num_heads=nh,
+            kv_num_heads=nh,
+            is_causal=int(config.causal),
+            scale=1.0 / math.sqrt(hs),
+        )
+    )  # (batch, seq, C)
+    nodes += _linear("o_proj", "heads", weights, initializers, precision)
+    nodes.append(helper.make_node("Cast", ["o_proj.out"], [OUTPUT_NAME], to=TensorProto.FLOAT))
+    shape: list[str | int | None] = ["batch", "seq", C]
+    graph = helper.make_graph(
+        nodes,
+        f"mha_{precision}",
+        [helper.make_tensor_value_info(INPUT_NAME, TensorProto.FLOAT, shape)],
+        [helper.make_tensor_value_info(OUTPUT_NAME, TensorProto.FLOAT, shape)],
+        initializers,
+    )
+    opsets = [helper.make_opsetid("", STEP_OPSET)]
+    return helper.make_model(graph, opset_imports=opsets, ir_version=STEP_IR_VERSION, producer_name="mha-serve")
+
+
+def precision_tolerance(precision: str, config: MHAConfig) -> float:
+    """The relative error a graph in `precision` may show against the float64 reference: the
+    format's unit roundoff u (fp32 2^-24, fp16 2^-11, bf16 2^-8) times one rounding per op on the
+    path and the depth of the longest sum (log2 of C or T, as pairwise sums grow), for fp32 with
+    the suite's fixed 1e-5 floor."""
+    if precision == "fp32":
+        return 1e-5
+    u = {"fp16": 2.0**-11, "bf16": 2.0**-8}[precision]
+    return u * (2 + math.log2(max(config.d_model, config.max_seq_len)))

@@ -18,7 +18,6 @@ from export.layout import (
     MODEL_FILE,
     OUTPUT_NAME,
     PAST_NAMES,
-    STEP_FILE,
     WEIGHTS_FILE,
     ModelFiles,
 )
@@ -221,18 +220,24 @@ def verify_model_dir(directory: Path, grid: Sequence[tuple[int, int]] | None = N
     problems = _content_problems(files, config)
     if problems:
         return ParityReport(tolerance=TOLERANCE, problems=problems)
-    report = check_parity(
-        ort_cpu_runner(directory / MODEL_FILE),
-        config,
-        weights,
-        grid if grid is not None else parity_grid(config.max_seq_len),
-        seed=seed,
-    )
+    shapes = grid if grid is not None else parity_grid(config.max_seq_len)
+    report = check_parity(ort_cpu_runner(directory / MODEL_FILE), config, weights, shapes, seed=seed)
     if files.step.is_file():
         steps = check_step_parity(ort_step_runner(files.step), config, weights, step_parity_grid(config.max_seq_len))
         report.rows += steps.rows
         report.problems += steps.problems
+    for precision, entry in json.loads(files.manifest.read_text()).get("precisions", {}).items():
+        if precision != "fp32":
+            half = check_parity(
+                ort_cpu_runner(directory / entry["file"]), config, weights, shapes, seed, entry["tolerance"]
+            )
+            report.problems += [f"{entry['file']}: {row}" for row in _failures(half)]
     return report
+
+
+def _failures(report: ParityReport) -> list[str]:
+    rows = [f"(B={r.batch}, T={r.seq}) off by {r.worst:.2e} > {report.tolerance:.1e}" for r in report.rows]
+    return report.problems + [row for row, r in zip(rows, report.rows, strict=True) if r.worst > report.tolerance]
 
 
 def check_manifest(files: ModelFiles, config: MHAConfig, weights_sha256: str) -> list[str]:
@@ -281,8 +286,10 @@ def _check_files(files: ModelFiles, weights_sha256: str) -> list[str]:
         return [f"{MANIFEST_FILE} is not a JSON object"]
     problems = []
     hashed = [(MODEL_FILE, sha256_file(files.onnx)), (WEIGHTS_FILE, weights_sha256)]
-    if STEP_FILE in manifest.get("files", {}):  # directories exported before step.onnx existed have none
-        hashed.append((STEP_FILE, sha256_file(files.step) if files.step.is_file() else "missing"))
+    for name in manifest.get("files", {}):  # the step graph and half-precision graphs, where exported
+        if name not in (MODEL_FILE, WEIGHTS_FILE):
+            path = directory / name
+            hashed.append((name, sha256_file(path) if path.is_file() and "/" not in name else "missing"))
     for name, actual in hashed:
         recorded = manifest.get("files", {}).get(name, {}).get("sha256")
         if recorded != actual:

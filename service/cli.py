@@ -33,7 +33,7 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from export.onnx_export import DEFAULT_OPSET
+    from export.onnx_export import DEFAULT_OPSET, ExportError
     from export.pipeline import ParityError, export_model_dir
     from model.checkpoint import CheckpointError
 
@@ -48,13 +48,28 @@ def cmd_export(args: argparse.Namespace) -> int:
             f"--out {out} exists and is not empty (a server may be serving it); pass --force to replace it", 2
         )
     try:
-        report = export_model_dir(out, config, weights, opset=args.opset or DEFAULT_OPSET, graph=args.graph)
+        precisions = _precisions(args.precision)
+        report = export_model_dir(
+            out, config, weights, opset=args.opset or DEFAULT_OPSET, graph=args.graph, precisions=precisions
+        )
+    except ExportError as exc:
+        raise CliError(f"cannot export: {exc}") from exc
     except ParityError as exc:
         sys.stdout.write(exc.report.table() + "\n")
         log.error("refusing to write %s: the exported model fails parity", args.out)
         return 1
     sys.stdout.write(report.table() + "\n")
     return 0
+
+
+def _precisions(text: str) -> tuple[str, ...]:
+    from export.layout import PRECISIONS
+
+    precisions = tuple(dict.fromkeys(p.strip() for p in text.split(",")))
+    unknown = [p for p in precisions if p not in PRECISIONS]
+    if unknown or "fp32" not in precisions:
+        raise CliError(f"--precision {text!r}: expected fp32 plus any of fp16, bf16, comma-separated", 2)
+    return precisions
 
 
 def _model_from_args(args: argparse.Namespace) -> tuple[MHAConfig, Weights]:
@@ -367,6 +382,9 @@ def build_parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
     p.add_argument("--checkpoint", help="our safetensors, GPT-2 safetensors (c_attn) or nanoGPT .pt")
     p.add_argument("--import-prefix", help="with several layers in --checkpoint: which, e.g. 'h.0.attn.'")
     p.add_argument("--opset", type=int, default=None, help="ONNX opset (default 23)")
+    p.add_argument(
+        "--precision", default="fp32", help="graphs to write: fp32 (model.onnx) plus fp16, bf16 (default fp32)"
+    )
     p.add_argument(
         "--graph",
         choices=("attention", "plain"),
