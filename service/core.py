@@ -16,7 +16,7 @@ from functools import partial
 
 import numpy as np
 
-from export.layout import ModelFiles
+from export.layout import ModelFiles, precision_file
 from export.verify import check_manifest, sha256_file
 from model import MHAConfig
 from model.checkpoint import CheckpointError, load_checkpoint
@@ -223,14 +223,21 @@ def load_model(
         raise ModelLoadError(f"cannot serve {files.directory}: {exc}") from exc
     weights_sha256 = sha256_file(files.weights)  # once: the manifest check and the published identity
     verified = _verified(files, config, weights_sha256, s.allow_unverified)
+    onnx_path = files.directory / precision_file(s.precision)
+    if not onnx_path.is_file():
+        raise ModelLoadError(
+            f"{files.directory} has no {s.precision} graph ({onnx_path.name}); re-export it with "
+            f"`mha export --precision fp32,{s.precision}`, or serve --precision fp32"
+        )
     selection = select_backends(
-        files.onnx,
+        onnx_path,
         config,
         weights,
         requested=s.backend,
         threads=s.cpu_threads,
         spinning=s.thread_spinning,
         gpu_mem_limit_mb=s.gpu_mem_limit_mb,
+        precision=s.precision,
     )
     if not selection.backends:
         raise ModelLoadError(f"no backend can serve {files.directory}: {selection.summary()}")

@@ -19,6 +19,7 @@ BACKEND_CHOICES = ("auto", "ort-cuda", "ort-cpu", "torch")
 LOG_FORMATS = ("auto", "json", "text")
 SHARED_MEMORY_CHOICES = ("off", "system")
 DEVICE_CHOICES = ("any", "cuda")
+PRECISION_CHOICES = ("fp32", "fp16", "bf16")
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 
 
@@ -51,6 +52,9 @@ class Settings:
         0, "plaintext port with only the gRPC health service, for probes under mTLS; 0: off", low=0, high=65535
     )
     backend: str = setting("auto", "backend; auto measures and falls back", choices=BACKEND_CHOICES)
+    precision: str = setting(
+        "fp32", "compute precision: fp16/bf16 serve model.<precision>.onnx (fp32 in and out)", choices=PRECISION_CHOICES
+    )
     gpu_mem_limit_mb: int = setting(0, "cap on ORT's CUDA arena (gpu_mem_limit); 0: no cap", "MiB", low=0)
     require_device: str = setting(
         "any", "cuda: ready only while a CUDA backend serves (no silent CPU fallback)", choices=DEVICE_CHOICES

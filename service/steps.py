@@ -74,18 +74,25 @@ class StepBatcher:
             rows += B
         return batch
 
-    def _inline(self, batch: list[_Pending]) -> bool:
+    async def _inline(self, batch: list[_Pending]) -> bool:
         """A lone small step of the only request in the server runs on the event loop: the hop
-        to the worker thread and back would cost more than its compute (as for stateless batches)."""
-        if len(batch) > 1 or self._pending or self._in_flight is None or self._in_flight() > 1:
-            return False
+        to the worker thread and back would cost more than its compute (as for stateless batches).
+        One turn of the loop first lets requests that already arrived show up."""
         x = batch[0].step.x
-        return batch_mflop(int(x.shape[0]), int(x.shape[1]), int(x.shape[2])) <= self.inline_max_mflop
+        if len(batch) > 1 or batch_mflop(int(x.shape[0]), int(x.shape[1]), int(x.shape[2])) > self.inline_max_mflop:
+            return False
+        if not self._alone():
+            return False
+        await asyncio.sleep(0)
+        return self._alone()
+
+    def _alone(self) -> bool:
+        return not self._pending and self._in_flight is not None and self._in_flight() <= 1
 
     async def _execute(self, batch: list[_Pending]) -> None:
         loop = asyncio.get_running_loop()
         try:
-            if self._inline(batch):
+            if await self._inline(batch):
                 ys = self._run([p.step for p in batch])
             else:
                 ys = await loop.run_in_executor(self._executor, self._run, [p.step for p in batch])

@@ -11,11 +11,20 @@ from model import MHAConfig, MultiHeadAttention
 from model.checkpoint import Weights
 from service.backends.base import Backend, BackendLoadError
 
+PRECISIONS = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+
 
 class TorchBackend(Backend):
     platform = "pytorch_libtorch"
 
-    def __init__(self, config: MHAConfig, weights: Weights, device: str = "cpu", threads: int | None = None) -> None:
+    def __init__(
+        self,
+        config: MHAConfig,
+        weights: Weights,
+        device: str = "cpu",
+        threads: int | None = None,
+        precision: str = "fp32",
+    ) -> None:
         if device.startswith("cuda"):
             if not torch.cuda.is_available():
                 raise BackendLoadError("torch sees no CUDA device")
@@ -27,9 +36,10 @@ class TorchBackend(Backend):
         warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
         self.device = device
         self.name = "torch-cuda" if device.startswith("cuda") else "torch-cpu"
-        self._module = MultiHeadAttention.from_weights(config, weights).to(device)
+        self.dtype = PRECISIONS[precision]  # float32 in and out; computed in this dtype
+        self._module = MultiHeadAttention.from_weights(config, weights).to(device, self.dtype)
 
     @torch.inference_mode()
     def run(self, x: np.ndarray) -> np.ndarray:
-        xt = torch.from_numpy(x).to(self.device, non_blocking=True)
-        return self._module(xt).cpu().numpy()
+        xt = torch.from_numpy(x).to(self.device, self.dtype, non_blocking=True)
+        return self._module(xt).float().cpu().numpy()

@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from export.step_graph import precision_tolerance
 from model import MHAConfig
 from model.checkpoint import Weights
 from model.reference import attention_view, relative_error
@@ -77,6 +78,7 @@ def _factories(
     cuda: bool,
     spinning: bool,
     gpu_mem_limit_mb: int = 0,
+    precision: str = "fp32",
 ) -> dict[str, Callable[[], Backend]]:
     from service.backends.ort import OrtCpuBackend, OrtCudaBackend
     from service.backends.pytorch import TorchBackend
@@ -84,9 +86,9 @@ def _factories(
     factories: dict[str, Callable[[], Backend]] = {}
     if cuda:
         factories["ort-cuda"] = lambda: OrtCudaBackend(onnx_path, mem_limit_mb=gpu_mem_limit_mb)
-        factories["torch-cuda"] = lambda: TorchBackend(config, weights, device="cuda")
+        factories["torch-cuda"] = lambda: TorchBackend(config, weights, device="cuda", precision=precision)
     factories["ort-cpu"] = lambda: OrtCpuBackend(onnx_path, threads=threads, spinning=spinning, width=config.d_model)
-    factories["torch-cpu"] = lambda: TorchBackend(config, weights, device="cpu", threads=threads)
+    factories["torch-cpu"] = lambda: TorchBackend(config, weights, device="cpu", threads=threads, precision=precision)
     return factories
 
 
@@ -153,6 +155,7 @@ def select_backends(
     cuda: bool | None = None,
     spinning: bool = False,
     gpu_mem_limit_mb: int = 0,
+    precision: str = "fp32",
 ) -> Selection:
     """Load every wanted backend, self-check each, and order them.
 
@@ -160,8 +163,8 @@ def select_backends(
     torch-CPU are measured on the probe shapes and the faster serves.
     """
     cuda = torch.cuda.is_available() if cuda is None else cuda
-    factories = _factories(onnx_path, config, weights, threads, cuda, spinning, gpu_mem_limit_mb)
-    check = SelfCheck(config, weights)
+    factories = _factories(onnx_path, config, weights, threads, cuda, spinning, gpu_mem_limit_mb, precision)
+    check = SelfCheck(config, weights, tolerance=precision_tolerance(precision, config))
     loaded: list[tuple[Backend, CandidateReport]] = []
     reports: list[CandidateReport] = []
     for name in _wanted(requested, cuda):
