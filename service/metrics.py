@@ -65,6 +65,7 @@ class Metrics:
         self.batch_size = Histogram(
             "mha_batch_size", "Rows (sum of B) per executed batch.", buckets=BATCH_BUCKETS, registry=registry
         )
+        self._durations: dict[str, Histogram] = {}
         self.tokens = counter("mha_tokens", "Tokens served: the sum of B*T over successful requests.")
         self.inflight = gauge("mha_inflight_requests", "Inference requests in the server now.")
         self.queue_depth = gauge("mha_queue_depth", "Requests waiting in the batching queue.")
@@ -106,7 +107,14 @@ class Metrics:
             return
         self.batch_size.observe(event.rows)
         self.batch_formation.observe(event.formation_s)
-        self.inference_duration.labels(backend=event.backend).observe(event.compute_s)
+        self._inference_duration(event.backend).observe(event.compute_s)
+
+    def _inference_duration(self, backend: str) -> Histogram:
+        """The labelled child, looked up once per backend (a fixed, small set) rather than per batch."""
+        child = self._durations.get(backend)
+        if child is None:
+            child = self._durations[backend] = self.inference_duration.labels(backend=backend)
+        return child
 
     def observe_answer(self, tokens: int, queue_s: float) -> None:
         self.tokens.inc(tokens)
