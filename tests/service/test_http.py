@@ -134,3 +134,26 @@ def test_draining_answers_503(small_model_dir: Path) -> None:
         s.running = None
     assert code == 503 and "draining" in json.loads(answer)["error"]
     assert ready == 503
+
+
+def test_a_sequence_over_http(server: ServerThread, small_model_dir: Path) -> None:
+    """Triton's sequence parameters in the JSON request: a prefix, then single tokens, each answer the
+    last rows of the model over the whole prefix; the end frees the sequence."""
+    config, weights = load_checkpoint(small_model_dir / "weights.safetensors")
+    tokens = np.random.default_rng(7).standard_normal((1, 9, 32), dtype=np.float32)
+    chunks = [(0, 5), (5, 6), (6, 7), (7, 9)]
+    for i, (start, end) in enumerate(chunks):
+        flags = {"sequence_id": "http-seq", "sequence_start": i == 0, "sequence_end": i == len(chunks) - 1}
+        code, _, answer = _call(
+            server.settings.http_port, "/v2/models/mha/infer", _infer_json(tokens[:, start:end], parameters=flags)
+        )
+        assert code == 200, answer
+        y = np.array(json.loads(answer)["outputs"][0]["data"], np.float32).reshape(1, end - start, 32)
+        reference = attention_view(torch.from_numpy(tokens[:, :end]), weights, config)[:, start:]
+        assert relative_error(torch.from_numpy(y), reference) < 1e-5
+    code, _, answer = _call(
+        server.settings.http_port,
+        "/v2/models/mha/infer",
+        _infer_json(tokens[:, :1], parameters={"sequence_id": "http-seq"}),
+    )
+    assert code == 404 and "ended (sequence_end)" in json.loads(answer)["error"]
