@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections import Counter
 from collections.abc import Callable, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass
@@ -41,7 +42,7 @@ class StepBatcher:
         self.inline_max_mflop = inline_max_mflop
         self._pending: list[_Pending] = []
         self._task: asyncio.Task[None] | None = None
-        self.batches: list[int] = []  # steps per executed batch, for tests and statistics
+        self.batches: Counter[int] = Counter()  # executed batches by their number of steps (bounded by max_rows)
 
     async def submit(self, step: StepInput) -> np.ndarray:
         """y (B, t, C) of the step; the sequence's length advances only if the answer is taken."""
@@ -103,7 +104,7 @@ class StepBatcher:
             for item in batch:  # isolate the culprit: one sequence's failure never fails the others
                 await self._execute([item])
             return
-        self.batches.append(len(batch))
+        self.batches[len(batch)] += 1
         for item, y in zip(batch, ys, strict=True):
             _answer(item, y)
 
