@@ -306,8 +306,13 @@ def test_a_failing_backend_fails_each_request_once() -> None:
 
 
 def test_concurrent_clients_mixed_shapes_batch_and_stay_exact(small_model_dir: Path) -> None:
-    settings = make_settings(
-        small_model_dir, max_batch_size=16, max_queue_delay_ms=20, max_padding_ratio=0.75, backend="torch"
+    settings = make_settings(  # every batch on the worker thread: this test is about batches forming
+        small_model_dir,
+        max_batch_size=16,
+        max_queue_delay_ms=20,
+        max_padding_ratio=0.75,
+        backend="torch",
+        inline_max_mflop=0,
     )
     config, weights = load_checkpoint(small_model_dir / "weights.safetensors")
     shapes = [(1 + i % 3, [5, 8, 13, 16, 31, 32, 61, 64][i % 8]) for i in range(24)]

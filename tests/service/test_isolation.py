@@ -30,7 +30,9 @@ def _exact(model_dir: Path, x: np.ndarray, y: np.ndarray) -> bool:
 
 @pytest.fixture(scope="module", params=["auto", "torch"], ids=["two-backends", "one-backend"])
 def server(request: pytest.FixtureRequest, small_model_dir: Path) -> Iterator[ServerThread]:
-    settings = make_settings(small_model_dir, backend=request.param, max_batch_size=16, max_queue_delay_ms=20)
+    settings = make_settings(  # batches on the worker thread, so that they form (see the stream test)
+        small_model_dir, backend=request.param, max_batch_size=16, max_queue_delay_ms=20, inline_max_mflop=0
+    )
     with ServerThread(settings) as s:
         yield s
 

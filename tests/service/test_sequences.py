@@ -31,7 +31,8 @@ C = 32  # the small model: 4 heads, max_seq_len 64
 
 @pytest.fixture(scope="module")
 def server(small_model_dir: Path) -> Iterator[ServerThread]:
-    with ServerThread(make_settings(small_model_dir, backend="ort-cpu", max_sequences=16)) as s:
+    settings = make_settings(small_model_dir, backend="ort-cpu", max_sequences=16, inline_max_mflop=0)
+    with ServerThread(settings) as s:  # steps on the worker thread, so that concurrent steps share batches
         yield s
 
 
