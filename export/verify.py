@@ -236,8 +236,8 @@ def verify_model_dir(directory: Path, grid: Sequence[tuple[int, int]] | None = N
 
 
 def _failures(report: ParityReport) -> list[str]:
-    rows = [f"(B={r.batch}, T={r.seq}) off by {r.worst:.2e} > {report.tolerance:.1e}" for r in report.rows]
-    return report.problems + [row for row, r in zip(rows, report.rows, strict=True) if r.worst > report.tolerance]
+    over = [r for r in report.rows if r.worst > report.tolerance]
+    return report.problems + [f"(B={r.batch}, T={r.seq}) off by {r.worst:.2e} > {report.tolerance:.1e}" for r in over]
 
 
 def check_manifest(files: ModelFiles, config: MHAConfig, weights_sha256: str) -> list[str]:

@@ -50,9 +50,17 @@ def batch_mflop(rows: int, seq: int, width: int) -> float:
     return (8 * rows * seq * width * width + 4 * rows * seq * seq * width) / 1e6
 
 
-def runs_inline(shape: tuple[int, ...], config: BatcherConfig) -> bool:
-    """Whether a merged batch of `shape` (rows, T, C) is computed on the event loop's thread."""
-    return batch_mflop(*shape[:3]) <= config.inline_max_mflop
+async def alone_and_small(
+    requests: int, shape: tuple[int, ...], inline_max_mflop: float, alone: Callable[[], bool]
+) -> bool:
+    """Whether to compute a batch of `shape` (rows, T, C) on the event loop's thread: one request,
+    at most `inline_max_mflop` of work, and nothing else in the server (`alone`). One turn of the
+    loop first lets requests that have already arrived show up; then the batch goes to the worker
+    thread instead, and they gather while it computes. Shared by the batcher and the step batcher."""
+    if requests > 1 or batch_mflop(*shape[:3]) > inline_max_mflop or not alone():
+        return False
+    await asyncio.sleep(0)
+    return alone()
 
 
 class Queued(Protocol):
@@ -296,7 +304,7 @@ class Batcher:
         x = merge([i.x for i in batch])  # (sum B, T_max, C)
         started = self.clock.now()
         try:
-            if await self._alone_and_small(batch, x):
+            if await alone_and_small(len(batch), x.shape, self.config.inline_max_mflop, self._alone):
                 y, backend = self._run_batch(x)
             else:
                 y, backend = await asyncio.get_running_loop().run_in_executor(self._executor, self._run_batch, x)
@@ -314,17 +322,9 @@ class Batcher:
             if not item.future.done():
                 item.future.set_result((out, Timing(started - item.enqueued, int(x.shape[0]), backend)))
 
-    async def _alone_and_small(self, batch: list[_Pending], x: np.ndarray) -> bool:
-        """Whether to compute on the event loop: a small batch of the only request in the server.
-        One turn of the loop first lets requests that have already arrived join the queue (then
-        the batch goes to the worker thread, and they gather while it computes)."""
-        if len(batch) > 1 or not runs_inline(x.shape, self.config) or not self._alone():
-            return False
-        await asyncio.sleep(0)
-        return not self._queue and self._alone()
-
     def _alone(self) -> bool:
-        return self._in_flight is not None and self._in_flight() <= 1
+        """Nothing queued and no other request in the server (unknown without `in_flight`: no)."""
+        return not self._queue and self._in_flight is not None and self._in_flight() <= 1
 
     def _report(
         self,

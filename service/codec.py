@@ -95,7 +95,6 @@ def _check_shape(shape: list[int], model: ServedModel) -> tuple[int, int, int]:
 
 
 # Protocol features this server does not implement: refused, never silently ignored.
-UNSUPPORTED_REQUEST_PARAMETERS: tuple[str, ...] = ()
 UNSUPPORTED_OUTPUT_PARAMETERS = ("classification",)
 SEQUENCE_ID_LIMIT = 128  # characters of a string sequence_id
 SHM_REGION, SHM_SIZE, SHM_OFFSET = "shared_memory_region", "shared_memory_byte_size", "shared_memory_offset"
@@ -103,13 +102,12 @@ TYPED_FIELDS = ("bool", "int", "int64", "uint", "uint64", "fp32", "fp64", "bytes
 
 
 def _refuse_unsupported(request: pb.ModelInferRequest) -> None:
-    places: list[tuple[str, Any, tuple[str, ...]]] = [("request", request.parameters, UNSUPPORTED_REQUEST_PARAMETERS)]
-    places += [(f"output {o.name!r}", o.parameters, UNSUPPORTED_OUTPUT_PARAMETERS) for o in request.outputs]
-    for where, parameters, unsupported in places:
-        for key in unsupported:
-            if key in parameters:
+    for out in request.outputs:
+        for key in UNSUPPORTED_OUTPUT_PARAMETERS:
+            if key in out.parameters:
                 raise InvalidInput(
-                    f"{where} parameter {key!r} is not supported by this server; send the request without it"
+                    f"output {out.name!r} parameter {key!r} is not supported by this server; "
+                    "send the request without it"
                 )
 
 

@@ -13,7 +13,7 @@ import hmac
 import json
 import ssl
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import Any, TypeGuard
 
 import grpc
 import numpy as np
@@ -125,7 +125,14 @@ def _tensor_data(tensor: dict[str, Any], binary: memoryview, offset: int) -> tup
     return None, values.tolist(), offset
 
 
-def _is_int64(value: object) -> bool:
+def _parse_json(data: bytes, what: str) -> Any:
+    try:
+        return json.loads(data)
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
+        raise InvalidInput(f"{what} is not valid JSON: {str(exc) or type(exc).__name__}") from exc
+
+
+def _is_int64(value: object) -> TypeGuard[int]:
     return isinstance(value, int) and not isinstance(value, bool) and INT64_RANGE[0] <= value <= INT64_RANGE[1]
 
 
@@ -136,10 +143,7 @@ def to_infer_request(
     split = len(body) if header_length is None else header_length
     if not 0 <= split <= len(body):
         raise InvalidInput(f"{HEADER_LENGTH} {header_length} is outside the body's {len(body)} bytes")
-    try:
-        doc = json.loads(body[:split])
-    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
-        raise InvalidInput(f"the request is not valid JSON: {str(exc) or type(exc).__name__}") from exc
+    doc = _parse_json(body[:split], "the request")
     if not isinstance(doc, dict) or not isinstance(doc.get("inputs", []), list):
         raise InvalidInput("the request must be a JSON object with an 'inputs' list")
     request = pb.ModelInferRequest(model_name=name, model_version=version, id=str(doc.get("id", ""))[:256])
@@ -283,14 +287,11 @@ class HttpApi:
         return web.json_response({"model_stats": [proto_json(stats)]})
 
     async def _shm_register(self, request: web.Request) -> web.Response:
-        try:
-            doc = _object(json.loads(await request.read() or b"{}"), "the registration")
-        except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
-            raise InvalidInput(f"the registration is not valid JSON: {str(exc) or type(exc).__name__}") from exc
+        doc = _object(_parse_json(await request.read() or b"{}", "the registration"), "the registration")
         key, offset, size = doc.get("key"), doc.get("offset", 0), doc.get("byte_size")
-        if not isinstance(key, str) or not _is_int64(offset) or not _is_int64(size) or offset < 0:  # type: ignore[operator]
+        if not isinstance(key, str) or not _is_int64(offset) or not _is_int64(size) or offset < 0:
             raise InvalidInput('expected {"key": "/name", "offset": bytes >= 0, "byte_size": bytes}')
-        self.regions.register(request.match_info["region"], key, int(offset), int(size))  # type: ignore[arg-type]
+        self.regions.register(request.match_info["region"], key, offset, size)
         return web.json_response({})
 
     async def _shm_unregister(self, request: web.Request) -> web.Response:

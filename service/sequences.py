@@ -145,11 +145,8 @@ class SequenceStore:
         old = self._live.get(sequence_id)
         if old is not None:
             self._drop(old, "was restarted (sequence_start)", None)
-        if len(self._live) >= self.limits.max_sequences:
-            self._evict_for(count=1, nbytes=0)
         capacity = min(16, self.config.max_seq_len)
-        bytes_needed = 2 * rows * self.config.d_model * capacity * 4
-        self._evict_for(count=0, nbytes=bytes_needed)
+        self._evict_for(count=1, nbytes=self._cache_bytes(rows, capacity))
         cache = (_cache(rows, self.config, capacity), _cache(rows, self.config, capacity))
         sequence = Sequence(sequence_id, rows, *cache, last_used=self.now())
         self._live[sequence_id] = sequence
@@ -162,7 +159,7 @@ class SequenceStore:
         capacity = sequence.capacity
         while capacity < need:
             capacity = min(2 * capacity, self.config.max_seq_len)
-        extra = 2 * sequence.rows * self.config.d_model * (capacity - sequence.capacity) * 4
+        extra = self._cache_bytes(sequence.rows, capacity - sequence.capacity)
         self._evict_for(count=0, nbytes=extra, keep=sequence)
         for name in ("keys", "values"):
             old = getattr(sequence, name)
@@ -171,6 +168,10 @@ class SequenceStore:
             setattr(sequence, name, new)
         self.state_bytes += extra
         self._changed(None)
+
+    def _cache_bytes(self, rows: int, positions: int) -> int:
+        """Keys and values of `positions` tokens of `rows` rows, float32."""
+        return 2 * rows * self.config.d_model * positions * 4
 
     def _evict_for(self, count: int, nbytes: int, keep: Sequence | None = None) -> None:
         """Make room for `count` more sequences and `nbytes` more state by evicting idle ones,

@@ -210,8 +210,9 @@ async def load_and_serve(running: Running) -> None:
     core = running.core
     await core.load()
     core.device.on_serving = lambda ok: _health_task(running, ok)
-    await _set_health(running, core.serving_ok())
-    if not core.serving_ok():
+    ok = core.serving_ok()
+    await _set_health(running, ok)
+    if not ok:
         refuse_readiness(running)
         return
     settings = running.core.settings

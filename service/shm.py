@@ -71,8 +71,11 @@ class SystemRegions:
             raise Overloaded(
                 f"this server holds its limit of {self.max_regions} shared memory regions; unregister one first"
             )
-        if byte_size <= 0:
-            raise InvalidInput(f"region {quote(name)}: byte_size {byte_size}; expected a positive size")
+        if byte_size <= 0 or offset < 0:
+            raise InvalidInput(
+                f"region {quote(name)}: offset {offset}, byte_size {byte_size}; "
+                "expected offset >= 0 and a positive size"
+            )
         fd = self._open(key)
         try:
             size = os.fstat(fd).st_size

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass
@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from service.backends.steps import StepInput
-from service.batcher import batch_mflop
+from service.batcher import alone_and_small
 from service.control import SequenceControl
 from service.errors import InvalidInput
 from service.sequences import SequenceStore
@@ -40,7 +40,7 @@ class StepBatcher:
         self._run, self._executor, self.max_rows = run, executor, max_rows
         self._in_flight = in_flight  # requests in the server; None: assume others
         self.inline_max_mflop = inline_max_mflop
-        self._pending: list[_Pending] = []
+        self._pending: deque[_Pending] = deque()
         self._task: asyncio.Task[None] | None = None
         self.batches: Counter[int] = Counter()  # executed batches by their number of steps (bounded by max_rows)
 
@@ -66,26 +66,14 @@ class StepBatcher:
         while self._pending:
             item = self._pending[0]
             if item.future.done():  # cancelled while waiting: never computed
-                self._pending.pop(0)
+                self._pending.popleft()
                 continue
             B = item.step.x.shape[0]
             if batch and rows + B > self.max_rows:
                 break
-            batch.append(self._pending.pop(0))
+            batch.append(self._pending.popleft())
             rows += B
         return batch
-
-    async def _inline(self, batch: list[_Pending]) -> bool:
-        """A lone small step of the only request in the server runs on the event loop: the hop
-        to the worker thread and back would cost more than its compute (as for stateless batches).
-        One turn of the loop first lets requests that already arrived show up."""
-        x = batch[0].step.x
-        if len(batch) > 1 or batch_mflop(int(x.shape[0]), int(x.shape[1]), int(x.shape[2])) > self.inline_max_mflop:
-            return False
-        if not self._alone():
-            return False
-        await asyncio.sleep(0)
-        return self._alone()
 
     def _alone(self) -> bool:
         return not self._pending and self._in_flight is not None and self._in_flight() <= 1
@@ -93,7 +81,8 @@ class StepBatcher:
     async def _execute(self, batch: list[_Pending]) -> None:
         loop = asyncio.get_running_loop()
         try:
-            if await self._inline(batch):
+            shape = batch[0].step.x.shape  # a lone small step runs on the loop, as a lone small batch does
+            if await alone_and_small(len(batch), shape, self.inline_max_mflop, self._alone):
                 ys = self._run([p.step for p in batch])
             else:
                 ys = await loop.run_in_executor(self._executor, self._run, [p.step for p in batch])

@@ -335,3 +335,44 @@ def test_a_region_unregistered_while_its_request_computes_is_not_found(tmp_path:
     with pytest.raises(RegionNotFound, match="'out'"):
         encode_infer_response(x, SPEC, "r", "torch", target, regions)
     assert (tmp_path / "out").read_bytes() == bytes(x.nbytes)
+
+
+def test_http_registration_refuses_what_is_not_a_registration(small_model_dir: Path, objects) -> None:
+    import json
+    import urllib.error
+    import urllib.request
+
+    from tests.support import free_port
+
+    key = _key(_object(objects, 64))
+    settings = make_settings(small_model_dir, backend="torch", shared_memory="system", http_port=free_port())
+
+    def post(path: str, body: bytes) -> tuple[int, dict]:
+        request = urllib.request.Request(f"http://127.0.0.1:{settings.http_port}{path}", data=body)
+        try:
+            with urllib.request.urlopen(request, timeout=10) as response:
+                return response.status, json.loads(response.read())
+        except urllib.error.HTTPError as exc:
+            return exc.code, json.loads(exc.read())
+
+    bad = {
+        "not-json": b"\xff{",
+        "not-an-object": b"[1, 2]",
+        "negative-offset": json.dumps({"key": key, "offset": -1, "byte_size": 8}).encode(),
+        "bool-size": json.dumps({"key": key, "byte_size": True}).encode(),
+        "text-size": json.dumps({"key": key, "byte_size": "8"}).encode(),
+        "huge-size": json.dumps({"key": key, "byte_size": 2**70}).encode(),
+        "no-key": json.dumps({"byte_size": 8}).encode(),
+    }
+    with ServerThread(settings):
+        for name, body in bad.items():
+            code, answer = post("/v2/systemsharedmemory/region/r/register", body)
+            assert code == 400 and answer["error"], (name, code, answer)
+        assert (
+            post("/v2/systemsharedmemory/region/r/register", json.dumps({"key": key, "byte_size": 64}).encode())[0]
+            == 200
+        )
+        code, answer = post(
+            "/v2/systemsharedmemory/region/r/register", json.dumps({"key": key, "byte_size": 64}).encode()
+        )
+        assert code == 409 and "already registered" in answer["error"]
