@@ -242,6 +242,7 @@ class Batcher:
         self._wakeup = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._closed = False
+        self._computing = False  # a batch of the loop is being computed (on the worker thread)
 
     @property
     def depth(self) -> int:
@@ -266,8 +267,11 @@ class Batcher:
                 f"queue full: {len(self._queue)} requests waiting (max_queue_size {self.config.max_queue_size}); "
                 "retry with backoff"
             )
+        enqueued = self.clock.now()
+        if await alone_and_small(1, x.shape, self.config.inline_max_mflop, self._idle_and_alone):
+            return self._run_alone(x, enqueued, deadline)
         future: asyncio.Future[Answer] = asyncio.get_running_loop().create_future()
-        self._queue.append(_Pending(x=x, enqueued=self.clock.now(), deadline=deadline, future=future))
+        self._queue.append(_Pending(x=x, enqueued=enqueued, deadline=deadline, future=future))
         self._wakeup.set()
         return await future
 
@@ -283,7 +287,11 @@ class Batcher:
             self._queue = plan.rest
             self._expire(plan.expired)
             if plan.batch:
-                await self._execute(plan.batch, forming)
+                self._computing = True
+                try:
+                    await self._execute(plan.batch, forming)
+                finally:
+                    self._computing = False
 
     async def _wait_for_company(self) -> None:
         while self._queue and not self._closed:
@@ -302,6 +310,7 @@ class Batcher:
 
     async def _execute(self, batch: list[_Pending], forming: float) -> None:
         x = merge([i.x for i in batch])  # (sum B, T_max, C)
+        shapes = [(i.rows, i.seq) for i in batch]
         started = self.clock.now()
         try:
             if await alone_and_small(len(batch), x.shape, self.config.inline_max_mflop, self._alone):
@@ -309,7 +318,7 @@ class Batcher:
             else:
                 y, backend = await asyncio.get_running_loop().run_in_executor(self._executor, self._run_batch, x)
         except Exception as exc:
-            self._report(batch, x, (forming, started), "", exc)
+            self._report(shapes, x, (forming, started), "", exc)
             if len(batch) > 1:  # isolate the culprit: one request's failure never fails the others
                 for item in batch:
                     if not item.future.done():
@@ -317,34 +326,62 @@ class Batcher:
             elif not batch[0].future.done():
                 batch[0].future.set_exception(exc)
             return
-        self._report(batch, x, (forming, started), backend, None)
-        for item, out in zip(batch, split(y, [(i.rows, i.seq) for i in batch]), strict=True):
+        self._report(shapes, x, (forming, started), backend, None)
+        for item, out in zip(batch, split(y, shapes), strict=True):
             if not item.future.done():
                 item.future.set_result((out, Timing(started - item.enqueued, int(x.shape[0]), backend)))
+
+    def _run_alone(self, x: np.ndarray, enqueued: float, deadline: float | None) -> Answer:
+        """The only request in the server, small: computed here on the event loop, without the
+        queue, a future or the batcher's task (each a turn of the loop)."""
+        started = self.clock.now()
+        if deadline is not None and deadline <= started:
+            raise DeadlineExceeded(f"deadline passed after {(started - enqueued) * 1e3:.1f} ms in the queue")
+        shapes = [(int(x.shape[0]), int(x.shape[1]))]
+        try:
+            y, backend = self._run_batch(x)
+        except Exception as exc:
+            self._report(shapes, x, (started, started), "", exc)
+            raise
+        self._report(shapes, x, (started, started), backend, None)
+        return y, Timing(started - enqueued, int(x.shape[0]), backend)
 
     def _alone(self) -> bool:
         """Nothing queued and no other request in the server (unknown without `in_flight`: no)."""
         return not self._queue and self._in_flight is not None and self._in_flight() <= 1
 
+    def _idle_and_alone(self) -> bool:
+        """Alone, and no batch computing: a request whose client went away may still be."""
+        return not self._computing and self._alone()
+
     def _report(
         self,
-        batch: list[_Pending],
+        shapes: list[tuple[int, int]],
         x: np.ndarray,
-        times: tuple[float, float],  # (formation began, compute began)
+        times: tuple[float, float],
         backend: str,
         error: BaseException | None,
     ) -> None:
-        if self._on_batch is None:
-            return
-        (forming, started), rows = times, int(x.shape[0])
-        event = BatchEvent(
-            requests=len(batch),
-            rows=rows,
-            seqs=tuple(i.seq for i in batch),
-            padded_tokens=rows * int(x.shape[1]) - sum(i.rows * i.seq for i in batch),
-            formation_s=started - forming,
-            compute_s=self.clock.now() - started,
-            backend=backend,
-            error=error,
-        )
-        self._on_batch(event)
+        if self._on_batch is not None:
+            self._on_batch(batch_event(shapes, x, times, self.clock.now(), backend, error))
+
+
+def batch_event(
+    shapes: list[tuple[int, int]],  # (B, T) of each request, in batch order
+    x: np.ndarray,  # the merged batch
+    times: tuple[float, float],  # (formation began, compute began)
+    now: float,
+    backend: str,
+    error: BaseException | None,
+) -> BatchEvent:
+    (forming, started), rows = times, int(x.shape[0])
+    return BatchEvent(
+        requests=len(shapes),
+        rows=rows,
+        seqs=tuple(seq for _, seq in shapes),
+        padded_tokens=rows * int(x.shape[1]) - sum(b * t for b, t in shapes),
+        formation_s=started - forming,
+        compute_s=now - started,
+        backend=backend,
+        error=error,
+    )

@@ -51,19 +51,7 @@ def decode_infer_request(
         x = _read_contents(request, tensor, shape)
     else:
         x = _read_region(request, tensor, shape, where, regions)
-    if not _all_finite(x):
-        raise InvalidInput(
-            f"input {tensor.name!r} holds {int((~np.isfinite(x)).sum())} NaN or inf values; expected finite floats"
-        )
-    return x
-
-
-def _all_finite(x: np.ndarray) -> bool:
-    """NaN and inf propagate into a sum, so a finite sum proves every value finite without a
-    boolean array; only a non-finite sum (or an overflowing one) takes the exact check."""
-    with np.errstate(over="ignore", invalid="ignore"):  # an overflowing sum is expected, not a fault
-        total = np.add.reduce(x, axis=None)
-    return bool(np.isfinite(total)) or bool(np.isfinite(x).all())
+    return x  # its values are the core's to check: a NaN or inf shows in the output (see core)
 
 
 def _check_shape(shape: list[int], model: ServedModel) -> tuple[int, int, int]:

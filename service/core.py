@@ -20,6 +20,7 @@ from export.layout import ModelFiles, precision_file
 from export.verify import check_manifest, sha256_file
 from model import MHAConfig
 from model.checkpoint import CheckpointError, load_checkpoint
+from service.arrays import all_finite
 from service.backends import Backend, BackendChain, Selection, select_backends
 from service.backends.chain import REASONS, FallbackHook
 from service.backends.steps import StepRunner
@@ -151,11 +152,8 @@ class InferenceCore:
         """(B, T, C) -> (B, T, C) through the queue; `deadline` is on `self.clock`."""
         self._check_ready()
         y, timing = await self.loaded.batcher.submit(x, deadline)
-        if not np.isfinite(y).all():  # the chain found this input to blame (see BackendChain)
-            raise InvalidInput(
-                f"the output is not finite: the input's values (largest |x| = {float(np.abs(x).max()):.3g}) "
-                "overflow float32 inside attention; scale them down (see docs/api.md for the safe range)"
-            )
+        if not all_finite(y):  # the chain found this input to blame (see BackendChain)
+            raise InvalidInput(_not_finite(x))
         self.metrics.observe_answer(int(x.shape[0]) * int(x.shape[1]), timing.queue_s)
         self.stats.observe_answer(int(x.shape[0]), timing.queue_s)
         return y, timing
@@ -163,6 +161,8 @@ class InferenceCore:
     async def step(self, control: SequenceControl, x: np.ndarray) -> tuple[np.ndarray, Timing]:
         """A decode step of a live sequence: (B, t, C) new tokens -> their (B, t, C) outputs."""
         self._check_ready()
+        if not all_finite(x):  # refused before it touches the sequence's state
+            raise InvalidInput(_not_finite(x))
         y = await self.loaded.decoder.step(control, x)
         self.metrics.observe_answer(int(x.shape[0]) * int(x.shape[1]), 0.0)
         self.stats.observe_answer(int(x.shape[0]), 0.0)
@@ -252,6 +252,19 @@ def load_model(
     log.info("serving %s with %s on %s; %s", files.directory, active.name, active.device, selection.summary())
     served = ServedModel(identity, config, files, s.max_request_rows, s.max_attention_mb, weights_sha256, verified)
     return served, selection, chain, StepRunner(config, weights)
+
+
+def _not_finite(x: np.ndarray) -> str:
+    """Why a request's output is not finite. Its input's values were checked only then: a NaN or
+    inf in the input always reaches the output of its own rows, so a finite output proves the input
+    finite without a pass over it."""
+    bad = int(np.count_nonzero(~np.isfinite(x)))
+    if bad:
+        return f"the input holds {bad} NaN or inf values; expected finite floats"
+    return (
+        f"the output is not finite: the input's values (largest |x| = {float(np.abs(x).max()):.3g}) "
+        "overflow float32 inside attention; scale them down (see docs/api.md for the safe range)"
+    )
 
 
 def _serving(loaded: Loaded, s: Settings) -> Serving:

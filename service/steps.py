@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from service.arrays import all_finite
 from service.backends.steps import StepInput
 from service.batcher import alone_and_small
 from service.control import SequenceControl
@@ -46,6 +47,10 @@ class StepBatcher:
 
     async def submit(self, step: StepInput) -> np.ndarray:
         """y (B, t, C) of the step; the sequence's length advances only if the answer is taken."""
+        if await alone_and_small(1, step.x.shape, self.inline_max_mflop, self._idle_and_alone):
+            (y,) = self._run([step])  # the only request in the server: no future, task or hop
+            self.batches[1] += 1
+            return _commit(step, y)
         loop = asyncio.get_running_loop()
         future: asyncio.Future[np.ndarray] = loop.create_future()
         self._pending.append(_Pending(step, future))
@@ -78,6 +83,9 @@ class StepBatcher:
     def _alone(self) -> bool:
         return not self._pending and self._in_flight is not None and self._in_flight() <= 1
 
+    def _idle_and_alone(self) -> bool:
+        return (self._task is None or self._task.done()) and self._alone()
+
     async def _execute(self, batch: list[_Pending]) -> None:
         loop = asyncio.get_running_loop()
         try:
@@ -99,20 +107,25 @@ class StepBatcher:
 
 
 def _answer(item: _Pending, y: np.ndarray) -> None:
-    """Commit the step (its sequence grows by t tokens) and answer it; an abandoned step or a
-    non-finite output commits nothing, so the sequence stays as it was."""
+    """Commit the step and answer it; an abandoned step commits nothing."""
     if item.future.done():
         return
-    if not np.isfinite(y).all():
-        item.future.set_exception(
-            InvalidInput(
-                "the output is not finite: the input's values overflow float32 inside attention; the step "
-                "was not added to the sequence"
-            )
+    try:
+        item.future.set_result(_commit(item.step, y))
+    except InvalidInput as exc:
+        item.future.set_exception(exc)
+
+
+def _commit(step: StepInput, y: np.ndarray) -> np.ndarray:
+    """The sequence grows by the step's t tokens; a non-finite output commits nothing, so the
+    sequence stays as it was."""
+    if not all_finite(y):
+        raise InvalidInput(
+            "the output is not finite: the input's values overflow float32 inside attention; the step "
+            "was not added to the sequence"
         )
-        return
-    item.step.sequence.length += item.step.x.shape[1]
-    item.future.set_result(y)
+    step.sequence.length += step.x.shape[1]
+    return y
 
 
 def _fail(item: _Pending, exc: BaseException) -> None:

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from service.arrays import all_finite
 from service.backends.base import Backend
 from service.errors import BackendFailure, DeviceLost
 
@@ -114,17 +115,19 @@ class BackendChain:
         raise BackendFailure(f"every backend failed on a batch of shape {x.shape}: {errors or 'all benched'}")
 
     def _finite_or_input_to_blame(self, backend: Backend, x: np.ndarray, y: np.ndarray) -> bool:
-        """True when `y` is finite, or its non-finite rows are the input's doing: values so large
-        that attention overflows float32. Then the rows go back as they are (the core answers
+        """True when `y` is finite, or its non-finite rows are the input's doing: NaN or inf in
+        them, or values so large that attention overflows float32. Then the rows go back as they are (the core answers
         their requests INVALID_ARGUMENT) and nothing counts against the backend.
 
         The input is to blame when another healthy backend computes the same rows non-finite
         too or, with no other backend to ask, when this backend still passes its self-check.
         """
-        bad = ~np.isfinite(y).reshape(y.shape[0], -1).all(axis=1)  # (B,) rows with NaN or inf
-        if not bad.any():
+        if all_finite(y):
             return True
+        bad = ~np.isfinite(y).reshape(y.shape[0], -1).all(axis=1)  # (B,) rows with NaN or inf
         rows = x[bad]  # (b, T, C)
+        if not all_finite(rows):  # NaN or inf sent by the client: nothing to ask another backend
+            return True
         for other in self.backends:
             if other is backend or self._health[other.name].benched_until != 0.0:
                 continue

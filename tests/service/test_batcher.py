@@ -205,6 +205,37 @@ def test_only_a_small_batch_of_a_lone_request_is_computed_on_the_event_loop() ->
     assert others.threads == [False]
 
 
+def test_a_lone_request_never_computes_beside_a_batch_still_on_the_worker() -> None:
+    """The batch's own client went away (in flight 1), but its compute has not ended: the next
+    small request queues behind it instead of running a second compute on the event loop."""
+    config = replace(CFG, inline_max_mflop=1.0)
+
+    async def scenario(batcher: Batcher, run: Gated, clock: ManualClock) -> None:
+        big = asyncio.ensure_future(batcher.submit(_x(1, 512)))  # too large for the loop: the worker
+        await _entered(run)
+        small = asyncio.ensure_future(batcher.submit(_x(1, 4)))
+        await _until(lambda: batcher.depth == 1)
+        assert len(run.batches) == 1
+        run.gate.set()
+        await asyncio.gather(big, small)
+
+    _, run = _with_batcher(scenario, config, run=Gated(open_=False), in_flight=1)
+    assert run.batches == [(1, 512, 16), (1, 4, 16)]
+
+
+def test_a_lone_request_past_its_deadline_is_never_computed() -> None:
+    config = replace(CFG, inline_max_mflop=1.0)
+
+    async def scenario(batcher: Batcher, run: Gated, clock: ManualClock) -> None:
+        with pytest.raises(DeadlineExceeded, match="deadline passed"):
+            await batcher.submit(_x(1, 4), deadline=clock.now())
+        assert (await batcher.submit(_x(1, 4), deadline=clock.now() + 1))[0].shape == (1, 4, 16)
+
+    events, run = _with_batcher(scenario, config, in_flight=1)
+    assert run.batches == [(1, 4, 16)] and run.threads == [True]
+    assert [(e.requests, e.rows, e.seqs, e.formation_s) for e in events] == [(1, 1, (4,), 0.0)]
+
+
 def test_with_others_in_the_server_the_first_request_waits_for_company_then_goes() -> None:
     async def scenario(batcher: Batcher, run: Gated, clock: ManualClock) -> None:
         first = asyncio.ensure_future(batcher.submit(_x(1, 4)))

@@ -1,4 +1,5 @@
-"""One client cannot hurt the others: inputs that overflow attention fail alone and bench nothing."""
+"""One client cannot hurt the others: inputs that overflow attention, or hold NaN or inf, fail
+alone and bench nothing."""
 
 from __future__ import annotations
 
@@ -20,6 +21,12 @@ from tests.support import ServerThread, make_settings
 POISONS = {  # both backends overflow on these (checked in the tests: nothing may be benched)
     "1e20": np.random.default_rng(3).standard_normal((1, 8, 32), dtype=np.float32) * np.float32(1e20),
     "max": np.full((1, 8, 32), 3.4e38, np.float32),
+}
+
+
+NON_FINITE = {  # the server checks these only once the output shows them (see core._not_finite)
+    "nan": np.where(np.arange(8 * 32).reshape(1, 8, 32) % 50 == 7, np.nan, 0.5).astype(np.float32),
+    "-inf": np.concatenate([np.ones((1, 7, 32), np.float32), np.full((1, 1, 32), -np.inf, np.float32)], axis=1),
 }
 
 
@@ -56,11 +63,26 @@ def test_an_overflowing_input_is_the_clients_mistake(server: ServerThread, small
     _nothing_benched(server)
 
 
+@pytest.mark.parametrize("bad", NON_FINITE.values(), ids=NON_FINITE.keys())
+def test_nan_or_inf_in_the_input_is_named(server: ServerThread, small_model_dir: Path, bad: np.ndarray) -> None:
+    count = int(np.count_nonzero(~np.isfinite(bad)))
+    with MHAClient(server.url) as client:
+        for _ in range(5):
+            with pytest.raises(InferenceError) as info:
+                client.infer(bad)
+            assert info.value.code == grpc.StatusCode.INVALID_ARGUMENT
+            assert f"the input holds {count} NaN or inf values; expected finite floats" in str(info.value)
+        x = np.random.default_rng(0).standard_normal((2, 8, 32), dtype=np.float32)
+        assert _exact(small_model_dir, x, client.infer(x))
+    _nothing_benched(server)
+
+
 def test_innocent_requests_sharing_a_batch_with_a_poison_are_answered(
     server: ServerThread, small_model_dir: Path
 ) -> None:
     rng = np.random.default_rng(1)
-    xs = [POISONS["1e20"] if i % 3 == 0 else rng.standard_normal((1, 8, 32), dtype=np.float32) for i in range(45)]
+    poisons = [POISONS["1e20"], NON_FINITE["nan"]]
+    xs = [poisons[i % 2] if i % 3 == 0 else rng.standard_normal((1, 8, 32), dtype=np.float32) for i in range(45)]
     requests = [encode_infer_request(x, request_id=str(i)) for i, x in enumerate(xs)]
     with grpc.insecure_channel(server.url) as channel:
         responses = list(pb_grpc.GRPCInferenceServiceStub(channel).ModelStreamInfer(iter(requests), timeout=60))
@@ -68,7 +90,8 @@ def test_innocent_requests_sharing_a_batch_with_a_poison_are_answered(
     for response in responses:
         i = int(response.infer_response.id)
         if i % 3 == 0:
-            assert response.error_message.startswith("INVALID_ARGUMENT:") and "overflow" in response.error_message
+            assert response.error_message.startswith("INVALID_ARGUMENT:")
+            assert ("overflow" if i % 2 == 0 else "holds 5 NaN or inf values") in response.error_message
         else:
             assert not response.error_message, response.error_message
             assert _exact(small_model_dir, xs[i], decode_infer_response(response.infer_response))
