@@ -29,6 +29,7 @@ def main() -> int:
     parser.add_argument("--seconds", type=float, default=10.0)
     parser.add_argument("--model-dir", default="models/default")
     parser.add_argument("--top", type=int, default=25)
+    parser.add_argument("--clients", type=int, default=8)
     args = parser.parse_args()
     results = common.RESULTS
     profile = results / "profile_unary.prof"
@@ -36,7 +37,7 @@ def main() -> int:
     server.args[1:3] = ["-m", "cProfile", "-o", str(profile), "-m", "service.cli"]
     try:
         server.start(results / "profile_unary.log")
-        result = run_load(server.url, 8, args.seconds, [64])
+        result = run_load(server.url, args.clients, args.seconds, [64])
     finally:
         server.terminate(timeout=60)
     out = io.StringIO()
