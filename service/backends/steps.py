@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 
 from model import MHAConfig, MultiHeadAttention
 from model.attention import cached_attention
@@ -33,19 +34,26 @@ class StepRunner:
     def __init__(self, config: MHAConfig, weights: Weights) -> None:
         self.config = config
         self.module = MultiHeadAttention.from_weights(config, weights)
+        m = self.module  # the three projections as one matmul: a step is a few tokens, and each call costs
+        self._qkv_weight = torch.cat([m.q_proj.weight, m.k_proj.weight, m.v_proj.weight])  # (3C, C)
+        biases = [m.q_proj.bias, m.k_proj.bias, m.v_proj.bias]
+        self._qkv_bias = torch.cat(biases) if all(b is not None for b in biases) else None  # (3C,)
 
     @torch.inference_mode()
     def run(self, steps: Seq[StepInput]) -> list[np.ndarray]:
         """The outputs (B, t, C) of each step, in order."""
         x = torch.from_numpy(merge([s.x for s in steps]))  # (R, t_max, C), right-padded
-        q, k, v = self.module.project(x)  # (R, nh, t_max, hs)
-        heads = torch.zeros_like(q)  # (R, nh, t_max, hs)
-        row = 0
-        for step in steps:
-            B, t = step.x.shape[0], step.x.shape[1]
-            rows = slice(row, row + B)
-            heads[rows, :, :t] = self._attend(step.sequence, q[rows, :, :t], k[rows, :, :t], v[rows, :, :t])
-            row += B
+        q, k, v = self._project(x)  # (R, nh, t_max, hs)
+        if len(steps) == 1:
+            heads = self._attend(steps[0].sequence, q, k, v)  # (R, nh, t, hs)
+        else:
+            heads = torch.zeros_like(q)  # (R, nh, t_max, hs)
+            row = 0
+            for step in steps:
+                B, t = step.x.shape[0], step.x.shape[1]
+                rows = slice(row, row + B)
+                heads[rows, :, :t] = self._attend(step.sequence, q[rows, :, :t], k[rows, :, :t], v[rows, :, :t])
+                row += B
         y = self.module.merge(heads).numpy()  # (R, t_max, C)
         outputs, row = [], 0
         for step in steps:
@@ -54,11 +62,21 @@ class StepRunner:
             row += B
         return outputs
 
+    def _project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(R, t, C) -> q, k, v, each (R, nh, t, hs): MultiHeadAttention.project in one matmul."""
+        R, t, C = x.shape
+        nh, hs = self.config.n_head, self.config.head_size
+        qkv = F.linear(x, self._qkv_weight, self._qkv_bias)  # (R, t, 3C)
+        q, k, v = (part.view(R, t, nh, hs).transpose(1, 2) for part in qkv.split(C, dim=2))  # (R, nh, t, hs)
+        return q, k, v
+
     @staticmethod
     def _attend(sequence: Sequence, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """(B, nh, t, hs) heads of the new tokens, their keys and values written into the cache."""
         P, t = sequence.length, q.shape[2]
         sequence.keys[:, :, P : P + t] = k
         sequence.values[:, :, P : P + t] = v
-        past = torch.full((q.shape[0],), P)
-        return cached_attention(q, sequence.keys[:, :, : P + t], sequence.values[:, :, : P + t], past)
+        keys, values = sequence.keys[:, :, : P + t], sequence.values[:, :, : P + t]  # (B, nh, P + t, hs)
+        if t == 1:  # one new token sees every key: no mask
+            return F.scaled_dot_product_attention(q, keys, values)
+        return cached_attention(q, keys, values, torch.full((q.shape[0],), P))
