@@ -35,7 +35,7 @@ class StepRunner:
         self.config = config
         self.module = MultiHeadAttention.from_weights(config, weights)
         m = self.module  # the three projections as one matmul: a step is a few tokens, and each call costs
-        self._qkv_weight = torch.cat([m.q_proj.weight, m.k_proj.weight, m.v_proj.weight])  # (3C, C)
+        self._qkv_weight = torch.cat((m.q_proj.weight, m.k_proj.weight, m.v_proj.weight))  # (3C, C)
         biases = [m.q_proj.bias, m.k_proj.bias, m.v_proj.bias]
         self._qkv_bias = torch.cat(biases) if all(b is not None for b in biases) else None  # (3C,)
 
