@@ -36,8 +36,8 @@ class StepRunner:
         self.module = MultiHeadAttention.from_weights(config, weights)
         m = self.module  # the three projections as one matmul: a step is a few tokens, and each call costs
         self._qkv_weight = torch.cat((m.q_proj.weight, m.k_proj.weight, m.v_proj.weight))  # (3C, C)
-        biases = [m.q_proj.bias, m.k_proj.bias, m.v_proj.bias]
-        self._qkv_bias = torch.cat(biases) if all(b is not None for b in biases) else None  # (3C,)
+        biased = config.bias
+        self._qkv_bias = torch.cat((m.q_proj.bias, m.k_proj.bias, m.v_proj.bias)) if biased else None  # (3C,)
 
     @torch.inference_mode()
     def run(self, steps: Seq[StepInput]) -> list[np.ndarray]:
