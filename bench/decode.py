@@ -5,8 +5,9 @@ A real `mha serve` process per model; one gRPC client generates a sequence one t
   - full recompute: each step sends the whole prefix as a stateless request and keeps the last row.
 Both runs see the same tokens. For d_model 512 (8 heads) over 1024 tokens and the default model
 over 512: total time, and time per token against position. Then, on the default model, tokens
-per second with 1, 8 and 32 concurrent sequences (one client thread each), and the p50 of a
-cached step against a stateless (1, 1, C) request. Writes bench/results/decode.json and
+per second with 1, 8 and 32 concurrent sequences (one client thread each), the same clients
+against a server that computes nothing (the ceiling this machine's clients and gRPC allow), and
+the p50 of a cached step against a stateless (1, 1, C) request. Writes bench/results/decode.json and
 bench/results/decode.png. Not a test.
 
 usage: python bench/decode.py [--tokens-512 1024] [--tokens-default 512] [--concurrent-tokens 128]
@@ -16,6 +17,8 @@ from __future__ import annotations
 
 import logging
 import multiprocessing
+import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -29,7 +32,7 @@ import grpc
 import numpy as np
 
 from service.codec import decode_infer_response, encode_infer_request
-from service.launch import ServerProcess
+from service.launch import ServerProcess, free_port
 from service.proto import grpc_service_pb2 as pb
 from service.proto import grpc_service_pb2_grpc as pb_grpc
 
@@ -137,6 +140,25 @@ def concurrent_sequences(url: str, width: int, sequences: int, tokens: int) -> f
     return sequences * tokens / elapsed
 
 
+def ceiling(model_dir: Path, width: int, tokens: int) -> dict[int, float]:
+    """The same clients against the no-compute floor server (bench/servers/floor.py, which answers
+    each step with its input): what this machine's clients and gRPC allow, whatever the server."""
+    from compare import server_command, wait_ready
+
+    port = free_port()
+    started = server_command("floor: no compute", model_dir.resolve(), port)
+    assert started is not None, "the floor server runs in this environment"
+    command, env = started
+    proc = subprocess.Popen(command, env={**os.environ, **env}, stdout=subprocess.DEVNULL, start_new_session=True)
+    url = f"127.0.0.1:{port}"
+    try:
+        wait_ready(url, proc)
+        return {n: round(concurrent_sequences(url, width, n, tokens), 1) for n in (1, 8, 32)}
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=30)
+
+
 def step_against_stateless(url: str, width: int, count: int = 300) -> dict[str, float]:
     x = np.random.default_rng(1).standard_normal((1, count, width), dtype=np.float32)
     with grpc.insecure_channel(url) as channel:
@@ -200,8 +222,17 @@ def main() -> int:
         versus = step_against_stateless(server.url, 128)
     finally:
         server.terminate()
+    floor = ceiling(default, 128, args.concurrent_tokens)
     log.info("tokens/s by concurrent sequences: %s; a cached step against a stateless (1, 1, C): %s", rates, versus)
-    summary = {"models": runs, "tokens_per_s": rates, "32_over_1": round(rates[32] / rates[1], 2), "step": versus}
+    log.info("the same clients against a server that computes nothing: %s", floor)
+    summary = {
+        "models": runs,
+        "tokens_per_s": rates,
+        "32_over_1": round(rates[32] / rates[1], 2),
+        "no_compute_server_tokens_per_s": floor,
+        "no_compute_32_over_our_1": round(floor[32] / rates[1], 2),
+        "step": versus,
+    }
     common.write_json("decode.json", summary)
     plot(runs, results / "decode.png")
     return 0
