@@ -8,13 +8,16 @@ section and the next one runs, so one failure does not lose the run of a scarce 
    step graph (step.onnx) on ORT-CUDA over its (B, past, t) grid.
 3. selection: `select_backends(auto)` picks ort-cuda; with the CUDA provider made to fail, the
    chain falls back and keeps answering within tolerance.
-4. timings: ORT-CUDA fp32 (IOBinding on device buffers, and plain session.run from host
+4. decode: incremental decoding with the caches in device memory (StepRunner on CUDA): 256
+   one-token steps and a batch mixing past lengths against the float64 reference, and the time
+   per step on CUDA against the CPU.
+5. timings: ORT-CUDA fp32 (IOBinding on device buffers, and plain session.run from host
    arrays), torch eager fp32, torch SDPA fp32/bf16/fp16 over shapes up to (8, 4096, 1024); each
    timed the same way (synchronize, run, synchronize: ORT runs on its own stream, so CUDA events
    on torch's stream would not see it); FLOP/s (8·B·T·C² + 4·B·T²·C) against a measured matmul
    rate. The timing graphs are exported without the parity grid (the grid runs on the CPU in
    float64: about 30 GB of host RAM at (7, 4096, 1024)); parity is section 2's job.
-5. memory: peak device memory of torch and ORT's arena after the timings.
+6. memory: peak device memory of torch and ORT's arena after the timings.
 
 usage: python bench/gpu_check.py [--out DIR] [--quick]
 Without a CUDA device it says so and exits 0 having written only that fact.
@@ -121,6 +124,8 @@ def main() -> int:
         parity(entry, model_dir, config, weights)
     with results.section("selection") as entry:
         selection(entry, model_dir, config, weights)
+    with results.section("decode") as entry:
+        decode(entry, config, weights)
     rates: dict[str, float] = {}
     with results.section("matmul_flops") as entry:
         rates.update(fp32=matmul_rate(torch.float32), bf16=matmul_rate(torch.bfloat16))
@@ -194,6 +199,36 @@ def selection(entry: dict[str, Any], model_dir: Path, config: Any, weights: Any)
     )
     report = check_parity(lambda x: chain.run(x)[0], config, weights, parity_grid(config.max_seq_len)[:4], seed=4)
     entry["fallback"] = {"ok": report.ok, "fallbacks": fallbacks, "benched": chain.benched()}
+
+
+def decode(entry: dict[str, Any], config: Any, weights: Any, tokens: int = 256) -> None:
+    from model.reference import attention_view, relative_error
+    from service.backends.steps import StepInput, StepRunner
+    from service.control import SequenceControl
+    from service.sequences import SequenceLimits, SequenceStore
+
+    x = np.random.default_rng(6).standard_normal((2, tokens, config.d_model), dtype=np.float32)
+    reference = attention_view(torch.from_numpy(x), weights, config)  # (2, tokens, C), float64
+    for device in ("cuda", "cpu"):
+        runner = StepRunner(config, weights, device)
+        store = SequenceStore(config, SequenceLimits(), time.monotonic, device=device)
+        sequence = store.open(SequenceControl(1, start=True), 2, config.d_model)
+        outputs, times = [], []
+        for i in range(tokens):
+            store.check_room(sequence, 1)
+            start = time.perf_counter()
+            (y,) = runner.run([StepInput(sequence, x[:, i : i + 1])])  # .cpu() inside: synchronized
+            times.append(time.perf_counter() - start)
+            sequence.length += 1
+            outputs.append(y)
+        error = relative_error(torch.from_numpy(np.concatenate(outputs, axis=1)), reference)
+        entry[device] = {
+            "caches_on": str(sequence.keys.device),
+            "relative_error": error,
+            "ok": error < 1e-5,
+            "step_p50_ms": statistics.median(times[16:]) * 1e3,
+        }
+        log.info("decode on %s: %s", device, entry[device])
 
 
 def timing(entry: dict[str, Any], B: int, T: int, C: int, nh: int, rates: dict[str, float], repeats: int) -> None:

@@ -20,13 +20,13 @@ from export.layout import ModelFiles, precision_file
 from export.verify import check_manifest, sha256_file
 from model import MHAConfig
 from model.checkpoint import CheckpointError, load_checkpoint
-from service.arrays import all_finite
+from service.arrays import all_finite, not_finite
 from service.backends import Backend, BackendChain, Selection, select_backends
 from service.backends.chain import REASONS, FallbackHook
-from service.backends.steps import StepRunner
+from service.backends.steps import StepRunner, step_device
 from service.batcher import Batcher, BatcherConfig, BatchEvent, Clock, MonotonicClock, Timing
 from service.control import SequenceControl
-from service.errors import InvalidInput, NotReady
+from service.errors import DeviceLost, InvalidInput, NotReady
 from service.metrics import Metrics
 from service.readiness import DeviceHealth
 from service.render import Serving
@@ -37,7 +37,6 @@ from service.stats import ModelStats
 from service.steps import Decoder, StepBatcher
 
 log = logging.getLogger(__name__)
-STEP_BACKEND = StepRunner.name  # decode steps run on PyTorch, where the sequences' caches live
 
 
 class State(enum.Enum):
@@ -153,7 +152,7 @@ class InferenceCore:
         self._check_ready()
         y, timing = await self.loaded.batcher.submit(x, deadline)
         if not all_finite(y):  # the chain found this input to blame (see BackendChain)
-            raise InvalidInput(_not_finite(x))
+            raise InvalidInput(not_finite(x))
         self.metrics.observe_answer(int(x.shape[0]) * int(x.shape[1]), timing.queue_s)
         self.stats.observe_answer(int(x.shape[0]), timing.queue_s)
         return y, timing
@@ -161,12 +160,15 @@ class InferenceCore:
     async def step(self, control: SequenceControl, x: np.ndarray) -> tuple[np.ndarray, Timing]:
         """A decode step of a live sequence: (B, t, C) new tokens -> their (B, t, C) outputs."""
         self._check_ready()
-        if not all_finite(x):  # refused before it touches the sequence's state
-            raise InvalidInput(_not_finite(x))
-        y = await self.loaded.decoder.step(control, x)
+        try:
+            y = await self.loaded.decoder.step(control, x)
+        except DeviceLost as exc:  # the caches' device is gone: stop serving, as a lost batch does
+            if self.device.observe(exc):
+                self._set_state(State.FAILED)
+            raise
         self.metrics.observe_answer(int(x.shape[0]) * int(x.shape[1]), 0.0)
         self.stats.observe_answer(int(x.shape[0]), 0.0)
-        return y, Timing(0.0, int(x.shape[0]), STEP_BACKEND)
+        return y, Timing(0.0, int(x.shape[0]), self.loaded.decoder.backend)
 
     def _check_ready(self) -> None:
         self.device.check()
@@ -251,20 +253,9 @@ def load_model(
     active = chain.active
     log.info("serving %s with %s on %s; %s", files.directory, active.name, active.device, selection.summary())
     served = ServedModel(identity, config, files, s.max_request_rows, s.max_attention_mb, weights_sha256, verified)
-    return served, selection, chain, StepRunner(config, weights)
-
-
-def _not_finite(x: np.ndarray) -> str:
-    """Why a request's output is not finite. Its input's values were checked only then: a NaN or
-    inf in the input always reaches the output of its own rows, so a finite output proves the input
-    finite without a pass over it."""
-    bad = int(np.count_nonzero(~np.isfinite(x)))
-    if bad:
-        return f"the input holds {bad} NaN or inf values; expected finite floats"
-    return (
-        f"the output is not finite: the input's values (largest |x| = {float(np.abs(x).max()):.3g}) "
-        "overflow float32 inside attention; scale them down (see docs/api.md for the safe range)"
-    )
+    runner = StepRunner(config, weights, step_device(active.device))  # where the sequences' caches live
+    log.info("decode steps run on %s (%s)", runner.name, runner.device)
+    return served, selection, chain, runner
 
 
 def _serving(loaded: Loaded, s: Settings) -> Serving:
@@ -302,7 +293,7 @@ def _decoder(
 
     rows = max(s.max_batch_size, 1) * 8
     steps = StepBatcher(runner.run, executor, rows, in_flight=in_flight, inline_max_mflop=s.inline_max_mflop)
-    return Decoder(SequenceStore(config, limits, clock.now, changed), steps)
+    return Decoder(SequenceStore(config, limits, clock.now, changed, runner.device), steps, runner.name)
 
 
 def _verified(files: ModelFiles, config: MHAConfig, weights_sha256: str, allow_unverified: bool) -> bool:

@@ -65,8 +65,8 @@ class Sequence:
         return self.lock.locked()
 
 
-def _cache(rows: int, config: MHAConfig, capacity: int) -> torch.Tensor:
-    return torch.zeros(rows, config.n_head, capacity, config.head_size)  # (B, nh, capacity, hs)
+def _cache(rows: int, config: MHAConfig, capacity: int, device: str) -> torch.Tensor:
+    return torch.zeros(rows, config.n_head, capacity, config.head_size, device=device)  # (B, nh, capacity, hs)
 
 
 class SequenceStore:
@@ -78,8 +78,10 @@ class SequenceStore:
         limits: SequenceLimits,
         now: Callable[[], float],
         on_change: Callable[[SequenceStore, str | None], None] | None = None,
+        device: str = "cpu",
     ) -> None:
         self.config, self.limits, self.now = config, limits, now
+        self.device = device  # where the caches live: the step runner's device
         self._live: OrderedDict[SequenceId, Sequence] = OrderedDict()  # least recently used first
         self._gone: OrderedDict[SequenceId, str] = OrderedDict()  # id -> what became of it
         self._on_change = on_change  # (store, eviction reason or None): metrics
@@ -147,7 +149,7 @@ class SequenceStore:
             self._drop(old, "was restarted (sequence_start)", None)
         capacity = min(16, self.config.max_seq_len)
         self._evict_for(count=1, nbytes=self._cache_bytes(rows, capacity))
-        cache = (_cache(rows, self.config, capacity), _cache(rows, self.config, capacity))
+        cache = (_cache(rows, self.config, capacity, self.device), _cache(rows, self.config, capacity, self.device))
         sequence = Sequence(sequence_id, rows, *cache, last_used=self.now())
         self._live[sequence_id] = sequence
         self._gone.pop(sequence_id, None)
@@ -163,7 +165,7 @@ class SequenceStore:
         self._evict_for(count=0, nbytes=extra, keep=sequence)
         for name in ("keys", "values"):
             old = getattr(sequence, name)
-            new = _cache(sequence.rows, self.config, capacity)  # (B, nh, capacity, hs)
+            new = _cache(sequence.rows, self.config, capacity, self.device)  # (B, nh, capacity, hs)
             new[:, :, : sequence.length] = old[:, :, : sequence.length]
             setattr(sequence, name, new)
         self.state_bytes += extra

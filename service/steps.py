@@ -13,11 +13,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from service.arrays import all_finite
+from service.arrays import all_finite, not_finite
 from service.backends.steps import StepInput
 from service.batcher import alone_and_small
 from service.control import SequenceControl
-from service.errors import InvalidInput
+from service.errors import DeviceLost, InvalidInput
 from service.sequences import SequenceStore
 
 log = logging.getLogger(__name__)
@@ -95,8 +95,9 @@ class StepBatcher:
             else:
                 ys = await loop.run_in_executor(self._executor, self._run, [p.step for p in batch])
         except Exception as exc:
-            if len(batch) == 1:
-                _fail(batch[0], exc)
+            if len(batch) == 1 or isinstance(exc, DeviceLost):  # a lost device fails every step alike
+                for item in batch:
+                    _fail(item, exc)
                 return
             for item in batch:  # isolate the culprit: one sequence's failure never fails the others
                 await self._execute([item])
@@ -136,8 +137,9 @@ def _fail(item: _Pending, exc: BaseException) -> None:
 class Decoder:
     """Incremental decoding: live sequences and the batcher of their steps."""
 
-    def __init__(self, sequences: SequenceStore, steps: StepBatcher) -> None:
+    def __init__(self, sequences: SequenceStore, steps: StepBatcher, backend: str = "torch-cpu") -> None:
         self.sequences, self.steps = sequences, steps
+        self.backend = backend  # what computes the steps, as responses name it
         self._expiry: asyncio.Task[None] | None = None
 
     def start(self, expiry_period_s: float) -> None:
@@ -158,6 +160,8 @@ class Decoder:
 
     async def step(self, control: SequenceControl, x: np.ndarray) -> np.ndarray:
         """(B, t, C) new tokens of the sequence -> their (B, t, C) outputs."""
+        if not all_finite(x):  # refused before it touches the sequence's state
+            raise InvalidInput(not_finite(x))
         sequence = self.sequences.open(control, int(x.shape[0]), int(x.shape[2]))
         async with sequence.lock:  # this sequence's steps one at a time, in arrival order
             self.sequences.check_room(sequence, int(x.shape[1]))

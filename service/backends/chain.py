@@ -37,10 +37,10 @@ STICKY_CUDA_ERRORS = (
 )
 
 
-def is_sticky_device_error(backend: Backend, exc: BaseException) -> bool:
-    """A CUDA backend's error that leaves the device's context broken for the whole process."""
+def is_sticky_device_error(device: str, exc: BaseException) -> bool:
+    """An error on a CUDA device that leaves its context broken for the whole process."""
     text = str(exc).lower()
-    return backend.device.startswith("cuda") and any(marker in text for marker in STICKY_CUDA_ERRORS)
+    return device.startswith("cuda") and any(marker in text for marker in STICKY_CUDA_ERRORS)
 
 
 @dataclass
@@ -95,7 +95,7 @@ class BackendChain:
                 y = backend.run(x)
             except Exception as exc:  # any backend fault: try the next one, unless the device is gone
                 log.error("backend %s failed on batch %s: %s", backend.name, x.shape, exc, exc_info=True)
-                if is_sticky_device_error(backend, exc):
+                if is_sticky_device_error(backend.device, exc):
                     raise DeviceLost(f"{backend.name} on {backend.device}: {exc}") from exc
                 self._failed(backend)
                 errors.append(f"{backend.name}: {type(exc).__name__}: {exc}")

@@ -1,6 +1,7 @@
 """Decode steps of live sequences on PyTorch: the new tokens' projections for every sequence of a
 batch in one matmul each, attention of each sequence over its own cache (no copy of the cache,
-whatever the lengths), and one output projection."""
+whatever the lengths), and one output projection. On a CUDA device the caches stay in device
+memory: a step moves only its new tokens in and their outputs out."""
 
 from __future__ import annotations
 
@@ -14,8 +15,18 @@ import torch.nn.functional as F
 from model import MHAConfig, MultiHeadAttention
 from model.attention import cached_attention
 from model.checkpoint import Weights
+from service.backends.chain import is_sticky_device_error
 from service.batcher import merge
+from service.errors import DeviceLost
 from service.sequences import Sequence
+
+
+def step_device(serving_device: str) -> str:
+    """Steps run on the device that serves the stateless requests when PyTorch reaches it (a CUDA
+    build of torch on a CUDA machine), else on the CPU."""
+    if serving_device.startswith("cuda") and torch.cuda.is_available():
+        return serving_device
+    return "cpu"
 
 
 @dataclass(frozen=True)
@@ -29,20 +40,31 @@ class StepRunner:
     [length, length + t); the caller commits `length` once the answer is delivered, so a step
     that fails or is abandoned leaves its sequence as it was."""
 
-    name = "torch-cpu"
-
-    def __init__(self, config: MHAConfig, weights: Weights) -> None:
-        self.config = config
-        self.module = MultiHeadAttention.from_weights(config, weights)
+    def __init__(self, config: MHAConfig, weights: Weights, device: str = "cpu") -> None:
+        if device.startswith("cuda"):
+            torch.backends.cuda.matmul.allow_tf32 = False  # fp32 parity with the reference, as TorchBackend
+            torch.backends.cudnn.allow_tf32 = False
+        self.config, self.device = config, device
+        self.name = "torch-cuda" if device.startswith("cuda") else "torch-cpu"
+        self.module = MultiHeadAttention.from_weights(config, weights).to(device)
         m = self.module  # the three projections as one matmul: a step is a few tokens, and each call costs
         self._qkv_weight = torch.cat((m.q_proj.weight, m.k_proj.weight, m.v_proj.weight))  # (3C, C)
         biased = config.bias
         self._qkv_bias = torch.cat((m.q_proj.bias, m.k_proj.bias, m.v_proj.bias)) if biased else None  # (3C,)
 
-    @torch.inference_mode()
     def run(self, steps: Seq[StepInput]) -> list[np.ndarray]:
-        """The outputs (B, t, C) of each step, in order."""
-        x = torch.from_numpy(merge([s.x for s in steps]))  # (R, t_max, C), right-padded
+        """The outputs (B, t, C) of each step, in order. A sticky CUDA error raises DeviceLost:
+        the caches on that device are gone with its context."""
+        try:
+            return self._compute(steps)
+        except Exception as exc:
+            if is_sticky_device_error(self.device, exc):
+                raise DeviceLost(f"{self.name} on {self.device}: {exc}") from exc
+            raise
+
+    @torch.inference_mode()
+    def _compute(self, steps: Seq[StepInput]) -> list[np.ndarray]:
+        x = torch.from_numpy(merge([s.x for s in steps])).to(self.device)  # (R, t_max, C), right-padded
         q, k, v = self._project(x)  # (R, nh, t_max, hs)
         if len(steps) == 1:
             heads = self._attend(steps[0].sequence, q, k, v)  # (R, nh, t, hs)
@@ -54,7 +76,7 @@ class StepRunner:
                 rows = slice(row, row + B)
                 heads[rows, :, :t] = self._attend(step.sequence, q[rows, :, :t], k[rows, :, :t], v[rows, :, :t])
                 row += B
-        y = self.module.merge(heads).numpy()  # (R, t_max, C)
+        y = self.module.merge(heads).cpu().numpy()  # (R, t_max, C); a no-op on the CPU
         outputs, row = [], 0
         for step in steps:
             B, t = step.x.shape[0], step.x.shape[1]
@@ -79,4 +101,4 @@ class StepRunner:
         keys, values = sequence.keys[:, :, : P + t], sequence.values[:, :, : P + t]  # (B, nh, P + t, hs)
         if t == 1:  # one new token sees every key: no mask
             return F.scaled_dot_product_attention(q, keys, values)
-        return cached_attention(q, keys, values, torch.full((q.shape[0],), P))
+        return cached_attention(q, keys, values, torch.full((q.shape[0],), P, device=q.device))

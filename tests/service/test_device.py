@@ -1,8 +1,10 @@
 """No silent CPU fallback: --require-device cuda refuses readiness while a CPU backend serves, and
-a sticky CUDA error stops the replica instead of falling back onto a broken device."""
+a sticky CUDA error (in a batch, or under the decode caches) stops the replica instead of falling
+back onto a broken device."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 
 import grpc
@@ -10,10 +12,15 @@ import numpy as np
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from model import MHAConfig
+from model.checkpoint import load_checkpoint
 from service.backends.base import Backend
 from service.backends.chain import BackendChain, _Health, is_sticky_device_error
+from service.backends.steps import StepInput, StepRunner
 from service.client import InferenceError, MHAClient
+from service.codec import encode_infer_request
 from service.errors import DeviceLost
+from service.proto import grpc_service_pb2_grpc as pb_grpc
 from tests.support import ServerThread, make_settings
 
 INFERENCE = "inference.GRPCInferenceService"
@@ -73,8 +80,8 @@ def test_a_sticky_cuda_error_does_not_fall_back(small_model_dir: Path) -> None:
     chain = BackendChain([BrokenCuda(), Cpu()], probe=lambda b: (True, ""))
     with pytest.raises(DeviceLost, match="illegal memory access"):
         chain.run(np.ones((1, 2, 32), np.float32))
-    assert not is_sticky_device_error(Cpu(), RuntimeError("illegal memory access"))  # only on a CUDA device
-    assert not is_sticky_device_error(BrokenCuda(), RuntimeError("CUDA out of memory"))  # not sticky
+    assert not is_sticky_device_error("cpu", RuntimeError("illegal memory access"))  # only on a CUDA device
+    assert not is_sticky_device_error("cuda:0", RuntimeError("CUDA out of memory"))  # not sticky
 
 
 def test_a_lost_device_stops_the_replica(small_model_dir: Path) -> None:
@@ -92,4 +99,40 @@ def test_a_lost_device_stops_the_replica(small_model_dir: Path) -> None:
             assert after.value.code == grpc.StatusCode.UNAVAILABLE and "lost its device" in str(after.value)
         assert _health(server.url, "") == "NOT_SERVING" and _health(server.url, INFERENCE) == "NOT_SERVING"
         assert server.registry.get_sample_value("mha_ready") == 0
+        assert broken.calls == 1
+
+
+class BrokenCudaSteps(StepRunner):
+    """Stands in for decode steps on a CUDA device that a sticky error has broken (no GPU here)."""
+
+    def __init__(self, config: MHAConfig, weights: dict) -> None:
+        super().__init__(config, weights)  # built on the CPU, then presented as the device's
+        self.device, self.name, self.calls = "cuda:0", "torch-cuda", 0
+
+    def _compute(self, steps: Sequence[StepInput]) -> list[np.ndarray]:
+        self.calls += 1
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+
+def _step(client_stub: pb_grpc.GRPCInferenceServiceStub, start: bool) -> None:
+    request = encode_infer_request(np.ones((1, 1, 32), np.float32))
+    request.parameters["sequence_id"].int64_param = 7
+    request.parameters["sequence_start"].bool_param = start
+    client_stub.ModelInfer(request, timeout=10)
+
+
+def test_a_lost_device_under_the_caches_stops_the_replica(small_model_dir: Path) -> None:
+    with ServerThread(make_settings(small_model_dir, backend="torch")) as server:
+        config, weights = load_checkpoint(small_model_dir / "weights.safetensors")
+        broken = BrokenCudaSteps(config, weights)
+        server.core.loaded.decoder.steps._run = broken.run  # as if the steps ran on CUDA, then it broke
+        with grpc.insecure_channel(server.url) as channel:
+            stub = pb_grpc.GRPCInferenceServiceStub(channel)
+            with pytest.raises(grpc.RpcError) as first:
+                _step(stub, start=True)
+            assert first.value.code() == grpc.StatusCode.INTERNAL  # the details go to the log only
+            with pytest.raises(grpc.RpcError) as after:
+                _step(stub, start=True)
+            assert after.value.code() == grpc.StatusCode.UNAVAILABLE and "lost its device" in str(after.value)
+        assert _health(server.url, "") == "NOT_SERVING" and _health(server.url, INFERENCE) == "NOT_SERVING"
         assert broken.calls == 1

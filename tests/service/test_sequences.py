@@ -102,6 +102,22 @@ def test_eight_concurrent_sequences_are_exact_step_by_step(server: ServerThread,
     assert len(server.core.loaded.decoder.sequences) == 0, "every sequence ended"
 
 
+def test_a_step_with_nan_or_inf_is_refused_and_leaves_its_sequence_as_it_was(stub, small_model_dir: Path) -> None:
+    rng = np.random.default_rng(9)
+    prefix = rng.standard_normal((1, 3, C), dtype=np.float32)
+    stub.ModelInfer(_step(prefix, 90, start=True), timeout=30)
+    bad = np.ones((1, 2, C), np.float32)
+    bad[0, 1, 5], bad[0, 0, 0] = np.nan, np.inf
+    with pytest.raises(grpc.RpcError) as info:
+        stub.ModelInfer(_step(bad, 90), timeout=30)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "the input holds 2 NaN or inf values" in (info.value.details() or "")
+    x = rng.standard_normal((1, 2, C), dtype=np.float32)  # the sequence goes on from its 3 tokens
+    y = decode_infer_response(stub.ModelInfer(_step(x, 90, end=True), timeout=30))
+    expected = _reference_tail(small_model_dir, np.concatenate([prefix, x], axis=1), 2)
+    assert relative_error(torch.from_numpy(y.copy()), expected) < 1e-5
+
+
 def test_restart_begins_again_and_end_frees(stub, small_model_dir: Path) -> None:
     assert max(_drive(stub, small_model_dir, 77, [3, 1, 1], B=1, seed=1)) < 1e-5
     assert max(_drive(stub, small_model_dir, 78, [5, 2], B=2, seed=2)[:1]) < 1e-5
@@ -157,15 +173,19 @@ def test_a_wrong_width_is_refused_before_any_state(stub) -> None:
 # The pieces, without gRPC: the runner's batches across past lengths, and the store's limits.
 
 
-def _runner(small_model_dir: Path) -> tuple[StepRunner, MHAConfig, dict]:
+def _runner(small_model_dir: Path, device: str = "cpu") -> tuple[StepRunner, MHAConfig, dict]:
     config, weights = load_checkpoint(small_model_dir / "weights.safetensors")
-    return StepRunner(config, weights), config, weights
+    return StepRunner(config, weights, device), config, weights
 
 
-def test_a_batch_that_mixes_past_lengths_equals_each_sequence_alone(small_model_dir: Path) -> None:
-    runner, config, weights = _runner(small_model_dir)
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (bench/gpu_check.py runs it)")
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[CUDA, pytest.mark.gpu])])
+def test_a_batch_that_mixes_past_lengths_equals_each_sequence_alone(small_model_dir: Path, device: str) -> None:
+    runner, config, weights = _runner(small_model_dir, device)
     clock = ManualClock()
-    store = SequenceStore(config, SequenceLimits(), clock.now)
+    store = SequenceStore(config, SequenceLimits(), clock.now, device=runner.device)
     rng = np.random.default_rng(4)
     pasts, news = [0, 5, 17, 40], [3, 1, 6, 2]
     prefixes, sequences = [], []
@@ -180,6 +200,7 @@ def test_a_batch_that_mixes_past_lengths_equals_each_sequence_alone(small_model_
         prefixes.append(prefix)
         sequences.append(sequence)
     steps = [StepInput(s, p[:, -t:]) for s, p, t in zip(sequences, prefixes, news, strict=True)]
+    assert all(s.keys.device.type == device and s.values.device.type == device for s in sequences)
     batched = runner.run(steps)  # one call: four sequences at past 0, 5, 17 and 40
     for y, prefix, t in zip(batched, prefixes, news, strict=True):
         reference = attention_view(torch.from_numpy(prefix), weights, config)[:, -t:]
