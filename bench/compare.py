@@ -2,13 +2,15 @@
 
 Every server serves the same model.onnx on this machine's CPU; one closed-loop gRPC client
 (service.loadgen: N threads, one request at a time each) drives each in turn, client and server
-sharing the cores. The floors are the cheapest Python gRPC servers of the same protocol: `none`
-returns its input (protocol and copies only), `ort-inline` runs ONNX Runtime on the event loop.
-KServe and MLServer run in their own virtual environments (`make bench-servers`); a server whose
-environment is missing is left out and said so. For each server: p50 and req/s per case, and the
-server's CPU time per request (user + system of its whole process group, from /proc). mha-serve
-also runs (4, 512, 128) with input and output in system shared memory, and that shape's
-in-process time on the backend that served it is measured in this process.
+sharing the cores. mha-serve runs twice: with its defaults (idle ORT threads sleep) and with
+--thread-spinning (they busy-wait, ORT's default, which the others keep). The floors are the
+cheapest Python gRPC servers of the same protocol: `none` returns its input (protocol and copies
+only), `ort-inline` runs ONNX Runtime on the event loop. KServe and MLServer run in their own
+virtual environments (`make bench-servers`); a server whose environment is missing is left out
+and said so. For each server: p50 and req/s per case, and the server's CPU time per request
+(user + system of its whole process group, from /proc). mha-serve also runs (4, 512, 128) with
+input and output in system shared memory, and that shape's in-process time on the backend that
+served it is measured in this process.
 
 Writes bench/results/compare.json and prints a table. Not a test.
 
@@ -69,9 +71,10 @@ def group_cpu_seconds(pgid: int) -> float:
 def server_command(name: str, model_dir: Path, port: int) -> tuple[list[str], dict[str, str]] | None:
     """How to start server `name` on `port`, or None when its environment is not installed."""
     py, env = sys.executable, {"PYTHONPATH": str(ROOT)}
-    if name == "mha-serve":
+    if name.startswith("mha-serve"):
         mha = [py, "-m", "service.cli", "serve", "--host", "127.0.0.1", "--grpc-port", str(port), "--http-port", "0"]
-        return [*mha, "--metrics-port", "0", "--model-dir", str(model_dir), "--shared-memory", "system"], env
+        mha += ["--metrics-port", "0", "--model-dir", str(model_dir), "--shared-memory", "system"]
+        return [*mha, "--thread-spinning"] if "spinning" in name else mha, env
     if name.startswith("floor"):
         mode = "ort" if "ORT" in name else "none"
         return [py, str(HERE / "servers" / "floor.py"), mode, str(port), str(model_dir)], env
@@ -84,7 +87,14 @@ def server_command(name: str, model_dir: Path, port: int) -> tuple[list[str], di
     return ([str(mlserver), "start", str(_mlserver_dir(model_dir, port))], {}) if mlserver.exists() else None
 
 
-SERVERS = ("mha-serve", "KServe + ORT", "MLServer + ORT", "floor: ORT in-line", "floor: no compute")
+SERVERS = (
+    "mha-serve",
+    "mha-serve --thread-spinning",  # ORT's default, which KServe and the floors keep: latency for CPU
+    "KServe + ORT",
+    "MLServer + ORT",
+    "floor: ORT in-line",
+    "floor: no compute",
+)
 
 
 def _mlserver_dir(model_dir: Path, port: int) -> Path:
@@ -226,7 +236,8 @@ def main() -> int:
         if command is None:
             log.warning("%s: its environment is not installed (make bench-servers); left out", name)
             continue
-        logs = common.RESULTS / f"compare-{name.split()[0].strip(':').lower()}.log"
+        slug = "-".join(w.strip(":-").lower() for w in name.split()[:2] if w.strip(":-+"))
+        logs = common.RESULTS / f"compare-{slug}.log"
         try:
             servers[name] = measure(name, *command, f"127.0.0.1:{port}", args.seconds, logs)
         except (RuntimeError, TimeoutError) as exc:
