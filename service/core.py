@@ -287,6 +287,7 @@ def _decoder(
 ) -> Decoder:
     """Live sequences within the settings' limits, their gauges, and the batcher of their steps."""
     limits = SequenceLimits(s.max_sequences, s.sequence_idle_timeout_s, int(s.max_sequence_state_mb * 2**20))
+    metrics.sequence_limits(limits.max_sequences, limits.max_state_bytes)
 
     def changed(store: SequenceStore, evicted: str | None) -> None:
         metrics.sequences_changed(len(store), store.state_bytes, evicted)

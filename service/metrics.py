@@ -85,11 +85,19 @@ class Metrics:
         )
         self.sequences_active = gauge("mha_sequences_active", "Live sequences whose keys and values are kept.")
         self.sequence_state_bytes = gauge("mha_sequence_state_bytes", "Bytes of the live sequences' keys and values.")
+        self.sequences_capacity = gauge("mha_sequences_capacity", "Live sequences the server keeps (--max-sequences).")
+        self.sequence_state_budget = gauge(
+            "mha_sequence_state_budget_bytes", "Bytes the live sequences' state may take (--max-sequence-state-mb)."
+        )
         self.sequence_evictions = counter(
             "mha_sequence_evictions", "Live sequences evicted, by reason (idle timeout, state budget).", ["reason"]
         )
         for reason in EVICTION_REASONS:
             self.sequence_evictions.labels(reason)
+
+    def sequence_limits(self, sequences: int, state_bytes: int) -> None:
+        self.sequences_capacity.set(sequences)
+        self.sequence_state_budget.set(state_bytes)
 
     def sequences_changed(self, active: int, state_bytes: int, evicted: str | None) -> None:
         self.sequences_active.set(active)

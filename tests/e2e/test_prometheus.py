@@ -69,6 +69,8 @@ def test_dashboard_structure() -> None:
         "in flight",
         "backend",
         "fallback",
+        "sequences",
+        "evictions",
     ):
         assert needed in titles, needed
     exprs = " ".join(e for _, e in dashboard_queries())

@@ -72,6 +72,8 @@ def test_families_and_types(traffic: tuple[ServerThread, str]) -> None:
         "mha_sequences_active": "gauge",
         "mha_device_required": "gauge",
         "mha_sequence_state_bytes": "gauge",
+        "mha_sequences_capacity": "gauge",
+        "mha_sequence_state_budget_bytes": "gauge",
         "mha_sequence_evictions": "counter",
         "mha_queue_capacity": "gauge",
     }
@@ -81,7 +83,7 @@ def test_families_and_types(traffic: tuple[ServerThread, str]) -> None:
 
 
 def test_exact_counts(traffic: tuple[ServerThread, str]) -> None:
-    _, text = traffic
+    server, text = traffic
     s = samples(text)
     req = lambda method, code: s.get(("mha_requests_total", (("code", code), ("method", method))), 0)  # noqa: E731
     assert req("ModelInfer", "OK") == len(SHAPES)
@@ -94,6 +96,9 @@ def test_exact_counts(traffic: tuple[ServerThread, str]) -> None:
     assert s[("mha_queue_duration_seconds_count", ())] == len(SHAPES) + 2
     assert s[("mha_inflight_requests", ())] == 0
     assert s[("mha_ready", ())] == 1
+    settings = server.settings
+    assert s[("mha_sequences_capacity", ())] == settings.max_sequences
+    assert s[("mha_sequence_state_budget_bytes", ())] == int(settings.max_sequence_state_mb * 2**20)
 
 
 def test_labels_of_backends_model_and_fallbacks(traffic: tuple[ServerThread, str]) -> None:
