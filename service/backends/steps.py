@@ -5,6 +5,7 @@ memory: a step moves only its new tokens in and their outputs out."""
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 
@@ -44,13 +45,16 @@ class StepRunner:
         if device.startswith("cuda"):
             torch.backends.cuda.matmul.allow_tf32 = False  # fp32 parity with the reference, as TorchBackend
             torch.backends.cudnn.allow_tf32 = False
+        # Step inputs may be read-only views of request bytes; nothing writes to them.
+        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
         self.config, self.device = config, device
         self.name = "torch-cuda" if device.startswith("cuda") else "torch-cpu"
         self.module = MultiHeadAttention.from_weights(config, weights).to(device)
         m = self.module  # the three projections as one matmul: a step is a few tokens, and each call costs
-        self._qkv_weight = torch.cat((m.q_proj.weight, m.k_proj.weight, m.v_proj.weight))  # (3C, C)
-        biased = config.bias
-        self._qkv_bias = torch.cat((m.q_proj.bias, m.k_proj.bias, m.v_proj.bias)) if biased else None  # (3C,)
+        with torch.no_grad():
+            self._qkv_weight = torch.cat((m.q_proj.weight, m.k_proj.weight, m.v_proj.weight))  # (3C, C)
+            biases = (m.q_proj.bias, m.k_proj.bias, m.v_proj.bias)
+            self._qkv_bias = torch.cat(biases) if config.bias else None  # (3C,)
 
     def run(self, steps: Seq[StepInput]) -> list[np.ndarray]:
         """The outputs (B, t, C) of each step, in order. A sticky CUDA error raises DeviceLost:
