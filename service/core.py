@@ -255,6 +255,8 @@ def load_model(
     served = ServedModel(identity, config, files, s.max_request_rows, s.max_attention_mb, weights_sha256, verified)
     runner = StepRunner(config, weights, step_device(active.device))  # where the sequences' caches live
     log.info("decode steps run on %s (%s)", runner.name, runner.device)
+    if s.require_device == "cuda" and runner.device == "cpu":  # not silent: readiness covers the stateless path
+        log.warning("decode steps run on the CPU: this PyTorch build sees no CUDA device (see docs/api.md)")
     return served, selection, chain, runner
 
 
