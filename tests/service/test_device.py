@@ -49,6 +49,7 @@ def test_require_cuda_refuses_readiness_on_cpu_and_says_why(
         ]
         assert active and active[0]["device"] == "cpu"  # what the alert matches on
     assert any("refusing readiness: --require-device cuda" in r.getMessage() for r in caplog.records)
+    assert any("decode steps run on the CPU" in r.getMessage() and r.levelname == "WARNING" for r in caplog.records)
 
 
 def test_without_the_requirement_cpu_is_ready(small_model_dir: Path) -> None:
