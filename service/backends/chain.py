@@ -116,8 +116,8 @@ class BackendChain:
 
     def _finite_or_input_to_blame(self, backend: Backend, x: np.ndarray, y: np.ndarray) -> bool:
         """True when `y` is finite, or its non-finite rows are the input's doing: NaN or inf in
-        them, or values so large that attention overflows float32. Then the rows go back as they are (the core answers
-        their requests INVALID_ARGUMENT) and nothing counts against the backend.
+        them, or values so large that attention overflows float32. Then the rows go back as they
+        are (the core answers their requests INVALID_ARGUMENT) and nothing counts against the backend.
 
         The input is to blame when another healthy backend computes the same rows non-finite
         too or, with no other backend to ask, when this backend still passes its self-check.

@@ -14,6 +14,17 @@ from service.backends.base import Backend, BackendLoadError
 PRECISIONS = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 
+def prepare_device(device: str) -> str:
+    """Set PyTorch up to serve on `device` and name what serves there: TF32 off on CUDA (fp32
+    parity with the reference); inputs may be read-only views of request bytes, which nothing
+    writes to, so PyTorch's warning about them is silenced."""
+    if device.startswith("cuda"):
+        torch.backends.cuda.matmul.allow_tf32 = False
+        torch.backends.cudnn.allow_tf32 = False
+    warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+    return "torch-cuda" if device.startswith("cuda") else "torch-cpu"
+
+
 class TorchBackend(Backend):
     platform = "pytorch_libtorch"
 
@@ -25,17 +36,12 @@ class TorchBackend(Backend):
         threads: int | None = None,
         precision: str = "fp32",
     ) -> None:
-        if device.startswith("cuda"):
-            if not torch.cuda.is_available():
-                raise BackendLoadError("torch sees no CUDA device")
-            torch.backends.cuda.matmul.allow_tf32 = False  # fp32 parity with the reference
-            torch.backends.cudnn.allow_tf32 = False
-        elif threads:
+        if device.startswith("cuda") and not torch.cuda.is_available():
+            raise BackendLoadError("torch sees no CUDA device")
+        if threads and not device.startswith("cuda"):
             torch.set_num_threads(threads)
-        # Inputs may be read-only views of request bytes; the module never writes to them.
-        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
         self.device = device
-        self.name = "torch-cuda" if device.startswith("cuda") else "torch-cpu"
+        self.name = prepare_device(device)
         self.dtype = PRECISIONS[precision]  # float32 in and out; computed in this dtype
         self._module = MultiHeadAttention.from_weights(config, weights).to(device, self.dtype)
 

@@ -5,7 +5,6 @@ memory: a step moves only its new tokens in and their outputs out."""
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 
@@ -17,6 +16,7 @@ from model import MHAConfig, MultiHeadAttention
 from model.attention import cached_attention
 from model.checkpoint import Weights
 from service.backends.chain import is_sticky_device_error
+from service.backends.pytorch import prepare_device
 from service.batcher import merge
 from service.errors import DeviceLost
 from service.sequences import Sequence
@@ -42,13 +42,8 @@ class StepRunner:
     that fails or is abandoned leaves its sequence as it was."""
 
     def __init__(self, config: MHAConfig, weights: Weights, device: str = "cpu") -> None:
-        if device.startswith("cuda"):
-            torch.backends.cuda.matmul.allow_tf32 = False  # fp32 parity with the reference, as TorchBackend
-            torch.backends.cudnn.allow_tf32 = False
-        # Step inputs may be read-only views of request bytes; nothing writes to them.
-        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
         self.config, self.device = config, device
-        self.name = "torch-cuda" if device.startswith("cuda") else "torch-cpu"
+        self.name = prepare_device(device)
         self.module = MultiHeadAttention.from_weights(config, weights).to(device)
         m = self.module  # the three projections as one matmul: a step is a few tokens, and each call costs
         with torch.no_grad():
