@@ -16,8 +16,8 @@ import platform
 import sys
 from pathlib import Path
 
-from service.launch import ServerProcess
-from service.loadgen import run_load
+from service.app.launch import ServerProcess
+from service.client.loadgen import run_load
 
 log = logging.getLogger("bench")
 CONCURRENCY = (1, 8, 32)

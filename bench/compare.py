@@ -1,7 +1,7 @@
 """mha-serve beside KServe, MLServer and two floor servers, side by side in one run.
 
 Every server serves the same model.onnx on this machine's CPU; one closed-loop gRPC client
-(service.loadgen: N threads, one request at a time each) drives each in turn, client and server
+(service.client.loadgen: N threads, one request at a time each) drives each in turn, client and server
 sharing the cores. mha-serve runs twice: with its defaults (idle ORT threads sleep) and with
 --thread-spinning (they busy-wait, ORT's default, which the others keep). The floors are the
 cheapest Python gRPC servers of the same protocol: `none` returns its input (protocol and copies
@@ -36,8 +36,8 @@ import common
 import grpc
 import numpy as np
 
-from service.launch import free_port
-from service.loadgen import run_load
+from service.app.launch import free_port
+from service.client.loadgen import run_load
 from service.proto import grpc_service_pb2 as pb
 from service.proto import grpc_service_pb2_grpc as pb_grpc
 

@@ -19,8 +19,8 @@ from pathlib import Path
 
 import common
 
-from service.launch import ServerProcess
-from service.loadgen import run_load, server_cpu_seconds
+from service.app.launch import ServerProcess
+from service.client.loadgen import run_load, server_cpu_seconds
 
 log = logging.getLogger("bench")
 CLIENTS = (1, 8)

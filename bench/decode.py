@@ -31,10 +31,10 @@ import common
 import grpc
 import numpy as np
 
-from service.codec import decode_infer_response, encode_infer_request
-from service.launch import ServerProcess, free_port
+from service.app.launch import ServerProcess, free_port
 from service.proto import grpc_service_pb2 as pb
 from service.proto import grpc_service_pb2_grpc as pb_grpc
+from service.protocol.codec import decode_infer_response, encode_infer_request
 
 log = logging.getLogger("bench")
 

@@ -203,9 +203,9 @@ def selection(entry: dict[str, Any], model_dir: Path, config: Any, weights: Any)
 
 def decode(entry: dict[str, Any], config: Any, weights: Any, tokens: int = 256) -> None:
     from model.reference import attention_view, relative_error
-    from service.backends.steps import StepInput, StepRunner
-    from service.control import SequenceControl
-    from service.sequences import SequenceLimits, SequenceStore
+    from service.decode.control import SequenceControl
+    from service.decode.runner import StepInput, StepRunner
+    from service.decode.sequences import SequenceLimits, SequenceStore
 
     x = np.random.default_rng(6).standard_normal((2, tokens, config.d_model), dtype=np.float32)
     reference = attention_view(torch.from_numpy(x), weights, config)  # (2, tokens, C), float64

@@ -18,8 +18,8 @@ import sys
 
 import common
 
-from service.launch import ServerProcess
-from service.loadgen import run_load
+from service.app.launch import ServerProcess
+from service.client.loadgen import run_load
 
 log = logging.getLogger("bench")
 

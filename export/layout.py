@@ -5,8 +5,13 @@ Light on purpose (no torch, no onnx): the service and the client import it.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from model import MHAConfig
 
 WEIGHTS_FILE = "weights.safetensors"
 MODEL_FILE = "model.onnx"
@@ -45,3 +50,14 @@ class ModelFiles:
     @property
     def manifest(self) -> Path:
         return self.directory / MANIFEST_FILE
+
+
+def precision_tolerance(precision: str, config: MHAConfig) -> float:
+    """The relative error a graph in `precision` may show against the float64 reference: the
+    format's unit roundoff u (fp32 2^-24, fp16 2^-11, bf16 2^-8) times one rounding per op on the
+    path and the depth of the longest sum (log2 of C or T, as pairwise sums grow), for fp32 with
+    the suite's fixed 1e-5 floor."""
+    if precision == "fp32":
+        return 1e-5
+    u = {"fp16": 2.0**-11, "bf16": 2.0**-8}[precision]
+    return u * (2 + math.log2(max(config.d_model, config.max_seq_len)))

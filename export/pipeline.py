@@ -24,9 +24,10 @@ from export.layout import (
     STEP_FILE,
     WEIGHTS_FILE,
     precision_file,
+    precision_tolerance,
 )
 from export.onnx_export import DEFAULT_OPSET, ExportError, export_onnx
-from export.step_graph import build_precision_graph, export_step_graph, precision_tolerance
+from export.step_graph import build_precision_graph, export_step_graph
 from export.verify import (
     TOLERANCE,
     ParityReport,

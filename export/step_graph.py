@@ -163,14 +163,3 @@ def build_precision_graph(config: MHAConfig, weights: Weights, precision: str) -
     )
     opsets = [helper.make_opsetid("", STEP_OPSET)]
     return helper.make_model(graph, opset_imports=opsets, ir_version=STEP_IR_VERSION, producer_name="mha-serve")
-
-
-def precision_tolerance(precision: str, config: MHAConfig) -> float:
-    """The relative error a graph in `precision` may show against the float64 reference: the
-    format's unit roundoff u (fp32 2^-24, fp16 2^-11, bf16 2^-8) times one rounding per op on the
-    path and the depth of the longest sum (log2 of C or T, as pairwise sums grow), for fp32 with
-    the suite's fixed 1e-5 floor."""
-    if precision == "fp32":
-        return 1e-5
-    u = {"fp16": 2.0**-11, "bf16": 2.0**-8}[precision]
-    return u * (2 + math.log2(max(config.d_model, config.max_seq_len)))

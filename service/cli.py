@@ -107,7 +107,7 @@ class CliError(Exception):
 
 def cmd_verify(args: argparse.Namespace) -> int:
     from export.verify import verify_model_dir
-    from service.client import InferenceError
+    from service.client.client import InferenceError
 
     if args.url:
         try:
@@ -143,7 +143,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     import asyncio
     from dataclasses import replace
 
-    from service.requestlog import configure_logging
+    from service.logs import configure_logging
     from service.settings import settings_from_namespace
 
     try:
@@ -153,9 +153,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
         return 2
     if not settings.thread_spinning:  # read once, when PyTorch loads its OpenMP runtime: before the import
         os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-    from service.server import StartupError, serve
+    from service.app.server import StartupError, serve
+    from service.app.supervisor import Supervisor, worker_count
     from service.settings import to_argv
-    from service.supervisor import Supervisor, worker_count
 
     configure_logging(settings.log_level, settings.log_format)
     if settings.model_dir is None:
@@ -189,7 +189,7 @@ def cmd_infer(args: argparse.Namespace) -> int:
 
     import numpy as np
 
-    from service.client import InferenceError, MHAClient
+    from service.client.client import InferenceError, MHAClient
 
     if args.input:
         try:
@@ -240,7 +240,7 @@ def verify_server(
     from export.layout import ModelFiles
     from export.verify import check_parity, sha256_file
     from model.checkpoint import load_checkpoint
-    from service.client import InferenceError, MHAClient
+    from service.client.client import InferenceError, MHAClient
 
     files = ModelFiles(model_dir)
     config, weights = load_checkpoint(files.weights)
@@ -268,7 +268,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     """Closed-loop load at each concurrency in turn: a table on the terminal, JSON/CSV on request."""
     from dataclasses import replace
 
-    from service.loadgen import run_load, server_cpu_seconds
+    from service.client.loadgen import run_load, server_cpu_seconds
 
     levels, seqs = _int_list(args.concurrency, "--concurrency"), _int_list(args.seq_lens, "--seq-lens")
     security = _client_security(args)
@@ -320,7 +320,7 @@ def _int_list(text: str, flag: str) -> list[int]:
 
 def _served_width(url: str, security: dict[str, Any]) -> int:
     """C, from the server's own model config."""
-    from service.client import InferenceError, MHAClient
+    from service.client.client import InferenceError, MHAClient
 
     try:
         with MHAClient(url, **security) as client:
@@ -353,7 +353,7 @@ def _write_results(results: list[Any], args: argparse.Namespace) -> None:
 
 def _plot(results: list[Any], args: argparse.Namespace) -> None:
     try:
-        from service.benchplot import plot_sweep
+        from service.client.benchplot import plot_sweep
     except ImportError as exc:  # pragma: no cover - the dev install has matplotlib
         raise CliError(f"--plot needs matplotlib: pip install 'mha-serve[plot]' ({exc})") from exc
     shape = f"B={args.batch}, T in {{{args.seq_lens}}}"

@@ -1,5 +1,5 @@
 """The service's error hierarchy: what went wrong, in the domain's words (no gRPC here;
-`service/status.py` maps each to a status code)."""
+`service/protocol/status.py` maps each to a status code)."""
 
 from __future__ import annotations
 

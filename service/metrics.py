@@ -18,7 +18,7 @@ from prometheus_client import (
 )
 from prometheus_client import disable_created_metrics as _disable_created
 
-from service.batcher import BatchEvent
+from service.batching import BatchEvent
 
 # 100 us to 10 s, roughly x2.5 per step: resolves a T=1 request on a GPU and a cold CPU batch alike.
 LATENCY_BUCKETS = (

@@ -10,9 +10,9 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry
 
-from service.batcher import Clock
-from service.launch import ServerProcess, free_port, server_process, wait_serving
-from service.server import Running, drain_and_stop, load_and_serve, start
+from service.app.launch import ServerProcess, free_port, server_process, wait_serving
+from service.app.server import Running, drain_and_stop, load_and_serve, start
+from service.batching import Clock
 from service.settings import Settings
 
 __all__ = ["ROOT", "ManualClock", "ServerProcess", "ServerThread", "free_port", "make_settings", "server_process"]

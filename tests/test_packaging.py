@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import tomllib
 
-from service.batcher import MonotonicClock
+from service.batching import MonotonicClock
 from tests.support import ROOT
 
 PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())

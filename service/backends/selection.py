@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from export.step_graph import precision_tolerance
+from export.layout import precision_tolerance
 from model import MHAConfig
 from model.checkpoint import Weights
 from model.reference import attention_view, relative_error

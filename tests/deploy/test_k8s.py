@@ -17,8 +17,8 @@ import pytest
 import yaml
 from prometheus_client import CollectorRegistry
 
+from service.app.server import HEALTH_SERVICES
 from service.metrics import Metrics
-from service.server import HEALTH_SERVICES
 from service.settings import Settings
 from tests.support import ROOT
 

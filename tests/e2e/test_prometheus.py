@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from service.client import InferenceError, MHAClient
+from service.client.client import InferenceError, MHAClient
 from tests.support import ROOT, ServerThread, free_port, make_settings
 
 PROMETHEUS = ROOT / ".tools" / "prometheus" / "usr" / "bin" / "prometheus"

@@ -18,7 +18,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from model.checkpoint import load_checkpoint
 from model.reference import attention_view, relative_error
 from service.cli import random_input
-from service.client import InferenceError, MHAClient
+from service.client.client import InferenceError, MHAClient
 from tests.support import ROOT, ServerProcess, server_process
 
 TRITON_PYTHON = ROOT / ".venv-triton" / "bin" / "python"

@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 from prometheus_client.parser import text_string_to_metric_families
 
-from service.client import MHAClient
+from service.client.client import MHAClient
 from tests.support import ServerProcess
 
 STARTED = re.compile(r"worker (\d+) started \(pid (\d+), metrics 127\.0\.0\.1:(\d+)\)")

@@ -11,15 +11,16 @@ import onnx
 import pytest
 import torch
 
+from export.layout import precision_tolerance
 from export.onnx_export import ExportError
 from export.pipeline import export_model_dir
-from export.step_graph import build_precision_graph, precision_tolerance
+from export.step_graph import build_precision_graph
 from export.verify import check_parity, ort_cpu_runner, parity_grid, verify_model_dir
 from model import MHAConfig
 from model.checkpoint import init_weights, load_checkpoint
 from model.reference import attention_view, relative_error
-from service.client import MHAClient
-from service.core import ModelLoadError
+from service.client.client import MHAClient
+from service.engine.core import ModelLoadError
 from tests.support import ServerThread, make_settings
 
 SMALL = MHAConfig(d_model=32, n_head=4, max_seq_len=64)

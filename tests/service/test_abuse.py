@@ -12,9 +12,9 @@ import grpc
 import numpy as np
 import pytest
 
-from service.codec import encode_infer_request
+from service.app.server import drain_and_stop
 from service.proto import grpc_service_pb2 as pb
-from service.server import drain_and_stop
+from service.protocol.codec import encode_infer_request
 from tests.support import ServerThread, make_settings
 
 INFER = "/inference.GRPCInferenceService/ModelInfer"

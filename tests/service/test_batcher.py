@@ -21,8 +21,9 @@ from model import MHAConfig
 from model.checkpoint import init_weights, load_checkpoint
 from model.reference import attention_view, relative_error
 from service.backends.pytorch import TorchBackend
-from service.batcher import Batcher, BatcherConfig, BatchEvent, batch_mflop, form_at, merge, plan_batch, split
-from service.client import InferenceError, MHAClient
+from service.batching import BatcherConfig, BatchEvent, batch_mflop, form_at, merge, plan_batch, split
+from service.client.client import InferenceError, MHAClient
+from service.engine.batcher import Batcher
 from service.errors import DeadlineExceeded, Overloaded
 from tests.support import ManualClock, ServerThread, make_settings
 

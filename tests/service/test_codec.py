@@ -9,15 +9,15 @@ import pytest
 
 from export.layout import ModelFiles
 from model import MHAConfig
-from service.codec import (
+from service.engine.served import ModelIdentity, ServedModel
+from service.errors import InvalidInput, ModelNotFound
+from service.proto import grpc_service_pb2 as pb
+from service.protocol.codec import (
     decode_infer_request,
     decode_infer_response,
     encode_infer_request,
     encode_infer_response,
 )
-from service.errors import InvalidInput, ModelNotFound
-from service.proto import grpc_service_pb2 as pb
-from service.served import ModelIdentity, ServedModel
 
 SPEC = ServedModel(
     ModelIdentity("mha", "1"),

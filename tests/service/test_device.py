@@ -16,11 +16,11 @@ from model import MHAConfig
 from model.checkpoint import load_checkpoint
 from service.backends.base import Backend
 from service.backends.chain import BackendChain, _Health, is_sticky_device_error
-from service.backends.steps import StepInput, StepRunner
-from service.client import InferenceError, MHAClient
-from service.codec import encode_infer_request
+from service.client.client import InferenceError, MHAClient
+from service.decode.runner import StepInput, StepRunner
 from service.errors import DeviceLost
 from service.proto import grpc_service_pb2_grpc as pb_grpc
+from service.protocol.codec import encode_infer_request
 from tests.support import ServerThread, make_settings
 
 INFERENCE = "inference.GRPCInferenceService"

@@ -7,7 +7,7 @@ import pytest
 
 from service import errors
 from service.errors import BackendFailure, InvalidInput, ServiceError
-from service.status import to_status
+from service.protocol.status import to_status
 
 ANSWERED_AS_SERVER_FAULTS = {BackendFailure}
 

@@ -15,7 +15,7 @@ import torch
 
 from model.checkpoint import load_checkpoint
 from model.reference import attention_view, relative_error
-from service.server import drain_and_stop
+from service.app.server import drain_and_stop
 from tests.support import ServerThread, free_port, make_settings
 
 

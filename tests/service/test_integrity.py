@@ -13,8 +13,8 @@ from export.pipeline import export_model_dir
 from model import MHAConfig
 from model.checkpoint import init_weights
 from service.cli import verify_server
-from service.client import MHAClient
-from service.core import ModelLoadError
+from service.client.client import MHAClient
+from service.engine.core import ModelLoadError
 from tests.support import ServerThread, make_settings
 
 SMALL = MHAConfig(d_model=32, n_head=4, max_seq_len=64)

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from service.client import InferenceError, MHAClient
+from service.client.client import InferenceError, MHAClient
 from tests.support import ROOT, ServerThread, free_port, make_settings
 
 PROMTOOL = ROOT / ".tools" / "prometheus" / "usr" / "bin" / "promtool"

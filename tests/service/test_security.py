@@ -18,7 +18,7 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from service.client import InferenceError, MHAClient
+from service.client.client import InferenceError, MHAClient
 from tests.support import ServerThread, free_port, make_settings
 
 X = np.ones((1, 4, 32), np.float32)

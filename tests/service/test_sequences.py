@@ -17,13 +17,13 @@ import torch
 from model import MHAConfig
 from model.checkpoint import load_checkpoint
 from model.reference import attention_view, relative_error
-from service.backends.steps import StepInput, StepRunner
-from service.codec import decode_infer_response, encode_infer_request
-from service.control import SequenceControl
+from service.decode.control import SequenceControl
+from service.decode.runner import StepInput, StepRunner
+from service.decode.sequences import SequenceLimits, SequenceStore
 from service.errors import InvalidInput, Overloaded, SequenceNotFound
 from service.proto import grpc_service_pb2 as pb
 from service.proto import grpc_service_pb2_grpc as pb_grpc
-from service.sequences import SequenceLimits, SequenceStore
+from service.protocol.codec import decode_infer_response, encode_infer_request
 from tests.support import ManualClock, ServerThread, make_settings
 
 C = 32  # the small model: 4 heads, max_seq_len 64
@@ -299,7 +299,7 @@ def test_a_failed_step_leaves_its_sequence_as_it_was(small_model_dir: Path) -> N
     import asyncio
     from concurrent.futures import ThreadPoolExecutor
 
-    from service.steps import Decoder, StepBatcher
+    from service.decode.scheduler import Decoder, StepBatcher
 
     runner, config, weights = _runner(small_model_dir)
     calls: list[int] = []
@@ -331,7 +331,7 @@ def test_a_lone_small_step_is_computed_on_the_event_loop(small_model_dir: Path) 
     import asyncio
     from concurrent.futures import ThreadPoolExecutor
 
-    from service.steps import StepBatcher
+    from service.decode.scheduler import StepBatcher
 
     runner, config, _ = _runner(small_model_dir)
     on_main: list[bool] = []

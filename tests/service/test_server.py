@@ -15,10 +15,10 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from model.checkpoint import load_checkpoint
 from model.reference import attention_view, relative_error
 from service.cli import verify_server
-from service.client import InferenceError, MHAClient
-from service.codec import encode_infer_request
+from service.client.client import InferenceError, MHAClient
 from service.proto import grpc_service_pb2 as pb
 from service.proto import grpc_service_pb2_grpc as pb_grpc
+from service.protocol.codec import encode_infer_request
 from tests.support import ServerThread, make_settings
 
 

@@ -19,11 +19,11 @@ from hypothesis import strategies as st
 
 from model.checkpoint import load_checkpoint
 from model.reference import attention_view, relative_error
-from service.codec import encode_infer_request, encode_infer_response, output_placement
 from service.errors import FeatureOff, InvalidInput, Overloaded, RegionExists, RegionNotFound
 from service.proto import grpc_service_pb2 as pb
 from service.proto import grpc_service_pb2_grpc as pb_grpc
-from service.shm import Placement, SystemRegions
+from service.protocol.codec import encode_infer_request, encode_infer_response, output_placement
+from service.protocol.shm import Placement, SystemRegions
 from tests.service.test_codec import SPEC
 from tests.support import ServerThread, make_settings
 

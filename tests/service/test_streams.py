@@ -11,9 +11,9 @@ import grpc
 import numpy as np
 import pytest
 
-from service.codec import encode_infer_request
 from service.proto import grpc_service_pb2_grpc as pb_grpc
-from service.streams import answer_concurrently
+from service.protocol.codec import encode_infer_request
+from service.protocol.grpc_streams import answer_concurrently
 from tests.support import ServerThread, make_settings
 
 # answer_concurrently on its own -----------------------------------------------------------------

@@ -22,14 +22,14 @@ from google.protobuf import json_format
 from google.protobuf.descriptor import Descriptor, FieldDescriptor
 from google.protobuf.message import Message
 
-from service import render
-from service.answer import answer_infer
-from service.calls import Call, Calls
-from service.core import InferenceCore, State
+from service.engine.core import InferenceCore, State
 from service.errors import InvalidInput, NotReady, Overloaded, Unauthenticated, quote
 from service.proto import grpc_service_pb2 as pb
+from service.protocol import render
+from service.protocol.answer import answer_infer
+from service.protocol.calls import Call, Calls
+from service.protocol.shm import SystemRegions
 from service.settings import Settings
-from service.shm import SystemRegions
 
 HEADER_LENGTH = "Inference-Header-Content-Length"
 HTTP_STATUS = {

@@ -5,33 +5,17 @@ Pure functions next to the codec: no I/O, no gRPC context, no state of their own
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
 from functools import cache
 from importlib.metadata import PackageNotFoundError, version
 
 import grpc
 
 from service.backends.base import Backend
-from service.codec import DATATYPE
+from service.engine.served import ServedModel, Serving
+from service.engine.stats import Duration, ModelStats
 from service.proto import grpc_service_pb2 as pb
-from service.served import ServedModel
-from service.shm import Region
-from service.stats import Duration, ModelStats
-
-
-@dataclass(frozen=True)
-class Serving:
-    """How the model is being served right now."""
-
-    backends: Sequence[Backend]  # the chain, in order
-    active: Backend
-    selection: str  # why this order: each candidate's verdict
-    max_batch_size: int
-    max_queue_delay_ms: float
-    max_sequences: int = 0  # live sequences kept for incremental decoding; 0: not offered
-    sequence_idle_timeout_s: float = 0.0
-
+from service.protocol.codec import DATATYPE
+from service.protocol.shm import Region
 
 SERVER_NAME = "mha-serve"
 EXTENSIONS = ("model_configuration", "statistics", "streaming", "health", "reflection")

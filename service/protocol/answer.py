@@ -4,10 +4,10 @@ encode (into the reply or into shared memory)."""
 
 from __future__ import annotations
 
-from service.codec import decode_infer_request, encode_infer_response, output_placement, sequence_control
-from service.core import InferenceCore
+from service.engine.core import InferenceCore
 from service.proto import grpc_service_pb2 as pb
-from service.shm import SystemRegions
+from service.protocol.codec import decode_infer_request, encode_infer_response, output_placement, sequence_control
+from service.protocol.shm import SystemRegions
 
 
 async def answer_infer(

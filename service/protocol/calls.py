@@ -21,11 +21,11 @@ from typing import TYPE_CHECKING, Any
 import grpc
 
 from service.errors import ServiceError
-from service.requestlog import new_request_id, request_id_var
-from service.status import to_status
+from service.logs import new_request_id, request_id_var
+from service.protocol.status import to_status
 
 if TYPE_CHECKING:
-    from service.core import InferenceCore
+    from service.engine.core import InferenceCore
 
 log = logging.getLogger(__name__)
 

@@ -23,18 +23,18 @@ from model.checkpoint import CheckpointError, load_checkpoint
 from service.arrays import all_finite, not_finite
 from service.backends import Backend, BackendChain, Selection, select_backends
 from service.backends.chain import REASONS, FallbackHook
-from service.backends.steps import StepRunner, step_device
-from service.batcher import Batcher, BatcherConfig, BatchEvent, Clock, MonotonicClock, Timing
-from service.control import SequenceControl
+from service.batching import BatcherConfig, BatchEvent, Clock, MonotonicClock
+from service.decode.control import SequenceControl
+from service.decode.runner import StepRunner, step_device
+from service.decode.scheduler import Decoder, StepBatcher
+from service.decode.sequences import SequenceLimits, SequenceStore
+from service.engine.batcher import Batcher, Timing
+from service.engine.readiness import DeviceHealth
+from service.engine.served import ModelIdentity, ServedModel, Serving
+from service.engine.stats import ModelStats
 from service.errors import DeviceLost, InvalidInput, NotReady
 from service.metrics import Metrics
-from service.readiness import DeviceHealth
-from service.render import Serving
-from service.sequences import SequenceLimits, SequenceStore
-from service.served import ModelIdentity, ServedModel
 from service.settings import Settings
-from service.stats import ModelStats
-from service.steps import Decoder, StepBatcher
 
 log = logging.getLogger(__name__)
 

@@ -11,16 +11,16 @@ from typing import TypeAlias
 
 import grpc
 
-from service import render
-from service.answer import answer_infer
-from service.batcher import Clock
-from service.calls import Calls
-from service.core import InferenceCore, State
+from service.batching import Clock
+from service.engine.core import InferenceCore, State
 from service.errors import FeatureOff, NotReady, RegionNotFound, quote
 from service.proto import grpc_service_pb2 as pb
 from service.proto import grpc_service_pb2_grpc as pb_grpc
-from service.shm import SystemRegions
-from service.streams import answer_concurrently
+from service.protocol import render
+from service.protocol.answer import answer_infer
+from service.protocol.calls import Calls
+from service.protocol.grpc_streams import answer_concurrently
+from service.protocol.shm import SystemRegions
 
 Context: TypeAlias = grpc.aio.ServicerContext
 CUDA_SHM_OFF = (

@@ -11,13 +11,13 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from export.layout import INPUT_NAME
-from service.control import SequenceControl
+from service.decode.control import SequenceControl
 from service.errors import FeatureOff, InvalidInput, quote
 from service.proto import grpc_service_pb2 as pb
-from service.shm import OFF_MESSAGE, Placement, SystemRegions
+from service.protocol.shm import OFF_MESSAGE, Placement, SystemRegions
 
 if TYPE_CHECKING:
-    from service.served import ServedModel
+    from service.engine.served import ServedModel
 
 DATATYPE = "FP32"
 FLOAT32 = np.dtype("<f4")

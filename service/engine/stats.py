@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from service.batcher import BatchEvent
+from service.batching import BatchEvent
 
 
 @dataclass

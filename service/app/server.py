@@ -15,18 +15,18 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from prometheus_client import CollectorRegistry
 
-from service.auth import BearerTokenInterceptor, read_token
-from service.batcher import Clock
-from service.calls import Calls
-from service.core import InferenceCore, State
-from service.handlers import generic_handler
-from service.http_api import HttpApi, ssl_context
+from service.batching import Clock
+from service.engine.core import InferenceCore, State
 from service.metrics import Metrics
 from service.metrics_http import MetricsServer
 from service.proto import grpc_service_pb2 as pb
-from service.servicer import InferenceServicer
+from service.protocol.auth import BearerTokenInterceptor, read_token
+from service.protocol.calls import Calls
+from service.protocol.grpc_handlers import generic_handler
+from service.protocol.grpc_servicer import InferenceServicer
+from service.protocol.http_app import HttpApi, ssl_context
+from service.protocol.shm import SystemRegions
 from service.settings import Settings
-from service.shm import SystemRegions
 
 log = logging.getLogger(__name__)
 

@@ -9,9 +9,9 @@ import grpc
 import numpy as np
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from service.codec import decode_infer_response, encode_infer_request
 from service.proto import grpc_service_pb2 as pb
 from service.proto import grpc_service_pb2_grpc as pb_grpc
+from service.protocol.codec import decode_infer_response, encode_infer_request
 
 log = logging.getLogger(__name__)
 

@@ -2,8 +2,8 @@
 
 A client sends a sequence's tokens a few at a time (Triton's sequence parameters); the server
 keeps the keys and values of every token so far and computes only the new ones. This module
-holds that state and its limits; `StepRunner` (service/backends/steps.py) computes steps and
-`StepBatcher` (service/steps.py) batches the steps of different sequences.
+holds that state and its limits; `StepRunner` (service/decode/runner.py) computes steps and
+`StepBatcher` (service/decode/scheduler.py) batches the steps of different sequences.
 
 Everything here runs on the event loop's thread. A sequence's steps run one at a time, in
 arrival order (a FIFO lock per sequence); eviction never touches a sequence that is stepping
@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 import torch
 
 from model import MHAConfig
-from service.control import SequenceControl, SequenceId
+from service.decode.control import SequenceControl, SequenceId
 from service.errors import InvalidInput, Overloaded, SequenceNotFound, quote
 
 log = logging.getLogger(__name__)

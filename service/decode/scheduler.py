@@ -14,11 +14,11 @@ from dataclasses import dataclass
 import numpy as np
 
 from service.arrays import all_finite, not_finite
-from service.backends.steps import StepInput
-from service.batcher import alone_and_small
-from service.control import SequenceControl
+from service.batching import alone_and_small
+from service.decode.control import SequenceControl
+from service.decode.runner import StepInput
+from service.decode.sequences import SequenceStore
 from service.errors import DeviceLost, InvalidInput
-from service.sequences import SequenceStore
 
 log = logging.getLogger(__name__)
 

@@ -3,6 +3,7 @@ its shape, tensors and files. Built once; every request and every rendering read
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -11,6 +12,7 @@ from service.errors import ModelNotFound, quote
 
 if TYPE_CHECKING:
     from model import MHAConfig
+    from service.backends.base import Backend
 
 
 @dataclass(frozen=True)
@@ -71,3 +73,16 @@ class ServedModel:
             "weights_sha256": self.weights_sha256,
             "verified": str(self.verified).lower(),
         }
+
+
+@dataclass(frozen=True)
+class Serving:
+    """How the model is being served right now."""
+
+    backends: Sequence[Backend]  # the chain, in order
+    active: Backend
+    selection: str  # why this order: each candidate's verdict
+    max_batch_size: int
+    max_queue_delay_ms: float
+    max_sequences: int = 0  # live sequences kept for incremental decoding; 0: not offered
+    sequence_idle_timeout_s: float = 0.0

@@ -24,7 +24,7 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 
-from service.launch import free_port
+from service.app.launch import free_port
 from service.metrics_http import MetricsServer
 from service.settings import Settings
 

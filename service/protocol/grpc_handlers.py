@@ -12,9 +12,9 @@ from typing import Any, TypeAlias
 import grpc
 from google.protobuf.message import DecodeError, Message
 
-from service.calls import Calls
 from service.errors import InvalidInput
 from service.proto import grpc_service_pb2 as pb
+from service.protocol.calls import Calls
 
 SERVICE = pb.DESCRIPTOR.services_by_name["GRPCInferenceService"]
 Context: TypeAlias = grpc.aio.ServicerContext

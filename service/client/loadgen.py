@@ -12,7 +12,7 @@ import grpc
 import numpy as np
 from prometheus_client.parser import text_string_to_metric_families
 
-from service.client import InferenceError, MHAClient
+from service.client.client import InferenceError, MHAClient
 
 # The client's own mistakes: every further request would fail the same way, so the run stops.
 STOP_ON = {

@@ -17,9 +17,9 @@ from model.attention import cached_attention
 from model.checkpoint import Weights
 from service.backends.chain import is_sticky_device_error
 from service.backends.pytorch import prepare_device
-from service.batcher import merge
+from service.batching import merge
+from service.decode.sequences import Sequence
 from service.errors import DeviceLost
-from service.sequences import Sequence
 
 
 def step_device(serving_device: str) -> str:

@@ -1,0 +1,1 @@
+"""The composition root: the server process, the worker supervisor, launching."""

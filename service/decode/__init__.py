@@ -1,0 +1,1 @@
+"""Incremental decoding: live sequences, their steps, the step runner."""

@@ -1,0 +1,1 @@
+"""The served model: numpy in, numpy out (batching, readiness, statistics)."""

@@ -1,0 +1,210 @@
+"""Dynamic batching of stateless requests: a bounded queue, batches formed within a delay.
+
+`Batcher`, on an injected `Clock`, runs each batch off the event loop (or, alone and small, on
+it) and reports one `BatchEvent` per executed batch. What it decides with and how it pads are the
+pure primitives of `service.batching`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from concurrent.futures import Executor
+from dataclasses import dataclass
+
+import numpy as np
+
+from service.batching import (
+    BatcherConfig,
+    BatchEvent,
+    Clock,
+    MonotonicClock,
+    alone_and_small,
+    batch_event,
+    form_at,
+    merge,
+    plan_batch,
+    split,
+)
+from service.errors import DeadlineExceeded, NotReady, Overloaded
+
+log = logging.getLogger(__name__)
+
+RunBatch = Callable[[np.ndarray], tuple[np.ndarray, str]]  # (B, T, C) -> ((B, T, C), backend name)
+
+
+@dataclass(frozen=True)
+class Timing:
+    """What a request learns of the batch it rode in."""
+
+    queue_s: float  # enqueued -> its batch started computing
+    batch_rows: int
+    backend: str
+
+
+Answer = tuple[np.ndarray, Timing]
+
+
+@dataclass(eq=False)
+class _Pending:
+    x: np.ndarray  # (B, T, C)
+    enqueued: float
+    deadline: float | None
+    future: asyncio.Future[Answer]
+
+    @property
+    def rows(self) -> int:
+        return int(self.x.shape[0])
+
+    @property
+    def seq(self) -> int:
+        return int(self.x.shape[1])
+
+    @property
+    def gone(self) -> bool:
+        return self.future.done()
+
+
+class Batcher:
+    def __init__(
+        self,
+        config: BatcherConfig,
+        run_batch: RunBatch,
+        executor: Executor,
+        on_batch: Callable[[BatchEvent], None] | None = None,
+        in_flight: Callable[[], int] | None = None,
+        clock: Clock | None = None,
+    ) -> None:
+        self.config = config
+        self._run_batch = run_batch
+        self._executor = executor
+        self._on_batch = on_batch
+        self._in_flight = in_flight  # requests in the server, queued or not; None: assume more may come
+        self.clock: Clock = clock or MonotonicClock()
+        self._queue: list[_Pending] = []
+        self._wakeup = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+        self._closed = False
+        self._computing = False  # a batch of the loop is being computed (on the worker thread)
+
+    @property
+    def depth(self) -> int:
+        return len(self._queue)
+
+    def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self._loop(), name="batcher")
+
+    async def stop(self) -> None:
+        """Stop taking requests, finish what is queued, then end the loop."""
+        self._closed = True
+        self._wakeup.set()
+        if self._task is not None:
+            await self._task
+
+    async def submit(self, x: np.ndarray, deadline: float | None = None) -> Answer:
+        """Queue (B, T, C); resolve to ((B, T, C), Timing). Raises Overloaded at once when full."""
+        if self._closed:
+            raise NotReady("the server is draining; retry on another replica")
+        if len(self._queue) >= self.config.max_queue_size:
+            raise Overloaded(
+                f"queue full: {len(self._queue)} requests waiting (max_queue_size {self.config.max_queue_size}); "
+                "retry with backoff"
+            )
+        enqueued = self.clock.now()
+        if await alone_and_small(1, x.shape, self.config.inline_max_mflop, self._idle_and_alone):
+            return self._run_alone(x, enqueued, deadline)
+        future: asyncio.Future[Answer] = asyncio.get_running_loop().create_future()
+        self._queue.append(_Pending(x=x, enqueued=enqueued, deadline=deadline, future=future))
+        self._wakeup.set()
+        return await future
+
+    async def _loop(self) -> None:
+        while self._queue or not self._closed:
+            if not self._queue:
+                self._wakeup.clear()
+                await self._wakeup.wait()
+                continue
+            forming = self.clock.now()
+            await self._wait_for_company()
+            plan = plan_batch(self._queue, self.config, self.clock.now())
+            self._queue = plan.rest
+            self._expire(plan.expired)
+            if plan.batch:
+                self._computing = True
+                try:
+                    await self._execute(plan.batch, forming)
+                finally:
+                    self._computing = False
+
+    async def _wait_for_company(self) -> None:
+        while self._queue and not self._closed:
+            more_may_come = self._in_flight is None or self._in_flight() > len(self._queue)
+            until = form_at(self._queue, self.config, more_may_come)
+            if until <= self.clock.now():
+                return
+            self._wakeup.clear()
+            await self.clock.wait(self._wakeup, until)
+
+    def _expire(self, expired: list[_Pending]) -> None:
+        now = self.clock.now()
+        for item in expired:
+            waited_ms = (now - item.enqueued) * 1e3
+            item.future.set_exception(DeadlineExceeded(f"deadline passed after {waited_ms:.1f} ms in the queue"))
+
+    async def _execute(self, batch: list[_Pending], forming: float) -> None:
+        x = merge([i.x for i in batch])  # (sum B, T_max, C)
+        shapes = [(i.rows, i.seq) for i in batch]
+        started = self.clock.now()
+        try:
+            if await alone_and_small(len(batch), x.shape, self.config.inline_max_mflop, self._alone):
+                y, backend = self._run_batch(x)
+            else:
+                y, backend = await asyncio.get_running_loop().run_in_executor(self._executor, self._run_batch, x)
+        except Exception as exc:
+            self._report(shapes, x, (forming, started), "", exc)
+            if len(batch) > 1:  # isolate the culprit: one request's failure never fails the others
+                for item in batch:
+                    if not item.future.done():
+                        await self._execute([item], self.clock.now())
+            elif not batch[0].future.done():
+                batch[0].future.set_exception(exc)
+            return
+        self._report(shapes, x, (forming, started), backend, None)
+        for item, out in zip(batch, split(y, shapes), strict=True):
+            if not item.future.done():
+                item.future.set_result((out, Timing(started - item.enqueued, int(x.shape[0]), backend)))
+
+    def _run_alone(self, x: np.ndarray, enqueued: float, deadline: float | None) -> Answer:
+        """The only request in the server, small: computed here on the event loop, without the
+        queue, a future or the batcher's task (each a turn of the loop)."""
+        started = self.clock.now()
+        if deadline is not None and deadline <= started:
+            raise DeadlineExceeded(f"deadline passed after {(started - enqueued) * 1e3:.1f} ms in the queue")
+        shapes = [(int(x.shape[0]), int(x.shape[1]))]
+        try:
+            y, backend = self._run_batch(x)
+        except Exception as exc:
+            self._report(shapes, x, (started, started), "", exc)
+            raise
+        self._report(shapes, x, (started, started), backend, None)
+        return y, Timing(started - enqueued, int(x.shape[0]), backend)
+
+    def _alone(self) -> bool:
+        """Nothing queued and no other request in the server (unknown without `in_flight`: no)."""
+        return not self._queue and self._in_flight is not None and self._in_flight() <= 1
+
+    def _idle_and_alone(self) -> bool:
+        """Alone, and no batch computing: a request whose client went away may still be."""
+        return not self._computing and self._alone()
+
+    def _report(
+        self,
+        shapes: list[tuple[int, int]],
+        x: np.ndarray,
+        times: tuple[float, float],
+        backend: str,
+        error: BaseException | None,
+    ) -> None:
+        if self._on_batch is not None:
+            self._on_batch(batch_event(shapes, x, times, self.clock.now(), backend, error))

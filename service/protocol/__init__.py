@@ -1,0 +1,1 @@
+"""The wire: gRPC and HTTP, protobuf and JSON, status codes, shared memory."""
