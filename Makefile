@@ -11,14 +11,23 @@ ARGS ?=
 .PHONY: install serve test export lint proto bench bench-servers deploy-gen clean
 
 PROMETHEUS := .tools/prometheus/usr/bin/prometheus
+NGINX := .tools/nginx/usr/sbin/nginx
 
-install: $(STAMP) $(TRITON_STAMP) $(PROMETHEUS)
+install: $(STAMP) $(TRITON_STAMP) $(PROMETHEUS) $(NGINX)
 
 # Prometheus and promtool from Debian's package, unpacked (no service starts): the tests run both.
 $(PROMETHEUS):
 	mkdir -p .tools/deb
 	cd .tools/deb && (apt-get download prometheus || (apt-get update -q && apt-get download prometheus))
 	dpkg -x .tools/deb/prometheus_*.deb .tools/prometheus
+	test -x $@
+
+# nginx from Debian's package, unpacked (no service starts): the balancer tests run it in front of
+# several `mha serve` replicas (deploy/nginx/mha-serve.conf).
+$(NGINX):
+	mkdir -p .tools/deb
+	cd .tools/deb && (apt-get download nginx || (apt-get update -q && apt-get download nginx))
+	dpkg -x .tools/deb/nginx_*.deb .tools/nginx
 	test -x $@
 
 $(STAMP): pyproject.toml constraints.txt

@@ -28,6 +28,21 @@ class SequenceNotFound(NotFound):
     """A step for a sequence that is not live: never started, ended, evicted or restarted."""
 
 
+class StaleSequence(ServiceError):
+    """A step whose client believes the sequence holds a different number of tokens than this
+    server does (sequence_offset): computing it would answer against a state that is not the
+    client's, so it is refused and the state stays as it was."""
+
+
+class Relayed(ServiceError):
+    """Another worker's error answer to a request handed to it, passed on as it is: `status` is
+    the name of that answer's status code."""
+
+    def __init__(self, status: str, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+
+
 class RegionExists(ServiceError):
     """Registering a shared memory region under a name already taken."""
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import socket
 import types
 from collections.abc import Mapping
 from dataclasses import Field, dataclass, field, fields
@@ -61,6 +62,10 @@ class Settings:
     )
     workers: str = setting("1", "server processes sharing the ports; auto: one per GPU, else one per 2 CPUs")
     reuse_port: bool = setting(False, "share the ports with other processes (what each of --workers does)")
+    replica_name: str = setting("", "this replica's name in step responses and messages; empty: the host name")
+    worker_index: int = setting(0, "this process's index among --workers (set by the supervisor)", low=0)
+    worker_peers: int = setting(1, "workers sharing the ports, this one included (set by the supervisor)", low=1)
+    worker_socket_dir: Path | None = setting(None, "directory of the workers' Unix sockets (set by the supervisor)")
     threads: int = setting(0, "intra-op threads of the CPU backends; 0: the CPUs this process may use", low=0)
     thread_spinning: bool = setting(False, "let idle intra-op threads busy-wait: a little latency for a lot of CPU")
     max_batch_size: int = setting(8, "rows per executed batch; 1 turns batching off", "rows", low=1)
@@ -102,6 +107,11 @@ class Settings:
             raise ValueError(f"--workers {self.workers!r}: expected a positive number or auto")
         if self.tls_client_ca is not None and self.tls_cert is None:
             raise ValueError("--tls-client-ca (mTLS) needs --tls-cert and --tls-key")
+
+    @property
+    def replica(self) -> str:
+        """This replica's name: --replica-name, else the host name (a pod's name in Kubernetes)."""
+        return self.replica_name or socket.gethostname()
 
     @property
     def cpu_threads(self) -> int:

@@ -8,6 +8,7 @@ import signal
 import ssl
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import grpc
 from aiohttp import web
@@ -25,6 +26,7 @@ from service.protocol.calls import Calls
 from service.protocol.grpc_handlers import generic_handler
 from service.protocol.grpc_servicer import InferenceServicer
 from service.protocol.http_app import HttpApi, ssl_context
+from service.protocol.peers import WorkerPeers, socket_path
 from service.protocol.shm import SystemRegions
 from service.settings import Settings
 
@@ -56,6 +58,7 @@ class Running:
     http_runner: web.AppRunner | None = None
     http_port: int = 0  # 0 when disabled
     regions: SystemRegions | None = None
+    peers: WorkerPeers | None = None  # the other workers (--workers), when there are any
     tasks: set[asyncio.Task[None]] = field(default_factory=set)  # keeps background tasks referenced
 
 
@@ -104,16 +107,19 @@ async def start(settings: Settings, registry: CollectorRegistry | None = None, c
         await health_servicer.set(service, health_pb2.HealthCheckResponse.NOT_SERVING)
     calls, token = Calls(core), _token(settings)
     regions = SystemRegions(settings.shared_memory == "system", settings.max_shared_memory_regions)
-    server = _grpc_server(settings, InferenceServicer(core, calls, regions), calls, token, health_servicer)
+    peers = _peers(settings, token)
+    server = _grpc_server(settings, InferenceServicer(core, calls, regions, peers), calls, token, health_servicer)
     credentials = _credentials(settings)
     port = _bind(server, f"{settings.host}:{settings.grpc_port}", credentials, "--grpc-port")
-    running = Running(server, core, health_servicer, grpc_port=port, metrics_port=0, regions=regions)
+    if peers is not None:  # where the other workers hand over the steps of this worker's sequences
+        _bind_socket(server, socket_path(peers.directory, peers.index))
+    running = Running(server, core, health_servicer, grpc_port=port, metrics_port=0, regions=regions, peers=peers)
     if settings.metrics_port:
         await _start_metrics(running, settings, metrics)
     if settings.health_port:
         await _start_health_port(running, settings)
     if settings.http_port:
-        await _start_http(running, settings, HttpApi(core, calls, token, regions))
+        await _start_http(running, settings, HttpApi(core, calls, token, regions, peers))
     await server.start()
     running.tasks.add(asyncio.get_running_loop().create_task(_not_serving_when_lost(running)))
     tls = "TLS" if credentials else "plaintext"
@@ -126,6 +132,22 @@ async def start(settings: Settings, registry: CollectorRegistry | None = None, c
         running.metrics_port or "off",
     )
     return running
+
+
+def _peers(settings: Settings, token: str | None) -> WorkerPeers | None:
+    """The other workers, when this process is one of several (--workers): None when alone."""
+    if settings.worker_peers <= 1 or settings.worker_socket_dir is None:
+        return None
+    return WorkerPeers(
+        settings.worker_index, settings.worker_peers, settings.worker_socket_dir, token, settings.max_message_mb
+    )
+
+
+def _bind_socket(server: grpc.aio.Server, path: Path) -> None:
+    """Listen on a Unix-domain socket (left behind by this worker's previous life: replaced)."""
+    path.unlink(missing_ok=True)
+    if server.add_insecure_port(f"unix:{path}") == 0:
+        raise StartupError(f"cannot listen on the worker socket {path}", 1)
 
 
 def _token(settings: Settings) -> str | None:
@@ -274,12 +296,14 @@ async def drain_and_stop(running: Running, grace_s: float) -> None:
         await running.health.set(service, health_pb2.HealthCheckResponse.NOT_SERVING)
     running.core.start_draining()
     started = time.monotonic()
-    if not await running.core.wait_idle(grace_s):
-        log.warning("grace period over with %d requests in flight: stopping anyway", running.core.in_flight)
+    if not await running.core.requests.wait_idle(grace_s):
+        log.warning("grace period over with %d requests in flight: stopping anyway", running.core.requests.count)
     await running.server.stop(max(0.0, grace_s - (time.monotonic() - started)))
     await running.core.close()
     if running.regions is not None:
         running.regions.close()
+    if running.peers is not None:
+        await running.peers.close()
     if running.http_runner is not None:
         await running.http_runner.cleanup()
     if running.metrics_server is not None:

@@ -5,20 +5,26 @@ The supervisor starts the workers, restarts one that dies (logged and counted), 
 and waits for every worker's drain. It serves the one /metrics endpoint: each worker exports on a
 loopback port of its own, and the supervisor sums counters and histograms across workers and
 labels gauges with the worker's index. Each worker batches only the requests of its own
-connections; a client with one channel sticks to one worker.
+connections; each sequence has one owner worker, to which the other workers hand its steps over
+a Unix-domain socket in a private directory (service/protocol/peers.py).
 """
 
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import logging
 import os
+import shutil
 import signal
 import sys
+import tempfile
 import time
 import urllib.request
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
+from functools import partial
+from pathlib import Path
 
 from prometheus_client import CollectorRegistry
 from prometheus_client.core import Metric
@@ -33,6 +39,7 @@ log = logging.getLogger(__name__)
 SUMMED = {"counter", "histogram", "summary"}  # across workers; gauges and infos get a worker label
 MAX_RESTARTS = 5  # within RESTART_WINDOW_S: beyond it, the supervisor gives up and exits 1
 RESTART_WINDOW_S = 60.0
+PR_SET_PDEATHSIG = 1  # prctl(2)
 
 
 @dataclass
@@ -89,6 +96,7 @@ class Supervisor:
         self.workers = [Worker(i, free_port()) for i in range(count)]
         self.restarts: dict[int, int] = {i: 0 for i in range(count)}
         self._stopping = False
+        self.sockets = Path(tempfile.mkdtemp(prefix="mha-workers-"))  # 0700: the workers' hand-over sockets
 
     def _command(self, worker: Worker) -> list[str]:
         own = [
@@ -99,12 +107,19 @@ class Supervisor:
             str(worker.metrics_port),
             "--metrics-host",
             "127.0.0.1",
+            "--worker-index",
+            str(worker.index),
+            "--worker-peers",
+            str(len(self.workers)),
+            "--worker-socket-dir",
+            str(self.sockets),
         ]
         return [sys.executable, "-m", "service.cli", "serve", *self._argv, *own]
 
     async def _spawn(self, worker: Worker) -> None:
         env = {**os.environ, "MHA_LOG_LEVEL": self.settings.log_level}
-        worker.process = await asyncio.create_subprocess_exec(*self._command(worker), env=env)
+        die_with_me = partial(_die_with_parent, os.getpid())
+        worker.process = await asyncio.create_subprocess_exec(*self._command(worker), env=env, preexec_fn=die_with_me)
         log.info(
             "worker %d started (pid %d, metrics 127.0.0.1:%d)", worker.index, worker.process.pid, worker.metrics_port
         )
@@ -150,6 +165,7 @@ class Supervisor:
         for task in [stopper, *watchers]:
             task.cancel()
         await metrics.stop()
+        shutil.rmtree(self.sockets, ignore_errors=True)
         return 1 if failed else 0
 
     async def _stop_all(self) -> None:
@@ -167,6 +183,15 @@ class Supervisor:
                     log.error("worker %d did not stop in time; killing it", worker.index)
                     worker.process.kill()
                     await worker.process.wait()
+
+
+def _die_with_parent(parent: int) -> None:
+    """In the worker, before it runs: SIGTERM when the supervisor dies, however it dies (SIGKILL
+    included), so that no worker outlives it on the ports (Linux's PR_SET_PDEATHSIG)."""
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    if os.getppid() != parent:  # the supervisor died before the line above took effect
+        os.kill(os.getpid(), signal.SIGTERM)
 
 
 def worker_count(setting: str) -> int:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
 
 import grpc
 import numpy as np
@@ -11,7 +12,13 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from service.proto import grpc_service_pb2 as pb
 from service.proto import grpc_service_pb2_grpc as pb_grpc
-from service.protocol.codec import decode_infer_response, encode_infer_request
+from service.protocol.codec import (
+    SEQUENCE_HEADER,
+    SEQUENCE_LENGTH,
+    SEQUENCE_OFFSET,
+    decode_infer_response,
+    encode_infer_request,
+)
 
 log = logging.getLogger(__name__)
 
@@ -22,6 +29,14 @@ class InferenceError(RuntimeError):
     def __init__(self, code: grpc.StatusCode, message: str) -> None:
         super().__init__(f"{code.name}: {message}")
         self.code = code
+
+
+@dataclass(frozen=True)
+class StepAnswer:
+    y: np.ndarray  # (B, t, C): the outputs of the step's tokens
+    length: int  # tokens the server holds for the sequence after the step
+    replica: str  # where the sequence lives: the replica's name
+    worker: int  # ... and the worker within it
 
 
 class MHAClient:
@@ -82,6 +97,42 @@ class MHAClient:
         response: pb.ModelInferResponse = self._call("ModelInfer", request, timeout)  # type: ignore[assignment]
         return decode_infer_response(response), response.parameters["backend"].string_param
 
+    def step(
+        self,
+        sequence_id: int | str,
+        x: np.ndarray,
+        offset: int,
+        start: bool = False,
+        end: bool = False,
+        timeout: float | None = 60.0,
+    ) -> StepAnswer:
+        """One step of a sequence: (B, t, C) new tokens -> their (B, t, C) outputs, the tokens the
+        server holds after the step and where the sequence lives. `offset` is the number of tokens
+        this client believes the server holds before the step: a server whose state differs
+        refuses (FAILED_PRECONDITION) instead of answering against it. The id travels as the
+        mha-sequence-id header too, which L7 balancers hash on to keep a sequence on one replica."""
+        request = encode_infer_request(x, self.model, self.version)
+        parameters = request.parameters
+        if isinstance(sequence_id, int):
+            parameters["sequence_id"].int64_param = sequence_id
+        else:
+            parameters["sequence_id"].string_param = sequence_id
+        parameters["sequence_start"].bool_param = start
+        parameters["sequence_end"].bool_param = end
+        parameters[SEQUENCE_OFFSET].int64_param = offset
+        metadata = (*self.metadata, (SEQUENCE_HEADER, str(sequence_id)))
+        try:
+            response = self.stub.ModelInfer(request, timeout=timeout, metadata=metadata)
+        except grpc.RpcError as exc:
+            raise InferenceError(exc.code(), exc.details() or "") from exc
+        said = response.parameters
+        length, replica, worker = said[SEQUENCE_LENGTH].int64_param, said["replica"].string_param, said["worker"]
+        return StepAnswer(decode_infer_response(response), int(length), replica, int(worker.int64_param))
+
+    def sequence(self, sequence_id: int | str) -> ClientSequence:
+        """A sequence to drive step by step; it keeps its offset and restarts with its prefix."""
+        return ClientSequence(self, sequence_id)
+
     def stream_infer(self, xs: Iterable[np.ndarray], timeout: float | None = 120.0) -> Iterator[np.ndarray]:
         """Send many tensors on one stream; yields outputs in request order."""
         requests = [encode_infer_request(x, self.model, self.version, request_id=str(i)) for i, x in enumerate(xs)]
@@ -114,3 +165,33 @@ class MHAClient:
     def statistics(self, timeout: float = 5.0) -> pb.ModelStatistics:
         request = pb.ModelStatisticsRequest(name=self.model, version=self.version)
         return self._call("ModelStatistics", request, timeout).model_stats[0]  # type: ignore[attr-defined]
+
+
+class ClientSequence:
+    """One sequence, as docs/api.md says to drive it: each step carries the offset the client
+    believes in; a server that no longer holds the sequence (NOT_FOUND: evicted, restarted, or
+    another replica) or holds another state of it (FAILED_PRECONDITION) gets the whole prefix
+    again with sequence_start, and the step goes on from there. The prefix is kept client-side."""
+
+    RESTART_ON = (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.FAILED_PRECONDITION)
+
+    def __init__(self, client: MHAClient, sequence_id: int | str) -> None:
+        self.client, self.id = client, sequence_id
+        self.tokens: list[np.ndarray] = []  # every (B, t, C) sent, in order: the prefix to restart with
+        self.length = 0  # tokens the server holds, as it last said
+        self.replica, self.worker = "", 0  # where it lives, as the server last said
+        self.restarts = 0
+
+    def send(self, x: np.ndarray, end: bool = False, timeout: float | None = 60.0) -> np.ndarray:
+        """(B, t, C) new tokens -> their (B, t, C) outputs."""
+        try:
+            answer = self.client.step(self.id, x, self.length, self.length == 0, end, timeout)
+        except InferenceError as exc:
+            if exc.code not in self.RESTART_ON or not self.tokens:
+                raise
+            self.restarts += 1
+            whole = np.concatenate([*self.tokens, x], axis=1)  # (B, P + t, C)
+            answer = self.client.step(self.id, whole, 0, True, end, timeout)
+        self.tokens.append(x)
+        self.length, self.replica, self.worker = answer.length, answer.replica, answer.worker
+        return answer.y[:, -x.shape[1] :]  # (B, t, C): the new tokens' rows

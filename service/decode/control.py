@@ -17,6 +17,7 @@ class SequenceControl:
     id: SequenceId
     start: bool = False
     end: bool = False
+    offset: int | None = None  # tokens the client believes the server holds before this step; None: unsaid
 
     def label(self) -> str:
         return quote(str(self.id), 48)

@@ -18,7 +18,7 @@ from service.batching import alone_and_small
 from service.decode.control import SequenceControl
 from service.decode.runner import StepInput
 from service.decode.sequences import SequenceStore
-from service.errors import DeviceLost, InvalidInput
+from service.errors import DeviceLost, InvalidInput, StaleSequence
 
 log = logging.getLogger(__name__)
 
@@ -158,15 +158,27 @@ class Decoder:
             self._expiry.cancel()
         self.sequences.clear()
 
-    async def step(self, control: SequenceControl, x: np.ndarray) -> np.ndarray:
-        """(B, t, C) new tokens of the sequence -> their (B, t, C) outputs."""
+    async def step(self, control: SequenceControl, x: np.ndarray) -> tuple[np.ndarray, int]:
+        """(B, t, C) new tokens of the sequence -> their (B, t, C) outputs and the tokens the
+        sequence holds after them."""
         if not all_finite(x):  # refused before it touches the sequence's state
             raise InvalidInput(not_finite(x))
         sequence = self.sequences.open(control, int(x.shape[0]), int(x.shape[2]))
         async with sequence.lock:  # this sequence's steps one at a time, in arrival order
+            _check_offset(control, sequence.length, self.sequences.where)
             self.sequences.check_room(sequence, int(x.shape[1]))
             y = await self.steps.submit(StepInput(sequence, x))
             self.sequences.touch(sequence)
             if control.end:
                 self.sequences.end(sequence)
-        return y
+        return y, sequence.length
+
+
+def _check_offset(control: SequenceControl, held: int, where: str) -> None:
+    """A step computed against a state that is not the client's would be answered OK and wrong:
+    when the client says how many tokens it believes are held, they must be the ones held."""
+    if control.offset is not None and control.offset != held:
+        raise StaleSequence(
+            f"sequence {control.label()}: the request's sequence_offset is {control.offset} but {where} holds "
+            f"{held} tokens of it; nothing was computed. Start it again with sequence_start and its whole prefix"
+        )

@@ -79,9 +79,11 @@ class SequenceStore:
         now: Callable[[], float],
         on_change: Callable[[SequenceStore, str | None], None] | None = None,
         device: str = "cpu",
+        where: str = "this server",
     ) -> None:
         self.config, self.limits, self.now = config, limits, now
         self.device = device  # where the caches live: the step runner's device
+        self.where = where  # this process, as messages name it for operators (replica and worker)
         self._live: OrderedDict[SequenceId, Sequence] = OrderedDict()  # least recently used first
         self._gone: OrderedDict[SequenceId, str] = OrderedDict()  # id -> what became of it
         self._on_change = on_change  # (store, eviction reason or None): metrics
@@ -101,9 +103,10 @@ class SequenceStore:
             return self._begin(control.id, rows)
         sequence = self._live.get(control.id)
         if sequence is None:
-            what = self._gone.get(control.id, "is not known to this server")
+            what = self._gone.get(control.id, "is not known")
             raise SequenceNotFound(
-                f"sequence {control.label()} {what}; start it again with sequence_start and its whole prefix"
+                f"sequence {control.label()} {what} on {self.where}; start it again with sequence_start and its "
+                "whole prefix"
             )
         if rows != sequence.rows:
             raise InvalidInput(f"sequence {control.label()} has B = {sequence.rows} rows; this step sends B = {rows}")
@@ -115,8 +118,8 @@ class SequenceStore:
         evicting idle sequences (least recently used first) when the byte budget requires."""
         if not sequence.live:
             raise SequenceNotFound(
-                f"sequence {quote(str(sequence.id), 48)} {self._gone.get(sequence.id, 'ended')} while this step "
-                "waited; start it again with sequence_start and its whole prefix"
+                f"sequence {quote(str(sequence.id), 48)} {self._gone.get(sequence.id, 'ended')} on {self.where} "
+                "while this step waited; start it again with sequence_start and its whole prefix"
             )
         need = sequence.length + new_tokens
         if need > self.config.max_seq_len:

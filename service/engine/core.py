@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import enum
 import logging
-from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import partial
@@ -29,6 +28,7 @@ from service.decode.runner import StepRunner, step_device
 from service.decode.scheduler import Decoder, StepBatcher
 from service.decode.sequences import SequenceLimits, SequenceStore
 from service.engine.batcher import Batcher, Timing
+from service.engine.inflight import InFlight
 from service.engine.readiness import DeviceHealth
 from service.engine.served import ModelIdentity, ServedModel, Serving
 from service.engine.stats import ModelStats
@@ -67,15 +67,14 @@ class InferenceCore:
         self.identity = ModelIdentity(settings.model_name, settings.model_version)  # known before loading
         self.state = State.LOADING
         self.stats = ModelStats()
-        self.in_flight = 0  # inference requests in the server (the batcher waits only for these)
-        self._idle = asyncio.Event()  # set while in_flight is 0
-        self._idle.set()
+        self.requests = InFlight()  # inference requests in the server (the batchers wait only for these)
         self.draining = asyncio.Event()  # set once draining began: open streams stop reading
         self._loaded: Loaded | None = None
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="infer")
         self._published_active = ""  # the backend mha_backend_info last showed as active
-        metrics.inflight.set_function(lambda: self.in_flight)
+        metrics.inflight.set_function(lambda: self.requests.count)
         self.device = DeviceHealth(settings.require_device, metrics)  # the server's health follows serving_ok()
+        self.home: dict[str, int | str] = {"replica": settings.replica, "worker": settings.worker_index}
 
     @property
     def loaded(self) -> Loaded:
@@ -108,10 +107,10 @@ class InferenceCore:
             run_batch=self._run_batch,
             executor=self._executor,
             on_batch=self._observe_batch,
-            in_flight=lambda: self.in_flight,
+            in_flight=lambda: self.requests.count,
             clock=self.clock,
         )
-        decoder = _decoder(s, model.config, runner, self._executor, self.clock, self.metrics, lambda: self.in_flight)
+        decoder = _decoder(s, model.config, runner, self._executor, self.clock, self.metrics, self.requests)
         self._loaded = Loaded(model, selection, chain, batcher, decoder)
         batcher.start()
         decoder.start(expiry_period_s=min(1.0, max(s.sequence_idle_timeout_s / 4, 0.05)))
@@ -157,18 +156,19 @@ class InferenceCore:
         self.stats.observe_answer(int(x.shape[0]), timing.queue_s)
         return y, timing
 
-    async def step(self, control: SequenceControl, x: np.ndarray) -> tuple[np.ndarray, Timing]:
-        """A decode step of a live sequence: (B, t, C) new tokens -> their (B, t, C) outputs."""
+    async def step(self, control: SequenceControl, x: np.ndarray) -> tuple[np.ndarray, Timing, int]:
+        """A decode step of a live sequence: (B, t, C) new tokens -> their (B, t, C) outputs, and
+        the tokens the sequence holds after the step."""
         self._check_ready()
         try:
-            y = await self.loaded.decoder.step(control, x)
+            y, length = await self.loaded.decoder.step(control, x)
         except DeviceLost as exc:  # the caches' device is gone: stop serving, as a lost batch does
             if self.device.observe(exc):
                 self._set_state(State.FAILED)
             raise
         self.metrics.observe_answer(int(x.shape[0]) * int(x.shape[1]), 0.0)
         self.stats.observe_answer(int(x.shape[0]), 0.0)
-        return y, Timing(0.0, int(x.shape[0]), self.loaded.decoder.backend)
+        return y, Timing(0.0, int(x.shape[0]), self.loaded.decoder.backend), length
 
     def _check_ready(self) -> None:
         self.device.check()
@@ -176,23 +176,6 @@ class InferenceCore:
             raise NotReady("the server is draining for shutdown; retry on another replica")
         if self.state is not State.READY:
             raise NotReady(f"the model is not ready (state: {self.state.value}); retry shortly")
-
-    def request_started(self) -> None:
-        self.in_flight += 1
-        self._idle.clear()
-
-    def request_finished(self) -> None:
-        self.in_flight -= 1
-        if self.in_flight == 0:
-            self._idle.set()
-
-    async def wait_idle(self, timeout_s: float) -> bool:
-        """Wait until no inference request is in the server; False if `timeout_s` passed first."""
-        try:
-            await asyncio.wait_for(self._idle.wait(), timeout_s)
-        except TimeoutError:
-            return False
-        return True
 
     def start_draining(self) -> None:
         if self.state is not State.DRAINING:
@@ -285,7 +268,7 @@ def _decoder(
     executor: ThreadPoolExecutor,
     clock: Clock,
     metrics: Metrics,
-    in_flight: Callable[[], int],
+    requests: InFlight,
 ) -> Decoder:
     """Live sequences within the settings' limits, their gauges, and the batcher of their steps."""
     limits = SequenceLimits(s.max_sequences, s.sequence_idle_timeout_s, int(s.max_sequence_state_mb * 2**20))
@@ -295,8 +278,11 @@ def _decoder(
         metrics.sequences_changed(len(store), store.state_bytes, evicted)
 
     rows = max(s.max_batch_size, 1) * 8
-    steps = StepBatcher(runner.run, executor, rows, in_flight=in_flight, inline_max_mflop=s.inline_max_mflop)
-    return Decoder(SequenceStore(config, limits, clock.now, changed, runner.device), steps, runner.name)
+    steps = StepBatcher(
+        runner.run, executor, rows, in_flight=lambda: requests.count, inline_max_mflop=s.inline_max_mflop
+    )
+    where = f"replica {s.replica!r} worker {s.worker_index}"  # for operators, in every NOT_FOUND and refusal
+    return Decoder(SequenceStore(config, limits, clock.now, changed, runner.device, where), steps, runner.name)
 
 
 def _verified(files: ModelFiles, config: MHAConfig, weights_sha256: str, allow_unverified: bool) -> bool:

@@ -79,7 +79,7 @@ class Calls:
 
     def opened(self, call: Call) -> None:
         if call.inference:
-            self._core.request_started()
+            self._core.requests.started()
 
     def failed(self, call: Call, exc: BaseException) -> None:
         call.code, call.message = to_status(exc, call.request_id)
@@ -92,7 +92,7 @@ class Calls:
         counted.inc()
         timed.observe(elapsed)
         if call.inference:
-            self._core.request_finished()
+            self._core.requests.finished()
             self._core.stats.observe_request(call.ok, elapsed)
         level = logging.DEBUG if call.ok else logging.WARNING
         if (call.inference or not call.ok) and log.isEnabledFor(level):  # no record built that nobody reads

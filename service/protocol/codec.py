@@ -85,6 +85,9 @@ def _check_shape(shape: list[int], model: ServedModel) -> tuple[int, int, int]:
 # Protocol features this server does not implement: refused, never silently ignored.
 UNSUPPORTED_OUTPUT_PARAMETERS = ("classification",)
 SEQUENCE_ID_LIMIT = 128  # characters of a string sequence_id
+SEQUENCE_HEADER = "mha-sequence-id"  # gRPC metadata and HTTP header: what L7 balancers hash on
+SEQUENCE_OFFSET = "sequence_offset"  # tokens the client believes the server holds before a step
+SEQUENCE_LENGTH = "sequence_length"  # tokens the server holds after a step, in its response
 SHM_REGION, SHM_SIZE, SHM_OFFSET = "shared_memory_region", "shared_memory_byte_size", "shared_memory_offset"
 TYPED_FIELDS = ("bool", "int", "int64", "uint", "uint64", "fp32", "fp64", "bytes")
 
@@ -100,26 +103,55 @@ def _refuse_unsupported(request: pb.ModelInferRequest) -> None:
 
 
 def sequence_control(request: pb.ModelInferRequest) -> SequenceControl | None:
-    """Triton's sequence parameters, checked: None for a stateless request (no sequence_id)."""
+    """Triton's sequence parameters and our `sequence_offset`, checked: None for a stateless
+    request (no sequence_id)."""
     parameters = request.parameters
     flags = {key: _flag(parameters, key) for key in ("sequence_start", "sequence_end")}
     if "sequence_id" not in parameters:
-        if any(flags.values()):
-            raise InvalidInput("sequence_start and sequence_end need a sequence_id (int64 > 0 or a string)")
+        if any(flags.values()) or SEQUENCE_OFFSET in parameters:
+            raise InvalidInput(
+                f"sequence_start, sequence_end and {SEQUENCE_OFFSET} need a sequence_id (int64 > 0 or a string)"
+            )
         return None
-    param = parameters["sequence_id"]
+    offset = (
+        _count_parameter(parameters, SEQUENCE_OFFSET, "the request", "token count")
+        if SEQUENCE_OFFSET in parameters
+        else None
+    )
+    if flags["sequence_start"] and offset not in (None, 0):
+        raise InvalidInput(f"{SEQUENCE_OFFSET} {offset} with sequence_start: a sequence starts at offset 0")
+    return SequenceControl(
+        _sequence_id(parameters["sequence_id"]), flags["sequence_start"], flags["sequence_end"], offset
+    )
+
+
+def check_sequence_header(control: SequenceControl | None, header: str | None) -> None:
+    """Balancers route on the `mha-sequence-id` header and the server computes on the
+    `sequence_id` parameter: a request whose two disagree could reach a replica that does not
+    hold its sequence, so it is refused."""
+    if header is None:
+        return
+    said = None if control is None else str(control.id)
+    if header != said:
+        raise InvalidInput(
+            f"the {SEQUENCE_HEADER} header {quote(header)} disagrees with the request's sequence_id "
+            f"{quote(said) if said is not None else '(none)'}: send the same id in both, or neither"
+        )
+
+
+def _sequence_id(param: Any) -> int | str:
     kind = param.WhichOneof("parameter_choice")
     if kind in ("int64_param", "uint64_param"):
         number = int(getattr(param, kind))
         if number <= 0:
             raise InvalidInput(f"sequence_id {number}: expected an integer >= 1 (0 means no sequence) or a string")
-        return SequenceControl(number, start=flags["sequence_start"], end=flags["sequence_end"])
+        return number
     if kind != "string_param":
         raise InvalidInput(f"sequence_id must be an int64_param or a string_param, got {kind or 'nothing'}")
-    text = param.string_param
+    text = str(param.string_param)
     if not 1 <= len(text) <= SEQUENCE_ID_LIMIT:
         raise InvalidInput(f"sequence_id {quote(text)}: expected 1 to {SEQUENCE_ID_LIMIT} characters")
-    return SequenceControl(text, start=flags["sequence_start"], end=flags["sequence_end"])
+    return text
 
 
 def _flag(parameters: Any, key: str) -> bool:
@@ -146,14 +178,14 @@ def placement(parameters: Any, where: str, regions: SystemRegions | None) -> Pla
     return Placement(region.string_param, size, offset)
 
 
-def _count_parameter(parameters: Any, key: str, where: str) -> int:
-    """A byte count or offset: an int64_param or uint64_param, not negative."""
+def _count_parameter(parameters: Any, key: str, where: str, unit: str = "byte count") -> int:
+    """A byte count, offset or token count: an int64_param or uint64_param, not negative."""
     kind = parameters[key].WhichOneof("parameter_choice")
     if kind not in ("int64_param", "uint64_param"):
-        raise InvalidInput(f"{where}: {key!r} must be an int64_param byte count, got {kind or 'nothing'}")
+        raise InvalidInput(f"{where}: {key!r} must be an int64_param {unit}, got {kind or 'nothing'}")
     value = int(getattr(parameters[key], kind))
     if value < 0:
-        raise InvalidInput(f"{where}: {key!r} is {value}; expected a byte count >= 0")
+        raise InvalidInput(f"{where}: {key!r} is {value}; expected a {unit} >= 0")
     return value
 
 
@@ -242,12 +274,19 @@ def encode_infer_response(
     backend: str,
     target: Placement | None = None,
     regions: SystemRegions | None = None,
+    extra: dict[str, int | str] | None = None,
 ) -> pb.ModelInferResponse:
     """The reply: y in raw_output_contents, or written to `target` in shared memory (then the
-    output carries the placement's parameters and no contents)."""
+    output carries the placement's parameters and no contents); `extra` response parameters
+    (a step's sequence_length and where the sequence lives)."""
     response = pb.ModelInferResponse(model_name=model.name, model_version=model.version, id=request_id)
     out = response.outputs.add(name=model.output_name, datatype=DATATYPE, shape=list(y.shape))
     response.parameters["backend"].string_param = backend
+    for key, value in (extra or {}).items():
+        if isinstance(value, int):
+            response.parameters[key].int64_param = value
+        else:
+            response.parameters[key].string_param = value
     y = np.ascontiguousarray(y, dtype=FLOAT32)
     if target is None or regions is None:
         response.raw_output_contents.append(y.tobytes())

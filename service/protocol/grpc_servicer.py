@@ -19,7 +19,9 @@ from service.proto import grpc_service_pb2_grpc as pb_grpc
 from service.protocol import render
 from service.protocol.answer import answer_infer
 from service.protocol.calls import Calls
+from service.protocol.codec import SEQUENCE_HEADER
 from service.protocol.grpc_streams import answer_concurrently
+from service.protocol.peers import FORWARDED_METHOD, WorkerPeers
 from service.protocol.shm import SystemRegions
 
 Context: TypeAlias = grpc.aio.ServicerContext
@@ -35,9 +37,19 @@ def _deadline(context: Context, clock: Clock) -> float | None:
     return clock.now() + remaining if remaining is not None else None
 
 
+def _sequence_header(context: Context) -> str | None:
+    """The mha-sequence-id metadata, if the call carries it."""
+    for key, value in context.invocation_metadata() or ():
+        if key == SEQUENCE_HEADER:
+            return value if isinstance(value, str) else None
+    return None
+
+
 class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
-    def __init__(self, core: InferenceCore, calls: Calls, regions: SystemRegions) -> None:
-        self.core, self.calls, self.regions = core, calls, regions
+    def __init__(
+        self, core: InferenceCore, calls: Calls, regions: SystemRegions, peers: WorkerPeers | None = None
+    ) -> None:
+        self.core, self.calls, self.regions, self.peers = core, calls, regions, peers
 
     async def ServerLive(self, request: pb.ServerLiveRequest, context: Context) -> pb.ServerLiveResponse:
         async with self.calls.unary("ServerLive", context):
@@ -116,8 +128,9 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
             return pb.CudaSharedMemoryStatusResponse()
 
     async def ModelInfer(self, request: pb.ModelInferRequest, context: Context) -> pb.ModelInferResponse:
-        async with self.calls.unary("ModelInfer", context, request.id, inference=True):
-            return await self._infer(request, context)
+        handed = self.peers is not None and context.peer().startswith("unix:")  # by another worker: ours
+        async with self.calls.unary(FORWARDED_METHOD if handed else "ModelInfer", context, request.id, inference=True):
+            return await self._infer(request, context, None if handed else self.peers)
 
     async def ModelStreamInfer(
         self, request_iterator: AsyncIterator[pb.ModelInferRequest], context: Context
@@ -134,8 +147,11 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
 
     async def _stream_one(self, request: pb.ModelInferRequest, context: Context) -> pb.ModelStreamInferResponse:
         async with self.calls.stream_item("ModelStreamInfer", context, request.id) as call:
-            return pb.ModelStreamInferResponse(infer_response=await self._infer(request, context))
+            return pb.ModelStreamInferResponse(infer_response=await self._infer(request, context, self.peers))
         return render.stream_error(request, call.code, call.message)
 
-    async def _infer(self, request: pb.ModelInferRequest, context: Context) -> pb.ModelInferResponse:
-        return await answer_infer(self.core, self.regions, request, _deadline(context, self.core.clock))
+    async def _infer(
+        self, request: pb.ModelInferRequest, context: Context, peers: WorkerPeers | None
+    ) -> pb.ModelInferResponse:
+        deadline = _deadline(context, self.core.clock)
+        return await answer_infer(self.core, self.regions, request, deadline, _sequence_header(context), peers)

@@ -28,6 +28,8 @@ from service.proto import grpc_service_pb2 as pb
 from service.protocol import render
 from service.protocol.answer import answer_infer
 from service.protocol.calls import Call, Calls
+from service.protocol.codec import SEQUENCE_HEADER
+from service.protocol.peers import WorkerPeers
 from service.protocol.shm import SystemRegions
 from service.settings import Settings
 
@@ -37,6 +39,7 @@ HTTP_STATUS = {
     grpc.StatusCode.UNAUTHENTICATED: 401,
     grpc.StatusCode.NOT_FOUND: 404,
     grpc.StatusCode.ALREADY_EXISTS: 409,
+    grpc.StatusCode.FAILED_PRECONDITION: 409,
     grpc.StatusCode.RESOURCE_EXHAUSTED: 429,
     grpc.StatusCode.CANCELLED: 499,
     grpc.StatusCode.UNAVAILABLE: 503,
@@ -185,6 +188,11 @@ def to_infer_request(
     return request, binary_out
 
 
+def _json_parameters(parameters: Any) -> dict[str, Any]:
+    """InferParameters as JSON values: each parameter's one set field."""
+    return {key: getattr(p, p.WhichOneof("parameter_choice")) for key, p in parameters.items()}
+
+
 def from_infer_response(response: pb.ModelInferResponse, binary: bool) -> web.Response:
     out = response.outputs[0]
     tensor: dict[str, Any] = {"name": out.name, "datatype": out.datatype, "shape": list(out.shape)}
@@ -192,11 +200,11 @@ def from_infer_response(response: pb.ModelInferResponse, binary: bool) -> web.Re
         "model_name": response.model_name,
         "model_version": response.model_version,
         "id": response.id,
-        "parameters": {"backend": response.parameters["backend"].string_param},
+        "parameters": _json_parameters(response.parameters),
         "outputs": [tensor],
     }
     if not response.raw_output_contents:  # written to shared memory: the placement, no data
-        tensor["parameters"] = {key: getattr(p, p.WhichOneof("parameter_choice")) for key, p in out.parameters.items()}
+        tensor["parameters"] = _json_parameters(out.parameters)
         return web.json_response(doc)
     raw = response.raw_output_contents[0]
     if not binary:
@@ -210,8 +218,15 @@ def from_infer_response(response: pb.ModelInferResponse, binary: bool) -> web.Re
 
 
 class HttpApi:
-    def __init__(self, core: InferenceCore, calls: Calls, token: str | None, regions: SystemRegions) -> None:
-        self.core, self.calls, self.regions = core, calls, regions
+    def __init__(
+        self,
+        core: InferenceCore,
+        calls: Calls,
+        token: str | None,
+        regions: SystemRegions,
+        peers: WorkerPeers | None = None,
+    ) -> None:
+        self.core, self.calls, self.regions, self.peers = core, calls, regions, peers
         self._expected = f"Bearer {token}".encode() if token else None
 
     def app(self) -> web.Application:
@@ -313,7 +328,9 @@ class HttpApi:
             raise InvalidInput(f"{HEADER_LENGTH} must be a byte count, got {header[:32]!r}")
         name, version = request.match_info["name"], request.match_info.get("version", "")
         proto, binary = to_infer_request(body, int(header) if header else None, name, version)
-        return from_infer_response(await answer_infer(self.core, self.regions, proto, None), binary)
+        header = request.headers.get(SEQUENCE_HEADER)
+        answer = await answer_infer(self.core, self.regions, proto, None, header, self.peers)
+        return from_infer_response(answer, binary)
 
 
 def ssl_context(settings: Settings) -> ssl.SSLContext | None:

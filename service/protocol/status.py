@@ -12,7 +12,9 @@ from service.errors import (
     NotReady,
     Overloaded,
     RegionExists,
+    Relayed,
     ServiceError,
+    StaleSequence,
     Unauthenticated,
 )
 
@@ -25,6 +27,7 @@ STATUS: dict[type[ServiceError], grpc.StatusCode] = {
     NotReady: grpc.StatusCode.UNAVAILABLE,
     DeadlineExceeded: grpc.StatusCode.DEADLINE_EXCEEDED,
     Unauthenticated: grpc.StatusCode.UNAUTHENTICATED,
+    StaleSequence: grpc.StatusCode.FAILED_PRECONDITION,
 }
 
 INTERNAL_MESSAGE = "internal error (request id {request_id}); the server logged the details"
@@ -36,6 +39,8 @@ def to_status(exc: BaseException, request_id: str) -> tuple[grpc.StatusCode, str
     Our own errors carry their message; anything else (and BackendFailure) is a server fault,
     answered INTERNAL with a generic message so that internals never leak (the caller logs it).
     """
+    if isinstance(exc, Relayed):  # another worker's answer, mapped there
+        return grpc.StatusCode[exc.status], str(exc)
     for cls in type(exc).__mro__:  # the nearest mapped class: subclasses keep their parent's code
         if cls in STATUS:
             return STATUS[cls], str(exc)

@@ -223,6 +223,7 @@ def test_tritonclient_decodes_eight_sequences_step_by_step(default_model_dir: Pa
             prefix = x if step["start"] else np.concatenate([prefix, x], axis=1)  # (B, P + t, C)
             reference = attention_view(torch.from_numpy(prefix), weights, config)[:, -x.shape[1] :]
             assert relative_error(torch.tensor(step["y"], dtype=torch.float32), reference) < 1e-5
+            assert step["length"] == prefix.shape[1]  # sequence_length: the tokens held after the step
             checked += 1
         assert sequence["after_end"]["status"] == "StatusCode.NOT_FOUND", sequence["after_end"]
         assert "ended (sequence_end)" in sequence["after_end"]["message"]

@@ -3,6 +3,7 @@ replaced, SIGTERM drains them all."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -11,9 +12,14 @@ import urllib.request
 from pathlib import Path
 
 import numpy as np
+import torch
 from prometheus_client.parser import text_string_to_metric_families
 
+from model.checkpoint import load_checkpoint
+from model.reference import attention_view, relative_error
 from service.client.client import MHAClient
+from service.protocol.codec import decode_infer_response, encode_infer_request
+from service.protocol.peers import FORWARDED_METHOD, owner_of
 from tests.support import ServerProcess
 
 STARTED = re.compile(r"worker (\d+) started \(pid (\d+), metrics 127\.0\.0\.1:(\d+)\)")
@@ -72,3 +78,99 @@ def test_two_workers_share_the_port_add_up_restart_and_drain(small_model_dir: Pa
             assert not status.exists() or "zombie" in status.read_text().lower()
     finally:
         server.kill()
+
+
+def _ready_workers(server: ServerProcess) -> int:
+    samples = _samples(server.metrics_port)
+    return sum(samples.get(("mha_ready", (("worker", str(i)),)), 0.0) == 1.0 for i in range(2))
+
+
+def _grpc_step(url: str, sequence_id: str, x: np.ndarray, offset: int) -> tuple[np.ndarray, dict]:
+    """A step on a channel of its own: a new connection, which the kernel gives to either worker."""
+    with MHAClient(url) as client:
+        request = encode_infer_request(x)
+        request.parameters["sequence_id"].string_param = sequence_id
+        request.parameters["sequence_start"].bool_param = offset == 0
+        request.parameters["sequence_offset"].int64_param = offset
+        response = client.stub.ModelInfer(request, metadata=(("mha-sequence-id", sequence_id),), timeout=30)
+    said = {key: getattr(p, p.WhichOneof("parameter_choice")) for key, p in response.parameters.items()}
+    return decode_infer_response(response), said
+
+
+def _http_step(port: int, sequence_id: str, x: np.ndarray, offset: int) -> tuple[np.ndarray, dict]:
+    """A step as curl or urllib sends it: a new connection each time."""
+    parameters = {"sequence_id": sequence_id, "sequence_start": offset == 0, "sequence_offset": offset}
+    tensor = {"name": "x", "datatype": "FP32", "shape": list(x.shape), "data": x.ravel().tolist()}
+    body = json.dumps({"inputs": [tensor], "parameters": parameters}).encode()
+    headers = {"Content-Type": "application/json", "mha-sequence-id": sequence_id}
+    request = urllib.request.Request(f"http://127.0.0.1:{port}/v2/models/mha/infer", body, headers)
+    with urllib.request.urlopen(request, timeout=30) as response:
+        doc = json.loads(response.read())
+    return np.array(doc["outputs"][0]["data"], np.float32).reshape(x.shape), doc["parameters"]
+
+
+def test_every_connection_reaches_a_sequences_state_with_two_workers(small_model_dir: Path, tmp_path: Path) -> None:
+    """The issue's scenario: a prefix of 8 tokens and 24 one-token steps, each step on a new
+    connection (gRPC and HTTP), with --workers 2: every step exact, none refused, and the steps
+    that reached the other worker were handed to the owner."""
+    server = ServerProcess(["--model-dir", str(small_model_dir), "--backend", "torch", "--workers", "2"])
+    server.start(tmp_path / "server.log")
+    try:
+        _until(lambda: _ready_workers(server) == 2)
+        config, weights = load_checkpoint(small_model_dir / "weights.safetensors")
+        rng = np.random.default_rng(5)
+        for protocol in ("grpc", "http"):
+            for n in range(3):
+                sequence_id = f"{protocol}-{n}"
+                whole = np.zeros((1, 0, 32), np.float32)
+                for t in [8] + [1] * 24:
+                    x = rng.standard_normal((1, t, 32), dtype=np.float32)
+                    offset = whole.shape[1]
+                    whole = np.concatenate([whole, x], axis=1)  # (1, P + t, 32)
+                    if protocol == "grpc":
+                        y, said = _grpc_step(server.url, sequence_id, x, offset)
+                    else:
+                        y, said = _http_step(server.http_port, sequence_id, x, offset)
+                    reference = attention_view(torch.from_numpy(whole), weights, config)[:, -t:]
+                    assert relative_error(torch.from_numpy(y.copy()), reference) < 1e-5, (sequence_id, offset)
+                    assert said["sequence_length"] == whole.shape[1]
+                    assert said["worker"] == owner_of(sequence_id, 2)
+        handed = _ok(_samples(server.metrics_port), FORWARDED_METHOD)
+        assert 0 < handed < 6 * 25, handed
+    finally:
+        server.kill()
+
+
+def _alive(pid: int) -> bool:
+    status = Path(f"/proc/{pid}/status")
+    try:
+        return "zombie" not in status.read_text().lower()
+    except FileNotFoundError:
+        return False
+
+
+def test_no_worker_outlives_its_supervisor(small_model_dir: Path, tmp_path: Path) -> None:
+    """The supervisor killed with SIGKILL (no handler runs): both workers follow it within
+    seconds, and a new server on the same ports serves alone."""
+    args = ["--model-dir", str(small_model_dir), "--backend", "torch"]
+    server = ServerProcess([*args, "--workers", "2"])
+    server.start(tmp_path / "server.log")
+    try:
+        _until(lambda: len(STARTED.findall(server.log())) == 2)
+        pids = [int(pid) for _, pid, _ in STARTED.findall(server.log())]
+        assert server.proc is not None
+        server.proc.kill()
+        server.proc.wait(10)
+        _until(lambda: not any(_alive(pid) for pid in pids), timeout_s=30)
+    finally:
+        server.kill()
+    alone = ServerProcess(args)
+    alone.port, alone.http_port = server.port, server.http_port  # the same ports: nobody holds them now
+    alone.args[alone.args.index("--grpc-port") + 1] = str(server.port)
+    alone.args[alone.args.index("--http-port") + 1] = str(server.http_port)
+    alone.start(tmp_path / "alone.log")
+    try:
+        with MHAClient(alone.url) as client:
+            assert client.infer(np.ones((1, 2, 32), np.float32)).shape == (1, 2, 32)
+    finally:
+        alone.kill()

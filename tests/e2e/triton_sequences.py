@@ -30,14 +30,22 @@ def run_sequence(url, index, C, out):
     answers = queue.Queue()
     client.start_stream(callback=lambda result, error: answers.put((result, error)))
     steps = []
+    held = 0  # tokens the server holds, as docs/api.md says to track them
     try:
         for i, t in enumerate(chunks):
             restart = index % 2 == 1 and i == 8
             x = rng.standard_normal((B, t, C), dtype=np.float32)
             start, end = i == 0 or restart, i == len(chunks) - 1
-            if i % 5 == 4:  # some steps as unary calls, between the stream's
+            held = 0 if start else held
+            if i % 5 == 4:  # some steps as unary calls, between the stream's, as docs/api.md writes them
                 result = client.infer(
-                    "mha", step_input(x), sequence_id=sequence_id, sequence_start=start, sequence_end=end
+                    "mha",
+                    step_input(x),
+                    sequence_id=sequence_id,
+                    sequence_start=start,
+                    sequence_end=end,
+                    headers={"mha-sequence-id": str(sequence_id)},
+                    parameters={"sequence_offset": held},
                 )
             else:
                 client.async_stream_infer(
@@ -46,7 +54,9 @@ def run_sequence(url, index, C, out):
                 result, error = answers.get(timeout=60)
                 if error is not None:
                     raise RuntimeError(str(error))
-            steps.append({"x": x.tolist(), "y": result.as_numpy("y").tolist(), "start": start})
+            length = result.get_response().parameters["sequence_length"].int64_param
+            held += t
+            steps.append({"x": x.tolist(), "y": result.as_numpy("y").tolist(), "start": start, "length": length})
     finally:
         client.stop_stream()
     try:  # the sequence ended with its last step: one more step is refused

@@ -16,7 +16,7 @@ def _service_errors() -> list[type[ServiceError]]:
     return [
         cls
         for cls in vars(errors).values()
-        if isinstance(cls, type) and issubclass(cls, ServiceError) and cls is not ServiceError
+        if isinstance(cls, type) and issubclass(cls, ServiceError) and cls not in (ServiceError, errors.Relayed)
     ]
 
 
@@ -50,3 +50,8 @@ def test_server_faults_are_internal_and_generic() -> None:
         code, message = to_status(exc, "req-42")
         assert code is grpc.StatusCode.INTERNAL
         assert "req-42" in message and "0xdeadbeef" not in message and "/opt/x" not in message
+
+
+def test_another_workers_answer_is_passed_on_as_it_is() -> None:
+    for code in (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.NOT_FOUND, grpc.StatusCode.INTERNAL):
+        assert to_status(errors.Relayed(code.name, "as the owner said"), "rid") == (code, "as the owner said")

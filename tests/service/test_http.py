@@ -142,12 +142,21 @@ def test_a_sequence_over_http(server: ServerThread, small_model_dir: Path) -> No
     config, weights = load_checkpoint(small_model_dir / "weights.safetensors")
     tokens = np.random.default_rng(7).standard_normal((1, 9, 32), dtype=np.float32)
     chunks = [(0, 5), (5, 6), (6, 7), (7, 9)]
+    port, headers = server.settings.http_port, {"mha-sequence-id": "http-seq"}
+    stale = {"sequence_id": "http-seq", "sequence_offset": 1}
     for i, (start, end) in enumerate(chunks):
+        if i == 1:  # the client believes in another state: 409, and nothing changes
+            code, _, answer = _call(
+                port, "/v2/models/mha/infer", _infer_json(tokens[:, 5:6], parameters=stale), headers
+            )
+            assert code == 409 and "holds 5 tokens" in json.loads(answer)["error"], answer
         flags = {"sequence_id": "http-seq", "sequence_start": i == 0, "sequence_end": i == len(chunks) - 1}
+        flags["sequence_offset"] = start
         code, _, answer = _call(
-            server.settings.http_port, "/v2/models/mha/infer", _infer_json(tokens[:, start:end], parameters=flags)
+            port, "/v2/models/mha/infer", _infer_json(tokens[:, start:end], parameters=flags), headers
         )
         assert code == 200, answer
+        assert json.loads(answer)["parameters"]["sequence_length"] == end
         y = np.array(json.loads(answer)["outputs"][0]["data"], np.float32).reshape(1, end - start, 32)
         reference = attention_view(torch.from_numpy(tokens[:, :end]), weights, config)[:, start:]
         assert relative_error(torch.from_numpy(y), reference) < 1e-5

@@ -170,6 +170,72 @@ def test_a_wrong_width_is_refused_before_any_state(stub) -> None:
     assert got == grpc.StatusCode.NOT_FOUND
 
 
+def _at(request: pb.ModelInferRequest, offset: int) -> pb.ModelInferRequest:
+    request.parameters["sequence_offset"].int64_param = offset
+    return request
+
+
+def test_each_step_says_how_long_its_sequence_is_and_where_it_lives(stub, small_model_dir: Path) -> None:
+    rng = np.random.default_rng(7)
+    prefix = rng.standard_normal((1, 4, C), dtype=np.float32)
+    first = stub.ModelInfer(_at(_step(prefix, "where", start=True), 0), timeout=30)
+    assert first.parameters["sequence_length"].int64_param == 4
+    assert first.parameters["replica"].string_param and first.parameters["worker"].int64_param == 0
+    token = rng.standard_normal((1, 1, C), dtype=np.float32)
+    second = stub.ModelInfer(_at(_step(token, "where"), 4), timeout=30)
+    assert second.parameters["sequence_length"].int64_param == 5
+    whole = np.concatenate([prefix, token], axis=1)  # (1, 5, C)
+    error = relative_error(
+        torch.from_numpy(decode_infer_response(second).copy()), _reference_tail(small_model_dir, whole, 1)
+    )
+    assert error < 1e-5
+    stateless = stub.ModelInfer(encode_infer_request(token), timeout=30)
+    assert "sequence_length" not in stateless.parameters
+
+
+def test_a_step_against_a_state_that_is_not_the_clients_is_refused_and_changes_nothing(
+    stub, small_model_dir: Path
+) -> None:
+    """The client believes the server holds 3 tokens (it restarted the sequence elsewhere with a
+    shorter prefix, say); the server holds 5: computing would answer OK and wrong."""
+    rng = np.random.default_rng(8)
+    x = rng.standard_normal((1, 6, C), dtype=np.float32)
+    stub.ModelInfer(_at(_step(x[:, :5], "stale", start=True), 0), timeout=30)
+    got, message = _code(stub, _at(_step(x[:, 5:], "stale"), 3))
+    assert got == grpc.StatusCode.FAILED_PRECONDITION, (got, message)
+    assert "sequence_offset is 3" in message and "holds 5 tokens" in message and "worker 0" in message
+    answer = stub.ModelInfer(_at(_step(x[:, 5:], "stale"), 5), timeout=30)  # the state stayed at 5
+    assert answer.parameters["sequence_length"].int64_param == 6
+    error = relative_error(
+        torch.from_numpy(decode_infer_response(answer).copy()), _reference_tail(small_model_dir, x, 1)
+    )
+    assert error < 1e-5
+
+
+def test_bad_offsets_and_headers_are_refused(stub) -> None:
+    x = np.ones((1, 1, C), np.float32)
+    stub.ModelInfer(_step(x, "headed", start=True), metadata=(("mha-sequence-id", "headed"),), timeout=30)
+    no_id = _at(encode_infer_request(x), 0)
+    negative = _at(_step(x, "headed"), -1)
+    typed = _step(x, "headed")
+    typed.parameters["sequence_offset"].string_param = "1"
+    cases = {
+        "offset-without-id": (no_id, (), "need a sequence_id"),
+        "negative-offset": (negative, (), "expected a token count >= 0"),
+        "string-offset": (typed, (), "must be an int64_param token count"),
+        "start-at-3": (_at(_step(x, "other", start=True), 3), (), "a sequence starts at offset 0"),
+        "header-differs": (_step(x, "headed"), (("mha-sequence-id", "other"),), "disagrees with the request's"),
+        "header-alone": (encode_infer_request(x), (("mha-sequence-id", "headed"),), "sequence_id (none)"),
+    }
+    for name, (request, metadata, expected) in cases.items():
+        with pytest.raises(grpc.RpcError) as info:
+            stub.ModelInfer(request, metadata=metadata, timeout=30)
+        got, message = info.value.code(), info.value.details() or ""
+        assert (got, expected in message) == (grpc.StatusCode.INVALID_ARGUMENT, True), (name, got, message)
+    answer = stub.ModelInfer(_at(_step(x, "headed"), 1), metadata=(("mha-sequence-id", "headed"),), timeout=30)
+    assert answer.parameters["sequence_length"].int64_param == 2  # none of the refused steps counted
+
+
 # The pieces, without gRPC: the runner's batches across past lengths, and the store's limits.
 
 
@@ -320,7 +386,8 @@ def test_a_failed_step_leaves_its_sequence_as_it_was(small_model_dir: Path) -> N
             with pytest.raises(RuntimeError, match="device lost"):
                 await decoder.step(SequenceControl(1), x[:, 3:])
             assert decoder.sequences.open(SequenceControl(1), 1, C).length == 3
-            y = await decoder.step(SequenceControl(1), x[:, 3:])
+            y, length = await decoder.step(SequenceControl(1), x[:, 3:])
+            assert length == 5
             reference = attention_view(torch.from_numpy(x), weights, config)[:, 3:]
             assert relative_error(torch.from_numpy(y.copy()), reference) < 1e-5
 
@@ -352,3 +419,28 @@ def test_a_lone_small_step_is_computed_on_the_event_loop(small_model_dir: Path) 
     asyncio.run(scenario(in_flight=3, inline_max_mflop=16))  # others in the server: the worker thread
     asyncio.run(scenario(in_flight=1, inline_max_mflop=0))  # turned off
     assert on_main == [True, False, False]
+
+
+def test_a_client_moved_between_replicas_and_back_never_gets_a_wrong_answer(
+    server: ServerThread, small_model_dir: Path
+) -> None:
+    """What a balancer that rehashes does to a sequence: steps 0-5 on replica A, 6-11 on B, 12-17
+    on A again, where A still holds the state of step 5. MHAClient's sequence sends its offset, so
+    B answers NOT_FOUND and A answers FAILED_PRECONDITION, each once, and the client restarts with
+    its prefix; every answer is exact."""
+    from service.client.client import MHAClient
+
+    rng = np.random.default_rng(11)
+    settings = make_settings(small_model_dir, backend="ort-cpu")
+    with ServerThread(settings) as other, MHAClient(server.url) as a, MHAClient(other.url) as b:
+        sequence = a.sequence("moved")
+        whole = np.zeros((1, 0, C), np.float32)
+        for i in range(18):
+            sequence.client = b if 6 <= i < 12 else a
+            x = rng.standard_normal((1, 2 if i == 0 else 1, C), dtype=np.float32)
+            whole = np.concatenate([whole, x], axis=1)  # (1, P + t, C)
+            y = sequence.send(x)
+            tail = _reference_tail(small_model_dir, whole, x.shape[1])
+            assert relative_error(torch.from_numpy(y.copy()), tail) < 1e-5, i
+            assert sequence.length == whole.shape[1]
+        assert sequence.restarts == 2

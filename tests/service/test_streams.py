@@ -100,9 +100,9 @@ def _requests() -> Iterator[object]:
 
 def _settle(server: ServerThread) -> None:
     deadline = time.monotonic() + 60
-    while server.core.in_flight and time.monotonic() < deadline:
+    while server.core.requests.count and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert server.core.in_flight == 0
+    assert server.core.requests.count == 0
 
 
 def _stream_counts(server: ServerThread) -> dict[str, float]:
