@@ -8,7 +8,6 @@ import signal
 import ssl
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import grpc
 from aiohttp import web
@@ -25,6 +24,7 @@ from service.protocol.auth import BearerTokenInterceptor, read_token
 from service.protocol.calls import Calls
 from service.protocol.grpc_handlers import generic_handler
 from service.protocol.grpc_servicer import InferenceServicer
+from service.protocol.handover import Handover
 from service.protocol.http_app import HttpApi, ssl_context
 from service.protocol.peers import WorkerPeers, socket_path
 from service.protocol.shm import SystemRegions
@@ -59,6 +59,7 @@ class Running:
     http_port: int = 0  # 0 when disabled
     regions: SystemRegions | None = None
     peers: WorkerPeers | None = None  # the other workers (--workers), when there are any
+    handover: Handover | None = None  # ... and where they hand this worker's steps over
     tasks: set[asyncio.Task[None]] = field(default_factory=set)  # keeps background tasks referenced
 
 
@@ -107,13 +108,14 @@ async def start(settings: Settings, registry: CollectorRegistry | None = None, c
         await health_servicer.set(service, health_pb2.HealthCheckResponse.NOT_SERVING)
     calls, token = Calls(core), _token(settings)
     regions = SystemRegions(settings.shared_memory == "system", settings.max_shared_memory_regions)
-    peers = _peers(settings, token)
+    peers = _peers(settings)
     server = _grpc_server(settings, InferenceServicer(core, calls, regions, peers), calls, token, health_servicer)
     credentials = _credentials(settings)
     port = _bind(server, f"{settings.host}:{settings.grpc_port}", credentials, "--grpc-port")
-    if peers is not None:  # where the other workers hand over the steps of this worker's sequences
-        _bind_socket(server, socket_path(peers.directory, peers.index))
     running = Running(server, core, health_servicer, grpc_port=port, metrics_port=0, regions=regions, peers=peers)
+    if peers is not None:  # where the other workers hand over the steps of this worker's sequences
+        running.handover = Handover(core, calls, regions, peers)
+        await running.handover.start(socket_path(peers.directory, peers.index))
     if settings.metrics_port:
         await _start_metrics(running, settings, metrics)
     if settings.health_port:
@@ -134,20 +136,11 @@ async def start(settings: Settings, registry: CollectorRegistry | None = None, c
     return running
 
 
-def _peers(settings: Settings, token: str | None) -> WorkerPeers | None:
+def _peers(settings: Settings) -> WorkerPeers | None:
     """The other workers, when this process is one of several (--workers): None when alone."""
     if settings.worker_peers <= 1 or settings.worker_socket_dir is None:
         return None
-    return WorkerPeers(
-        settings.worker_index, settings.worker_peers, settings.worker_socket_dir, token, settings.max_message_mb
-    )
-
-
-def _bind_socket(server: grpc.aio.Server, path: Path) -> None:
-    """Listen on a Unix-domain socket (left behind by this worker's previous life: replaced)."""
-    path.unlink(missing_ok=True)
-    if server.add_insecure_port(f"unix:{path}") == 0:
-        raise StartupError(f"cannot listen on the worker socket {path}", 1)
+    return WorkerPeers(settings.worker_index, settings.worker_peers, settings.worker_socket_dir)
 
 
 def _token(settings: Settings) -> str | None:
@@ -302,6 +295,8 @@ async def drain_and_stop(running: Running, grace_s: float) -> None:
     await running.core.close()
     if running.regions is not None:
         running.regions.close()
+    if running.handover is not None:
+        await running.handover.stop()
     if running.peers is not None:
         await running.peers.close()
     if running.http_runner is not None:

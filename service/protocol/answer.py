@@ -10,7 +10,10 @@ from service.protocol.codec import (
     SEQUENCE_LENGTH,
     check_sequence_header,
     decode_infer_request,
+    decode_infer_response,
+    encode_infer_request,
     encode_infer_response,
+    names_shared_memory,
     output_placement,
     sequence_control,
 )
@@ -27,13 +30,20 @@ async def answer_infer(
     peers: WorkerPeers | None = None,
 ) -> pb.ModelInferResponse:
     """`deadline` is on the core's clock (None: none); `sequence_header` is the request's
-    mha-sequence-id header, if it carries one; `peers`, the other workers, to which a step of a
-    sequence this worker does not own is handed (None: every sequence is this process's)."""
+    mha-sequence-id header, if it carries one; `peers`, the other workers (None: there are none).
+    With peers, a request naming a shared memory region is answered by the worker that keeps the
+    regions, and a step of a sequence this worker does not own by the sequence's owner."""
     control = sequence_control(request)
     check_sequence_header(control, sequence_header)
-    if control is not None and peers is not None and (owner := peers.owner(control.id)) is not None:
+    if peers is not None:
         timeout = None if deadline is None else max(0.0, deadline - core.clock.now())
-        return await peers.forward(owner, request, sequence_header, timeout)  # decoded there, not here
+        shared = names_shared_memory(request)
+        if shared and (keeper := peers.region_keeper) is not None:
+            return await peers.forward(keeper, request, sequence_header, timeout)
+        if control is not None and (owner := peers.owner(control.id)) is not None:
+            if shared:  # this worker keeps the regions: the owner gets the tensor itself
+                return await _step_with_regions(core, regions, request, (peers, owner), sequence_header, timeout)
+            return await peers.forward(owner, request, sequence_header, timeout)  # decoded there, not here
     model = core.loaded.model
     x = decode_infer_request(request, model, regions)
     target = output_placement(request, x.shape, regions)
@@ -43,3 +53,28 @@ async def answer_infer(
     y, timing, length = await core.step(control, x)
     extra: dict[str, int | str] = {SEQUENCE_LENGTH: length, **core.home}  # and where the sequence lives
     return encode_infer_response(y, model, request.id, timing.backend, target, regions, extra)
+
+
+async def _step_with_regions(
+    core: InferenceCore,
+    regions: SystemRegions,
+    request: pb.ModelInferRequest,
+    owner: tuple[WorkerPeers, int],
+    sequence_header: str | None,
+    timeout: float | None,
+) -> pb.ModelInferResponse:
+    """A step whose tensors live in regions this worker keeps, of a sequence another worker owns:
+    read the input here, hand the owner the step with the tensor in it, write its output here."""
+    peers, worker = owner
+    model = core.loaded.model
+    x = decode_infer_request(request, model, regions)
+    target = output_placement(request, x.shape, regions)
+    plain = encode_infer_request(x, request.model_name, request.model_version, request.id)
+    for key, value in request.parameters.items():
+        plain.parameters[key].CopyFrom(value)
+    response = await peers.forward(worker, plain, sequence_header, timeout)
+    if target is None:
+        return response
+    said = {key: getattr(p, str(p.WhichOneof("parameter_choice"))) for key, p in response.parameters.items()}
+    backend = str(said.pop("backend", ""))
+    return encode_infer_response(decode_infer_response(response), model, request.id, backend, target, regions, said)

@@ -162,6 +162,12 @@ def _flag(parameters: Any, key: str) -> bool:
     return bool(parameters[key].bool_param)
 
 
+def names_shared_memory(request: pb.ModelInferRequest) -> bool:
+    """Does an input or a requested output name a shared memory placement?"""
+    tensors = [*request.inputs, *request.outputs]
+    return any(key in t.parameters for t in tensors for key in (SHM_REGION, SHM_SIZE, SHM_OFFSET))
+
+
 def placement(parameters: Any, where: str, regions: SystemRegions | None) -> Placement | None:
     """The shared memory placement that a tensor's parameters name, or None when they name none."""
     if not any(key in parameters for key in (SHM_REGION, SHM_SIZE, SHM_OFFSET)):

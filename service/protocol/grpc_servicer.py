@@ -21,7 +21,8 @@ from service.protocol.answer import answer_infer
 from service.protocol.calls import Calls
 from service.protocol.codec import SEQUENCE_HEADER
 from service.protocol.grpc_streams import answer_concurrently
-from service.protocol.peers import FORWARDED_METHOD, WorkerPeers
+from service.protocol.peers import WorkerPeers
+from service.protocol.regions import RegionDirectory
 from service.protocol.shm import SystemRegions
 
 Context: TypeAlias = grpc.aio.ServicerContext
@@ -50,6 +51,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         self, core: InferenceCore, calls: Calls, regions: SystemRegions, peers: WorkerPeers | None = None
     ) -> None:
         self.core, self.calls, self.regions, self.peers = core, calls, regions, peers
+        self.directory = RegionDirectory(regions, peers)  # the regions of every worker, kept by one
 
     async def ServerLive(self, request: pb.ServerLiveRequest, context: Context) -> pb.ServerLiveResponse:
         async with self.calls.unary("ServerLive", context):
@@ -91,21 +93,21 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         self, request: pb.SystemSharedMemoryRegisterRequest, context: Context
     ) -> pb.SystemSharedMemoryRegisterResponse:
         async with self.calls.unary("SystemSharedMemoryRegister", context):
-            self.regions.register(request.name, request.key, request.offset, request.byte_size)
+            await self.directory.register(request.name, request.key, request.offset, request.byte_size)
             return pb.SystemSharedMemoryRegisterResponse()
 
     async def SystemSharedMemoryUnregister(
         self, request: pb.SystemSharedMemoryUnregisterRequest, context: Context
     ) -> pb.SystemSharedMemoryUnregisterResponse:
         async with self.calls.unary("SystemSharedMemoryUnregister", context):
-            self.regions.unregister(request.name)
+            await self.directory.unregister(request.name)
             return pb.SystemSharedMemoryUnregisterResponse()
 
     async def SystemSharedMemoryStatus(
         self, request: pb.SystemSharedMemoryStatusRequest, context: Context
     ) -> pb.SystemSharedMemoryStatusResponse:
         async with self.calls.unary("SystemSharedMemoryStatus", context):
-            return render.system_shm_status(self.regions.status(request.name))
+            return render.system_shm_status(await self.directory.status(request.name))
 
     async def CudaSharedMemoryRegister(
         self, request: pb.CudaSharedMemoryRegisterRequest, context: Context
@@ -128,9 +130,8 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
             return pb.CudaSharedMemoryStatusResponse()
 
     async def ModelInfer(self, request: pb.ModelInferRequest, context: Context) -> pb.ModelInferResponse:
-        handed = self.peers is not None and context.peer().startswith("unix:")  # by another worker: ours
-        async with self.calls.unary(FORWARDED_METHOD if handed else "ModelInfer", context, request.id, inference=True):
-            return await self._infer(request, context, None if handed else self.peers)
+        async with self.calls.unary("ModelInfer", context, request.id, inference=True):
+            return await self._infer(request, context)
 
     async def ModelStreamInfer(
         self, request_iterator: AsyncIterator[pb.ModelInferRequest], context: Context
@@ -147,11 +148,9 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
 
     async def _stream_one(self, request: pb.ModelInferRequest, context: Context) -> pb.ModelStreamInferResponse:
         async with self.calls.stream_item("ModelStreamInfer", context, request.id) as call:
-            return pb.ModelStreamInferResponse(infer_response=await self._infer(request, context, self.peers))
+            return pb.ModelStreamInferResponse(infer_response=await self._infer(request, context))
         return render.stream_error(request, call.code, call.message)
 
-    async def _infer(
-        self, request: pb.ModelInferRequest, context: Context, peers: WorkerPeers | None
-    ) -> pb.ModelInferResponse:
+    async def _infer(self, request: pb.ModelInferRequest, context: Context) -> pb.ModelInferResponse:
         deadline = _deadline(context, self.core.clock)
-        return await answer_infer(self.core, self.regions, request, deadline, _sequence_header(context), peers)
+        return await answer_infer(self.core, self.regions, request, deadline, _sequence_header(context), self.peers)

@@ -30,6 +30,7 @@ from service.protocol.answer import answer_infer
 from service.protocol.calls import Call, Calls
 from service.protocol.codec import SEQUENCE_HEADER
 from service.protocol.peers import WorkerPeers
+from service.protocol.regions import RegionDirectory
 from service.protocol.shm import SystemRegions
 from service.settings import Settings
 
@@ -227,6 +228,7 @@ class HttpApi:
         peers: WorkerPeers | None = None,
     ) -> None:
         self.core, self.calls, self.regions, self.peers = core, calls, regions, peers
+        self.directory = RegionDirectory(regions, peers)  # the regions of every worker, kept by one
         self._expected = f"Bearer {token}".encode() if token else None
 
     def app(self) -> web.Application:
@@ -306,15 +308,15 @@ class HttpApi:
         key, offset, size = doc.get("key"), doc.get("offset", 0), doc.get("byte_size")
         if not isinstance(key, str) or not _is_int64(offset) or not _is_int64(size) or offset < 0:
             raise InvalidInput('expected {"key": "/name", "offset": bytes >= 0, "byte_size": bytes}')
-        self.regions.register(request.match_info["region"], key, offset, size)
+        await self.directory.register(request.match_info["region"], key, offset, size)
         return web.json_response({})
 
     async def _shm_unregister(self, request: web.Request) -> web.Response:
-        self.regions.unregister(request.match_info.get("region", ""))
+        await self.directory.unregister(request.match_info.get("region", ""))
         return web.json_response({})
 
     async def _shm_status(self, request: web.Request) -> web.Response:
-        regions = self.regions.status(request.match_info.get("region", ""))
+        regions = await self.directory.status(request.match_info.get("region", ""))
         return web.json_response([region.described() for region in regions])
 
     async def _infer(self, request: web.Request) -> web.Response:

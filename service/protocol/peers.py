@@ -5,27 +5,49 @@ SO_REUSEPORT spreads connections, not sequences, over the workers: a client that
 between steps (curl, most HTTP clients, a channel that reconnects) lands on any of them. A
 sequence's state lives in one process only, its owner's, chosen from the sequence id alone
 (crc32, the same in every process and every restart), so every connection reaches it. The
-owner answers the forwarded request as it would its own; its status and message come back as
-they are.
+owner answers the handed-over request as it would its own (service/protocol/handover.py); its
+status and message come back as they are. System shared memory regions are kept by one worker
+(REGION_KEEPER) for all of them: registrations, status and requests that name a region are
+handed to it (service/protocol/regions.py), so every connection sees one set of regions.
+
+The hand-over is one frame each way on a pooled stream connection, not a gRPC call: the request
+as the client serialized it, its mha-sequence-id header and its remaining time; the answer's
+status code and the serialized response (or the error message). A gRPC call over the same socket
+cost a forwarded step 1.67x a local one; this costs a fraction of that (bench/forwarding.py).
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
+import struct
 import zlib
 from pathlib import Path
 
 import grpc
+from google.protobuf.message import Message
 
 from service.decode.control import SequenceId
 from service.errors import NotReady, Relayed
 from service.proto import grpc_service_pb2 as pb
-from service.proto import grpc_service_pb2_grpc as pb_grpc
-from service.protocol.codec import SEQUENCE_HEADER
 
 log = logging.getLogger(__name__)
 
-FORWARDED_METHOD = "ForwardedStep"  # the owner's metric label for steps handed over by another worker
+FORWARDED_METHOD = "HandedOver"  # the metric label, on the receiving worker, of calls handed over by another
+REQUEST_HEAD = struct.Struct("!BIHd")  # kind, request bytes, header bytes, seconds left (< 0: no deadline)
+INFER, REGISTER, UNREGISTER, STATUS = range(4)  # what a frame asks: ModelInfer and the shared memory calls
+REQUESTS: dict[int, type[Message]] = {
+    INFER: pb.ModelInferRequest,
+    REGISTER: pb.SystemSharedMemoryRegisterRequest,
+    UNREGISTER: pb.SystemSharedMemoryUnregisterRequest,
+    STATUS: pb.SystemSharedMemoryStatusRequest,
+}
+REGION_KEEPER = 0  # the worker that keeps the shared memory regions of all workers
+ANSWER_HEAD = struct.Struct("!BI")  # status code (0: OK), then the response's bytes or the error message
+CODES = {code.value[0]: code for code in grpc.StatusCode}
+
+Connection = tuple[asyncio.StreamReader, asyncio.StreamWriter]
 
 
 def socket_path(directory: Path, index: int) -> Path:
@@ -38,49 +60,92 @@ def owner_of(sequence_id: SequenceId, workers: int) -> int:
     return zlib.crc32(str(sequence_id).encode()) % workers
 
 
-class WorkerPeers:
-    """This worker's view of the others: who owns a sequence, and a channel to each owner."""
+async def read_request(reader: asyncio.StreamReader) -> tuple[int, bytes, str | None, float | None]:
+    """One handed-over request: (its kind, its bytes, its mha-sequence-id header, seconds left)."""
+    kind, size, header_size, seconds = REQUEST_HEAD.unpack(await reader.readexactly(REQUEST_HEAD.size))
+    header = (await reader.readexactly(header_size)).decode() if header_size else None
+    return kind, await reader.readexactly(size), header, seconds if seconds >= 0 else None
 
-    def __init__(
-        self, index: int, workers: int, directory: Path, token: str | None = None, max_message_mb: int = 64
-    ) -> None:
+
+def answer_frame(code: grpc.StatusCode, body: bytes) -> bytes:
+    return ANSWER_HEAD.pack(code.value[0], len(body)) + body
+
+
+class WorkerPeers:
+    """This worker's view of the others: who owns a sequence, and connections to each owner."""
+
+    def __init__(self, index: int, workers: int, directory: Path) -> None:
         self.index, self.workers, self.directory = index, workers, directory
-        self._metadata = (("authorization", f"Bearer {token}"),) if token else ()
-        limit = max_message_mb * 1024 * 1024
-        self._options = [("grpc.max_receive_message_length", limit), ("grpc.max_send_message_length", limit)]
-        self._stubs: dict[int, tuple[grpc.aio.Channel, pb_grpc.GRPCInferenceServiceStub]] = {}
+        self._idle: dict[int, list[Connection]] = {}
 
     def owner(self, sequence_id: SequenceId) -> int | None:
         """The owner of `sequence_id` when it is another worker; None when it is this one."""
         owner = owner_of(sequence_id, self.workers)
         return None if owner == self.index else owner
 
-    def _stub(self, worker: int) -> pb_grpc.GRPCInferenceServiceStub:
-        if worker not in self._stubs:
-            channel = grpc.aio.insecure_channel(f"unix:{socket_path(self.directory, worker)}", options=self._options)
-            self._stubs[worker] = (channel, pb_grpc.GRPCInferenceServiceStub(channel))
-        return self._stubs[worker][1]
+    @property
+    def region_keeper(self) -> int | None:
+        """The worker that keeps the shared memory regions when it is another; None when it is this one."""
+        return None if self.index == REGION_KEEPER else REGION_KEEPER
 
     async def forward(
         self, worker: int, request: pb.ModelInferRequest, header: str | None, timeout: float | None
     ) -> pb.ModelInferResponse:
-        """The owner's answer to `request`; its error status raised as Relayed, and an owner that
-        cannot be reached (restarting, draining) as NotReady: the client retries."""
-        metadata = (*self._metadata, *(((SEQUENCE_HEADER, header),) if header is not None else ()))
+        """The owner's answer to `request`."""
+        answer = await self.call(worker, INFER, request, header, timeout)
+        return pb.ModelInferResponse.FromString(answer)
+
+    async def call(
+        self, worker: int, kind: int, request: Message, header: str | None = None, timeout: float | None = 30.0
+    ) -> bytes:
+        """`worker`'s serialized answer to `request` (of `kind`); its error status raised as
+        Relayed, and a worker that cannot be reached (restarting, draining) as NotReady: the
+        client retries."""
+        body, head = request.SerializeToString(), (header or "").encode()
+        seconds = -1.0 if timeout is None else timeout
+        frame = REQUEST_HEAD.pack(kind, len(body), len(head), seconds) + head + body
         try:
-            response: pb.ModelInferResponse = await self._stub(worker).ModelInfer(
-                request, timeout=timeout, metadata=metadata
-            )
-        except grpc.aio.AioRpcError as exc:
-            if exc.code() is grpc.StatusCode.UNAVAILABLE:
-                raise NotReady(
-                    f"worker {worker} of this replica, which holds this sequence, is not reachable ({exc.details()}); "
-                    "retry shortly"
-                ) from exc
-            raise Relayed(exc.code().name, exc.details() or "") from exc
-        return response
+            connection = await self._connection(worker)
+        except OSError as exc:
+            raise NotReady(_unreachable(worker, exc)) from exc
+        try:
+            code, answer = await asyncio.wait_for(self._exchange(connection, frame), timeout)
+        except (OSError, asyncio.IncompleteReadError) as exc:
+            connection[1].close()
+            raise NotReady(_unreachable(worker, exc)) from exc
+        except BaseException:  # a timeout or a cancellation: the frame's answer may still come
+            connection[1].close()
+            raise
+        self._idle.setdefault(worker, []).append(connection)
+        if code is not grpc.StatusCode.OK:
+            raise Relayed(code.name, answer.decode(errors="replace"))
+        return answer
+
+    async def _connection(self, worker: int) -> Connection:
+        idle = self._idle.get(worker)
+        if idle:
+            return idle.pop()
+        return await asyncio.open_unix_connection(socket_path(self.directory, worker))
+
+    @staticmethod
+    async def _exchange(connection: Connection, frame: bytes) -> tuple[grpc.StatusCode, bytes]:
+        reader, writer = connection
+        writer.write(frame)
+        await writer.drain()
+        code, size = ANSWER_HEAD.unpack(await reader.readexactly(ANSWER_HEAD.size))
+        return CODES.get(code, grpc.StatusCode.UNKNOWN), await reader.readexactly(size)
 
     async def close(self) -> None:
-        for channel, _ in self._stubs.values():
-            await channel.close()
-        self._stubs.clear()
+        for connections in self._idle.values():
+            for _, writer in connections:
+                writer.close()
+                with contextlib.suppress(OSError):
+                    await writer.wait_closed()
+        self._idle.clear()
+
+
+def _unreachable(worker: int, exc: BaseException) -> str:
+    return (
+        f"worker {worker} of this replica, which holds this sequence or the shared memory regions, is not "
+        f"reachable ({type(exc).__name__}); retry shortly"
+    )

@@ -25,7 +25,8 @@ from tests.support import ROOT
 DEPLOY = ROOT / "deploy"
 SCHEMAS = Path(__file__).with_name("schemas")
 VENV_BIN = ROOT / ".venv" / "bin"
-OVERLAYS = ("cpu", "gpu", "gpu-nvidia-runtime", "dev", "cpu-prometheus", "cpu-custom-model")
+BALANCED = ("cpu-ingress-nginx", "cpu-gateway-api", "cpu-istio")  # behind an L7 balancer (test_crds.py)
+OVERLAYS = ("cpu", "gpu", "gpu-nvidia-runtime", "dev", "cpu-prometheus", "cpu-custom-model", *BALANCED)
 BARE = ("cpu", "gpu", "gpu-nvidia-runtime", "dev")  # apply to a cluster without the Prometheus Operator
 
 
@@ -54,6 +55,7 @@ def container(overlay: str) -> dict[str, Any]:
 
 
 CORE = ["ConfigMap", "ConfigMap", "Deployment", "Service", "Service", "NetworkPolicy"]
+SCALED = [*CORE, "HorizontalPodAutoscaler", "PodDisruptionBudget"]
 KINDS = {
     "base": [*CORE, "HorizontalPodAutoscaler", "PodDisruptionBudget"],
     "cpu": [*CORE, "HorizontalPodAutoscaler", "PodDisruptionBudget"],
@@ -62,6 +64,9 @@ KINDS = {
     "dev": CORE,
     "cpu-prometheus": [*CORE, "HorizontalPodAutoscaler", "PodDisruptionBudget", "ServiceMonitor", "PrometheusRule"],
     "cpu-custom-model": [*CORE, "HorizontalPodAutoscaler", "PodDisruptionBudget"],
+    "cpu-ingress-nginx": [*SCALED, "Ingress", "Ingress"],
+    "cpu-gateway-api": [*SCALED, "GRPCRoute", "HTTPRoute", "BackendTrafficPolicy"],
+    "cpu-istio": [*SCALED, "DestinationRule"],
 }
 
 
@@ -277,8 +282,8 @@ def _env_names() -> set[str]:
             if doc["kind"] == "ConfigMap" and doc["metadata"]["name"] == "mha-serve-config":
                 names |= set(doc["data"])
         names |= {e["name"] for e in container(overlay).get("env", []) if e["name"].startswith("MHA_")}
-    kserve = yaml.safe_load((DEPLOY / "kserve" / "inferenceservice.yaml").read_text())
-    names |= {e["name"] for e in kserve["spec"]["predictor"]["containers"][0]["env"]}
+    kserve = yaml.safe_load((DEPLOY / "kserve" / "servingruntime.yaml").read_text())
+    names |= {e["name"] for e in kserve["spec"]["containers"][0]["env"]}
     for dockerfile in DOCKERFILES:
         names |= set(re.findall(r"\b(MHA_[A-Z_]+)=", dockerfile.read_text()))
     return names

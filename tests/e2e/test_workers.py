@@ -9,8 +9,10 @@ import re
 import signal
 import time
 import urllib.request
+from multiprocessing import shared_memory
 from pathlib import Path
 
+import grpc
 import numpy as np
 import torch
 from prometheus_client.parser import text_string_to_metric_families
@@ -18,6 +20,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from model.checkpoint import load_checkpoint
 from model.reference import attention_view, relative_error
 from service.client.client import MHAClient
+from service.proto import grpc_service_pb2 as pb
+from service.proto import grpc_service_pb2_grpc as pb_grpc
 from service.protocol.codec import decode_infer_response, encode_infer_request
 from service.protocol.peers import FORWARDED_METHOD, owner_of
 from tests.support import ServerProcess
@@ -174,3 +178,73 @@ def test_no_worker_outlives_its_supervisor(small_model_dir: Path, tmp_path: Path
             assert client.infer(np.ones((1, 2, 32), np.float32)).shape == (1, 2, 32)
     finally:
         alone.kill()
+
+
+def _stub_call(url: str, method: str, request: object, metadata: tuple = ()) -> object:
+    """One call on a channel of its own: a new connection, which either worker may accept."""
+    with grpc.insecure_channel(url) as channel:
+        return getattr(pb_grpc.GRPCInferenceServiceStub(channel), method)(request, metadata=metadata, timeout=30)
+
+
+def _placed(request: pb.ModelInferRequest, region: str, shape: tuple[int, ...]) -> pb.ModelInferRequest:
+    """x and y in `region`: x at offset 0, y right after it."""
+    nbytes = int(np.prod(shape)) * 4
+    tensor = request.inputs.add(name="x", datatype="FP32", shape=list(shape))
+    tensor.parameters["shared_memory_region"].string_param = region
+    tensor.parameters["shared_memory_byte_size"].int64_param = nbytes
+    out = request.outputs.add(name="y")
+    out.parameters["shared_memory_region"].string_param = region
+    out.parameters["shared_memory_byte_size"].int64_param = nbytes
+    out.parameters["shared_memory_offset"].int64_param = nbytes
+    return request
+
+
+def test_shared_memory_regions_are_one_set_for_every_worker(small_model_dir: Path, tmp_path: Path) -> None:
+    """Registered through one connection, a region is seen and usable through every other one,
+    for stateless requests and for the steps of sequences owned by either worker; unregistered
+    through one, it is gone for all."""
+    args = ["--model-dir", str(small_model_dir), "--backend", "torch", "--workers", "2", "--shared-memory", "system"]
+    server = ServerProcess(args)
+    server.start(tmp_path / "server.log")
+    memory = shared_memory.SharedMemory(create=True, size=2 * 8 * 32 * 4)
+    try:
+        _until(lambda: _ready_workers(server) == 2)
+        config, weights = load_checkpoint(small_model_dir / "weights.safetensors")
+        key = "/" + memory.name.lstrip("/")
+        register = pb.SystemSharedMemoryRegisterRequest(name="shared", key=key, byte_size=memory.size)
+        _stub_call(server.url, "SystemSharedMemoryRegister", register)
+        for _ in range(8):
+            status = _stub_call(server.url, "SystemSharedMemoryStatus", pb.SystemSharedMemoryStatusRequest())
+            assert list(status.regions) == ["shared"]  # type: ignore[attr-defined]
+        rng = np.random.default_rng(3)
+        view = np.ndarray((2, 1, 8, 32), np.float32, buffer=memory.buf)  # [x, y]
+        for _ in range(8):  # stateless, each on a new connection
+            view[0] = rng.standard_normal((1, 8, 32), dtype=np.float32)
+            _stub_call(server.url, "ModelInfer", _placed(pb.ModelInferRequest(model_name="mha"), "shared", (1, 8, 32)))
+            reference = attention_view(torch.from_numpy(view[0].copy()), weights, config)
+            assert relative_error(torch.from_numpy(view[1].copy()), reference) < 1e-5
+        owners = {owner_of(f"shm-{n}", 2): f"shm-{n}" for n in range(16)}
+        for sequence_id in owners.values():  # a sequence owned by each worker, its steps through shared memory
+            whole = np.zeros((1, 0, 32), np.float32)
+            for i in range(6):
+                x = rng.standard_normal((1, 1, 32), dtype=np.float32)
+                whole = np.concatenate([whole, x], axis=1)  # (1, P + 1, 32)
+                view[0, :, :1] = x
+                request = _placed(pb.ModelInferRequest(model_name="mha"), "shared", (1, 1, 32))
+                request.parameters["sequence_id"].string_param = sequence_id
+                request.parameters["sequence_start"].bool_param = i == 0
+                request.parameters["sequence_offset"].int64_param = i
+                answer = _stub_call(server.url, "ModelInfer", request)
+                assert answer.parameters["sequence_length"].int64_param == i + 1  # type: ignore[attr-defined]
+                assert answer.parameters["worker"].int64_param == owner_of(sequence_id, 2)  # type: ignore[attr-defined]
+                y = np.frombuffer(memory.buf, np.float32, 32, offset=4 * 32).reshape(1, 1, 32).copy()
+                reference = attention_view(torch.from_numpy(whole), weights, config)[:, -1:]
+                assert relative_error(torch.from_numpy(y), reference) < 1e-5
+        _stub_call(server.url, "SystemSharedMemoryUnregister", pb.SystemSharedMemoryUnregisterRequest(name="shared"))
+        for _ in range(8):
+            status = _stub_call(server.url, "SystemSharedMemoryStatus", pb.SystemSharedMemoryStatusRequest())
+            assert list(status.regions) == []  # type: ignore[attr-defined]
+    finally:
+        memory.close()
+        memory.unlink()
+        server.kill()

@@ -1,0 +1,89 @@
+"""The receiving side of a hand-over (`--workers N`): the steps of this worker's sequences that
+reached another worker, and (on the region keeper) the shared memory calls and the requests
+that name a region, answered here as if they had arrived here (service/protocol/peers.py has
+the other side and the frame format)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from pathlib import Path
+from typing import Any
+
+import grpc
+from google.protobuf.message import DecodeError, Message
+
+from service.engine.core import InferenceCore
+from service.proto import grpc_service_pb2 as pb
+from service.protocol import render
+from service.protocol.answer import answer_infer
+from service.protocol.calls import Calls
+from service.protocol.peers import (
+    FORWARDED_METHOD,
+    INFER,
+    REGISTER,
+    REQUESTS,
+    UNREGISTER,
+    WorkerPeers,
+    answer_frame,
+    read_request,
+)
+from service.protocol.shm import SystemRegions
+
+log = logging.getLogger(__name__)
+
+
+class Handover:
+    def __init__(self, core: InferenceCore, calls: Calls, regions: SystemRegions, peers: WorkerPeers) -> None:
+        self.core, self.calls, self.regions, self.peers = core, calls, regions, peers
+        self._server: asyncio.Server | None = None
+
+    async def start(self, path: Path) -> None:
+        """Listen on `path` (a socket left there by this worker's previous life is replaced)."""
+        path.unlink(missing_ok=True)
+        self._server = await asyncio.start_unix_server(self._serve, path)
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        """One peer connection: frames answered one after another until the peer closes it."""
+        try:
+            while True:
+                kind, body, header, seconds = await read_request(reader)
+                writer.write(await self._answer(kind, body, header, seconds))
+                await writer.drain()
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass  # the peer closed the connection (or gave up on a step): nothing to answer
+        finally:
+            writer.close()
+
+    async def _answer(self, kind: int, body: bytes, header: str | None, seconds: float | None) -> bytes:
+        async with self.calls.in_band(FORWARDED_METHOD, None, inference=kind == INFER) as call:
+            if kind not in REQUESTS:
+                raise RuntimeError(f"a peer sent a frame of unknown kind {kind}")
+            try:
+                request = REQUESTS[kind].FromString(body)
+            except DecodeError as exc:
+                raise RuntimeError(f"a peer sent a frame that is not a {REQUESTS[kind].__name__}") from exc
+            response = await self._respond(kind, request, header, seconds)
+            return answer_frame(grpc.StatusCode.OK, response.SerializeToString())
+        return answer_frame(call.code, call.message.encode())
+
+    async def _respond(self, kind: int, request: Any, header: str | None, seconds: float | None) -> Message:
+        """What this worker answers, as if the call had reached it: requests naming a sequence
+        this worker does not own go on to their owner (the region keeper's hand-overs do)."""
+        if kind == INFER:
+            deadline = None if seconds is None else self.core.clock.now() + seconds
+            return await answer_infer(self.core, self.regions, request, deadline, header, self.peers)
+        if kind == REGISTER:
+            self.regions.register(request.name, request.key, request.offset, request.byte_size)
+            return pb.SystemSharedMemoryRegisterResponse()
+        if kind == UNREGISTER:
+            self.regions.unregister(request.name)
+            return pb.SystemSharedMemoryUnregisterResponse()
+        return render.system_shm_status(self.regions.status(request.name))
+
+    async def stop(self) -> None:
+        if self._server is not None:
+            self._server.close()
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(self._server.wait_closed(), 1.0)

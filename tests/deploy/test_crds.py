@@ -1,0 +1,130 @@
+"""The balancer and KServe manifests against their CRDs' own schemas (tests/deploy/schemas/crds),
+strictly: an undeclared field is an error, as `kubectl apply --validate=strict` makes it."""
+
+from __future__ import annotations
+
+import copy
+import json
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import pytest
+import yaml
+
+from tests.deploy.test_k8s import render
+from tests.support import ROOT
+
+CRDS = Path(__file__).parent / "schemas" / "crds"
+KSERVE = ROOT / "deploy" / "kserve"
+
+
+@cache
+def crd_schemas() -> dict[tuple[str, str], dict[str, Any]]:
+    """(apiVersion, kind) -> the strict schema."""
+    found = {}
+    for path in sorted(CRDS.glob("*.json")):
+        crd = json.loads(path.read_text())
+        found[(f"{crd['group']}/{crd['version']}", crd["kind"])] = strict(crd["schema"])
+    return found
+
+
+def strict(schema: dict[str, Any]) -> dict[str, Any]:
+    """Every object that declares its properties refuses others, unless the schema keeps unknown
+    fields (x-kubernetes-preserve-unknown-fields) or says what they hold (additionalProperties).
+    The object's metadata is an ObjectMeta in the API server, not in the CRD: name and labels only."""
+    schema = copy.deepcopy(schema)
+
+    def walk(node: Any) -> None:
+        if isinstance(node, dict):
+            if (
+                "properties" in node
+                and "additionalProperties" not in node
+                and not node.get("x-kubernetes-preserve-unknown-fields")
+            ):
+                node["additionalProperties"] = False
+            for value in node.values():
+                walk(value)
+        elif isinstance(node, list):
+            for value in node:
+                walk(value)
+
+    walk(schema)
+    for field in ("apiVersion", "kind"):  # every object has them; some CRDs leave them to the API server
+        schema["properties"].setdefault(field, {"type": "string"})
+    schema["properties"]["metadata"] = {
+        "type": "object",
+        "required": ["name"],
+        "properties": {
+            "name": {"type": "string"},
+            "labels": {"type": "object", "additionalProperties": {"type": "string"}},
+            "annotations": {"type": "object", "additionalProperties": {"type": "string"}},
+        },
+        "additionalProperties": False,
+    }
+    return schema
+
+
+def _errors(doc: dict[str, Any]) -> list[str]:
+    schema = crd_schemas()[(doc["apiVersion"], doc["kind"])]
+    validator = jsonschema.Draft7Validator(schema)
+    return [f"{'/'.join(map(str, e.absolute_path))}: {e.message}" for e in validator.iter_errors(doc)]
+
+
+OVERLAY_CRDS = {
+    "cpu-gateway-api": {"GRPCRoute", "HTTPRoute", "BackendTrafficPolicy"},
+    "cpu-istio": {"DestinationRule"},
+}
+
+
+@pytest.mark.parametrize("overlay", sorted(OVERLAY_CRDS))
+def test_balancer_objects_validate_against_their_crds(overlay: str) -> None:
+    custom = [d for d in render(overlay) if (d["apiVersion"], d["kind"]) in crd_schemas()]
+    assert {d["kind"] for d in custom} == OVERLAY_CRDS[overlay]
+    for doc in custom:
+        assert _errors(doc) == [], doc["kind"]
+
+
+def test_kserve_runtime_and_inference_service_validate_against_kserve_crds() -> None:
+    docs = [yaml.safe_load((KSERVE / name).read_text()) for name in ("servingruntime.yaml", "inferenceservice.yaml")]
+    assert [d["kind"] for d in docs] == ["ServingRuntime", "InferenceService"]
+    for doc in docs:
+        assert _errors(doc) == [], doc["kind"]
+    runtime, service = docs
+    assert runtime["spec"]["protocolVersions"] == ["v2", "grpc-v2"]
+    model = service["spec"]["predictor"]["model"]
+    assert model["runtime"] == runtime["metadata"]["name"]
+    assert model["modelFormat"]["name"] in {f["name"] for f in runtime["spec"]["supportedModelFormats"]}
+    assert "/mnt/models" in runtime["spec"]["containers"][0]["args"]  # where KServe puts storageUri's files
+
+
+def test_the_validation_refuses_a_misspelled_field() -> None:
+    """Not vacuous: a field the CRD does not declare, a wrong type, and a value outside an enum."""
+    policy = next(d for d in render("cpu-gateway-api") if d["kind"] == "BackendTrafficPolicy")
+    misspelled = copy.deepcopy(policy)
+    misspelled["spec"]["loadBalancer"]["consistentHash"]["headerName"] = "mha-sequence-id"
+    assert any("headerName" in e for e in _errors(misspelled))
+    wrong_type = copy.deepcopy(policy)
+    wrong_type["spec"]["loadBalancer"]["type"] = "Sticky"
+    assert _errors(wrong_type)
+    rule = next(d for d in render("cpu-istio") if d["kind"] == "DestinationRule")
+    rule = copy.deepcopy(rule)
+    rule["spec"]["trafficPolicy"]["loadBalancer"]["consistentHash"]["httpHeader"] = "mha-sequence-id"
+    assert _errors(rule)
+
+
+def test_every_balancer_hashes_on_the_header_clients_send() -> None:
+    from service.protocol.codec import SEQUENCE_HEADER
+
+    ingress = [d for d in render("cpu-ingress-nginx") if d["kind"] == "Ingress"]
+    assert len(ingress) == 2
+    for doc in ingress:
+        key = doc["metadata"]["annotations"]["nginx.ingress.kubernetes.io/upstream-hash-by"]
+        assert key == "$http_" + SEQUENCE_HEADER.replace("-", "_")
+    policy = next(d for d in render("cpu-gateway-api") if d["kind"] == "BackendTrafficPolicy")
+    assert policy["spec"]["loadBalancer"]["consistentHash"]["header"]["name"] == SEQUENCE_HEADER
+    rule = next(d for d in render("cpu-istio") if d["kind"] == "DestinationRule")
+    assert rule["spec"]["trafficPolicy"]["loadBalancer"]["consistentHash"]["httpHeaderName"] == SEQUENCE_HEADER
+    conf = (ROOT / "deploy" / "nginx" / "mha-serve.conf").read_text()
+    assert conf.count("hash $http_" + SEQUENCE_HEADER.replace("-", "_") + " consistent;") == 2
