@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Generic, Protocol, TypeVar
 
@@ -53,6 +53,66 @@ async def alone_and_small(
         return False
     await asyncio.sleep(0)
     return alone()
+
+
+P = TypeVar("P")  # what a waiting request carries
+R = TypeVar("R")  # what its caller awaits
+
+
+@dataclass(eq=False)
+class Pending(Generic[P, R]):
+    """A request waiting in a batcher: what it carries and the future its caller awaits. Both
+    batchers queue these (engine/batcher.py and decode/scheduler.py)."""
+
+    payload: P
+    shape: tuple[int, ...]  # (B, T, C) of its tensor
+    future: asyncio.Future[R]
+    enqueued: float = 0.0  # clock time
+    deadline: float | None = None  # clock time
+
+    @property
+    def rows(self) -> int:
+        return int(self.shape[0])
+
+    @property
+    def seq(self) -> int:
+        return int(self.shape[1])
+
+    @property
+    def gone(self) -> bool:
+        """Answered already, or nobody waits for it any more (cancelled)."""
+        return self.future.done()
+
+
+class LoneGate:
+    """Is a request alone in the server? Then a small one is computed on the event loop, without
+    a thread hop. Shared by both batchers, each with its own queue and its own computing flag."""
+
+    def __init__(self, in_flight: Callable[[], int] | None, inline_max_mflop: float) -> None:
+        self._in_flight = in_flight  # requests in the server, queued or not; None: unknown, assume others
+        self.inline_max_mflop = inline_max_mflop
+        self.computing = False  # a batch of this batcher is being computed (on the worker thread)
+
+    def alone(self, queued: int) -> bool:
+        """Nothing queued and no other request in the server."""
+        return queued == 0 and self._in_flight is not None and self._in_flight() <= 1
+
+    async def inline(self, requests: int, shape: tuple[int, ...], queued: Callable[[], int], idle: bool) -> bool:
+        """Compute `requests` of `shape` on the loop? `idle`: also no batch of this batcher computing
+        (for a request not yet queued: a batch whose client went away may still be)."""
+
+        def alone() -> bool:
+            return (not idle or not self.computing) and self.alone(queued())
+
+        return await alone_and_small(requests, shape, self.inline_max_mflop, alone)
+
+
+async def run_each_alone(batch: Sequence[Pending[P, R]], run: Callable[[list[Pending[P, R]]], Awaitable[None]]) -> None:
+    """After a batch failed: each request still awaited, once more on its own, so that one
+    request's failure never fails another's (a cancelled one is not computed again)."""
+    for item in batch:
+        if not item.gone:
+            await run([item])
 
 
 class Queued(Protocol):

@@ -77,6 +77,9 @@ class Settings:
         16.0, "batches up to this much work run on the event loop, without a thread hop; 0: never", "MFLOP", low=0
     )
     max_sequences: int = setting(256, "live sequences (incremental decoding) kept at most", "sequences", low=1)
+    max_step_rows: int = setting(
+        64, "rows of decode steps computed together (a step is usually one token)", "rows", low=1
+    )
     sequence_idle_timeout_s: float = setting(60.0, "a live sequence idle this long is evicted", "s", low=0)
     max_sequence_state_mb: float = setting(1024.0, "keys and values of live sequences at most", "MiB", low=0)
     shared_memory: str = setting(
@@ -117,7 +120,12 @@ class Settings:
     def cpu_threads(self) -> int:
         if self.threads > 0:
             return self.threads
-        return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        return available_cpus()
+
+
+def available_cpus() -> int:
+    """The CPUs this process may run on (its affinity mask: a container's cpuset), not the host's."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
 def _flag(name: str) -> str:

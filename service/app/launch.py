@@ -1,7 +1,8 @@
 """`mha serve` as a child process on loopback, ready once its health says SERVING.
 
 For tests, benchmarks and tools that need a real server process (signals, their own client
-libraries); nothing here is on the request path.
+libraries), a real balancer in front of several, and the supervisor's command line for its
+workers; nothing here runs on the request path.
 """
 
 from __future__ import annotations
@@ -22,6 +23,11 @@ import grpc
 PACKAGE_ROOT = Path(__file__).resolve().parents[2]  # the folder that holds `service`
 
 
+def serve_command(args: list[str]) -> list[str]:
+    """The command line of `mha serve ARGS` in this interpreter: a server process, or a worker."""
+    return [sys.executable, "-m", "service.cli", "serve", *args]
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -35,23 +41,21 @@ class ServerProcess:
         self.port = free_port()
         self.metrics_port = free_port()
         self.http_port = free_port()
-        self.args = [
-            sys.executable,
-            "-m",
-            "service.cli",
-            "serve",
-            "--host",
-            "127.0.0.1",
-            "--grpc-port",
-            str(self.port),
-            "--metrics-port",
-            str(self.metrics_port),
-            "--http-port",
-            str(self.http_port),
-            "--log-format",
-            "json",
-            *args,
-        ]
+        self.args = serve_command(
+            [
+                "--host",
+                "127.0.0.1",
+                "--grpc-port",
+                str(self.port),
+                "--metrics-port",
+                str(self.metrics_port),
+                "--http-port",
+                str(self.http_port),
+                "--log-format",
+                "json",
+                *args,
+            ]
+        )
         self.env = {**os.environ, **(env or {})}
         self.env["PYTHONPATH"] = str(PACKAGE_ROOT)
         self.cwd = cwd

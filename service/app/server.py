@@ -20,7 +20,7 @@ from service.engine.core import InferenceCore, State
 from service.metrics import Metrics
 from service.metrics_http import MetricsServer
 from service.proto import grpc_service_pb2 as pb
-from service.protocol.auth import BearerTokenInterceptor, read_token
+from service.protocol.auth import BearerToken, BearerTokenInterceptor, read_token
 from service.protocol.calls import Calls
 from service.protocol.grpc_handlers import generic_handler
 from service.protocol.grpc_servicer import InferenceServicer
@@ -160,7 +160,7 @@ def _grpc_server(
     health_servicer: health.aio.HealthServicer,
 ) -> grpc.aio.Server:
     """The server with every service on it: inference (through one call scope), health, reflection."""
-    interceptors = [BearerTokenInterceptor(token, calls.refuse)] if token is not None else []
+    interceptors = [BearerTokenInterceptor(BearerToken(token), calls.refuse)] if token is not None else []
     limit = settings.max_message_mb * 1024 * 1024
     options = [("grpc.max_receive_message_length", limit), ("grpc.max_send_message_length", limit)]
     reuse = ("grpc.so_reuseport", 1 if settings.reuse_port else 0)  # shared only among --workers

@@ -30,9 +30,9 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 
-from service.app.launch import free_port
+from service.app.launch import free_port, serve_command
 from service.metrics_http import MetricsServer
-from service.settings import Settings
+from service.settings import Settings, available_cpus
 
 log = logging.getLogger(__name__)
 
@@ -114,7 +114,7 @@ class Supervisor:
             "--worker-socket-dir",
             str(self.sockets),
         ]
-        return [sys.executable, "-m", "service.cli", "serve", *self._argv, *own]
+        return serve_command([*self._argv, *own])
 
     async def _spawn(self, worker: Worker) -> None:
         env = {**os.environ, "MHA_LOG_LEVEL": self.settings.log_level}
@@ -203,5 +203,4 @@ def worker_count(setting: str) -> int:
     )
     if gpus:
         return len(gpus)
-    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return max(1, cpus // 2)
+    return max(1, available_cpus() // 2)

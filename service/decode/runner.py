@@ -17,7 +17,7 @@ from model.attention import cached_attention
 from model.checkpoint import Weights
 from service.backends.chain import is_sticky_device_error
 from service.backends.pytorch import prepare_device
-from service.batching import merge
+from service.batching import merge, split
 from service.decode.sequences import Sequence
 from service.errors import DeviceLost
 
@@ -76,12 +76,7 @@ class StepRunner:
                 heads[rows, :, :t] = self._attend(step.sequence, q[rows, :, :t], k[rows, :, :t], v[rows, :, :t])
                 row += B
         y = self.module.merge(heads).cpu().numpy()  # (R, t_max, C); a no-op on the CPU
-        outputs, row = [], 0
-        for step in steps:
-            B, t = step.x.shape[0], step.x.shape[1]
-            outputs.append(y[row : row + B, :t])  # (B, t, C)
-            row += B
-        return outputs
+        return split(y, [(s.x.shape[0], s.x.shape[1]) for s in steps])  # (B, t, C) each
 
     def _project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(R, t, C) -> q, k, v, each (R, nh, t, hs): MultiHeadAttention.project in one matmul."""

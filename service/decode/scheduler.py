@@ -6,15 +6,16 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections import Counter, deque
+from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass
+from functools import partial
 
 import numpy as np
 
 from service.arrays import all_finite, not_finite
-from service.batching import alone_and_small
+from service.batching import BatchEvent, Clock, LoneGate, MonotonicClock, Pending, run_each_alone
 from service.decode.control import SequenceControl
 from service.decode.runner import StepInput
 from service.decode.sequences import SequenceStore
@@ -23,10 +24,16 @@ from service.errors import DeviceLost, InvalidInput, StaleSequence
 log = logging.getLogger(__name__)
 
 
+Step = Pending[StepInput, tuple[np.ndarray, float]]  # a step waiting for the runner; (y, compute began)
+
+
 @dataclass(frozen=True)
-class _Pending:
-    step: StepInput
-    future: asyncio.Future[np.ndarray]
+class Stepped:
+    """What a step's caller learns."""
+
+    y: np.ndarray  # (B, t, C): the outputs of the step's tokens
+    length: int  # tokens the sequence holds after the step
+    queue_s: float  # submitted -> its batch began computing
 
 
 class StepBatcher:
@@ -37,82 +44,123 @@ class StepBatcher:
         max_rows: int,
         in_flight: Callable[[], int] | None = None,
         inline_max_mflop: float = 0.0,
+        on_batch: Callable[[BatchEvent], None] | None = None,
+        clock: Clock | None = None,
+        backend: str = "torch-cpu",
     ) -> None:
         self._run, self._executor, self.max_rows = run, executor, max_rows
-        self._in_flight = in_flight  # requests in the server; None: assume others
-        self.inline_max_mflop = inline_max_mflop
-        self._pending: deque[_Pending] = deque()
+        self._lone = LoneGate(in_flight, inline_max_mflop)
+        self._on_batch, self.backend = on_batch, backend  # each executed batch, for metrics and statistics
+        self.clock: Clock = clock or MonotonicClock()
+        self._pending: deque[Step] = deque()
         self._task: asyncio.Task[None] | None = None
-        self.batches: Counter[int] = Counter()  # executed batches by their number of steps (bounded by max_rows)
+        self._events: deque[BatchEvent] = deque()  # reported by the worker thread, published on the loop
 
-    async def submit(self, step: StepInput) -> np.ndarray:
-        """y (B, t, C) of the step; the sequence's length advances only if the answer is taken."""
-        if await alone_and_small(1, step.x.shape, self.inline_max_mflop, self._idle_and_alone):
-            (y,) = self._run([step])  # the only request in the server: no future, task or hop
-            self.batches[1] += 1
-            return _commit(step, y)
+    async def submit(self, step: StepInput) -> tuple[np.ndarray, float]:
+        """y (B, t, C) of the step and its time in the queue; the sequence's length advances only
+        if the answer is taken."""
+        enqueued = self.clock.now()
+        if await self._lone.inline(1, step.x.shape, self._depth, idle=True):
+            try:
+                (y,), started = self._compute([step], enqueued)  # the only request in the server: no future or hop
+            finally:
+                self._publish()
+            return _commit(step, y), started - enqueued
         loop = asyncio.get_running_loop()
-        future: asyncio.Future[np.ndarray] = loop.create_future()
-        self._pending.append(_Pending(step, future))
+        future: asyncio.Future[tuple[np.ndarray, float]] = loop.create_future()
+        self._pending.append(Pending(step, step.x.shape, future, enqueued))
         if self._task is None or self._task.done():
             self._task = loop.create_task(self._drain(), name="steps")
-        return await future
+        y, started = await future
+        return y, started - enqueued
+
+    def _depth(self) -> int:
+        return len(self._pending)
 
     async def _drain(self) -> None:
         while self._pending:
             batch = self._take()
             if batch:
-                await self._execute(batch)
+                self._lone.computing = True
+                try:
+                    await self._execute(batch)
+                finally:
+                    self._lone.computing = False
 
-    def _take(self) -> list[_Pending]:
+    def _take(self) -> list[Step]:
         """Live steps of at most max_rows rows (always at least one), oldest first."""
-        batch: list[_Pending] = []
+        batch: list[Step] = []
         rows = 0
         while self._pending:
             item = self._pending[0]
-            if item.future.done():  # cancelled while waiting: never computed
+            if item.gone:  # cancelled while waiting: never computed
                 self._pending.popleft()
                 continue
-            B = item.step.x.shape[0]
-            if batch and rows + B > self.max_rows:
+            if batch and rows + item.rows > self.max_rows:
                 break
             batch.append(self._pending.popleft())
-            rows += B
+            rows += item.rows
         return batch
 
-    def _alone(self) -> bool:
-        return not self._pending and self._in_flight is not None and self._in_flight() <= 1
-
-    def _idle_and_alone(self) -> bool:
-        return (self._task is None or self._task.done()) and self._alone()
-
-    async def _execute(self, batch: list[_Pending]) -> None:
-        loop = asyncio.get_running_loop()
+    async def _execute(self, batch: list[Step]) -> None:
+        steps, oldest = [p.payload for p in batch], batch[0].enqueued
         try:
-            shape = batch[0].step.x.shape  # a lone small step runs on the loop, as a lone small batch does
-            if await alone_and_small(len(batch), shape, self.inline_max_mflop, self._alone):
-                ys = self._run([p.step for p in batch])
+            if await self._lone.inline(len(batch), batch[0].shape, self._depth, idle=False):
+                ys, started = self._compute(steps, oldest)  # alone and small: on the loop, as a lone small batch
             else:
-                ys = await loop.run_in_executor(self._executor, self._run, [p.step for p in batch])
+                compute = partial(self._compute, steps, oldest)
+                ys, started = await asyncio.get_running_loop().run_in_executor(self._executor, compute)
         except Exception as exc:
+            self._publish()
             if len(batch) == 1 or isinstance(exc, DeviceLost):  # a lost device fails every step alike
                 for item in batch:
                     _fail(item, exc)
                 return
-            for item in batch:  # isolate the culprit: one sequence's failure never fails the others
-                await self._execute([item])
+            await run_each_alone(batch, self._execute)  # one sequence's failure never fails the others
             return
-        self.batches[len(batch)] += 1
+        self._publish()
         for item, y in zip(batch, ys, strict=True):
-            _answer(item, y)
+            _answer(item, y, started)
+
+    def _compute(self, steps: list[StepInput], oldest: float) -> tuple[list[np.ndarray], float]:
+        """Run the steps, reporting the batch (on a worker thread, or on the loop when alone): their
+        outputs, and when the compute began."""
+        shapes = [(int(s.x.shape[0]), int(s.x.shape[1])) for s in steps]
+        rows, t_max = sum(b for b, _ in shapes), max(t for _, t in shapes)
+        started = self.clock.now()
+        error: BaseException | None = None
+        try:
+            return self._run(steps), started
+        except Exception as exc:
+            error = exc
+            raise
+        finally:
+            if self._on_batch is not None:
+                self._events.append(
+                    BatchEvent(
+                        requests=len(steps),
+                        rows=rows,
+                        seqs=tuple(t for _, t in shapes),
+                        padded_tokens=rows * t_max - sum(b * t for b, t in shapes),
+                        formation_s=started - oldest,
+                        compute_s=self.clock.now() - started,
+                        backend="" if error is not None else self.backend,
+                        error=error,
+                    )
+                )
+
+    def _publish(self) -> None:
+        """The executed batches' events, to metrics and statistics, on the event loop's thread."""
+        while self._events and self._on_batch is not None:
+            self._on_batch(self._events.popleft())
 
 
-def _answer(item: _Pending, y: np.ndarray) -> None:
+def _answer(item: Step, y: np.ndarray, started: float) -> None:
     """Commit the step and answer it; an abandoned step commits nothing."""
     if item.future.done():
         return
     try:
-        item.future.set_result(_commit(item.step, y))
+        item.future.set_result((_commit(item.payload, y), started))
     except InvalidInput as exc:
         item.future.set_exception(exc)
 
@@ -129,7 +177,7 @@ def _commit(step: StepInput, y: np.ndarray) -> np.ndarray:
     return y
 
 
-def _fail(item: _Pending, exc: BaseException) -> None:
+def _fail(item: Step, exc: BaseException) -> None:
     if not item.future.done():
         item.future.set_exception(exc)
 
@@ -158,20 +206,20 @@ class Decoder:
             self._expiry.cancel()
         self.sequences.clear()
 
-    async def step(self, control: SequenceControl, x: np.ndarray) -> tuple[np.ndarray, int]:
-        """(B, t, C) new tokens of the sequence -> their (B, t, C) outputs and the tokens the
-        sequence holds after them."""
+    async def step(self, control: SequenceControl, x: np.ndarray) -> Stepped:
+        """(B, t, C) new tokens of the sequence -> their (B, t, C) outputs, the tokens the sequence
+        holds after them, and the step's time in the queue."""
         if not all_finite(x):  # refused before it touches the sequence's state
             raise InvalidInput(not_finite(x))
         sequence = self.sequences.open(control, int(x.shape[0]), int(x.shape[2]))
         async with sequence.lock:  # this sequence's steps one at a time, in arrival order
             _check_offset(control, sequence.length, self.sequences.where)
             self.sequences.check_room(sequence, int(x.shape[1]))
-            y = await self.steps.submit(StepInput(sequence, x))
+            y, queue_s = await self.steps.submit(StepInput(sequence, x))
             self.sequences.touch(sequence)
             if control.end:
                 self.sequences.end(sequence)
-        return y, sequence.length
+        return Stepped(y, sequence.length, queue_s)
 
 
 def _check_offset(control: SequenceControl, held: int, where: str) -> None:

@@ -19,12 +19,14 @@ from service.batching import (
     BatcherConfig,
     BatchEvent,
     Clock,
+    LoneGate,
     MonotonicClock,
-    alone_and_small,
+    Pending,
     batch_event,
     form_at,
     merge,
     plan_batch,
+    run_each_alone,
     split,
 )
 from service.errors import DeadlineExceeded, NotReady, Overloaded
@@ -39,31 +41,11 @@ class Timing:
     """What a request learns of the batch it rode in."""
 
     queue_s: float  # enqueued -> its batch started computing
-    batch_rows: int
     backend: str
 
 
 Answer = tuple[np.ndarray, Timing]
-
-
-@dataclass(eq=False)
-class _Pending:
-    x: np.ndarray  # (B, T, C)
-    enqueued: float
-    deadline: float | None
-    future: asyncio.Future[Answer]
-
-    @property
-    def rows(self) -> int:
-        return int(self.x.shape[0])
-
-    @property
-    def seq(self) -> int:
-        return int(self.x.shape[1])
-
-    @property
-    def gone(self) -> bool:
-        return self.future.done()
+Queued = Pending[np.ndarray, Answer]  # the payload: x (B, T, C)
 
 
 class Batcher:
@@ -81,12 +63,12 @@ class Batcher:
         self._executor = executor
         self._on_batch = on_batch
         self._in_flight = in_flight  # requests in the server, queued or not; None: assume more may come
+        self._lone = LoneGate(in_flight, config.inline_max_mflop)
         self.clock: Clock = clock or MonotonicClock()
-        self._queue: list[_Pending] = []
+        self._queue: list[Queued] = []
         self._wakeup = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._closed = False
-        self._computing = False  # a batch of the loop is being computed (on the worker thread)
 
     @property
     def depth(self) -> int:
@@ -112,10 +94,10 @@ class Batcher:
                 "retry with backoff"
             )
         enqueued = self.clock.now()
-        if await alone_and_small(1, x.shape, self.config.inline_max_mflop, self._idle_and_alone):
+        if await self._lone.inline(1, x.shape, self._depth, idle=True):
             return self._run_alone(x, enqueued, deadline)
         future: asyncio.Future[Answer] = asyncio.get_running_loop().create_future()
-        self._queue.append(_Pending(x=x, enqueued=enqueued, deadline=deadline, future=future))
+        self._queue.append(Pending(x, x.shape, future, enqueued, deadline))
         self._wakeup.set()
         return await future
 
@@ -131,11 +113,11 @@ class Batcher:
             self._queue = plan.rest
             self._expire(plan.expired)
             if plan.batch:
-                self._computing = True
+                self._lone.computing = True
                 try:
                     await self._execute(plan.batch, forming)
                 finally:
-                    self._computing = False
+                    self._lone.computing = False
 
     async def _wait_for_company(self) -> None:
         while self._queue and not self._closed:
@@ -146,34 +128,35 @@ class Batcher:
             self._wakeup.clear()
             await self.clock.wait(self._wakeup, until)
 
-    def _expire(self, expired: list[_Pending]) -> None:
+    def _depth(self) -> int:
+        return len(self._queue)
+
+    def _expire(self, expired: list[Queued]) -> None:
         now = self.clock.now()
         for item in expired:
             waited_ms = (now - item.enqueued) * 1e3
             item.future.set_exception(DeadlineExceeded(f"deadline passed after {waited_ms:.1f} ms in the queue"))
 
-    async def _execute(self, batch: list[_Pending], forming: float) -> None:
-        x = merge([i.x for i in batch])  # (sum B, T_max, C)
+    async def _execute(self, batch: list[Queued], forming: float) -> None:
+        x = merge([i.payload for i in batch])  # (sum B, T_max, C)
         shapes = [(i.rows, i.seq) for i in batch]
         started = self.clock.now()
         try:
-            if await alone_and_small(len(batch), x.shape, self.config.inline_max_mflop, self._alone):
+            if await self._lone.inline(len(batch), x.shape, self._depth, idle=False):
                 y, backend = self._run_batch(x)
             else:
                 y, backend = await asyncio.get_running_loop().run_in_executor(self._executor, self._run_batch, x)
         except Exception as exc:
             self._report(shapes, x, (forming, started), "", exc)
             if len(batch) > 1:  # isolate the culprit: one request's failure never fails the others
-                for item in batch:
-                    if not item.future.done():
-                        await self._execute([item], self.clock.now())
+                await run_each_alone(batch, lambda one: self._execute(one, self.clock.now()))
             elif not batch[0].future.done():
                 batch[0].future.set_exception(exc)
             return
         self._report(shapes, x, (forming, started), backend, None)
         for item, out in zip(batch, split(y, shapes), strict=True):
             if not item.future.done():
-                item.future.set_result((out, Timing(started - item.enqueued, int(x.shape[0]), backend)))
+                item.future.set_result((out, Timing(started - item.enqueued, backend)))
 
     def _run_alone(self, x: np.ndarray, enqueued: float, deadline: float | None) -> Answer:
         """The only request in the server, small: computed here on the event loop, without the
@@ -188,15 +171,7 @@ class Batcher:
             self._report(shapes, x, (started, started), "", exc)
             raise
         self._report(shapes, x, (started, started), backend, None)
-        return y, Timing(started - enqueued, int(x.shape[0]), backend)
-
-    def _alone(self) -> bool:
-        """Nothing queued and no other request in the server (unknown without `in_flight`: no)."""
-        return not self._queue and self._in_flight is not None and self._in_flight() <= 1
-
-    def _idle_and_alone(self) -> bool:
-        """Alone, and no batch computing: a request whose client went away may still be."""
-        return not self._computing and self._alone()
+        return y, Timing(started - enqueued, backend)
 
     def _report(
         self,

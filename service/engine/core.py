@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import enum
 import logging
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import partial
@@ -110,7 +111,9 @@ class InferenceCore:
             in_flight=lambda: self.requests.count,
             clock=self.clock,
         )
-        decoder = _decoder(s, model.config, runner, self._executor, self.clock, self.metrics, self.requests)
+        decoder = _decoder(
+            s, model.config, runner, self._executor, self.clock, self.metrics, self.requests, self._observe_steps
+        )
         self._loaded = Loaded(model, selection, chain, batcher, decoder)
         batcher.start()
         decoder.start(expiry_period_s=min(1.0, max(s.sequence_idle_timeout_s / 4, 0.05)))
@@ -132,6 +135,12 @@ class InferenceCore:
         self.metrics.observe_batch(event)
         self.stats.observe_batch(event)
         self._publish_backends()
+
+    def _observe_steps(self, event: BatchEvent) -> None:
+        """A batch of decode steps: in the batch metrics and statistics as any batch (a lost device
+        is handled where the step fails, in `step`)."""
+        self.metrics.observe_batch(event)
+        self.stats.observe_batch(event)
 
     def serving_ok(self) -> bool:
         """Ready for traffic: loaded, and on the required device (--require-device) if any."""
@@ -161,14 +170,14 @@ class InferenceCore:
         the tokens the sequence holds after the step."""
         self._check_ready()
         try:
-            y, length = await self.loaded.decoder.step(control, x)
+            stepped = await self.loaded.decoder.step(control, x)
         except DeviceLost as exc:  # the caches' device is gone: stop serving, as a lost batch does
             if self.device.observe(exc):
                 self._set_state(State.FAILED)
             raise
-        self.metrics.observe_answer(int(x.shape[0]) * int(x.shape[1]), 0.0)
-        self.stats.observe_answer(int(x.shape[0]), 0.0)
-        return y, Timing(0.0, int(x.shape[0]), self.loaded.decoder.backend), length
+        self.metrics.observe_answer(int(x.shape[0]) * int(x.shape[1]), stepped.queue_s)
+        self.stats.observe_answer(int(x.shape[0]), stepped.queue_s)
+        return stepped.y, Timing(stepped.queue_s, self.loaded.decoder.backend), stepped.length
 
     def _check_ready(self) -> None:
         self.device.check()
@@ -269,6 +278,7 @@ def _decoder(
     clock: Clock,
     metrics: Metrics,
     requests: InFlight,
+    on_batch: Callable[[BatchEvent], None],
 ) -> Decoder:
     """Live sequences within the settings' limits, their gauges, and the batcher of their steps."""
     limits = SequenceLimits(s.max_sequences, s.sequence_idle_timeout_s, int(s.max_sequence_state_mb * 2**20))
@@ -277,9 +287,15 @@ def _decoder(
     def changed(store: SequenceStore, evicted: str | None) -> None:
         metrics.sequences_changed(len(store), store.state_bytes, evicted)
 
-    rows = max(s.max_batch_size, 1) * 8
     steps = StepBatcher(
-        runner.run, executor, rows, in_flight=lambda: requests.count, inline_max_mflop=s.inline_max_mflop
+        runner.run,
+        executor,
+        s.max_step_rows,
+        in_flight=lambda: requests.count,
+        inline_max_mflop=s.inline_max_mflop,
+        on_batch=on_batch,
+        clock=clock,
+        backend=runner.name,
     )
     where = f"replica {s.replica!r} worker {s.worker_index}"  # for operators, in every NOT_FOUND and refusal
     return Decoder(SequenceStore(config, limits, clock.now, changed, runner.device, where), steps, runner.name)

@@ -20,7 +20,8 @@ OPEN_SERVICES = (
 )
 
 Refuse = Callable[[str, grpc.aio.ServicerContext, ServiceError], Awaitable[None]]  # (method, context, error)
-DENIED = "missing or wrong credentials: send metadata 'authorization: Bearer <token>'"
+GRPC_HOW = "metadata 'authorization: Bearer <token>'"
+HTTP_HOW = "the header 'Authorization: Bearer <token>'"
 
 
 def read_token(path: Path) -> str:
@@ -30,6 +31,27 @@ def read_token(path: Path) -> str:
     return token
 
 
+class BearerToken:
+    """The one check of a client's credentials, for both protocols: `Bearer <token>`, compared in
+    constant time; each protocol says in its own words how to send it."""
+
+    def __init__(self, token: str) -> None:
+        self._expected = f"Bearer {token}".encode()
+
+    def accepts(self, given: str | bytes | None) -> bool:
+        if given is None:
+            return False
+        return hmac.compare_digest(given.encode() if isinstance(given, str) else bytes(given), self._expected)
+
+    def check(self, given: str | bytes | None, how: str) -> None:
+        if not self.accepts(given):
+            raise self.refusal(how)
+
+    @staticmethod
+    def refusal(how: str) -> Unauthenticated:
+        return Unauthenticated(f"missing or wrong credentials: send {how}")
+
+
 class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
     """Requires `authorization: Bearer <token>` metadata; compares in constant time.
 
@@ -37,9 +59,8 @@ class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
     logged and counted like any other.
     """
 
-    def __init__(self, token: str, refuse: Refuse) -> None:
-        self._expected = f"Bearer {token}".encode()
-        self._refuse = refuse
+    def __init__(self, token: BearerToken, refuse: Refuse) -> None:
+        self._token, self._refuse = token, refuse
 
     async def intercept_service(
         self,
@@ -56,15 +77,14 @@ class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
     def _authorized(self, details: grpc.HandlerCallDetails) -> bool:
         for key, value in details.invocation_metadata or ():
             if key == "authorization":
-                given = value.encode() if isinstance(value, str) else bytes(value)
-                return hmac.compare_digest(given, self._expected)
+                return self._token.accepts(value)
         return False
 
     def _refusal(self, method: str, handler: grpc.RpcMethodHandler | None) -> grpc.RpcMethodHandler:
         """A handler of the same kind as the real one, answering UNAUTHENTICATED."""
 
         async def deny(request: object, context: grpc.aio.ServicerContext) -> None:
-            await self._refuse(method, context, Unauthenticated(DENIED))
+            await self._refuse(method, context, BearerToken.refusal(GRPC_HOW))
 
         if handler is None:
             return grpc.unary_unary_rpc_method_handler(deny)

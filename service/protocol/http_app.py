@@ -9,7 +9,6 @@ their gRPC code.
 
 from __future__ import annotations
 
-import hmac
 import json
 import ssl
 from collections.abc import Awaitable, Callable
@@ -23,10 +22,11 @@ from google.protobuf.descriptor import Descriptor, FieldDescriptor
 from google.protobuf.message import Message
 
 from service.engine.core import InferenceCore, State
-from service.errors import InvalidInput, NotReady, Overloaded, Unauthenticated, quote
+from service.errors import InvalidInput, NotReady, Overloaded, quote
 from service.proto import grpc_service_pb2 as pb
 from service.protocol import render
 from service.protocol.answer import answer_infer
+from service.protocol.auth import HTTP_HOW, BearerToken
 from service.protocol.calls import Call, Calls
 from service.protocol.codec import SEQUENCE_HEADER
 from service.protocol.peers import WorkerPeers
@@ -229,7 +229,7 @@ class HttpApi:
     ) -> None:
         self.core, self.calls, self.regions, self.peers = core, calls, regions, peers
         self.directory = RegionDirectory(regions, peers)  # the regions of every worker, kept by one
-        self._expected = f"Bearer {token}".encode() if token else None
+        self._token = BearerToken(token) if token else None
 
     def app(self) -> web.Application:
         app = web.Application(client_max_size=self.core.settings.max_message_mb * 2**20)
@@ -266,11 +266,8 @@ class HttpApi:
         return handle
 
     def _authorize(self, request: web.Request) -> None:
-        if self._expected is None:
-            return
-        given = request.headers.get("Authorization", "").encode()
-        if not hmac.compare_digest(given, self._expected):
-            raise Unauthenticated("missing or wrong credentials: send the header 'Authorization: Bearer <token>'")
+        if self._token is not None:
+            self._token.check(request.headers.get("Authorization"), HTTP_HOW)
 
     async def _live(self, request: web.Request) -> web.Response:
         return web.json_response({"live": True})

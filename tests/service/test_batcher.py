@@ -440,3 +440,26 @@ def test_the_servers_deadline_path_answers_deadline_exceeded(small_model_dir: Pa
         assert info.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
         assert "in the queue" in str(info.value)  # the batcher's message: the server's path
         assert client.infer(np.ones((1, 4, 32), np.float32)).shape == (1, 4, 32)
+
+
+def test_after_a_failed_batch_only_the_requests_still_awaited_run_again() -> None:
+    """Both batchers isolate a failed batch's culprit the same way (service.batching.run_each_alone):
+    a request whose caller is gone (cancelled) is not computed again."""
+    import asyncio
+
+    from service.batching import Pending, run_each_alone
+
+    async def scenario() -> list[int]:
+        loop = asyncio.get_running_loop()
+        batch = [Pending(i, (1, 1, 4), loop.create_future()) for i in range(4)]
+        batch[1].future.cancel()
+        batch[2].future.set_result(None)  # answered already
+        ran: list[int] = []
+
+        async def run(one: list[Pending[int, None]]) -> None:
+            ran.extend(p.payload for p in one)
+
+        await run_each_alone(batch, run)
+        return ran
+
+    assert asyncio.run(scenario()) == [0, 3]

@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import argparse
-import os
+import subprocess
+import sys
 from dataclasses import fields, replace
 from pathlib import Path
 
 import pytest
 
 from service.settings import Settings, add_serve_arguments, settings_from_namespace
+from tests.support import ROOT
 
 
 def _parser(environ: dict[str, str]) -> argparse.ArgumentParser:
@@ -78,9 +80,19 @@ def test_settings_are_checked_however_they_are_made() -> None:
         replace(Settings(), backend="tpu")
 
 
-def test_cpu_threads_default_to_the_cpus_this_process_may_use() -> None:
-    assert Settings().cpu_threads == len(os.sched_getaffinity(0))
-    assert Settings(threads=3).cpu_threads == 3
+def test_cpu_threads_and_auto_workers_follow_the_cpus_this_process_may_use() -> None:
+    """A process confined to one CPU (a container's cpuset) sizes itself for one CPU, whatever the
+    host has; --threads wins over it."""
+    code = (
+        "import os; os.sched_setaffinity(0, {min(os.sched_getaffinity(0))});"
+        "from service.settings import Settings; from service.app.supervisor import worker_count;"
+        "print(Settings().cpu_threads, Settings(threads=3).cpu_threads, worker_count('auto'))"
+    )
+    run = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert run.returncode == 0, run.stderr
+    gpus = Path("/dev").is_dir() and any(d.name.removeprefix("nvidia").isdigit() for d in Path("/dev").glob("nvidia*"))
+    assert run.stdout.split()[:2] == ["1", "3"]
+    assert gpus or run.stdout.split()[2] == "1"  # auto: one worker per GPU where there are GPUs
 
 
 @pytest.mark.parametrize(
