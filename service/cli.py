@@ -29,7 +29,7 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-seq-len", type=int, default=None, help=f"longest T served (default {d.max_seq_len})")
     p.add_argument("--no-causal", action="store_true", help="unmasked (bidirectional) attention")
     p.add_argument("--no-bias", action="store_true", help="projections without bias")
-    p.add_argument("--seed", type=int, default=0, help="seed for the default weights (default 0)")
+    p.add_argument("--seed", type=int, default=None, help="seed for the default weights (default 0)")
 
 
 def cmd_export(args: argparse.Namespace) -> int:
@@ -79,6 +79,12 @@ def _model_from_args(args: argparse.Namespace) -> tuple[MHAConfig, Weights]:
     from model.checkpoint import init_weights, load_any
 
     if args.checkpoint:
+        given = [flag for flag, value in _NEW_MODEL_FLAGS.items() if value(args)]
+        if given:
+            raise ValueError(
+                f"{', '.join(given)} {'says' if len(given) == 1 else 'say'} how to make new weights; with "
+                "--checkpoint the weights and their width come from the file: drop them"
+            )
         config, weights = load_any(
             args.checkpoint, n_head=args.n_head, max_seq_len=args.max_seq_len, prefix=args.import_prefix
         )
@@ -86,14 +92,21 @@ def _model_from_args(args: argparse.Namespace) -> tuple[MHAConfig, Weights]:
             config = replace(config, causal=False)
         return config, weights
     defaults = MHAConfig()
-    config = MHAConfig(
-        d_model=args.d_model or defaults.d_model,
-        n_head=args.n_head or defaults.n_head,
-        max_seq_len=args.max_seq_len or defaults.max_seq_len,
+    config = MHAConfig(  # a value given, 0 included, is checked as given: MHAConfig says what is wrong
+        d_model=defaults.d_model if args.d_model is None else args.d_model,
+        n_head=defaults.n_head if args.n_head is None else args.n_head,
+        max_seq_len=defaults.max_seq_len if args.max_seq_len is None else args.max_seq_len,
         causal=not args.no_causal,
         bias=not args.no_bias,
     )
-    return config, init_weights(config, seed=args.seed)
+    return config, init_weights(config, seed=0 if args.seed is None else args.seed)
+
+
+_NEW_MODEL_FLAGS = {  # flags of `mha export` that only a model made from scratch uses
+    "--d-model": lambda a: a.d_model is not None,
+    "--no-bias": lambda a: a.no_bias,
+    "--seed": lambda a: a.seed is not None,
+}
 
 
 class CliError(Exception):

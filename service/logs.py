@@ -40,7 +40,7 @@ class JsonFormatter(logging.Formatter):
         request_id = getattr(record, "request_id", "")
         if request_id:
             entry["request_id"] = request_id
-        for key in ("method", "code", "duration_ms", "shape", "backend", "peer"):
+        for key in ("method", "code", "duration_ms"):  # what the call scope's log lines carry
             if hasattr(record, key):
                 entry[key] = getattr(record, key)
         if record.exc_info:

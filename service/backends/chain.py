@@ -83,7 +83,8 @@ class BackendChain:
         return [b.name for b in self.backends if self._health[b.name].benched_until > now]
 
     def run(self, x: np.ndarray) -> tuple[np.ndarray, Backend]:
-        """Run on the first healthy backend; on error, on the next. Called from one worker thread."""
+        """Run on the first healthy backend; on error, on the next. Called by one batcher at a time:
+        on its worker thread, or on the event loop for a lone small batch (never both at once)."""
         errors: list[str] = []
         previous: tuple[Backend, str] | None = None
         for backend in self.backends:

@@ -8,7 +8,6 @@ from dataclasses import dataclass
 
 import grpc
 import numpy as np
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from service.proto import grpc_service_pb2 as pb
 from service.proto import grpc_service_pb2_grpc as pb_grpc
@@ -66,7 +65,6 @@ class MHAClient:
         else:
             self.channel = grpc.insecure_channel(url, options=options)
         self.stub = pb_grpc.GRPCInferenceServiceStub(self.channel)
-        self.health = health_pb2_grpc.HealthStub(self.channel)
         self.model, self.version = model, version
         self.metadata = (("authorization", f"Bearer {token}"),) if token else ()
 
@@ -146,13 +144,6 @@ class MHAClient:
             raise InferenceError(exc.code(), exc.details() or "") from exc
         for i in range(len(requests)):
             yield results[str(i)]
-
-    def server_ready(self, timeout: float = 5.0) -> bool:
-        return bool(self._call("ServerReady", pb.ServerReadyRequest(), timeout).ready)  # type: ignore[attr-defined]
-
-    def health_status(self, service: str = "", timeout: float = 5.0) -> str:
-        response = self.health.Check(health_pb2.HealthCheckRequest(service=service), timeout=timeout)
-        return health_pb2.HealthCheckResponse.ServingStatus.Name(response.status)
 
     def model_metadata(self, timeout: float = 5.0) -> pb.ModelMetadataResponse:
         request = pb.ModelMetadataRequest(name=self.model, version=self.version)

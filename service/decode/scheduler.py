@@ -19,7 +19,7 @@ from service.batching import BatchEvent, Clock, LoneGate, MonotonicClock, Pendin
 from service.decode.control import SequenceControl
 from service.decode.runner import StepInput
 from service.decode.sequences import SequenceStore
-from service.errors import DeviceLost, InvalidInput, StaleSequence
+from service.errors import DeadlineExceeded, DeviceLost, InvalidInput, StaleSequence
 
 log = logging.getLogger(__name__)
 
@@ -56,11 +56,13 @@ class StepBatcher:
         self._task: asyncio.Task[None] | None = None
         self._events: deque[BatchEvent] = deque()  # reported by the worker thread, published on the loop
 
-    async def submit(self, step: StepInput) -> tuple[np.ndarray, float]:
+    async def submit(self, step: StepInput, deadline: float | None = None) -> tuple[np.ndarray, float]:
         """y (B, t, C) of the step and its time in the queue; the sequence's length advances only
-        if the answer is taken."""
+        if the answer is taken. A step whose `deadline` (clock time) passes before it computes
+        is answered DEADLINE_EXCEEDED and never computed."""
         enqueued = self.clock.now()
         if await self._lone.inline(1, step.x.shape, self._depth, idle=True):
+            _check_deadline(deadline, enqueued, self.clock.now())
             try:
                 (y,), started = self._compute([step], enqueued)  # the only request in the server: no future or hop
             finally:
@@ -68,7 +70,7 @@ class StepBatcher:
             return _commit(step, y), started - enqueued
         loop = asyncio.get_running_loop()
         future: asyncio.Future[tuple[np.ndarray, float]] = loop.create_future()
-        self._pending.append(Pending(step, step.x.shape, future, enqueued))
+        self._pending.append(Pending(step, step.x.shape, future, enqueued, deadline))
         if self._task is None or self._task.done():
             self._task = loop.create_task(self._drain(), name="steps")
         y, started = await future
@@ -95,6 +97,9 @@ class StepBatcher:
             item = self._pending[0]
             if item.gone:  # cancelled while waiting: never computed
                 self._pending.popleft()
+                continue
+            if item.deadline is not None and item.deadline <= (now := self.clock.now()):
+                _fail(self._pending.popleft(), DeadlineExceeded(_waited(item.enqueued, now)))
                 continue
             if batch and rows + item.rows > self.max_rows:
                 break
@@ -177,6 +182,15 @@ def _commit(step: StepInput, y: np.ndarray) -> np.ndarray:
     return y
 
 
+def _waited(enqueued: float, now: float) -> str:
+    return f"deadline passed after {(now - enqueued) * 1e3:.1f} ms waiting for the step's turn"
+
+
+def _check_deadline(deadline: float | None, enqueued: float, now: float) -> None:
+    if deadline is not None and deadline <= now:
+        raise DeadlineExceeded(_waited(enqueued, now))
+
+
 def _fail(item: Step, exc: BaseException) -> None:
     if not item.future.done():
         item.future.set_exception(exc)
@@ -206,7 +220,7 @@ class Decoder:
             self._expiry.cancel()
         self.sequences.clear()
 
-    async def step(self, control: SequenceControl, x: np.ndarray) -> Stepped:
+    async def step(self, control: SequenceControl, x: np.ndarray, deadline: float | None = None) -> Stepped:
         """(B, t, C) new tokens of the sequence -> their (B, t, C) outputs, the tokens the sequence
         holds after them, and the step's time in the queue."""
         if not all_finite(x):  # refused before it touches the sequence's state
@@ -215,7 +229,7 @@ class Decoder:
         async with sequence.lock:  # this sequence's steps one at a time, in arrival order
             _check_offset(control, sequence.length, self.sequences.where)
             self.sequences.check_room(sequence, int(x.shape[1]))
-            y, queue_s = await self.steps.submit(StepInput(sequence, x))
+            y, queue_s = await self.steps.submit(StepInput(sequence, x), deadline)
             self.sequences.touch(sequence)
             if control.end:
                 self.sequences.end(sequence)

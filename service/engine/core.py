@@ -165,12 +165,14 @@ class InferenceCore:
         self.stats.observe_answer(int(x.shape[0]), timing.queue_s)
         return y, timing
 
-    async def step(self, control: SequenceControl, x: np.ndarray) -> tuple[np.ndarray, Timing, int]:
+    async def step(
+        self, control: SequenceControl, x: np.ndarray, deadline: float | None = None
+    ) -> tuple[np.ndarray, Timing, int]:
         """A decode step of a live sequence: (B, t, C) new tokens -> their (B, t, C) outputs, and
         the tokens the sequence holds after the step."""
         self._check_ready()
         try:
-            stepped = await self.loaded.decoder.step(control, x)
+            stepped = await self.loaded.decoder.step(control, x, deadline)
         except DeviceLost as exc:  # the caches' device is gone: stop serving, as a lost batch does
             if self.device.observe(exc):
                 self._set_state(State.FAILED)

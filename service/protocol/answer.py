@@ -15,6 +15,7 @@ from service.protocol.codec import (
     encode_infer_response,
     names_shared_memory,
     output_placement,
+    request_timeout_s,
     sequence_control,
 )
 from service.protocol.peers import WorkerPeers
@@ -35,6 +36,9 @@ async def answer_infer(
     regions, and a step of a sequence this worker does not own by the sequence's owner."""
     control = sequence_control(request)
     check_sequence_header(control, sequence_header)
+    if (own_timeout := request_timeout_s(request)) is not None:  # the sooner of the call's and the request's
+        own = core.clock.now() + own_timeout
+        deadline = own if deadline is None else min(deadline, own)
     if peers is not None:
         timeout = None if deadline is None else max(0.0, deadline - core.clock.now())
         shared = names_shared_memory(request)
@@ -50,7 +54,7 @@ async def answer_infer(
     if control is None:
         y, timing = await core.infer(x, deadline)
         return encode_infer_response(y, model, request.id, timing.backend, target, regions)
-    y, timing, length = await core.step(control, x)
+    y, timing, length = await core.step(control, x, deadline)
     extra: dict[str, int | str] = {SEQUENCE_LENGTH: length, **core.home}  # and where the sequence lives
     return encode_infer_response(y, model, request.id, timing.backend, target, regions, extra)
 

@@ -87,6 +87,7 @@ UNSUPPORTED_OUTPUT_PARAMETERS = ("classification",)
 SEQUENCE_ID_LIMIT = 128  # characters of a string sequence_id
 SEQUENCE_HEADER = "mha-sequence-id"  # gRPC metadata and HTTP header: what L7 balancers hash on
 SEQUENCE_OFFSET = "sequence_offset"  # tokens the client believes the server holds before a step
+TIMEOUT, PRIORITY = "timeout", "priority"  # Triton's request parameters: honoured, and refused but for 0
 SEQUENCE_LENGTH = "sequence_length"  # tokens the server holds after a step, in its response
 SHM_REGION, SHM_SIZE, SHM_OFFSET = "shared_memory_region", "shared_memory_byte_size", "shared_memory_offset"
 TYPED_FIELDS = ("bool", "int", "int64", "uint", "uint64", "fp32", "fp64", "bytes")
@@ -160,6 +161,19 @@ def _flag(parameters: Any, key: str) -> bool:
     if parameters[key].WhichOneof("parameter_choice") != "bool_param":
         raise InvalidInput(f"{key} must be a bool_param")
     return bool(parameters[key].bool_param)
+
+
+def request_timeout_s(request: pb.ModelInferRequest) -> float | None:
+    """Triton's `timeout` (microseconds the request may take; 0 or absent: no limit of its own),
+    as seconds; and its `priority`, refused unless it is the one level this server has."""
+    parameters = request.parameters
+    level = _count_parameter(parameters, PRIORITY, "the request", "priority level") if PRIORITY in parameters else 0
+    if level != 0:
+        raise InvalidInput(f"{PRIORITY} {level}: this server has one priority level; send 0 or leave it out")
+    if TIMEOUT not in parameters:
+        return None
+    microseconds = _count_parameter(parameters, TIMEOUT, "the request", "microsecond count")
+    return microseconds / 1e6 if microseconds else None
 
 
 def names_shared_memory(request: pb.ModelInferRequest) -> bool:

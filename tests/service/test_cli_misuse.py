@@ -110,6 +110,22 @@ CASES = {  # name: (arguments given the fixtures, environment, exit code, what t
         "no layer 'h.9.attn.' in this file",
     ),
     "export-over-a-model": (lambda f: ["export", "--out", str(f["model"])], {}, 2, "pass --force"),
+    "export-zero-width": (lambda f: ["export", "--out", str(f["tmp"] / "zero"), "--d-model", "0"], {}, 2, "d_model"),
+    "export-checkpoint-and-new-weights": (
+        lambda f: [
+            "export",
+            "--out",
+            str(f["tmp"] / "both"),
+            "--checkpoint",
+            str(f["model"] / "weights.safetensors"),
+            "--seed",
+            "3",
+            "--no-bias",
+        ],
+        {},
+        2,
+        "--no-bias, --seed say how to make new weights",
+    ),
 }
 
 
