@@ -74,6 +74,7 @@ class InferenceCore:
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="infer")
         self._published_active = ""  # the backend mha_backend_info last showed as active
         metrics.inflight.set_function(lambda: self.requests.count)
+        metrics.ready.set_function(lambda: 1 if self.serving_ok() else 0)  # the one readiness, as every signal
         self.device = DeviceHealth(settings.require_device, metrics)  # the server's health follows serving_ok()
         self.home: dict[str, int | str] = {"replica": settings.replica, "worker": settings.worker_index}
 
@@ -92,7 +93,6 @@ class InferenceCore:
 
     def _set_state(self, state: State) -> None:
         self.state = state
-        self.metrics.ready.set(1 if state is State.READY else 0)
 
     async def load(self) -> None:
         """Load, self-check and order the backends off the event loop, then start batching."""
@@ -143,8 +143,19 @@ class InferenceCore:
         self.stats.observe_batch(event)
 
     def serving_ok(self) -> bool:
-        """Ready for traffic: loaded, and on the required device (--require-device) if any."""
+        """Ready for traffic: loaded, and on the required device (--require-device) if any. The one
+        source of readiness: gRPC ServerReady and ModelReady, HTTP /v2/health/ready and the
+        model's /ready, mha_ready and the health service all ask it."""
         return self.state is State.READY and self.device.allows(self.loaded.chain.active)
+
+    def readiness(self) -> str:
+        """Why the server is not ready ("" when it is), for the clients' messages."""
+        if self.serving_ok():
+            return ""
+        if self.state is State.READY:
+            active = self.loaded.chain.active
+            return f"--require-device {self.settings.require_device}, but {active.name} on {active.device} serves"
+        return f"the model is not ready (state: {self.state.value})"
 
     def _publish_backends(self) -> None:
         chain = self.loaded.chain

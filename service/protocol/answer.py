@@ -34,6 +34,7 @@ async def answer_infer(
     mha-sequence-id header, if it carries one; `peers`, the other workers (None: there are none).
     With peers, a request naming a shared memory region is answered by the worker that keeps the
     regions, and a step of a sequence this worker does not own by the sequence's owner."""
+    core.identity.check(request.model_name, request.model_version)  # the one check of an inference's model
     control = sequence_control(request)
     check_sequence_header(control, sequence_header)
     if (own_timeout := request_timeout_s(request)) is not None:  # the sooner of the call's and the request's

@@ -26,9 +26,9 @@ FLOAT32 = np.dtype("<f4")
 def decode_infer_request(
     request: pb.ModelInferRequest, model: ServedModel, regions: SystemRegions | None = None
 ) -> np.ndarray:
-    """The request's (B, T, C) float32 input, checked against the served model; read from a
-    shared memory region when the input names one."""
-    model.identity.check(request.model_name, request.model_version)
+    """The request's (B, T, C) float32 input, checked against the served model's tensors (its
+    name and version are checked once, by answer_infer); read from a shared memory region when
+    the input names one."""
     if len(request.inputs) != 1:
         names = ", ".join(quote(i.name, 32) for i in request.inputs[:3]) + (", ..." if len(request.inputs) > 3 else "")
         raise InvalidInput(

@@ -12,7 +12,7 @@ from typing import TypeAlias
 import grpc
 
 from service.batching import Clock
-from service.engine.core import InferenceCore, State
+from service.engine.core import InferenceCore
 from service.errors import FeatureOff, NotReady, RegionNotFound, quote
 from service.proto import grpc_service_pb2 as pb
 from service.proto import grpc_service_pb2_grpc as pb_grpc
@@ -59,12 +59,12 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
 
     async def ServerReady(self, request: pb.ServerReadyRequest, context: Context) -> pb.ServerReadyResponse:
         async with self.calls.unary("ServerReady", context):
-            return pb.ServerReadyResponse(ready=self.core.state is State.READY)
+            return pb.ServerReadyResponse(ready=self.core.serving_ok())
 
     async def ModelReady(self, request: pb.ModelReadyRequest, context: Context) -> pb.ModelReadyResponse:
         async with self.calls.unary("ModelReady", context):
             self.core.identity.check(request.name, request.version)
-            return pb.ModelReadyResponse(ready=self.core.state is State.READY)
+            return pb.ModelReadyResponse(ready=self.core.serving_ok())
 
     async def ServerMetadata(self, request: pb.ServerMetadataRequest, context: Context) -> pb.ServerMetadataResponse:
         async with self.calls.unary("ServerMetadata", context):

@@ -21,7 +21,7 @@ from google.protobuf import json_format
 from google.protobuf.descriptor import Descriptor, FieldDescriptor
 from google.protobuf.message import Message
 
-from service.engine.core import InferenceCore, State
+from service.engine.core import InferenceCore
 from service.errors import InvalidInput, NotReady, Overloaded, quote
 from service.proto import grpc_service_pb2 as pb
 from service.protocol import render
@@ -252,14 +252,15 @@ class HttpApi:
         return app
 
     def _guard(self, method: str, handler: Handler, inference: bool = False) -> Handler:
-        """The call scope every RPC goes through, with the bearer token checked first."""
+        """The call scope every RPC goes through, with the bearer token checked first, and the
+        model the path names (an inference's is checked with the request, by answer_infer)."""
 
         async def handle(request: web.Request) -> web.StreamResponse:
             async with self.calls.in_band(method, None, inference=inference) as call:
                 self._authorize(request)
-                self.core.identity.check(
-                    request.match_info.get("name", self.core.identity.name), request.match_info.get("version", "")
-                )
+                if not inference:
+                    name = request.match_info.get("name", self.core.identity.name)
+                    self.core.identity.check(name, request.match_info.get("version", ""))
                 return await handler(request)
             return error_response(call)
 
@@ -273,7 +274,7 @@ class HttpApi:
         return web.json_response({"live": True})
 
     async def _ready(self, request: web.Request) -> web.Response:
-        ready = self.core.state is State.READY
+        ready = self.core.serving_ok()
         return web.json_response({"ready": ready}, status=200 if ready else 503)
 
     async def _server_metadata(self, request: web.Request) -> web.Response:
@@ -281,14 +282,11 @@ class HttpApi:
 
     async def _model_metadata(self, request: web.Request) -> web.Response:
         loaded = self.core.loaded
-        meta = render.model_metadata(loaded.model, loaded.chain.active)
-        tensors = lambda ts: [{"name": t.name, "datatype": t.datatype, "shape": list(t.shape)} for t in ts]  # noqa: E731
-        doc = {"name": meta.name, "versions": list(meta.versions), "platform": meta.platform}
-        return web.json_response(doc | {"inputs": tensors(meta.inputs), "outputs": tensors(meta.outputs)})
+        return web.json_response(proto_json(render.model_metadata(loaded.model, loaded.chain.active)))
 
     async def _model_ready(self, request: web.Request) -> web.Response:
-        if self.core.state is not State.READY:
-            raise NotReady(f"the model is not ready (state: {self.core.state.value})")
+        if not self.core.serving_ok():
+            raise NotReady(self.core.readiness())
         return web.json_response({"name": self.core.identity.name, "ready": True})
 
     async def _model_config(self, request: web.Request) -> web.Response:

@@ -4,6 +4,8 @@ back onto a broken device."""
 
 from __future__ import annotations
 
+import urllib.error
+import urllib.request
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -19,9 +21,10 @@ from service.backends.chain import BackendChain, _Health, is_sticky_device_error
 from service.client.client import InferenceError, MHAClient
 from service.decode.runner import StepInput, StepRunner
 from service.errors import DeviceLost
+from service.proto import grpc_service_pb2 as pb
 from service.proto import grpc_service_pb2_grpc as pb_grpc
 from service.protocol.codec import encode_infer_request
-from tests.support import ServerThread, make_settings
+from tests.support import ServerThread, free_port, make_settings
 
 INFERENCE = "inference.GRPCInferenceService"
 
@@ -35,9 +38,16 @@ def _health(url: str, service: str) -> str:
 def test_require_cuda_refuses_readiness_on_cpu_and_says_why(
     small_model_dir: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    settings = make_settings(small_model_dir, backend="auto", require_device="cuda")
+    settings = make_settings(small_model_dir, backend="auto", require_device="cuda", http_port=free_port())
     with ServerThread(settings) as server:
-        assert _health(server.url, INFERENCE) == "NOT_SERVING"
+        assert _readiness(server) == {
+            "health": "NOT_SERVING",
+            "ServerReady": False,
+            "ModelReady": False,
+            "http ready": 503,
+            "http model ready": 503,
+            "mha_ready": 0.0,
+        }, "every readiness signal says the same"
         assert _health(server.url, "") == "SERVING", "alive: the liveness probe must not restart it in a loop"
         assert server.registry.get_sample_value("mha_device_required", {"device": "cuda"}) == 1
         active = [
@@ -52,9 +62,41 @@ def test_require_cuda_refuses_readiness_on_cpu_and_says_why(
     assert any("decode steps run on the CPU" in r.getMessage() and r.levelname == "WARNING" for r in caplog.records)
 
 
+def _readiness(server: ServerThread) -> dict[str, object]:
+    """The five ways to ask whether the server is ready, as clients and Prometheus ask."""
+    port = server.settings.http_port
+
+    def status(path: str) -> int:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=10) as response:
+                return int(response.status)
+        except urllib.error.HTTPError as exc:
+            return int(exc.code)
+
+    with grpc.insecure_channel(server.url) as channel:
+        stub = pb_grpc.GRPCInferenceServiceStub(channel)
+        server_ready = stub.ServerReady(pb.ServerReadyRequest(), timeout=5).ready
+        model_ready = stub.ModelReady(pb.ModelReadyRequest(name="mha"), timeout=5).ready
+    return {
+        "health": _health(server.url, INFERENCE),
+        "ServerReady": server_ready,
+        "ModelReady": model_ready,
+        "http ready": status("/v2/health/ready"),
+        "http model ready": status("/v2/models/mha/ready"),
+        "mha_ready": server.registry.get_sample_value("mha_ready"),
+    }
+
+
 def test_without_the_requirement_cpu_is_ready(small_model_dir: Path) -> None:
-    with ServerThread(make_settings(small_model_dir, backend="torch")) as server:
-        assert _health(server.url, INFERENCE) == "SERVING"
+    with ServerThread(make_settings(small_model_dir, backend="torch", http_port=free_port())) as server:
+        assert _readiness(server) == {
+            "health": "SERVING",
+            "ServerReady": True,
+            "ModelReady": True,
+            "http ready": 200,
+            "http model ready": 200,
+            "mha_ready": 1.0,
+        }
         assert server.registry.get_sample_value("mha_device_required", {"device": "cuda"}) is None
 
 
