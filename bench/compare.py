@@ -72,8 +72,8 @@ def server_command(name: str, model_dir: Path, port: int) -> tuple[list[str], di
     """How to start server `name` on `port`, or None when its environment is not installed."""
     py, env = sys.executable, {"PYTHONPATH": str(ROOT)}
     if name.startswith("mha-serve"):
-        mha = [py, "-m", "service.cli", "serve", "--host", "127.0.0.1", "--grpc-port", str(port), "--http-port", "0"]
-        mha += ["--metrics-port", "0", "--model-dir", str(model_dir), "--shared-memory", "system"]
+        mha = [py, "-m", "service.cli", "serve", "--host", "127.0.0.1", "--grpc-port", str(port), "--http-port", "off"]
+        mha += ["--metrics-port", "off", "--model-dir", str(model_dir), "--shared-memory", "system"]
         return [*mha, "--thread-spinning"] if "spinning" in name else mha, env
     if name.startswith("floor"):
         mode = "ort" if "ORT" in name else "none"

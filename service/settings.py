@@ -22,6 +22,7 @@ SHARED_MEMORY_CHOICES = ("off", "system")
 DEVICE_CHOICES = ("any", "cuda")
 PRECISION_CHOICES = ("fp32", "fp16", "bf16")
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
+OFF = "off"  # a port that is not opened
 
 
 def setting(
@@ -46,11 +47,14 @@ class Settings:
     model_version: str = setting("1", "model version clients may address")
     host: str = setting("0.0.0.0", "address to bind")
     grpc_port: int = setting(8001, "gRPC port; 0 picks a free one", low=0, high=65535)
-    http_port: int = setting(8000, "HTTP/REST port (KServe v2); 0 disables it", low=0, high=65535)
-    metrics_port: int = setting(8002, "Prometheus /metrics port; 0 disables it", low=0, high=65535)
+    http_port: int | None = setting(8000, "HTTP/REST port (KServe v2); 0 picks one; off: none", low=0, high=65535)
+    metrics_port: int | None = setting(8002, "Prometheus /metrics port; 0 picks one; off: none", low=0, high=65535)
     metrics_host: str | None = setting(None, "address the /metrics port binds; unset: the same as --host")
-    health_port: int = setting(
-        0, "plaintext port with only the gRPC health service, for probes under mTLS; 0: off", low=0, high=65535
+    health_port: int | None = setting(
+        None,
+        "plaintext port with only the gRPC health service, for probes under mTLS; 0 picks one; off: none",
+        low=0,
+        high=65535,
     )
     backend: str = setting("auto", "backend; auto measures and falls back", choices=BACKEND_CHOICES)
     precision: str = setting(
@@ -134,6 +138,8 @@ def _flag(name: str) -> str:
 
 def _check(f: Field[Any], value: Any) -> None:
     meta = f.metadata
+    if value is None:  # unset, or a port turned off
+        return
     if meta["choices"] is not None and value not in meta["choices"]:
         raise ValueError(f"{_flag(f.name)} {value!r}: expected one of {', '.join(meta['choices'])}")
     if meta["low"] is not None and value < meta["low"]:
@@ -151,9 +157,24 @@ def _boolean(text: str) -> bool:
     raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
 
 
+def _port(text: str) -> int | None:
+    """A port number, 0 (pick a free one) or off."""
+    if text.strip().lower() == OFF:
+        return None
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected a port number, 0 (pick a free one) or {OFF}, got {text!r}"
+        ) from None
+
+
 def _parser_type(annotation: Any) -> Any:
-    """int, float, str, Path or a strict boolean, from the field's type (`Path | None` -> Path)."""
+    """int, float, str, Path or a strict boolean, from the field's type (`Path | None` -> Path);
+    `int | None` is a port that can be turned off."""
     if isinstance(annotation, types.UnionType):
+        if set(annotation.__args__) == {int, type(None)}:
+            return _port
         annotation = next(a for a in annotation.__args__ if a is not type(None))
     return _boolean if annotation is bool else annotation
 
@@ -184,8 +205,9 @@ def to_argv(settings: Settings) -> list[str]:
     argv: list[str] = []
     for f in fields(Settings):
         value = getattr(settings, f.name)
-        if f.metadata["flag"] and value != f.default and value is not None:
-            argv += [_flag(f.name), str(value).lower() if isinstance(value, bool) else str(value)]
+        if f.metadata["flag"] and value != f.default:
+            text = OFF if value is None else str(value).lower() if isinstance(value, bool) else str(value)
+            argv += [_flag(f.name), text]
     return argv
 
 

@@ -3,31 +3,52 @@
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import threading
+import time
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 from prometheus_client import CollectorRegistry
 
-from service.app.launch import ServerProcess, free_port, server_process, wait_serving
+from service.app.launch import ServerProcess, free_port, free_ports, server_process, wait_serving
 from service.app.server import Running, drain_and_stop, load_and_serve, start
 from service.batching import Clock
 from service.settings import Settings
 
-__all__ = ["ROOT", "ManualClock", "ServerProcess", "ServerThread", "free_port", "make_settings", "server_process"]
-__all__ += ["wait_serving"]
+__all__ = ["ROOT", "ManualClock", "ServerProcess", "ServerThread", "free_port", "free_ports", "make_settings"]
+__all__ += ["server_process"]
+__all__ += ["held_until", "wait_serving"]
 
 ROOT = Path(__file__).resolve().parent.parent
+
+
+def held_until(run: Callable[[Any], Any], ready: Callable[[], bool], timeout_s: float = 30.0) -> Callable[[Any], Any]:
+    """`run`, whose first call waits (on the worker thread that computes) until `ready()`: requests
+    gather behind a compute, as on a busy server, whatever the machine's speed. Tests about
+    batches forming use it instead of hoping that clients are faster than the compute."""
+    first = threading.Event()
+
+    def held(arg: Any) -> Any:
+        if not first.is_set():
+            first.set()
+            deadline = time.monotonic() + timeout_s
+            while not ready() and time.monotonic() < deadline:
+                time.sleep(0.001)
+        return run(arg)
+
+    return held
 
 
 def make_settings(model_dir: Path, **overrides: Any) -> Settings:
     base = Settings(
         model_dir=model_dir,
         host="127.0.0.1",
-        grpc_port=0,
-        http_port=0,
-        metrics_port=0,
+        grpc_port=0,  # 0: the server picks a free port and reports it (ServerThread.url and the ports below)
+        http_port=None,
+        metrics_port=None,
         log_format="text",
         threads=2,
         grace_s=2.0,
@@ -49,7 +70,11 @@ class ServerThread:
         self.running: Running | None = None
 
     def call(self, coro: Any, timeout: float = 120) -> Any:
-        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
+        return self.submit(coro).result(timeout)
+
+    def submit(self, coro: Any) -> concurrent.futures.Future[Any]:
+        """Run `coro` on the server's loop without waiting for it."""
+        return asyncio.run_coroutine_threadsafe(coro, self._loop)
 
     def __enter__(self) -> ServerThread:
         self._thread.start()
@@ -66,6 +91,21 @@ class ServerThread:
     def url(self) -> str:
         assert self.running is not None
         return f"127.0.0.1:{self.running.grpc_port}"
+
+    @property
+    def http_port(self) -> int:
+        assert self.running is not None and self.running.http_port, "make_settings(..., http_port=0) opens it"
+        return self.running.http_port
+
+    @property
+    def metrics_port(self) -> int:
+        assert self.running is not None and self.running.metrics_port, "make_settings(..., metrics_port=0)"
+        return self.running.metrics_port
+
+    @property
+    def health_port(self) -> int:
+        assert self.running is not None and self.running.health_port, "make_settings(..., health_port=0)"
+        return self.running.health_port
 
     @property
     def core(self):

@@ -29,18 +29,28 @@ def serve_command(args: list[str]) -> list[str]:
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    return free_ports(1)[0]
+
+
+def free_ports(count: int, avoid: frozenset[int] = frozenset()) -> list[int]:
+    """`count` distinct ports free now, none of them in `avoid` (ports already promised to
+    someone): all held at once while they are picked, so that no two are the same (one at a
+    time, the kernel may hand out a port it just took back)."""
+    ports: list[int] = []
+    with contextlib.ExitStack() as stack:
+        while len(ports) < count:
+            s = stack.enter_context(socket.socket())
+            s.bind(("127.0.0.1", 0))
+            if (port := int(s.getsockname()[1])) not in avoid:
+                ports.append(port)
+    return ports
 
 
 class ServerProcess:
     """`mha serve` as a child process, for signals and for clients that need their own process."""
 
     def __init__(self, args: list[str], env: dict[str, str] | None = None, cwd: Path | None = None) -> None:
-        self.port = free_port()
-        self.metrics_port = free_port()
-        self.http_port = free_port()
+        self.port, self.metrics_port, self.http_port = free_ports(3)
         self.args = serve_command(
             [
                 "--host",
@@ -129,7 +139,7 @@ class Balancer:
 
     def __init__(self, nginx: Path, run_dir: Path, replicas: list[ServerProcess]) -> None:
         self.nginx, self.run_dir = nginx, run_dir
-        self.grpc_port, self.http_port = free_port(), free_port()
+        self.grpc_port, self.http_port = free_ports(2)
         grpc_servers = "\n".join(f"server 127.0.0.1:{r.port} max_fails=1 fail_timeout=10s;" for r in replicas)
         http_servers = "\n".join(f"server 127.0.0.1:{r.http_port} max_fails=1 fail_timeout=10s;" for r in replicas)
         conf = NGINX_CONF.read_text()

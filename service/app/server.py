@@ -116,11 +116,11 @@ async def start(settings: Settings, registry: CollectorRegistry | None = None, c
     if peers is not None:  # where the other workers hand over the steps of this worker's sequences
         running.handover = Handover(core, calls, regions, peers)
         await running.handover.start(socket_path(peers.directory, peers.index))
-    if settings.metrics_port:
+    if settings.metrics_port is not None:
         await _start_metrics(running, settings, metrics)
-    if settings.health_port:
+    if settings.health_port is not None:
         await _start_health_port(running, settings)
-    if settings.http_port:
+    if settings.http_port is not None:
         await _start_http(running, settings, HttpApi(core, calls, token, regions, peers))
     await server.start()
     running.tasks.add(asyncio.get_running_loop().create_task(_not_serving_when_lost(running)))
@@ -173,6 +173,7 @@ def _grpc_server(
 
 
 async def _start_metrics(running: Running, settings: Settings, metrics: Metrics) -> None:
+    assert settings.metrics_port is not None  # called only when the port is on
     running.metrics_server = MetricsServer(metrics.registry)
     host = settings.metrics_host if settings.metrics_host is not None else settings.host
     try:

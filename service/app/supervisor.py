@@ -30,7 +30,7 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 
-from service.app.launch import free_port, serve_command
+from service.app.launch import free_ports, serve_command
 from service.metrics_http import MetricsServer
 from service.settings import Settings, available_cpus
 
@@ -93,7 +93,8 @@ class Supervisor:
     def __init__(self, settings: Settings, argv: Sequence[str], count: int) -> None:
         self.settings = settings
         self._argv = list(argv)  # `mha serve` arguments, without --workers
-        self.workers = [Worker(i, free_port()) for i in range(count)]
+        promised = frozenset(p for p in (settings.grpc_port, settings.http_port, settings.metrics_port) if p)
+        self.workers = [Worker(i, port) for i, port in enumerate(free_ports(count, avoid=promised))]
         self.restarts: dict[int, int] = {i: 0 for i in range(count)}
         self._stopping = False
         self.sockets = Path(tempfile.mkdtemp(prefix="mha-workers-"))  # 0700: the workers' hand-over sockets
@@ -152,7 +153,7 @@ class Supervisor:
         registry = CollectorRegistry(auto_describe=False)
         registry.register(WorkersCollector(self.workers, self.restarts))  # type: ignore[arg-type]
         metrics = MetricsServer(registry)
-        if self.settings.metrics_port:
+        if self.settings.metrics_port is not None:
             await metrics.start(self.settings.metrics_host or self.settings.host, self.settings.metrics_port)
         for worker in self.workers:
             await self._spawn(worker)

@@ -156,11 +156,12 @@ def select_backends(
     spinning: bool = False,
     gpu_mem_limit_mb: int = 0,
     precision: str = "fp32",
+    measure: Callable[[list[Backend], MHAConfig], list[float]] = measure_interleaved,
 ) -> Selection:
     """Load every wanted backend, self-check each, and order them.
 
     With CUDA, the order is fixed (ORT-CUDA, torch-CUDA, then CPU). Without, ORT-CPU and
-    torch-CPU are measured on the probe shapes and the faster serves.
+    torch-CPU are measured on the probe shapes (`measure`: ms per backend) and the faster serves.
     """
     cuda = torch.cuda.is_available() if cuda is None else cuda
     factories = _factories(onnx_path, config, weights, threads, cuda, spinning, gpu_mem_limit_mb, precision)
@@ -191,7 +192,7 @@ def select_backends(
         loaded.append((backend, report))
     preferred = loaded[0][1].name if loaded else ""
     if not cuda and len(loaded) > 1:
-        times = measure_interleaved([b for b, _ in loaded], config)
+        times = measure([b for b, _ in loaded], config)
         for (_, report), ms in zip(loaded, times, strict=True):
             report.probe_ms = ms
             report.reason += f", probe {ms:.3f} ms"

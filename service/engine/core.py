@@ -30,6 +30,7 @@ from service.decode.scheduler import Decoder, StepBatcher
 from service.decode.sequences import SequenceLimits, SequenceStore
 from service.engine.batcher import Batcher, Timing
 from service.engine.inflight import InFlight
+from service.engine.publishing import Publisher
 from service.engine.readiness import DeviceHealth
 from service.engine.served import ModelIdentity, ServedModel, Serving
 from service.engine.stats import ModelStats
@@ -72,10 +73,12 @@ class InferenceCore:
         self.draining = asyncio.Event()  # set once draining began: open streams stop reading
         self._loaded: Loaded | None = None
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="infer")
-        self._published_active = ""  # the backend mha_backend_info last showed as active
         metrics.inflight.set_function(lambda: self.requests.count)
         metrics.ready.set_function(lambda: 1 if self.serving_ok() else 0)  # the one readiness, as every signal
         self.device = DeviceHealth(settings.require_device, metrics)  # the server's health follows serving_ok()
+        self.publish = Publisher(
+            metrics, self.stats, self.device, self.serving_ok, lambda: self._set_state(State.FAILED)
+        )
         self.home: dict[str, int | str] = {"replica": settings.replica, "worker": settings.worker_index}
 
     @property
@@ -97,7 +100,7 @@ class InferenceCore:
     async def load(self) -> None:
         """Load, self-check and order the backends off the event loop, then start batching."""
         try:
-            load = partial(load_model, self.settings, self.identity, self._count_fallback)
+            load = partial(load_model, self.settings, self.identity, self.publish.fallback)
             model, selection, chain, runner = await asyncio.get_running_loop().run_in_executor(self._executor, load)
         except Exception:
             self._set_state(State.FAILED)
@@ -107,40 +110,24 @@ class InferenceCore:
             _batching(s, model),
             run_batch=self._run_batch,
             executor=self._executor,
-            on_batch=self._observe_batch,
+            on_batch=lambda event: self.publish.batch(event, self.loaded.chain),
             in_flight=lambda: self.requests.count,
             clock=self.clock,
         )
         decoder = _decoder(
-            s, model.config, runner, self._executor, self.clock, self.metrics, self.requests, self._observe_steps
+            s, model.config, runner, self._executor, self.clock, self.metrics, self.requests, self.publish.steps
         )
         self._loaded = Loaded(model, selection, chain, batcher, decoder)
         batcher.start()
         decoder.start(expiry_period_s=min(1.0, max(s.sequence_idle_timeout_s / 4, 0.05)))
         self.metrics.loaded(model.labels(), s.max_queue_size, lambda: batcher.depth)
         self.metrics.init_fallbacks([b.name for b in chain.backends], REASONS)
-        self._publish_backends()
+        self.publish.backends(chain)
         self._set_state(State.READY)
-
-    def _count_fallback(self, source: str, target: str, reason: str) -> None:
-        self.metrics.fallbacks.labels(source, target, reason).inc()
 
     def _run_batch(self, x: np.ndarray) -> tuple[np.ndarray, str]:
         y, backend = self.loaded.chain.run(x)
         return y, backend.name
-
-    def _observe_batch(self, event: BatchEvent) -> None:
-        if self.device.observe(event.error):
-            self._set_state(State.FAILED)
-        self.metrics.observe_batch(event)
-        self.stats.observe_batch(event)
-        self._publish_backends()
-
-    def _observe_steps(self, event: BatchEvent) -> None:
-        """A batch of decode steps: in the batch metrics and statistics as any batch (a lost device
-        is handled where the step fails, in `step`)."""
-        self.metrics.observe_batch(event)
-        self.stats.observe_batch(event)
 
     def serving_ok(self) -> bool:
         """Ready for traffic: loaded, and on the required device (--require-device) if any. The one
@@ -156,15 +143,6 @@ class InferenceCore:
             active = self.loaded.chain.active
             return f"--require-device {self.settings.require_device}, but {active.name} on {active.device} serves"
         return f"the model is not ready (state: {self.state.value})"
-
-    def _publish_backends(self) -> None:
-        chain = self.loaded.chain
-        if chain.active.name != self._published_active:
-            self._published_active = chain.active.name
-            self.device.serving_changed(self.serving_ok())
-            self.metrics.set_backends(
-                (chain.active.name, chain.active.device), [(b.name, b.device) for b in chain.backends]
-            )
 
     async def infer(self, x: np.ndarray, deadline: float | None) -> tuple[np.ndarray, Timing]:
         """(B, T, C) -> (B, T, C) through the queue; `deadline` is on `self.clock`."""

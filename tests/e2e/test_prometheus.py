@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from service.client.client import InferenceError, MHAClient
-from tests.support import ROOT, ServerThread, free_port, make_settings
+from tests.support import ROOT, ServerThread, free_ports, make_settings
 
 PROMETHEUS = ROOT / ".tools" / "prometheus" / "usr" / "bin" / "prometheus"
 PROMTOOL = PROMETHEUS.with_name("promtool")
@@ -80,7 +80,7 @@ def test_dashboard_structure() -> None:
 
 def test_every_dashboard_query_returns_data(small_model_dir: Path, tmp_path: Path) -> None:
     assert PROMETHEUS.exists(), "make install unpacks Debian's prometheus into .tools/"
-    metrics_port, prom_port = free_port(), free_port()
+    metrics_port, prom_port = free_ports(2)
     settings = make_settings(small_model_dir, metrics_port=metrics_port, max_batch_size=8, max_queue_delay_ms=5)
     instance = f"127.0.0.1:{metrics_port}"
     shutil.copy(RULES / "alerts.yml", tmp_path / "alerts.yml")

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from export.layout import ModelFiles
+from model import MHAConfig
 from model.checkpoint import load_checkpoint
 from model.reference import attention_view, relative_error
 from service.backends import BackendChain, BackendLoadError, select_backends
@@ -55,19 +56,43 @@ def test_ort_cuda_is_confirmed_not_assumed(small_model_dir: Path) -> None:
         OrtCudaBackend(small_model_dir / "model.onnx")
 
 
-def test_auto_without_cuda_measures_and_orders(small_model_dir: Path) -> None:
+@pytest.mark.parametrize(
+    ("torch_ms", "serving", "reason"),
+    [
+        (5.0, "torch-cpu", "(faster than ort-cpu by more than 25%)"),  # clearly faster: it serves
+        (9.0, "ort-cpu", "(preferred; no other is faster by 25%)"),  # not by the margin: the preferred stays
+        (12.0, "ort-cpu", "(preferred; no other is faster by 25%)"),
+    ],
+)
+def test_auto_without_cuda_serves_the_clearly_faster_backend(
+    small_model_dir: Path, torch_ms: float, serving: str, reason: str
+) -> None:
+    """What was measured decides, with the measurements given (ORT-CPU at 10 ms)."""
     config, weights = load_checkpoint(small_model_dir / "weights.safetensors")
-    selection = select_backends(ModelFiles(small_model_dir).onnx, config, weights, "auto", threads=1, cuda=False)
+    measured: list[list[str]] = []
+
+    def measure(backends: list, config: MHAConfig) -> list[float]:  # type: ignore[type-arg]
+        measured.append([b.name for b in backends])
+        return [{"ort-cpu": 10.0, "torch-cpu": torch_ms}[b.name] for b in backends]
+
+    files = ModelFiles(small_model_dir)
+    selection = select_backends(files.onnx, config, weights, "auto", threads=1, cuda=False, measure=measure)
+    assert measured == [["ort-cpu", "torch-cpu"]]  # both self-checked, measured once, ORT preferred
     names = [b.name for b in selection.backends]
-    assert sorted(names) == ["ort-cpu", "torch-cpu"]
+    assert names[0] == serving and sorted(names) == ["ort-cpu", "torch-cpu"]
     reports = {c.name: c for c in selection.candidates}
-    serving = reports[names[0]]
-    assert serving.status == "serving"
-    assert "(preferred; no other is faster by 25%)" in serving.reason or "faster than ort-cpu" in serving.reason
+    assert reports[serving].status == "serving" and reason in reports[serving].reason
     assert reports[names[1]].status == "fallback"
-    assert serving.probe_ms is not None and reports[names[1]].probe_ms is not None
-    if serving.name != "ort-cpu":  # displaced the preferred one: by the margin
-        assert serving.probe_ms < 0.8 * reports["ort-cpu"].probe_ms
+    assert reports["torch-cpu"].probe_ms == torch_ms and reports["ort-cpu"].probe_ms == 10.0
+
+
+def test_the_real_measurement_times_every_candidate(small_model_dir: Path) -> None:
+    from service.backends.selection import measure_interleaved
+
+    config, weights = load_checkpoint(small_model_dir / "weights.safetensors")
+    backends = [OrtCpuBackend(small_model_dir / "model.onnx", threads=1), TorchBackend(config, weights)]
+    times = measure_interleaved(backends, config, rounds=3)
+    assert len(times) == 2 and all(0 < ms < 10_000 for ms in times)
 
 
 @pytest.mark.parametrize(

@@ -25,7 +25,7 @@ from service.batching import BatcherConfig, BatchEvent, batch_mflop, form_at, me
 from service.client.client import InferenceError, MHAClient
 from service.engine.batcher import Batcher
 from service.errors import DeadlineExceeded, Overloaded
-from tests.support import ManualClock, ServerThread, make_settings
+from tests.support import ManualClock, ServerThread, held_until, make_settings
 
 CONFIG = MHAConfig(d_model=16, n_head=2, max_seq_len=64)
 WEIGHTS = init_weights(CONFIG, seed=9)
@@ -352,6 +352,8 @@ def test_concurrent_clients_mixed_shapes_batch_and_stay_exact(small_model_dir: P
     failures: list[BaseException] = []
     barrier = threading.Barrier(len(shapes))
     with ServerThread(settings) as server:
+        batcher = server.core.loaded.batcher
+        batcher._run_batch = held_until(batcher._run_batch, lambda: batcher.depth >= 8)
 
         def one(i: int) -> None:
             B, T = shapes[i]
@@ -392,6 +394,9 @@ def test_tiny_queue_under_load_answers_resource_exhausted_only(small_model_dir: 
     codes: list[str] = []
     lock = threading.Lock()
     with ServerThread(settings) as server:
+        batcher = server.core.loaded.batcher  # the first compute lasts until the full queue refused someone
+        refused = lambda: _requests_total(server.registry, "RESOURCE_EXHAUSTED") >= 1  # noqa: E731
+        batcher._run_batch = held_until(batcher._run_batch, refused)
 
         def one(i: int) -> None:
             x = np.random.default_rng(i).standard_normal((4, 64, 32), dtype=np.float32)

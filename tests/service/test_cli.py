@@ -13,7 +13,7 @@ import torch
 from model.checkpoint import load_checkpoint
 from model.reference import attention_view, relative_error
 from service.cli import main as mha
-from tests.support import ServerThread, free_port, make_settings
+from tests.support import ServerThread, make_settings
 
 
 @pytest.fixture(scope="module")
@@ -48,10 +48,10 @@ def test_infer_random_and_errors(server: ServerThread, capsys: pytest.CaptureFix
 def test_bench_sweeps_concurrency_and_writes_json_and_csv(
     small_model_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    settings = make_settings(small_model_dir, backend="torch", metrics_port=free_port())
+    settings = make_settings(small_model_dir, backend="torch", metrics_port=0)
     with ServerThread(settings) as server:
         args = ["bench", "--url", server.url, "--concurrency", "1,2", "--seconds", "1", "--seq-lens", "4,9"]
-        args += ["--metrics-url", f"127.0.0.1:{settings.metrics_port}"]  # C comes from the server
+        args += ["--metrics-url", f"127.0.0.1:{server.metrics_port}"]  # C comes from the server
         args += ["--json", str(tmp_path / "r.json"), "--csv", str(tmp_path / "r.csv")]
         args += ["--plot", str(tmp_path / "r.png")]
         assert mha(args) == 0

@@ -41,7 +41,7 @@ def _serve(model_dir: Path, *extra: str) -> list[str]:
 
 CASES = {  # name: (arguments given the fixtures, environment, exit code, what the message must say)
     "grpc-port-taken": (
-        lambda f: _serve(f["model"], "--grpc-port", str(f["taken"]), "--metrics-port", "0"),
+        lambda f: _serve(f["model"], "--grpc-port", str(f["taken"]), "--metrics-port", "off"),
         {},
         1,
         "--grpc-port",
@@ -53,7 +53,7 @@ CASES = {  # name: (arguments given the fixtures, environment, exit code, what t
         "--metrics-port",
     ),
     "auth-token-file-missing": (
-        lambda f: _serve(f["model"], "--grpc-port", "0", "--metrics-port", "0", "--auth-token-file", "/nope/token"),
+        lambda f: _serve(f["model"], "--grpc-port", "0", "--metrics-port", "off", "--auth-token-file", "/nope/token"),
         {},
         2,
         "--auth-token-file /nope/token",

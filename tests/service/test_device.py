@@ -24,7 +24,7 @@ from service.errors import DeviceLost
 from service.proto import grpc_service_pb2 as pb
 from service.proto import grpc_service_pb2_grpc as pb_grpc
 from service.protocol.codec import encode_infer_request
-from tests.support import ServerThread, free_port, make_settings
+from tests.support import ServerThread, make_settings
 
 INFERENCE = "inference.GRPCInferenceService"
 
@@ -38,7 +38,7 @@ def _health(url: str, service: str) -> str:
 def test_require_cuda_refuses_readiness_on_cpu_and_says_why(
     small_model_dir: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    settings = make_settings(small_model_dir, backend="auto", require_device="cuda", http_port=free_port())
+    settings = make_settings(small_model_dir, backend="auto", require_device="cuda", http_port=0)
     with ServerThread(settings) as server:
         assert _readiness(server) == {
             "health": "NOT_SERVING",
@@ -64,7 +64,7 @@ def test_require_cuda_refuses_readiness_on_cpu_and_says_why(
 
 def _readiness(server: ServerThread) -> dict[str, object]:
     """The five ways to ask whether the server is ready, as clients and Prometheus ask."""
-    port = server.settings.http_port
+    port = server.http_port
 
     def status(path: str) -> int:
         try:
@@ -88,7 +88,7 @@ def _readiness(server: ServerThread) -> dict[str, object]:
 
 
 def test_without_the_requirement_cpu_is_ready(small_model_dir: Path) -> None:
-    with ServerThread(make_settings(small_model_dir, backend="torch", http_port=free_port())) as server:
+    with ServerThread(make_settings(small_model_dir, backend="torch", http_port=0)) as server:
         assert _readiness(server) == {
             "health": "SERVING",
             "ServerReady": True,

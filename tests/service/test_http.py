@@ -16,7 +16,7 @@ import torch
 from model.checkpoint import load_checkpoint
 from model.reference import attention_view, relative_error
 from service.app.server import drain_and_stop
-from tests.support import ServerThread, free_port, make_settings
+from tests.support import ServerThread, make_settings
 
 
 def _call(port: int, path: str, body: bytes | None = None, headers: dict[str, str] | None = None):
@@ -30,7 +30,7 @@ def _call(port: int, path: str, body: bytes | None = None, headers: dict[str, st
 
 @pytest.fixture(scope="module")
 def server(small_model_dir: Path) -> Iterator[ServerThread]:
-    with ServerThread(make_settings(small_model_dir, backend="torch", http_port=free_port(), max_queue_size=1)) as s:
+    with ServerThread(make_settings(small_model_dir, backend="torch", http_port=0, max_queue_size=1)) as s:
         yield s
 
 
@@ -73,15 +73,15 @@ BAD = {
 def test_client_mistakes_get_the_http_status_of_their_grpc_code(
     server: ServerThread, body: bytes, status: int, says: str
 ) -> None:
-    assert server.settings.http_port
-    code, _, answer = _call(server.settings.http_port, "/v2/models/mha/infer", body)
+    assert server.http_port
+    code, _, answer = _call(server.http_port, "/v2/models/mha/infer", body)
     assert code == status and says in json.loads(answer)["error"]
 
 
 def test_a_body_over_the_message_limit_is_resource_exhausted(small_model_dir: Path) -> None:
-    settings = make_settings(small_model_dir, backend="torch", http_port=free_port(), max_message_mb=1)
-    with ServerThread(settings):
-        code, _, answer = _call(settings.http_port, "/v2/models/mha/infer", b"x" * (2 << 20))
+    settings = make_settings(small_model_dir, backend="torch", http_port=0, max_message_mb=1)
+    with ServerThread(settings) as s:
+        code, _, answer = _call(s.http_port, "/v2/models/mha/infer", b"x" * (2 << 20))
     assert code == 429 and "larger than this server's limit of 1 MiB" in json.loads(answer)["error"]
 
 
@@ -96,7 +96,7 @@ def test_binary_data_both_ways(server: ServerThread, small_model_dir: Path) -> N
         }
     ).encode()
     headers = {"Inference-Header-Content-Length": str(len(head))}
-    code, response_headers, body = _call(server.settings.http_port, "/v2/models/mha/infer", head + x.tobytes(), headers)
+    code, response_headers, body = _call(server.http_port, "/v2/models/mha/infer", head + x.tobytes(), headers)
     assert code == 200
     split = int(response_headers["Inference-Header-Content-Length"])
     doc = json.loads(body[:split])
@@ -104,32 +104,30 @@ def test_binary_data_both_ways(server: ServerThread, small_model_dir: Path) -> N
     y = np.frombuffer(body[split:], np.float32).reshape(x.shape)
     config, weights = load_checkpoint(small_model_dir / "weights.safetensors")
     assert relative_error(torch.from_numpy(y.copy()), attention_view(torch.from_numpy(x), weights, config)) < 1e-5
-    code, _, answer = _call(server.settings.http_port, "/v2/models/mha/infer", head + x.tobytes()[:-4], headers)
+    code, _, answer = _call(server.http_port, "/v2/models/mha/infer", head + x.tobytes()[:-4], headers)
     assert code == 400 and "does not fit" in json.loads(answer)["error"]
 
 
 def test_the_token_applies_and_health_stays_open(small_model_dir: Path, tmp_path: Path) -> None:
     token = tmp_path / "token"
     token.write_text("t0ken")
-    settings = make_settings(small_model_dir, backend="torch", http_port=free_port(), auth_token_file=token)
+    settings = make_settings(small_model_dir, backend="torch", http_port=0, auth_token_file=token)
     with ServerThread(settings) as s:
         body = _infer_json(np.zeros((1, 2, 32), np.float32))
-        assert _call(settings.http_port, "/v2/models/mha/infer", body)[0] == 401
-        assert _call(settings.http_port, "/v2/models/mha/infer", body, {"Authorization": "Bearer t0ken"})[0] == 200
-        assert _call(settings.http_port, "/v2/health/ready")[0] == 200
+        assert _call(s.http_port, "/v2/models/mha/infer", body)[0] == 401
+        assert _call(s.http_port, "/v2/models/mha/infer", body, {"Authorization": "Bearer t0ken"})[0] == 200
+        assert _call(s.http_port, "/v2/health/ready")[0] == 200
         counted = s.registry.get_sample_value("mha_requests_total", {"method": "ModelInfer", "code": "UNAUTHENTICATED"})
     assert counted == 1
 
 
 def test_draining_answers_503(small_model_dir: Path) -> None:
-    settings = make_settings(small_model_dir, backend="torch", http_port=free_port())
+    settings = make_settings(small_model_dir, backend="torch", http_port=0)
     with ServerThread(settings) as s:
         assert s.running is not None
         s.running.core.start_draining()
-        code, _, answer = _call(
-            settings.http_port, "/v2/models/mha/infer", _infer_json(np.zeros((1, 2, 32), np.float32))
-        )
-        ready = _call(settings.http_port, "/v2/health/ready")[0]
+        code, _, answer = _call(s.http_port, "/v2/models/mha/infer", _infer_json(np.zeros((1, 2, 32), np.float32)))
+        ready = _call(s.http_port, "/v2/health/ready")[0]
         s.call(drain_and_stop(s.running, 1.0))
         s.running = None
     assert code == 503 and "draining" in json.loads(answer)["error"]
@@ -142,7 +140,7 @@ def test_a_sequence_over_http(server: ServerThread, small_model_dir: Path) -> No
     config, weights = load_checkpoint(small_model_dir / "weights.safetensors")
     tokens = np.random.default_rng(7).standard_normal((1, 9, 32), dtype=np.float32)
     chunks = [(0, 5), (5, 6), (6, 7), (7, 9)]
-    port, headers = server.settings.http_port, {"mha-sequence-id": "http-seq"}
+    port, headers = server.http_port, {"mha-sequence-id": "http-seq"}
     stale = {"sequence_id": "http-seq", "sequence_offset": 1}
     for i, (start, end) in enumerate(chunks):
         if i == 1:  # the client believes in another state: 409, and nothing changes
@@ -161,7 +159,7 @@ def test_a_sequence_over_http(server: ServerThread, small_model_dir: Path) -> No
         reference = attention_view(torch.from_numpy(tokens[:, :end]), weights, config)[:, start:]
         assert relative_error(torch.from_numpy(y), reference) < 1e-5
     code, _, answer = _call(
-        server.settings.http_port,
+        server.http_port,
         "/v2/models/mha/infer",
         _infer_json(tokens[:, :1], parameters={"sequence_id": "http-seq"}),
     )
@@ -174,7 +172,7 @@ def test_the_timeout_parameter_is_the_requests_deadline_and_priority_is_refused(
     """Triton's `timeout` (microseconds) bounds a request with no deadline of its own (HTTP has
     none): passed before the compute, it is DEADLINE_EXCEEDED (504), for a stateless request and
     a decode step alike, and the step leaves its sequence as it was. `priority` has one level here."""
-    port, x = server.settings.http_port, np.ones((1, 2, 32), np.float32)
+    port, x = server.http_port, np.ones((1, 2, 32), np.float32)
     path = "/v2/models/mha/infer"
     assert _call(port, path, _infer_json(x, parameters={"timeout": 60_000_000}))[0] == 200
     code, _, answer = _call(port, path, _infer_json(x, parameters={"timeout": 1}))

@@ -16,7 +16,7 @@ from model.reference import attention_view, relative_error
 from service.client.client import InferenceError, MHAClient
 from service.proto import grpc_service_pb2_grpc as pb_grpc
 from service.protocol.codec import decode_infer_response, encode_infer_request
-from tests.support import ServerThread, make_settings
+from tests.support import ServerThread, held_until, make_settings
 
 POISONS = {  # both backends overflow on these (checked in the tests: nothing may be benched)
     "1e20": np.random.default_rng(3).standard_normal((1, 8, 32), dtype=np.float32) * np.float32(1e20),
@@ -84,6 +84,8 @@ def test_innocent_requests_sharing_a_batch_with_a_poison_are_answered(
     poisons = [POISONS["1e20"], NON_FINITE["nan"]]
     xs = [poisons[i % 2] if i % 3 == 0 else rng.standard_normal((1, 8, 32), dtype=np.float32) for i in range(45)]
     requests = [encode_infer_request(x, request_id=str(i)) for i, x in enumerate(xs)]
+    batcher = server.core.loaded.batcher
+    batcher._run_batch = held_until(batcher._run_batch, lambda: batcher.depth >= 8)  # the stream queues up
     with grpc.insecure_channel(server.url) as channel:
         responses = list(pb_grpc.GRPCInferenceServiceStub(channel).ModelStreamInfer(iter(requests), timeout=60))
     assert len(responses) == 45

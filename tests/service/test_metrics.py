@@ -17,7 +17,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from service.client.client import InferenceError, MHAClient
-from tests.support import ROOT, ServerThread, free_port, make_settings
+from tests.support import ROOT, ServerThread, make_settings
 
 PROMTOOL = ROOT / ".tools" / "prometheus" / "usr" / "bin" / "promtool"
 SHAPES = [(1, 5), (2, 17), (3, 64), (1, 1), (4, 9)]
@@ -38,7 +38,7 @@ def samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
 
 @pytest.fixture(scope="module")
 def traffic(small_model_dir: Path) -> Iterator[tuple[ServerThread, str]]:
-    settings = make_settings(small_model_dir, metrics_port=free_port(), backend="auto")
+    settings = make_settings(small_model_dir, metrics_port=0, backend="auto")
     with ServerThread(settings) as server, MHAClient(server.url) as client:
         for B, T in SHAPES:
             client.infer(np.ones((B, T, 32), np.float32))
@@ -49,7 +49,7 @@ def traffic(small_model_dir: Path) -> Iterator[tuple[ServerThread, str]]:
             other.infer(np.ones((1, 2, 32), np.float32))
         list(client.stream_infer([np.ones((1, 3, 32), np.float32)] * 2))
         client.model_metadata()
-        yield server, scrape(settings.metrics_port)
+        yield server, scrape(server.metrics_port)
 
 
 def test_families_and_types(traffic: tuple[ServerThread, str]) -> None:
@@ -142,14 +142,14 @@ def test_promtool_check_metrics(traffic: tuple[ServerThread, str]) -> None:
 def test_rejected_requests_are_counted(small_model_dir: Path, tmp_path: Path) -> None:
     token = tmp_path / "token"
     token.write_text("t0ken")
-    settings = make_settings(small_model_dir, metrics_port=free_port(), auth_token_file=token, backend="torch")
+    settings = make_settings(small_model_dir, metrics_port=0, auth_token_file=token, backend="torch")
     with ServerThread(settings) as server:
         with MHAClient(server.url, token="nope") as client, pytest.raises(InferenceError) as info:
             client.infer(np.ones((1, 2, 32), np.float32))
         assert info.value.code == grpc.StatusCode.UNAUTHENTICATED
         with MHAClient(server.url, token="t0ken") as client:
             client.infer(np.ones((1, 2, 32), np.float32))
-        s = samples(scrape(settings.metrics_port))
+        s = samples(scrape(server.metrics_port))
     assert s[("mha_requests_total", (("code", "UNAUTHENTICATED"), ("method", "ModelInfer")))] == 1
     assert s[("mha_requests_total", (("code", "OK"), ("method", "ModelInfer")))] == 1
     assert s[("mha_tokens_total", ())] == 2
@@ -159,31 +159,31 @@ def test_made_up_methods_share_one_label(small_model_dir: Path, tmp_path: Path) 
     """Labels come from a fixed set: 30 invented method names must not make 30 series."""
     token = tmp_path / "token"
     token.write_text("t0ken")
-    settings = make_settings(small_model_dir, metrics_port=free_port(), auth_token_file=token, backend="torch")
+    settings = make_settings(small_model_dir, metrics_port=0, auth_token_file=token, backend="torch")
     with ServerThread(settings) as server, grpc.insecure_channel(server.url) as channel:
         for i in range(30):
             with pytest.raises(grpc.RpcError):
                 channel.unary_unary(f"/evil.Svc/m{i}")(b"", timeout=5)
-        s = samples(scrape(settings.metrics_port))
+        s = samples(scrape(server.metrics_port))
     methods = {dict(k[1])["method"] for k in s if k[0] == "mha_requests_total"}
     assert methods == {"unknown"}
     assert s[("mha_requests_total", (("code", "UNAUTHENTICATED"), ("method", "unknown")))] == 30
 
 
 def test_the_metrics_port_serves_metrics_only_without_a_thread_per_connection(small_model_dir: Path) -> None:
-    settings = make_settings(small_model_dir, metrics_port=free_port(), metrics_host="127.0.0.1", backend="torch")
+    settings = make_settings(small_model_dir, metrics_port=0, metrics_host="127.0.0.1", backend="torch")
     with ServerThread(settings) as server:
         assert server.running is not None and server.running.metrics_server is not None
-        assert server.running.metrics_server.address == ("127.0.0.1", settings.metrics_port)
+        assert server.running.metrics_server.address == ("127.0.0.1", server.metrics_port)
         threads = threading.active_count()
-        idle = [socket.create_connection(("127.0.0.1", settings.metrics_port)) for _ in range(200)]
+        idle = [socket.create_connection(("127.0.0.1", server.metrics_port)) for _ in range(200)]
         try:
-            assert "mha_requests" in scrape(settings.metrics_port)  # served while 200 connections idle
+            assert "mha_requests" in scrape(server.metrics_port)  # served while 200 connections idle
             assert threading.active_count() <= threads + 2
         finally:
             for s in idle:
                 s.close()
         for path in ("/healthz", "/", "/metrics/../x"):
             with pytest.raises(urllib.error.HTTPError) as info:
-                urllib.request.urlopen(f"http://127.0.0.1:{settings.metrics_port}{path}", timeout=5)
+                urllib.request.urlopen(f"http://127.0.0.1:{server.metrics_port}{path}", timeout=5)
             assert info.value.code == 404

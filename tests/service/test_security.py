@@ -19,7 +19,7 @@ from cryptography.x509.oid import NameOID
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from service.client.client import InferenceError, MHAClient
-from tests.support import ServerThread, free_port, make_settings
+from tests.support import ServerThread, make_settings
 
 X = np.ones((1, 4, 32), np.float32)
 
@@ -143,10 +143,10 @@ def test_under_mtls_probes_use_the_plaintext_health_port(small_model_dir: Path, 
         tls_cert=pki["server_crt"],
         tls_key=pki["server_key"],
         tls_client_ca=pki["ca"],
-        health_port=free_port(),
+        health_port=0,
         backend="torch",
     )
-    with ServerThread(settings) as s, grpc.insecure_channel(f"127.0.0.1:{settings.health_port}") as channel:
+    with ServerThread(settings) as s, grpc.insecure_channel(f"127.0.0.1:{s.health_port}") as channel:
         for service in ("", "inference.GRPCInferenceService"):
             request = health_pb2.HealthCheckRequest(service=service)
             assert (
@@ -174,7 +174,7 @@ def test_bad_tls_files_are_named_in_one_line(
 ) -> None:
     cert, key = (pki.get(name, tmp_path / "missing.pem") for name in files)
     args = ["serve", "--model-dir", str(small_model_dir), "--host", "127.0.0.1", "--grpc-port", "0"]
-    args += ["--metrics-port", "0", "--tls-cert", str(cert), "--tls-key", str(key), "--log-format", "text"]
+    args += ["--metrics-port", "off", "--tls-cert", str(cert), "--tls-key", str(key), "--log-format", "text"]
     run = subprocess.run([sys.executable, "-m", "service.cli", *args], capture_output=True, text=True, timeout=120)
     assert run.returncode == 2, run.stderr
     assert "cannot start: --tls-cert" in run.stderr and named in run.stderr
@@ -187,12 +187,12 @@ def test_http_serves_tls_with_the_same_certificate(small_model_dir: Path, pki: d
     import urllib.request
 
     settings = make_settings(
-        small_model_dir, tls_cert=pki["server_crt"], tls_key=pki["server_key"], http_port=free_port(), backend="torch"
+        small_model_dir, tls_cert=pki["server_crt"], tls_key=pki["server_key"], http_port=0, backend="torch"
     )
-    with ServerThread(settings):
+    with ServerThread(settings) as s:
         context = ssl.create_default_context(cafile=str(pki["ca"]))
-        url = f"https://127.0.0.1:{settings.http_port}/v2/health/ready"
+        url = f"https://127.0.0.1:{s.http_port}/v2/health/ready"
         with urllib.request.urlopen(url, context=context, timeout=10) as response:
             assert response.status == 200
         with pytest.raises((urllib.error.URLError, ConnectionError)):
-            urllib.request.urlopen(f"http://127.0.0.1:{settings.http_port}/v2/health/ready", timeout=10)
+            urllib.request.urlopen(f"http://127.0.0.1:{s.http_port}/v2/health/ready", timeout=10)

@@ -24,7 +24,7 @@ from service.errors import InvalidInput, Overloaded, SequenceNotFound
 from service.proto import grpc_service_pb2 as pb
 from service.proto import grpc_service_pb2_grpc as pb_grpc
 from service.protocol.codec import decode_infer_response, encode_infer_request
-from tests.support import ManualClock, ServerThread, make_settings
+from tests.support import ManualClock, ServerThread, held_until, make_settings
 
 C = 32  # the small model: 4 heads, max_seq_len 64
 
@@ -96,6 +96,8 @@ def test_eight_concurrent_sequences_are_exact_step_by_step(server: ServerThread,
         return sample("mha_batch_size_sum") or 0.0, sample("mha_batch_size_count") or 0.0
 
     before = batches()
+    steps = server.core.loaded.decoder.steps  # the first compute waits until other steps queue behind it
+    steps._run = held_until(steps._run, lambda: len(steps._pending) >= 2)
     threads = [threading.Thread(target=run, args=(plan, i)) for i, plan in enumerate(plans)]
     for t in threads:
         t.start()

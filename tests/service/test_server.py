@@ -197,12 +197,16 @@ def test_health_and_reflection(server: ServerThread) -> None:
         assert {"inference.GRPCInferenceService", "grpc.health.v1.Health"} <= names
 
 
-def test_unimplemented_rpcs(server: ServerThread) -> None:
+def test_cuda_shared_memory_is_refused_by_this_server_with_what_to_do_instead(server: ServerThread) -> None:
+    """UNIMPLEMENTED from our servicer (counted in our metrics, with our message), not from gRPC."""
     with grpc.insecure_channel(server.url) as channel:
-        call = channel.unary_unary("/inference.GRPCInferenceService/RepositoryIndex")
+        stub = pb_grpc.GRPCInferenceServiceStub(channel)
         with pytest.raises(grpc.RpcError) as info:
-            call(b"", timeout=5)
-        assert info.value.code() == grpc.StatusCode.UNIMPLEMENTED
+            stub.CudaSharedMemoryRegister(pb.CudaSharedMemoryRegisterRequest(name="gpu", byte_size=64), timeout=5)
+    assert info.value.code() == grpc.StatusCode.UNIMPLEMENTED
+    assert "SystemSharedMemoryRegister" in (info.value.details() or "")
+    labels = {"method": "CudaSharedMemoryRegister", "code": "UNIMPLEMENTED"}
+    assert (server.registry.get_sample_value("mha_requests_total", labels) or 0) >= 1
 
 
 def test_inference_error_carries_code(client: MHAClient) -> None:
@@ -223,3 +227,53 @@ def test_not_ready_while_loading(small_model_dir: Path) -> None:
         assert status == health_pb2.HealthCheckResponse.NOT_SERVING
         s.load()
         assert stub.ServerReady(pb.ServerReadyRequest()).ready
+
+
+def test_a_drain_answers_what_is_in_flight_and_refuses_what_comes_after(small_model_dir: Path) -> None:
+    """Computes held at a gate, so that the test decides what is in flight when the drain begins:
+    4 requests (one computing, three queued) are answered exactly after it began, a new one is
+    refused UNAVAILABLE, and the server stops once they are answered."""
+    import threading
+    from dataclasses import replace
+
+    from service.app.server import drain_and_stop
+
+    settings = replace(make_settings(small_model_dir, backend="torch", max_batch_size=1), inline_max_mflop=0)
+    permits = threading.Semaphore(0)
+    with ServerThread(settings) as server:
+        batcher = server.core.loaded.batcher
+        run = batcher._run_batch
+        batcher._run_batch = lambda x: (permits.acquire(timeout=60), run(x))[1]
+        xs = [np.random.default_rng(i).standard_normal((1, 5, 32), dtype=np.float32) for i in range(4)]
+        answers: dict[int, object] = {}
+
+        def one(i: int) -> None:
+            with MHAClient(server.url) as client:
+                try:
+                    answers[i] = client.infer(xs[i], timeout=60)
+                except InferenceError as exc:
+                    answers[i] = exc
+
+        threads = [threading.Thread(target=one, args=(i,)) for i in range(4)]
+        for thread in threads:
+            thread.start()
+        while server.core.requests.count < 4:  # all four in the server, none computed
+            threading.Event().wait(0.01)
+        assert server.running is not None
+        draining = server.submit(drain_and_stop(server.running, 30.0))
+        while not server.core.draining.is_set():
+            threading.Event().wait(0.01)
+        with MHAClient(server.url) as late, pytest.raises(InferenceError) as info:
+            late.infer(xs[0], timeout=10)
+        assert info.value.code == grpc.StatusCode.UNAVAILABLE and "draining" in str(info.value)
+        assert not draining.done(), "the drain waits for the requests in flight"
+        permits.release(4)
+        draining.result(60)
+        server.running = None
+        for thread in threads:
+            thread.join(30)
+    config, weights = load_checkpoint(small_model_dir / "weights.safetensors")
+    for i, x in enumerate(xs):
+        y = answers[i]
+        assert isinstance(y, np.ndarray), y
+        assert relative_error(torch.from_numpy(y.copy()), attention_view(torch.from_numpy(x), weights, config)) < 1e-5

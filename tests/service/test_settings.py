@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import socket
 import subprocess
 import sys
 from dataclasses import fields, replace
@@ -127,3 +128,30 @@ def test_workers_is_a_positive_number_or_auto(value: str) -> None:
     with pytest.raises(ValueError, match="--workers"):
         _parse(["--workers", value])
     assert _parse(["--workers", "auto"]).workers == "auto"
+
+
+def test_port_zero_picks_a_free_port_everywhere_and_off_turns_a_port_off() -> None:
+    from service.settings import add_serve_arguments, settings_from_namespace, to_argv
+
+    parser = argparse.ArgumentParser()
+    add_serve_arguments(parser, {"MHA_METRICS_PORT": "off"})
+    ns = parser.parse_args(["--grpc-port", "0", "--http-port", "0", "--health-port", "off"])
+    settings = settings_from_namespace(ns, "INFO")
+    assert (settings.grpc_port, settings.http_port, settings.metrics_port, settings.health_port) == (0, 0, None, None)
+    assert (
+        settings_from_namespace(parser.parse_args(to_argv(settings)), "INFO") == settings
+    )  # off survives a round trip
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--http-port", "of"])
+
+
+def test_a_server_reports_the_ports_it_picked(small_model_dir: Path) -> None:
+    from tests.support import ServerThread, make_settings
+
+    with ServerThread(make_settings(small_model_dir, backend="torch", http_port=0, metrics_port=0)) as server:
+        ports = {server.running.grpc_port, server.http_port, server.metrics_port}  # type: ignore[union-attr]
+        assert len(ports) == 3 and 0 not in ports
+        for port in ports:
+            socket.create_connection(("127.0.0.1", port), timeout=5).close()
+    with ServerThread(make_settings(small_model_dir, backend="torch")) as server:  # off: not opened
+        assert server.running is not None and server.running.http_port == 0 and server.running.metrics_port == 0

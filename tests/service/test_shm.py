@@ -342,13 +342,11 @@ def test_http_registration_refuses_what_is_not_a_registration(small_model_dir: P
     import urllib.error
     import urllib.request
 
-    from tests.support import free_port
-
     key = _key(_object(objects, 64))
-    settings = make_settings(small_model_dir, backend="torch", shared_memory="system", http_port=free_port())
+    settings = make_settings(small_model_dir, backend="torch", shared_memory="system", http_port=0)
 
     def post(path: str, body: bytes) -> tuple[int, dict]:
-        request = urllib.request.Request(f"http://127.0.0.1:{settings.http_port}{path}", data=body)
+        request = urllib.request.Request(f"http://127.0.0.1:{s.http_port}{path}", data=body)
         try:
             with urllib.request.urlopen(request, timeout=10) as response:
                 return response.status, json.loads(response.read())
@@ -364,7 +362,7 @@ def test_http_registration_refuses_what_is_not_a_registration(small_model_dir: P
         "huge-size": json.dumps({"key": key, "byte_size": 2**70}).encode(),
         "no-key": json.dumps({"byte_size": 8}).encode(),
     }
-    with ServerThread(settings):
+    with ServerThread(settings) as s:
         for name, body in bad.items():
             code, answer = post("/v2/systemsharedmemory/region/r/register", body)
             assert code == 400 and answer["error"], (name, code, answer)

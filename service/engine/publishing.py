@@ -1,0 +1,52 @@
+"""What the core makes known as it serves: every executed batch (stateless or decode steps) into
+the metrics and the model's statistics, the active backend into mha_backend_info (and readiness
+under --require-device), fallbacks as they happen. No serving decisions here."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from service.backends import BackendChain
+from service.batching import BatchEvent
+from service.engine.readiness import DeviceHealth
+from service.engine.stats import ModelStats
+from service.metrics import Metrics
+
+
+class Publisher:
+    def __init__(
+        self,
+        metrics: Metrics,
+        stats: ModelStats,
+        device: DeviceHealth,
+        serving_ok: Callable[[], bool],
+        device_lost: Callable[[], None],
+    ) -> None:
+        self.metrics, self.stats, self.device = metrics, stats, device
+        self._serving_ok, self._device_lost = serving_ok, device_lost
+        self._active = ""  # the backend mha_backend_info last showed as active
+
+    def fallback(self, source: str, target: str, reason: str) -> None:
+        self.metrics.fallbacks.labels(source, target, reason).inc()
+
+    def batch(self, event: BatchEvent, chain: BackendChain) -> None:
+        """A stateless batch: a sticky device error in it stops the server (DeviceHealth)."""
+        if self.device.observe(event.error):
+            self._device_lost()
+        self.steps(event)
+        self.backends(chain)
+
+    def steps(self, event: BatchEvent) -> None:
+        """A batch, in the batch metrics and statistics; a batch of decode steps comes here alone
+        (its lost device is handled where the step fails)."""
+        self.metrics.observe_batch(event)
+        self.stats.observe_batch(event)
+
+    def backends(self, chain: BackendChain) -> None:
+        """The active backend, once it changes: mha_backend_info, and readiness on the required device."""
+        if chain.active.name != self._active:
+            self._active = chain.active.name
+            self.device.serving_changed(self._serving_ok())
+            self.metrics.set_backends(
+                (chain.active.name, chain.active.device), [(b.name, b.device) for b in chain.backends]
+            )
