@@ -24,15 +24,14 @@ import statistics
 import sys
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
 
 import common
 import numpy as np
-from prometheus_client.parser import text_string_to_metric_families
 
 from service.app.launch import Balancer, ServerProcess
 from service.client.client import ClientSequence, MHAClient
+from service.client.loadgen import requests_answered
 from service.protocol.peers import FORWARDED_METHOD, owner_of
 
 log = logging.getLogger("bench")
@@ -41,14 +40,7 @@ STARTED = re.compile(r"worker (\d+) started \(pid \d+, metrics 127\.0\.0\.1:(\d+
 
 
 def forwarded_count(port: int) -> float:
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
-        families = text_string_to_metric_families(response.read().decode())
-        return sum(
-            s.value
-            for f in families
-            for s in f.samples
-            if s.name == "mha_requests_total" and s.labels.get("method") == FORWARDED_METHOD
-        )
+    return requests_answered(f"127.0.0.1:{port}", FORWARDED_METHOD)
 
 
 def ids_by_owner() -> dict[int, str]:
@@ -94,17 +86,6 @@ def forwarding(model_dir: str, steps: int) -> dict[str, float]:
     }
 
 
-def infer_count(metrics_port: int) -> float:
-    with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10) as response:
-        families = text_string_to_metric_families(response.read().decode())
-        return sum(
-            s.value
-            for f in families
-            for s in f.samples
-            if s.name == "mha_requests_total" and s.labels == {"method": "ModelInfer", "code": "OK"}
-        )
-
-
 def spread(model_dir: str, requests: int) -> dict[str, object]:
     replicas = [ServerProcess(["--model-dir", model_dir, "--replica-name", f"r{i}"]) for i in range(3)]
     run_dir = Path(tempfile.mkdtemp(prefix="mha-nginx-"))
@@ -118,7 +99,7 @@ def spread(model_dir: str, requests: int) -> dict[str, object]:
                 x = np.ones((1, 64, C), np.float32)
                 for _ in range(requests):
                     client.infer(x)
-            shares = [infer_count(r.metrics_port) / requests for r in replicas]
+            shares = [requests_answered(f"127.0.0.1:{r.metrics_port}") / requests for r in replicas]
             touched = []
             rng = np.random.default_rng(1)
             for n in range(8):

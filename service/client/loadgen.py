@@ -118,3 +118,16 @@ def server_cpu_seconds(metrics_url: str) -> float | None:
         if family.name == "process_cpu_seconds":
             return float(sum(s.value for s in family.samples))
     return None
+
+
+def requests_answered(metrics_url: str, method: str = "ModelInfer", code: str = "OK") -> float:
+    """How many `method` calls the server at `metrics_url` (host:port) answered with `code`,
+    from its mha_requests_total."""
+    with urllib.request.urlopen(f"http://{metrics_url}/metrics", timeout=10) as response:
+        families = text_string_to_metric_families(response.read().decode())
+        return sum(
+            s.value
+            for f in families
+            for s in f.samples
+            if s.name == "mha_requests_total" and s.labels == {"method": method, "code": code}
+        )

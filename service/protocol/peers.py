@@ -29,7 +29,7 @@ import grpc
 from google.protobuf.message import Message
 
 from service.decode.control import SequenceId
-from service.errors import NotReady, Relayed
+from service.errors import DeadlineExceeded, NotReady, Relayed
 from service.proto import grpc_service_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -63,8 +63,9 @@ def owner_of(sequence_id: SequenceId, workers: int) -> int:
 async def read_request(reader: asyncio.StreamReader) -> tuple[int, bytes, str | None, float | None]:
     """One handed-over request: (its kind, its bytes, its mha-sequence-id header, seconds left)."""
     kind, size, header_size, seconds = REQUEST_HEAD.unpack(await reader.readexactly(REQUEST_HEAD.size))
-    header = (await reader.readexactly(header_size)).decode() if header_size else None
-    return kind, await reader.readexactly(size), header, seconds if seconds >= 0 else None
+    rest = await reader.readexactly(header_size + size)  # the header, then the request
+    header = rest[:header_size].decode() if header_size else None
+    return kind, rest[header_size:], header, seconds if seconds >= 0 else None
 
 
 def answer_frame(code: grpc.StatusCode, body: bytes) -> bytes:
@@ -109,11 +110,14 @@ class WorkerPeers:
         except OSError as exc:
             raise NotReady(_unreachable(worker, exc)) from exc
         try:
-            code, answer = await asyncio.wait_for(self._exchange(connection, frame), timeout)
-        except (OSError, asyncio.IncompleteReadError) as exc:
+            async with asyncio.timeout(timeout):  # no task of its own, unlike wait_for: a hand-over is short
+                code, answer = await self._exchange(connection, frame)
+        except (OSError, asyncio.IncompleteReadError) as exc:  # TimeoutError is an OSError: first
             connection[1].close()
+            if isinstance(exc, TimeoutError):
+                raise DeadlineExceeded(f"deadline passed while worker {worker} computed the handed-over call") from exc
             raise NotReady(_unreachable(worker, exc)) from exc
-        except BaseException:  # a timeout or a cancellation: the frame's answer may still come
+        except BaseException:  # a cancellation: the frame's answer may still come, on a connection nobody reads
             connection[1].close()
             raise
         self._idle.setdefault(worker, []).append(connection)

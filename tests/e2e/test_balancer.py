@@ -9,19 +9,18 @@ import os
 import signal
 import subprocess
 import threading
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-from prometheus_client.parser import text_string_to_metric_families
 
 from model.checkpoint import load_checkpoint
 from model.reference import attention_view, relative_error
 from service.app.launch import Balancer, ServerProcess
 from service.client.client import ClientSequence, MHAClient
+from service.client.loadgen import requests_answered
 from tests.support import ROOT
 
 NGINX = ROOT / ".tools" / "nginx" / "usr" / "sbin" / "nginx"
@@ -59,14 +58,7 @@ def balancer(replicas: list[ServerProcess], tmp_path_factory: pytest.TempPathFac
 
 
 def _infer_count(server: ServerProcess) -> float:
-    with urllib.request.urlopen(f"http://127.0.0.1:{server.metrics_port}/metrics", timeout=10) as response:
-        families = text_string_to_metric_families(response.read().decode())
-        return sum(
-            s.value
-            for f in families
-            for s in f.samples
-            if s.name == "mha_requests_total" and s.labels == {"method": "ModelInfer", "code": "OK"}
-        )
+    return requests_answered(f"127.0.0.1:{server.metrics_port}")
 
 
 def test_one_tritonclient_channel_reaches_every_replica(replicas: list[ServerProcess], balancer: Balancer) -> None:

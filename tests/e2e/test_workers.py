@@ -8,12 +8,14 @@ import os
 import re
 import signal
 import time
+import urllib.error
 import urllib.request
 from multiprocessing import shared_memory
 from pathlib import Path
 
 import grpc
 import numpy as np
+import pytest
 import torch
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -101,9 +103,10 @@ def _grpc_step(url: str, sequence_id: str, x: np.ndarray, offset: int) -> tuple[
     return decode_infer_response(response), said
 
 
-def _http_step(port: int, sequence_id: str, x: np.ndarray, offset: int) -> tuple[np.ndarray, dict]:
+def _http_step(port: int, sequence_id: str, x: np.ndarray, offset: int, timeout_us: int = 0) -> tuple[np.ndarray, dict]:
     """A step as curl or urllib sends it: a new connection each time."""
     parameters = {"sequence_id": sequence_id, "sequence_start": offset == 0, "sequence_offset": offset}
+    parameters |= {"timeout": timeout_us} if timeout_us else {}
     tensor = {"name": "x", "datatype": "FP32", "shape": list(x.shape), "data": x.ravel().tolist()}
     body = json.dumps({"inputs": [tensor], "parameters": parameters}).encode()
     headers = {"Content-Type": "application/json", "mha-sequence-id": sequence_id}
@@ -141,6 +144,11 @@ def test_every_connection_reaches_a_sequences_state_with_two_workers(small_model
                     assert said["worker"] == owner_of(sequence_id, 2)
         handed = _ok(_samples(server.metrics_port), FORWARDED_METHOD)
         assert 0 < handed < 6 * 25, handed
+        for _ in range(6):  # a deadline that passes, wherever the step lands: 504, never a server fault
+            x = rng.standard_normal((1, 1, 32), dtype=np.float32)
+            with pytest.raises(urllib.error.HTTPError) as info:
+                _http_step(server.http_port, "http-0", x, 32, timeout_us=1)
+            assert info.value.code == 504, info.value.read()
     finally:
         server.kill()
 
