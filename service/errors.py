@@ -55,6 +55,10 @@ class Overloaded(ServiceError):
     """A limit of this server is reached: the queue is full (retry later) or a message is too large."""
 
 
+class TooLarge(Overloaded):
+    """A message larger than this server accepts at all: it can never succeed as sent (HTTP 413)."""
+
+
 class NotReady(ServiceError):
     """Still loading, or draining for shutdown."""
 
@@ -71,9 +75,14 @@ class BackendFailure(ServiceError):
     """Every backend failed on this batch: a real server fault, answered without details."""
 
 
-class DeviceLost(BackendFailure):
+class DeviceLost(NotReady):
     """A sticky CUDA error: the device's context is broken for every backend of this process,
-    so nothing falls back onto it; the server stops serving and exits to be replaced."""
+    so nothing falls back onto it; the server stops serving and exits to be replaced. The client
+    retries on another replica (UNAVAILABLE); `detail` says what broke."""
+
+    def __init__(self, detail: str) -> None:
+        super().__init__(f"this replica lost its device ({detail[:200]}) and is restarting; retry on another")
+        self.detail = detail
 
 
 def quote(value: str, limit: int = 64) -> str:

@@ -96,6 +96,8 @@ class Batcher:
         enqueued = self.clock.now()
         if await self._lone.inline(1, x.shape, self._depth, idle=True):
             return self._run_alone(x, enqueued, deadline)
+        if self._closed and self._task is not None and self._task.done():  # stopped in that turn: none would answer
+            raise NotReady("the server is draining; retry on another replica")
         future: asyncio.Future[Answer] = asyncio.get_running_loop().create_future()
         self._queue.append(Pending(x, x.shape, future, enqueued, deadline))
         self._wakeup.set()

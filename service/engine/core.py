@@ -30,6 +30,7 @@ from service.decode.scheduler import Decoder, StepBatcher
 from service.decode.sequences import SequenceLimits, SequenceStore
 from service.engine.batcher import Batcher, Timing
 from service.engine.inflight import InFlight
+from service.engine.magnitude import magnitude_bound
 from service.engine.publishing import Publisher
 from service.engine.readiness import DeviceHealth
 from service.engine.served import ModelIdentity, ServedModel, Serving
@@ -147,6 +148,7 @@ class InferenceCore:
     async def infer(self, x: np.ndarray, deadline: float | None) -> tuple[np.ndarray, Timing]:
         """(B, T, C) -> (B, T, C) through the queue; `deadline` is on `self.clock`."""
         self._check_ready()
+        self._check_magnitude(x)
         y, timing = await self.loaded.batcher.submit(x, deadline)
         if not all_finite(y):  # the chain found this input to blame (see BackendChain)
             raise InvalidInput(not_finite(x))
@@ -160,6 +162,7 @@ class InferenceCore:
         """A decode step of a live sequence: (B, t, C) new tokens -> their (B, t, C) outputs, and
         the tokens the sequence holds after the step."""
         self._check_ready()
+        self._check_magnitude(x)  # the cached keys and values were checked with their own steps
         try:
             stepped = await self.loaded.decoder.step(control, x, deadline)
         except DeviceLost as exc:  # the caches' device is gone: stop serving, as a lost batch does
@@ -169,6 +172,11 @@ class InferenceCore:
         self.metrics.observe_answer(int(x.shape[0]) * int(x.shape[1]), stepped.queue_s)
         self.stats.observe_answer(int(x.shape[0]), stepped.queue_s)
         return stepped.y, Timing(stepped.queue_s, self.loaded.decoder.backend), stepped.length
+
+    def _check_magnitude(self, x: np.ndarray) -> None:
+        bound = self.loaded.model.magnitude
+        if bound is not None:
+            bound.check(x)
 
     def _check_ready(self) -> None:
         self.device.check()
@@ -235,7 +243,10 @@ def load_model(
     )
     active = chain.active
     log.info("serving %s with %s on %s; %s", files.directory, active.name, active.device, selection.summary())
-    served = ServedModel(identity, config, files, s.max_request_rows, s.max_attention_mb, weights_sha256, verified)
+    bound = magnitude_bound(config, weights, s.precision)  # below it no backend can overflow
+    served = ServedModel(
+        identity, config, files, s.max_request_rows, s.max_attention_mb, weights_sha256, verified, bound
+    )
     runner = StepRunner(config, weights, step_device(active.device))  # where the sequences' caches live
     log.info("decode steps run on %s (%s)", runner.name, runner.device)
     if s.require_device == "cuda" and runner.device == "cpu":  # not silent: readiness covers the stateless path

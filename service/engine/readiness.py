@@ -31,7 +31,7 @@ class DeviceHealth:
         if not isinstance(error, DeviceLost) or self.lost.is_set():
             return False
         log.critical("the device is lost (%s): not serving any more; exiting to be replaced", error)
-        self.lost_reason = str(error)
+        self.lost_reason = error.detail
         self.lost.set()
         return True
 

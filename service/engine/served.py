@@ -13,6 +13,7 @@ from service.errors import ModelNotFound, quote
 if TYPE_CHECKING:
     from model import MHAConfig
     from service.backends.base import Backend
+    from service.engine.magnitude import MagnitudeBound
 
 
 @dataclass(frozen=True)
@@ -40,6 +41,7 @@ class ServedModel:
     max_attention_mb: float  # B x heads x T x T x 4 bytes, per request (and per batch)
     weights_sha256: str  # what is served, as clients and dashboards can compare it
     verified: bool  # manifest.json vouches for both files, the config and the graph
+    magnitude: MagnitudeBound | None = None  # the largest |x| that cannot overflow the compute
     input_name: str = INPUT_NAME
     output_name: str = OUTPUT_NAME
 

@@ -38,6 +38,7 @@ class Call:
     started: float = field(default_factory=time.perf_counter)
     code: grpc.StatusCode = grpc.StatusCode.OK
     message: str = ""  # what a failed call answered
+    error: BaseException | None = None  # what made it fail
 
     @property
     def ok(self) -> bool:
@@ -82,6 +83,7 @@ class Calls:
             self._core.requests.started()
 
     def failed(self, call: Call, exc: BaseException) -> None:
+        call.error = exc
         call.code, call.message = to_status(exc, call.request_id)
         if call.code is grpc.StatusCode.INTERNAL:  # a server fault: the trace goes to the log only
             log.error("%s failed: %s", call.method, exc, exc_info=exc)

@@ -22,7 +22,7 @@ from google.protobuf.descriptor import Descriptor, FieldDescriptor
 from google.protobuf.message import Message
 
 from service.engine.core import InferenceCore
-from service.errors import InvalidInput, NotReady, Overloaded, quote
+from service.errors import InvalidInput, NotReady, TooLarge, quote
 from service.proto import grpc_service_pb2 as pb
 from service.protocol import render
 from service.protocol.answer import answer_infer
@@ -51,7 +51,8 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
 def error_response(call: Call) -> web.Response:
-    return web.json_response({"error": call.message}, status=HTTP_STATUS.get(call.code, 500))
+    status = 413 if isinstance(call.error, TooLarge) else HTTP_STATUS.get(call.code, 500)  # 429 would say: retry
+    return web.json_response({"error": call.message}, status=status)
 
 
 INT64 = {
@@ -110,7 +111,10 @@ def _parameter(value: object) -> pb.InferParameter:
         return pb.InferParameter(int64_param=value)
     if isinstance(value, float):
         return pb.InferParameter(double_param=value)
-    return pb.InferParameter(string_param=str(value))
+    if isinstance(value, str):
+        return pb.InferParameter(string_param=value)
+    kind = "null" if value is None else type(value).__name__.replace("dict", "object").replace("list", "array")
+    raise InvalidInput(f"a parameter's value is a JSON {kind}; expected a string, a number or a boolean")
 
 
 def _tensor_data(tensor: dict[str, Any], binary: memoryview, offset: int) -> tuple[bytes | None, list[float], int]:
@@ -319,7 +323,7 @@ class HttpApi:
             body = await request.read()
         except web.HTTPRequestEntityTooLarge as exc:
             limit = self.core.settings.max_message_mb
-            raise Overloaded(f"the request body is larger than this server's limit of {limit} MiB") from exc
+            raise TooLarge(f"the request body is larger than this server's limit of {limit} MiB") from exc
         header = request.headers.get(HEADER_LENGTH)
         if header is not None and not header.isdigit():
             raise InvalidInput(f"{HEADER_LENGTH} must be a byte count, got {header[:32]!r}")

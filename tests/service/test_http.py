@@ -66,6 +66,8 @@ BAD = {
         404,
         "start it again with sequence_start",
     ),
+    "object-sequence-id": (_with(parameters={"sequence_id": {"a": 1}}), 400, "is a JSON object; expected a string"),
+    "array-parameter": (_with(parameters={"priority": [1]}), 400, "is a JSON array; expected a string"),
 }
 
 
@@ -82,7 +84,7 @@ def test_a_body_over_the_message_limit_is_resource_exhausted(small_model_dir: Pa
     settings = make_settings(small_model_dir, backend="torch", http_port=0, max_message_mb=1)
     with ServerThread(settings) as s:
         code, _, answer = _call(s.http_port, "/v2/models/mha/infer", b"x" * (2 << 20))
-    assert code == 429 and "larger than this server's limit of 1 MiB" in json.loads(answer)["error"]
+    assert code == 413 and "larger than this server's limit of 1 MiB" in json.loads(answer)["error"]
 
 
 def test_binary_data_both_ways(server: ServerThread, small_model_dir: Path) -> None:

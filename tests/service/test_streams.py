@@ -156,4 +156,4 @@ def test_an_expired_stream_stops_computing_and_is_counted_deadline_exceeded(serv
     counts = _stream_counts(server)
     assert gate.computed <= 1, f"{gate.computed} of {N} requests computed after the deadline"
     assert counts["DEADLINE_EXCEEDED"] >= 1 and counts["CANCELLED"] == 0, counts
-    assert counts["OK"] == 0
+    assert counts["OK"] <= gate.computed  # the one held at the gate may finish before the stream ends
