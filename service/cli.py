@@ -167,15 +167,16 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if not settings.thread_spinning:  # read once, when PyTorch loads its OpenMP runtime: before the import
         os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     from service.app.server import StartupError, serve
-    from service.app.supervisor import Supervisor, worker_count
+    from service.app.supervisor import Supervisor, gpu_devices, worker_count
     from service.settings import to_argv
 
     configure_logging(settings.log_level, settings.log_format)
     if settings.model_dir is None:
         settings = replace(settings, model_dir=ensure_default_model(settings.default_model_dir))
-    if worker_count(settings.workers) > 1:
+    gpus = gpu_devices() if settings.workers == "auto" else []
+    if (count := worker_count(settings.workers, gpus)) > 1:
         argv = to_argv(replace(settings, workers="1"))
-        return asyncio.run(Supervisor(settings, argv, worker_count(settings.workers)).run())
+        return asyncio.run(Supervisor(settings, argv, count, gpus).run())
     try:
         return asyncio.run(serve(settings))
     except StartupError as exc:

@@ -44,7 +44,8 @@ class MetricsServer:
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
             head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), READ_TIMEOUT_S)
-            writer.write(self._answer(head.split(b"\r\n", 1)[0]))
+            # off the event loop: a registry's collectors may block (the supervisor's scrape its workers)
+            writer.write(await asyncio.to_thread(self._answer, head.split(b"\r\n", 1)[0]))
             await asyncio.wait_for(writer.drain(), READ_TIMEOUT_S)
         except (TimeoutError, asyncio.IncompleteReadError, asyncio.LimitOverrunError, ConnectionError):
             pass  # idle, oversized or gone: close it

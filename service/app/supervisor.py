@@ -50,19 +50,47 @@ class Worker:
     restarts: list[float] = field(default_factory=list)  # time.monotonic() of each restart
 
 
+Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]  # (sample name, labels) -> value
+
+
 class WorkersCollector:
-    """The workers' /metrics, merged: a custom prometheus-client collector."""
+    """The workers' /metrics, merged: a custom prometheus-client collector.
+
+    Counters and histograms never go down: a worker's values are kept from its last scrape, so a
+    scrape that misses it (restarting, busy) still counts what it had counted, and when it is
+    replaced its last values are carried over and added to its successor's, which start at 0.
+    """
 
     def __init__(self, workers: Sequence[Worker], restarts: dict[int, int]) -> None:
         self._workers, self._restarts = workers, restarts
+        self._last: dict[int, list[Metric]] = {}  # each worker's last successful scrape
+        self._carried: dict[str, tuple[Metric, Samples]] = {}  # summed values of workers' earlier lives
+
+    def retire(self, index: int) -> None:
+        """Worker `index` died: what it counted stays counted."""
+        for family in self._last.pop(index, []):
+            if family.type in SUMMED:
+                _, values = self._carried.setdefault(family.name, (_header(family), {}))
+                self._merge(values, family, index)
 
     def collect(self) -> Iterator[Metric]:
         headers: dict[str, Metric] = {}
-        values: dict[str, dict[tuple[str, tuple[tuple[str, str], ...]], float]] = {}
+        values: dict[str, Samples] = {}
         for worker in self._workers:
-            for family in self._scrape(worker):
-                headers.setdefault(family.name, Metric(family.name, family.documentation, family.type))
+            scraped = self._scrape(worker)
+            if scraped is not None:
+                self._last[worker.index] = scraped
+            families = (
+                scraped if scraped is not None else [f for f in self._last.get(worker.index, []) if f.type in SUMMED]
+            )
+            for family in families:
+                headers.setdefault(family.name, _header(family))
                 self._merge(values.setdefault(family.name, {}), family, worker.index)
+        for name, (header, carried) in self._carried.items():
+            headers.setdefault(name, header)
+            merged = values.setdefault(name, {})
+            for key, value in carried.items():
+                merged[key] = merged.get(key, 0.0) + value
         for name, header in headers.items():
             for (sample, labels), value in values[name].items():
                 header.add_sample(sample, dict(labels), value)
@@ -73,15 +101,15 @@ class WorkersCollector:
         yield restarts
 
     @staticmethod
-    def _scrape(worker: Worker) -> list[Metric]:
+    def _scrape(worker: Worker) -> list[Metric] | None:
         try:
             with urllib.request.urlopen(f"http://127.0.0.1:{worker.metrics_port}/metrics", timeout=5) as response:
                 return list(text_string_to_metric_families(response.read().decode()))
         except OSError:
-            return []  # starting, restarting or gone: its series are absent from this scrape
+            return None  # starting, restarting or gone: its last values stand in for its counters
 
     @staticmethod
-    def _merge(values: dict[tuple[str, tuple[tuple[str, str], ...]], float], family: Metric, index: int) -> None:
+    def _merge(values: Samples, family: Metric, index: int) -> None:
         """Counters and histograms add up (bucket order kept); gauges stay apart, by worker."""
         for sample in family.samples:
             labels = sample.labels if family.type in SUMMED else {**sample.labels, "worker": str(index)}
@@ -89,13 +117,19 @@ class WorkersCollector:
             values[key] = values.get(key, 0.0) + sample.value
 
 
+def _header(family: Metric) -> Metric:
+    return Metric(family.name, family.documentation, family.type)
+
+
 class Supervisor:
-    def __init__(self, settings: Settings, argv: Sequence[str], count: int) -> None:
+    def __init__(self, settings: Settings, argv: Sequence[str], count: int, gpus: Sequence[int] = ()) -> None:
         self.settings = settings
         self._argv = list(argv)  # `mha serve` arguments, without --workers
         promised = frozenset(p for p in (settings.grpc_port, settings.http_port, settings.metrics_port) if p)
         self.workers = [Worker(i, port) for i, port in enumerate(free_ports(count, avoid=promised))]
         self.restarts: dict[int, int] = {i: 0 for i in range(count)}
+        self.collector = WorkersCollector(self.workers, self.restarts)
+        self.gpus = list(gpus)  # with --workers auto on a GPU host: worker i computes on GPU gpus[i]
         self._stopping = False
         self.sockets = Path(tempfile.mkdtemp(prefix="mha-workers-"))  # 0700: the workers' hand-over sockets
 
@@ -117,8 +151,15 @@ class Supervisor:
         ]
         return serve_command([*self._argv, *own])
 
-    async def _spawn(self, worker: Worker) -> None:
+    def environment(self, worker: Worker) -> dict[str, str]:
+        """A worker's environment: one GPU of its own where the workers are one per GPU."""
         env = {**os.environ, "MHA_LOG_LEVEL": self.settings.log_level}
+        if len(self.gpus) == len(self.workers):
+            env["CUDA_VISIBLE_DEVICES"] = str(self.gpus[worker.index])  # its GPU is its cuda:0
+        return env
+
+    async def _spawn(self, worker: Worker) -> None:
+        env = self.environment(worker)
         die_with_me = partial(_die_with_parent, os.getpid())
         worker.process = await asyncio.create_subprocess_exec(*self._command(worker), env=env, preexec_fn=die_with_me)
         log.info(
@@ -140,6 +181,7 @@ class Supervisor:
                 )
                 raise RuntimeError(f"worker {worker.index} keeps dying (last exit code {code})")
             self.restarts[worker.index] += 1
+            self.collector.retire(worker.index)
             log.error(
                 "worker %d (pid %d) died with exit code %s; restarting it", worker.index, worker.process.pid, code
             )
@@ -151,7 +193,7 @@ class Supervisor:
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
         registry = CollectorRegistry(auto_describe=False)
-        registry.register(WorkersCollector(self.workers, self.restarts))  # type: ignore[arg-type]
+        registry.register(self.collector)  # type: ignore[arg-type]
         metrics = MetricsServer(registry)
         if self.settings.metrics_port is not None:
             await metrics.start(self.settings.metrics_host or self.settings.host, self.settings.metrics_port)
@@ -195,13 +237,16 @@ def _die_with_parent(parent: int) -> None:
         os.kill(os.getpid(), signal.SIGTERM)
 
 
-def worker_count(setting: str) -> int:
+def gpu_devices(dev: Path = Path("/dev")) -> list[int]:
+    """The NVIDIA GPUs this host shows (/dev/nvidia0, /dev/nvidia1, ...), by index."""
+    if not dev.is_dir():
+        return []
+    return sorted(int(d.name[6:]) for d in dev.iterdir() if d.name.startswith("nvidia") and d.name[6:].isdigit())
+
+
+def worker_count(setting: str, gpus: Sequence[int] | None = None) -> int:
     """--workers: a number, or auto: one per GPU where there are GPUs, else one per 2 CPUs."""
     if setting != "auto":
         return int(setting)
-    gpus = (
-        [d for d in os.listdir("/dev") if d.startswith("nvidia") and d[6:].isdigit()] if os.path.isdir("/dev") else []
-    )
-    if gpus:
-        return len(gpus)
-    return max(1, available_cpus() // 2)
+    gpus = gpu_devices() if gpus is None else gpus
+    return len(gpus) if gpus else max(1, available_cpus() // 2)

@@ -69,13 +69,21 @@ def test_two_workers_share_the_port_add_up_restart_and_drain(small_model_dir: Pa
         assert {total[("mha_ready", (("worker", str(i)),))] for i in range(2)} == {1.0}  # gauges by worker
 
         os.kill(started[0][0], signal.SIGKILL)
-        restarted = lambda: _samples(server.metrics_port).get(("mha_worker_restarts_total", (("worker", "0"),)))  # noqa: E731
-        _until(lambda: restarted() == 1.0)
-        _until(lambda: _samples(server.metrics_port).get(("mha_ready", (("worker", "0"),))) == 1.0)
+        seen: list[float] = []  # the merged counter at every scrape while worker 0 is replaced
+
+        def merged(key: tuple) -> float | None:
+            samples = _samples(server.metrics_port)
+            seen.append(_ok(samples))
+            return samples.get(key)
+
+        _until(lambda: merged(("mha_worker_restarts_total", (("worker", "0"),))) == 1.0)
+        _until(lambda: merged(("mha_ready", (("worker", "0"),))) == 1.0)
         assert "worker 0 (pid" in server.log() and "died with exit code -9; restarting it" in server.log()
+        assert seen and min(seen) == 40, f"the merged counter went down while a worker was replaced: {seen[:8]}"
         for _ in range(10):
             with MHAClient(server.url) as client:
                 assert client.infer(x).shape == x.shape
+        assert _ok(_samples(server.metrics_port)) == 50  # the dead worker's 40-share still counted
 
         pids = [int(pid) for _, pid, _ in STARTED.findall(server.log())]
         assert server.terminate(timeout=60) == 0

@@ -74,3 +74,20 @@ def test_the_values_that_broke_pytorch_are_refused_and_the_largest_accepted_are_
             x *= np.float32(0.99 * bound.max_abs / np.abs(x).max())  # just under the bound: computed, exactly
             reference = attention_view(torch.from_numpy(x), weights, config)
             assert _exact_or_refused(client.infer, x, reference) == "answered"
+
+
+def test_an_overflowing_input_cannot_make_the_server_check_itself(small_model_dir: Path) -> None:
+    """With one backend, an output that overflowed used to be judged by re-running the whole
+    self-check, batch after batch, as often as a client liked; such inputs are now refused first."""
+    with ServerThread(make_settings(small_model_dir, backend="ort-cpu")) as server:
+        chain = server.core.loaded.chain
+        probes: list[str] = []
+        probe = chain._probe
+        chain._probe = lambda backend: probes.append(backend.name) or probe(backend)
+        x = (np.random.default_rng(0).standard_normal((1, 4, 32)) * 1e20).astype(np.float32)
+        with MHAClient(server.url) as client:
+            for _ in range(5):
+                with pytest.raises(InferenceError) as info:
+                    client.infer(x)
+                assert info.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert probes == []

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import socket
 import subprocess
 import sys
@@ -155,3 +156,19 @@ def test_a_server_reports_the_ports_it_picked(small_model_dir: Path) -> None:
             socket.create_connection(("127.0.0.1", port), timeout=5).close()
     with ServerThread(make_settings(small_model_dir, backend="torch")) as server:  # off: not opened
         assert server.running is not None and server.running.http_port == 0 and server.running.metrics_port == 0
+
+
+def test_auto_workers_get_a_gpu_each(tmp_path: Path) -> None:
+    """A stand-in /dev with three GPUs: three workers, each seeing only its own (no GPU here)."""
+    from service.app.supervisor import Supervisor, gpu_devices, worker_count
+
+    for name in ("nvidia0", "nvidia1", "nvidia2", "nvidiactl", "nvidia-uvm", "null"):
+        (tmp_path / name).touch()
+    gpus = gpu_devices(tmp_path)
+    assert gpus == [0, 1, 2] and worker_count("auto", gpus) == 3
+    supervisor = Supervisor(Settings(workers="auto"), [], worker_count("auto", gpus), gpus)
+    seen = [supervisor.environment(worker).get("CUDA_VISIBLE_DEVICES") for worker in supervisor.workers]
+    assert seen == ["0", "1", "2"]
+    fixed = Supervisor(Settings(workers="2"), [], 2, [])  # a number of workers: they share what they see
+    inherited = os.environ.get("CUDA_VISIBLE_DEVICES")
+    assert [fixed.environment(w).get("CUDA_VISIBLE_DEVICES") for w in fixed.workers] == [inherited, inherited]
