@@ -67,6 +67,11 @@ class DeadlineExceeded(ServiceError):
     """The request's deadline passed before it could be computed."""
 
 
+class ClientGone(ServiceError):
+    """The client went away before its request was whole (an HTTP body cut short): nobody to
+    answer, and not the server's fault."""
+
+
 class Unauthenticated(ServiceError):
     """Missing or wrong bearer token."""
 

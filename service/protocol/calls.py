@@ -96,7 +96,7 @@ class Calls:
         if call.inference:
             self._core.requests.finished()
             self._core.stats.observe_request(call.ok, elapsed)
-        level = logging.DEBUG if call.ok else logging.WARNING
+        level = logging.DEBUG if call.ok else logging.INFO  # a client's mistake or leaving; faults: in failed()
         if (call.inference or not call.ok) and log.isEnabledFor(level):  # no record built that nobody reads
             extra = {"method": call.method, "code": call.code.name, "duration_ms": round(elapsed * 1e3, 3)}
             log.log(level, "%s %s %s", call.method, call.code.name, call.message, extra=extra)

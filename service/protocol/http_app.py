@@ -22,7 +22,7 @@ from google.protobuf.descriptor import Descriptor, FieldDescriptor
 from google.protobuf.message import Message
 
 from service.engine.core import InferenceCore
-from service.errors import InvalidInput, NotReady, TooLarge, quote
+from service.errors import ClientGone, InvalidInput, NotReady, TooLarge, quote
 from service.proto import grpc_service_pb2 as pb
 from service.protocol import render
 from service.protocol.answer import answer_infer
@@ -324,6 +324,8 @@ class HttpApi:
         except web.HTTPRequestEntityTooLarge as exc:
             limit = self.core.settings.max_message_mb
             raise TooLarge(f"the request body is larger than this server's limit of {limit} MiB") from exc
+        except ConnectionError as exc:  # the client left while sending: nobody waits for an answer
+            raise ClientGone(f"the client closed the connection before its body was whole ({exc})") from exc
         header = request.headers.get(HEADER_LENGTH)
         if header is not None and not header.isdigit():
             raise InvalidInput(f"{HEADER_LENGTH} must be a byte count, got {header[:32]!r}")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import grpc
 
 from service.errors import (
+    ClientGone,
     DeadlineExceeded,
     FeatureOff,
     InvalidInput,
@@ -27,6 +28,7 @@ STATUS: dict[type[ServiceError], grpc.StatusCode] = {
     NotReady: grpc.StatusCode.UNAVAILABLE,
     DeadlineExceeded: grpc.StatusCode.DEADLINE_EXCEEDED,
     Unauthenticated: grpc.StatusCode.UNAUTHENTICATED,
+    ClientGone: grpc.StatusCode.CANCELLED,
     StaleSequence: grpc.StatusCode.FAILED_PRECONDITION,
 }
 

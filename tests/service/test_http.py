@@ -4,6 +4,8 @@ the binary-data framing. (tritonclient.http drives it end to end in tests/e2e.)"
 from __future__ import annotations
 
 import json
+import logging
+import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -191,3 +193,22 @@ def test_the_timeout_parameter_is_the_requests_deadline_and_priority_is_refused(
         port, path, _infer_json(x[:, :1], parameters={"sequence_id": "timed", "sequence_offset": 2})
     )
     assert code == 200 and json.loads(answer)["parameters"]["sequence_length"] == 3  # the late step never counted
+
+
+def test_a_client_that_leaves_while_sending_is_cancelled_not_a_server_fault(
+    server: ServerThread, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Content-Length 1000, 12 bytes sent, connection closed: CANCELLED, no ERROR, no traceback."""
+    import socket
+
+    get = server.registry.get_sample_value
+    before = {c: get("mha_requests_total", {"method": "ModelInfer", "code": c}) or 0 for c in ("INTERNAL", "CANCELLED")}
+    head = b"POST /v2/models/mha/infer HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 1000"
+    with socket.create_connection(("127.0.0.1", server.http_port)) as sock:
+        sock.sendall(head + b"\r\n\r\n" + b'{"inputs": [')
+    deadline = time.monotonic() + 10
+    while (get("mha_requests_total", {"method": "ModelInfer", "code": "CANCELLED"}) or 0) == before["CANCELLED"]:
+        assert time.monotonic() < deadline, "the departure was never counted"
+        time.sleep(0.02)
+    assert (get("mha_requests_total", {"method": "ModelInfer", "code": "INTERNAL"}) or 0) == before["INTERNAL"]
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR], [r.getMessage() for r in caplog.records]
