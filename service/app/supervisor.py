@@ -40,6 +40,8 @@ SUMMED = {"counter", "histogram", "summary"}  # across workers; gauges and infos
 MAX_RESTARTS = 5  # within RESTART_WINDOW_S: beyond it, the supervisor gives up and exits 1
 RESTART_WINDOW_S = 60.0
 PR_SET_PDEATHSIG = 1  # prctl(2)
+WATCHDOG_PERIOD_S = 2.0  # how often each worker's own metrics port is asked whether it still answers
+WATCHDOG_MISSES = 3  # unanswered in a row (after it first answered): hung, killed, and so replaced
 
 
 @dataclass
@@ -48,6 +50,7 @@ class Worker:
     metrics_port: int
     process: asyncio.subprocess.Process | None = None
     restarts: list[float] = field(default_factory=list)  # time.monotonic() of each restart
+    answered: bool = False  # its metrics port answered since it was (re)started: the watchdog counts from then
 
 
 Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]  # (sample name, labels) -> value
@@ -80,6 +83,7 @@ class WorkersCollector:
             scraped = self._scrape(worker)
             if scraped is not None:
                 self._last[worker.index] = scraped
+                worker.answered = True  # alive and answering: the watchdog counts silences from now
             families = (
                 scraped if scraped is not None else [f for f in self._last.get(worker.index, []) if f.type in SUMMED]
             )
@@ -161,6 +165,7 @@ class Supervisor:
     async def _spawn(self, worker: Worker) -> None:
         env = self.environment(worker)
         die_with_me = partial(_die_with_parent, os.getpid())
+        worker.answered = False
         worker.process = await asyncio.create_subprocess_exec(*self._command(worker), env=env, preexec_fn=die_with_me)
         log.info(
             "worker %d started (pid %d, metrics 127.0.0.1:%d)", worker.index, worker.process.pid, worker.metrics_port
@@ -201,15 +206,34 @@ class Supervisor:
             await self._spawn(worker)
         log.info("supervising %d workers on gRPC :%d", len(self.workers), self.settings.grpc_port)
         watchers = [asyncio.create_task(self._watch(w)) for w in self.workers]
+        watchdogs = [asyncio.create_task(self._watchdog(w)) for w in self.workers]
         stopper = asyncio.create_task(stop.wait())
         done, _ = await asyncio.wait([stopper, *watchers], return_when=asyncio.FIRST_COMPLETED)
         failed = stopper not in done
+        for watchdog in watchdogs:
+            watchdog.cancel()
         await self._stop_all()
         for task in [stopper, *watchers]:
             task.cancel()
         await metrics.stop()
         shutil.rmtree(self.sockets, ignore_errors=True)
         return 1 if failed else 0
+
+    async def _watchdog(self, worker: Worker) -> None:
+        """Kill a worker that is alive but answers nothing (a hung event loop), so that _watch
+        replaces it, as KServe's multiprocess server does with its children."""
+        misses = 0
+        while True:
+            await asyncio.sleep(WATCHDOG_PERIOD_S)
+            ok = await asyncio.to_thread(_answers, worker.metrics_port, WATCHDOG_PERIOD_S)
+            worker.answered |= ok
+            misses = 0 if ok or not worker.answered else misses + 1
+            process = worker.process
+            if misses >= WATCHDOG_MISSES and process is not None and process.returncode is None:
+                waited = misses * WATCHDOG_PERIOD_S
+                log.error("worker %d (pid %d) silent for %.0f s: killing it", worker.index, process.pid, waited)
+                process.kill()
+                misses = 0
 
     async def _stop_all(self) -> None:
         """SIGTERM to every worker, then wait for each one's drain."""
@@ -226,6 +250,15 @@ class Supervisor:
                     log.error("worker %d did not stop in time; killing it", worker.index)
                     worker.process.kill()
                     await worker.process.wait()
+
+
+def _answers(port: int, timeout_s: float) -> bool:
+    """Does the worker's own /metrics answer within `timeout_s` (blocking: run it in a thread)?"""
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=timeout_s) as response:
+            return response.status == 200
+    except OSError:
+        return False
 
 
 def _die_with_parent(parent: int) -> None:
