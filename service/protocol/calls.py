@@ -11,6 +11,7 @@ Unary scopes abort the call with the mapped status; stream-item scopes keep the 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import contextvars
 import logging
 import time
@@ -122,14 +123,15 @@ class _Scope:
         return self.call
 
     def _exit(self, exc: BaseException | None, record: bool = True) -> None:
-        if isinstance(exc, asyncio.CancelledError):
+        if isinstance(exc, asyncio.CancelledError | GeneratorExit):  # the client left, or its deadline passed
             self.call.code = _ended_code(self._context)
         elif exc is not None:
             self._calls.failed(self.call, exc)
         if record:
             self._calls.closed(self.call)
         if self._token is not None:
-            request_id_var.reset(self._token)
+            with contextlib.suppress(ValueError):  # a stream's generator closed from another task's context
+                request_id_var.reset(self._token)
 
 
 class UnaryScope(_Scope):

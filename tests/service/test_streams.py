@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 import time
 from collections.abc import AsyncIterator, Iterator
@@ -128,7 +129,9 @@ def _stream_counts(server: ServerThread) -> dict[str, float]:
     return {c: get("mha_requests_total", {"method": "ModelStreamInfer", "code": c}) or 0.0 for c in codes}
 
 
-def test_a_cancelled_stream_stops_computing_and_is_counted_cancelled(server: ServerThread) -> None:
+def test_a_cancelled_stream_stops_computing_and_is_counted_cancelled(
+    server: ServerThread, caplog: pytest.LogCaptureFixture
+) -> None:
     gate = Gate(server)
     with grpc.insecure_channel(server.url) as channel:
         call = pb_grpc.GRPCInferenceServiceStub(channel).ModelStreamInfer(_requests(), timeout=120)
@@ -142,6 +145,8 @@ def test_a_cancelled_stream_stops_computing_and_is_counted_cancelled(server: Ser
     assert gate.computed <= 2, f"{gate.computed} of {N} requests computed (the answered one, the one computing)"
     assert counts["CANCELLED"] >= 1 and counts["OK"] <= gate.computed, counts
     assert counts["INTERNAL"] == counts["UNKNOWN"] == 0
+    errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+    assert errors == [], errors  # a client that leaves is no server fault: no ERROR, no traceback
 
 
 def test_an_expired_stream_stops_computing_and_is_counted_deadline_exceeded(server: ServerThread) -> None:
@@ -157,3 +162,26 @@ def test_an_expired_stream_stops_computing_and_is_counted_deadline_exceeded(serv
     assert gate.computed <= 1, f"{gate.computed} of {N} requests computed after the deadline"
     assert counts["DEADLINE_EXCEEDED"] >= 1 and counts["CANCELLED"] == 0, counts
     assert counts["OK"] <= gate.computed  # the one held at the gate may finish before the stream ends
+
+
+def test_a_stream_closed_under_its_generator_is_cancelled_not_a_fault(
+    server: ServerThread, caplog: pytest.LogCaptureFixture
+) -> None:
+    """gRPC closes a stream's generator from another task when the client leaves while it waits
+    at a `yield` (GeneratorExit, in another context): that is the client's departure."""
+    from service.protocol.calls import Calls
+
+    calls = Calls(server.core)
+
+    async def scenario() -> None:
+        async def stream():  # type: ignore[no-untyped-def]
+            async with calls.stream("ModelStreamInfer", None):
+                yield 1
+
+        generator = stream()
+        await generator.__anext__()
+        await asyncio.get_running_loop().create_task(generator.aclose())
+
+    asyncio.run(scenario())
+    errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+    assert errors == [], errors
