@@ -99,10 +99,18 @@ def _credentials(settings: Settings) -> grpc.ServerCredentials | None:
 async def start(settings: Settings, registry: CollectorRegistry | None = None, clock: Clock | None = None) -> Running:
     """Bind and start serving at once (health NOT_SERVING); the model loads in the background.
 
+    A worker of several (--reuse-port, as the supervisor starts them) loads first and joins the
+    shared ports only once it can serve: the kernel gives a bound worker new connections, and a
+    restarting worker would otherwise answer them UNAVAILABLE while the others could serve them.
     `clock` is the batcher's (tests inject one); by default time.monotonic().
     """
     metrics = Metrics(registry if registry is not None else CollectorRegistry(auto_describe=True))
     core = InferenceCore(settings, metrics, clock)
+    if settings.reuse_port:
+        try:
+            await core.load()
+        except Exception as exc:
+            raise StartupError(f"cannot serve: {exc}", 1) from exc
     health_servicer = health.aio.HealthServicer()
     for service in HEALTH_SERVICES:
         await health_servicer.set(service, health_pb2.HealthCheckResponse.NOT_SERVING)
@@ -224,7 +232,8 @@ async def load_and_serve(running: Running) -> None:
     """Load the model; SERVING only once it passed its self-check, and while it serves on the
     required device (--require-device)."""
     core = running.core
-    await core.load()
+    if core.state is State.LOADING:  # a worker of several has loaded before it bound its ports
+        await core.load()
     core.device.on_serving = lambda ok: _health_task(running, ok)
     ok = core.serving_ok()
     await _set_health(running, ok)

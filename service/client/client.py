@@ -51,11 +51,16 @@ class MHAClient:
         client_cert: tuple[bytes, bytes] | None = None,  # (key, certificate) for mTLS
         max_message_mb: int = 64,
         server_name: str | None = None,
+        own_connection: bool = False,
+        wait_for_ready: bool = False,
     ) -> None:
         options: list[tuple[str, int | str]] = [
             ("grpc.max_receive_message_length", max_message_mb * 1024 * 1024),
             ("grpc.max_send_message_length", max_message_mb * 1024 * 1024),
         ]
+        self.wait_for_ready = wait_for_ready  # a call waits (within its timeout) for a connection, not failing fast
+        if own_connection:  # gRPC shares one connection among a process's channels to one target
+            options.append(("grpc.use_local_subchannel_pool", 1))
         if server_name:
             options.append(("grpc.ssl_target_name_override", server_name))
         if root_certificates is not None:
@@ -79,7 +84,8 @@ class MHAClient:
 
     def _call(self, method: str, request: object, timeout: float | None) -> object:
         try:
-            return getattr(self.stub, method)(request, timeout=timeout, metadata=self.metadata)
+            call = getattr(self.stub, method)
+            return call(request, timeout=timeout, metadata=self.metadata, wait_for_ready=self.wait_for_ready)
         except grpc.RpcError as exc:
             raise InferenceError(exc.code(), exc.details() or "") from exc
 
@@ -120,7 +126,9 @@ class MHAClient:
         parameters[SEQUENCE_OFFSET].int64_param = offset
         metadata = (*self.metadata, (SEQUENCE_HEADER, str(sequence_id)))
         try:
-            response = self.stub.ModelInfer(request, timeout=timeout, metadata=metadata)
+            response = self.stub.ModelInfer(
+                request, timeout=timeout, metadata=metadata, wait_for_ready=self.wait_for_ready
+            )
         except grpc.RpcError as exc:
             raise InferenceError(exc.code(), exc.details() or "") from exc
         said = response.parameters

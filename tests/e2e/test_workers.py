@@ -7,6 +7,7 @@ import json
 import os
 import re
 import signal
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -21,7 +22,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from model.checkpoint import load_checkpoint
 from model.reference import attention_view, relative_error
-from service.client.client import MHAClient
+from service.client.client import InferenceError, MHAClient
 from service.proto import grpc_service_pb2 as pb
 from service.proto import grpc_service_pb2_grpc as pb_grpc
 from service.protocol.codec import decode_infer_response, encode_infer_request
@@ -282,3 +283,68 @@ def test_a_hung_worker_is_found_and_replaced(small_model_dir: Path, tmp_path: Pa
         assert not _alive(pid)
     finally:
         server.kill()
+
+
+def test_a_worker_killed_under_load_fails_only_its_own_requests(small_model_dir: Path, tmp_path: Path) -> None:
+    """8 clients, each on its own connection, while worker 0 is killed with SIGKILL: the requests
+    that were on it fail UNAVAILABLE (retry), every answer given is exact, the worker is replaced,
+    and the merged request counter never goes down."""
+    server = ServerProcess(["--model-dir", str(small_model_dir), "--backend", "torch", "--workers", "2"])
+    server.start(tmp_path / "server.log")
+    config, weights = load_checkpoint(small_model_dir / "weights.safetensors")
+    outcomes: list[str] = []
+    messages: set[str] = set()
+    wrong: list[float] = []
+    lock = threading.Lock()
+    killed = threading.Event()
+    after_kill = threading.Semaphore(0)
+
+    def client(i: int) -> None:
+        rng = np.random.default_rng(i)
+        # 8 connections for the kernel to spread; calls wait for a connection rather than fail fast
+        with MHAClient(server.url, own_connection=True, wait_for_ready=True) as mha:
+            for n in range(400):
+                x = rng.standard_normal((2, 16, 32), dtype=np.float32)
+                try:
+                    y = mha.infer(x, timeout=30)
+                except InferenceError as exc:
+                    with lock:
+                        outcomes.append(exc.code.name)
+                        messages.add(str(exc)[:150])
+                    continue
+                error = relative_error(torch.from_numpy(y), attention_view(torch.from_numpy(x), weights, config))
+                with lock:
+                    outcomes.append("OK")
+                    if error >= 1e-5:
+                        wrong.append(error)
+                if killed.is_set():
+                    after_kill.release()
+                if n > 40 and killed.is_set() and len(outcomes) > 600:
+                    return
+
+    try:
+        _until(lambda: _ready_workers(server) == 2)
+        threads = [threading.Thread(target=client, args=(i,)) for i in range(8)]
+        for thread in threads:
+            thread.start()
+        _until(lambda: len(outcomes) >= 100)
+        counted = [_ok(_samples(server.metrics_port))]
+        (_, pid, port), _ = STARTED.findall(server.log())
+        assert _ok(_samples(int(port))) > 0, "worker 0 served none of the clients: the kill would prove nothing"
+        os.kill(int(pid), signal.SIGKILL)
+        killed.set()
+        restarted = ("mha_worker_restarts_total", (("worker", "0"),))
+        while _samples(server.metrics_port).get(restarted) != 1.0 or _ready_workers(server) < 2:
+            counted.append(_ok(_samples(server.metrics_port)))
+            assert len(counted) < 2000, "worker 0 was never replaced"
+        for _ in range(50):  # answers keep coming after the kill
+            assert after_kill.acquire(timeout=60)
+        for thread in threads:
+            thread.join(120)
+        counted.append(_ok(_samples(server.metrics_port)))
+    finally:
+        server.kill()
+    assert wrong == [], f"{len(wrong)} answers OK and wrong"
+    assert set(outcomes) <= {"OK", "UNAVAILABLE"}, sorted(set(outcomes))
+    assert outcomes.count("UNAVAILABLE") <= 8, f"more failed than were on the killed worker: {sorted(messages)}"
+    assert counted == sorted(counted), f"the merged counter went down: {counted[:5]} ..."
