@@ -139,7 +139,10 @@ def test_a_cancelled_stream_stops_computing_and_is_counted_cancelled(
         first = next(call)
         assert not first.error_message
         call.cancel()
-    gate.permits.release(N)  # from now on, anything may compute: only what the server still wants does
+    deadline = time.monotonic() + 30  # the server hears of the cancel (its queued requests are dropped) ...
+    while not _stream_counts(server)["CANCELLED"] and time.monotonic() < deadline:
+        time.sleep(0.01)
+    gate.permits.release(N)  # ... then anything may compute: only what the server still wants does
     _settle(server)
     counts = _stream_counts(server)
     assert gate.computed <= 2, f"{gate.computed} of {N} requests computed (the answered one, the one computing)"
