@@ -243,19 +243,19 @@ class BatchEvent:
 
 
 def batch_event(
-    shapes: list[tuple[int, int]],  # (B, T) of each request, in batch order
-    x: np.ndarray,  # the merged batch
+    shapes: Sequence[tuple[int, int]],  # (B, T) of each request, in batch order
     times: tuple[float, float],  # (formation began, compute began)
     now: float,
     backend: str,
     error: BaseException | None,
 ) -> BatchEvent:
-    (forming, started), rows = times, int(x.shape[0])
+    """The report of a batch merged from `shapes` (right-padded to the longest T, as `merge` does)."""
+    (forming, started), rows, t_max = times, sum(b for b, _ in shapes), max(t for _, t in shapes)
     return BatchEvent(
         requests=len(shapes),
         rows=rows,
         seqs=tuple(seq for _, seq in shapes),
-        padded_tokens=rows * int(x.shape[1]) - sum(b * t for b, t in shapes),
+        padded_tokens=rows * t_max - sum(b * t for b, t in shapes),
         formation_s=started - forming,
         compute_s=now - started,
         backend=backend,

@@ -82,10 +82,11 @@ class MHAClient:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _call(self, method: str, request: object, timeout: float | None) -> object:
+    def _call(self, method: str, request: object, timeout: float | None, metadata: tuple = ()) -> object:
         try:
             call = getattr(self.stub, method)
-            return call(request, timeout=timeout, metadata=self.metadata, wait_for_ready=self.wait_for_ready)
+            metadata = (*self.metadata, *metadata)
+            return call(request, timeout=timeout, metadata=metadata, wait_for_ready=self.wait_for_ready)
         except grpc.RpcError as exc:
             raise InferenceError(exc.code(), exc.details() or "") from exc
 
@@ -124,13 +125,8 @@ class MHAClient:
         parameters["sequence_start"].bool_param = start
         parameters["sequence_end"].bool_param = end
         parameters[SEQUENCE_OFFSET].int64_param = offset
-        metadata = (*self.metadata, (SEQUENCE_HEADER, str(sequence_id)))
-        try:
-            response = self.stub.ModelInfer(
-                request, timeout=timeout, metadata=metadata, wait_for_ready=self.wait_for_ready
-            )
-        except grpc.RpcError as exc:
-            raise InferenceError(exc.code(), exc.details() or "") from exc
+        header = ((SEQUENCE_HEADER, str(sequence_id)),)
+        response: pb.ModelInferResponse = self._call("ModelInfer", request, timeout, header)  # type: ignore[assignment]
         said = response.parameters
         length, replica, worker = said[SEQUENCE_LENGTH].int64_param, said["replica"].string_param, said["worker"]
         return StepAnswer(decode_infer_response(response), int(length), replica, int(worker.int64_param))

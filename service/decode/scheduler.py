@@ -15,7 +15,7 @@ from functools import partial
 import numpy as np
 
 from service.arrays import all_finite, not_finite
-from service.batching import BatchEvent, Clock, LoneGate, MonotonicClock, Pending, run_each_alone
+from service.batching import BatchEvent, Clock, LoneGate, MonotonicClock, Pending, batch_event, run_each_alone
 from service.decode.control import SequenceControl
 from service.decode.runner import StepInput
 from service.decode.sequences import SequenceStore
@@ -131,7 +131,6 @@ class StepBatcher:
         """Run the steps, reporting the batch (on a worker thread, or on the loop when alone): their
         outputs, and when the compute began."""
         shapes = [(int(s.x.shape[0]), int(s.x.shape[1])) for s in steps]
-        rows, t_max = sum(b for b, _ in shapes), max(t for _, t in shapes)
         started = self.clock.now()
         error: BaseException | None = None
         try:
@@ -141,18 +140,8 @@ class StepBatcher:
             raise
         finally:
             if self._on_batch is not None:
-                self._events.append(
-                    BatchEvent(
-                        requests=len(steps),
-                        rows=rows,
-                        seqs=tuple(t for _, t in shapes),
-                        padded_tokens=rows * t_max - sum(b * t for b, t in shapes),
-                        formation_s=started - oldest,
-                        compute_s=self.clock.now() - started,
-                        backend="" if error is not None else self.backend,
-                        error=error,
-                    )
-                )
+                backend = "" if error is not None else self.backend
+                self._events.append(batch_event(shapes, (oldest, started), self.clock.now(), backend, error))
 
     def _publish(self) -> None:
         """The executed batches' events, to metrics and statistics, on the event loop's thread."""

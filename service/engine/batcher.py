@@ -149,13 +149,13 @@ class Batcher:
             else:
                 y, backend = await asyncio.get_running_loop().run_in_executor(self._executor, self._run_batch, x)
         except Exception as exc:
-            self._report(shapes, x, (forming, started), "", exc)
+            self._report(shapes, (forming, started), "", exc)
             if len(batch) > 1:  # isolate the culprit: one request's failure never fails the others
                 await run_each_alone(batch, lambda one: self._execute(one, self.clock.now()))
             elif not batch[0].future.done():
                 batch[0].future.set_exception(exc)
             return
-        self._report(shapes, x, (forming, started), backend, None)
+        self._report(shapes, (forming, started), backend, None)
         for item, out in zip(batch, split(y, shapes), strict=True):
             if not item.future.done():
                 item.future.set_result((out, Timing(started - item.enqueued, backend)))
@@ -170,18 +170,13 @@ class Batcher:
         try:
             y, backend = self._run_batch(x)
         except Exception as exc:
-            self._report(shapes, x, (started, started), "", exc)
+            self._report(shapes, (started, started), "", exc)
             raise
-        self._report(shapes, x, (started, started), backend, None)
+        self._report(shapes, (started, started), backend, None)
         return y, Timing(started - enqueued, backend)
 
     def _report(
-        self,
-        shapes: list[tuple[int, int]],
-        x: np.ndarray,
-        times: tuple[float, float],
-        backend: str,
-        error: BaseException | None,
+        self, shapes: list[tuple[int, int]], times: tuple[float, float], backend: str, error: BaseException | None
     ) -> None:
         if self._on_batch is not None:
-            self._on_batch(batch_event(shapes, x, times, self.clock.now(), backend, error))
+            self._on_batch(batch_event(shapes, times, self.clock.now(), backend, error))

@@ -15,6 +15,7 @@ from service.protocol.codec import (
     encode_infer_response,
     names_shared_memory,
     output_placement,
+    parameter_values,
     request_timeout_s,
     sequence_control,
 )
@@ -80,6 +81,7 @@ async def _step_with_regions(
     response = await peers.forward(worker, plain, sequence_header, timeout)
     if target is None:
         return response
-    said = {key: getattr(p, str(p.WhichOneof("parameter_choice"))) for key, p in response.parameters.items()}
+    said = parameter_values(response.parameters)  # the owner's sequence_length, replica and worker
     backend = str(said.pop("backend", ""))
-    return encode_infer_response(decode_infer_response(response), model, request.id, backend, target, regions, said)
+    extra = {key: value for key, value in said.items() if isinstance(value, int | str)}
+    return encode_infer_response(decode_infer_response(response), model, request.id, backend, target, regions, extra)

@@ -126,6 +126,11 @@ def sequence_control(request: pb.ModelInferRequest) -> SequenceControl | None:
     )
 
 
+def parameter_values(parameters: Any) -> dict[str, bool | int | float | str]:
+    """InferParameters as plain values: each parameter's one set field."""
+    return {key: getattr(p, str(p.WhichOneof("parameter_choice"))) for key, p in parameters.items()}
+
+
 def check_sequence_header(control: SequenceControl | None, header: str | None) -> None:
     """Balancers route on the `mha-sequence-id` header and the server computes on the
     `sequence_id` parameter: a request whose two disagree could reach a replica that does not

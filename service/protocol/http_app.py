@@ -28,7 +28,7 @@ from service.protocol import render
 from service.protocol.answer import answer_infer
 from service.protocol.auth import HTTP_HOW, BearerToken
 from service.protocol.calls import Call, Calls
-from service.protocol.codec import SEQUENCE_HEADER
+from service.protocol.codec import SEQUENCE_HEADER, parameter_values
 from service.protocol.peers import WorkerPeers
 from service.protocol.regions import RegionDirectory
 from service.protocol.shm import SystemRegions
@@ -193,11 +193,6 @@ def to_infer_request(
     return request, binary_out
 
 
-def _json_parameters(parameters: Any) -> dict[str, Any]:
-    """InferParameters as JSON values: each parameter's one set field."""
-    return {key: getattr(p, p.WhichOneof("parameter_choice")) for key, p in parameters.items()}
-
-
 def from_infer_response(response: pb.ModelInferResponse, binary: bool) -> web.Response:
     out = response.outputs[0]
     tensor: dict[str, Any] = {"name": out.name, "datatype": out.datatype, "shape": list(out.shape)}
@@ -205,11 +200,11 @@ def from_infer_response(response: pb.ModelInferResponse, binary: bool) -> web.Re
         "model_name": response.model_name,
         "model_version": response.model_version,
         "id": response.id,
-        "parameters": _json_parameters(response.parameters),
+        "parameters": parameter_values(response.parameters),
         "outputs": [tensor],
     }
     if not response.raw_output_contents:  # written to shared memory: the placement, no data
-        tensor["parameters"] = _json_parameters(out.parameters)
+        tensor["parameters"] = parameter_values(out.parameters)
         return web.json_response(doc)
     raw = response.raw_output_contents[0]
     if not binary:

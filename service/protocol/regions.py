@@ -13,30 +13,30 @@ from service.protocol.shm import Region, SystemRegions
 
 class RegionDirectory:
     def __init__(self, local: SystemRegions, peers: WorkerPeers | None = None) -> None:
-        self.local, self.peers = local, peers
-
-    @property
-    def keeper(self) -> int | None:
-        """The worker that keeps the regions when it is another one; None when it is this one."""
-        return None if self.peers is None else self.peers.region_keeper
+        self.local = local
+        keeper = None if peers is None else peers.region_keeper
+        self._keeper = None if peers is None or keeper is None else (peers, keeper)  # None: kept here
 
     async def register(self, name: str, key: str, offset: int, byte_size: int) -> None:
-        if self.peers is None or self.keeper is None:
+        if self._keeper is None:
             self.local.register(name, key, offset, byte_size)
             return
+        peers, keeper = self._keeper
         request = pb.SystemSharedMemoryRegisterRequest(name=name, key=key, offset=offset, byte_size=byte_size)
-        await self.peers.call(self.keeper, REGISTER, request)
+        await peers.call(keeper, REGISTER, request)
 
     async def unregister(self, name: str) -> None:
-        if self.peers is None or self.keeper is None:
+        if self._keeper is None:
             self.local.unregister(name)
             return
-        await self.peers.call(self.keeper, UNREGISTER, pb.SystemSharedMemoryUnregisterRequest(name=name))
+        peers, keeper = self._keeper
+        await peers.call(keeper, UNREGISTER, pb.SystemSharedMemoryUnregisterRequest(name=name))
 
     async def status(self, name: str) -> list[Region]:
         """The regions named `name`, or all of them for an empty name (fd -1: kept by another worker)."""
-        if self.peers is None or self.keeper is None:
+        if self._keeper is None:
             return self.local.status(name)
-        answer = await self.peers.call(self.keeper, STATUS, pb.SystemSharedMemoryStatusRequest(name=name))
+        peers, keeper = self._keeper
+        answer = await peers.call(keeper, STATUS, pb.SystemSharedMemoryStatusRequest(name=name))
         regions = pb.SystemSharedMemoryStatusResponse.FromString(answer).regions.values()
         return [Region(r.name, r.key, int(r.offset), int(r.byte_size), -1) for r in regions]

@@ -25,7 +25,7 @@ from model.reference import attention_view, relative_error
 from service.client.client import InferenceError, MHAClient
 from service.proto import grpc_service_pb2 as pb
 from service.proto import grpc_service_pb2_grpc as pb_grpc
-from service.protocol.codec import decode_infer_response, encode_infer_request
+from service.protocol.codec import decode_infer_response, encode_infer_request, parameter_values
 from service.protocol.peers import FORWARDED_METHOD, owner_of
 from tests.support import ServerProcess
 
@@ -108,8 +108,7 @@ def _grpc_step(url: str, sequence_id: str, x: np.ndarray, offset: int) -> tuple[
         request.parameters["sequence_start"].bool_param = offset == 0
         request.parameters["sequence_offset"].int64_param = offset
         response = client.stub.ModelInfer(request, metadata=(("mha-sequence-id", sequence_id),), timeout=30)
-    said = {key: getattr(p, p.WhichOneof("parameter_choice")) for key, p in response.parameters.items()}
-    return decode_infer_response(response), said
+    return decode_infer_response(response), parameter_values(response.parameters)
 
 
 def _http_step(port: int, sequence_id: str, x: np.ndarray, offset: int, timeout_us: int = 0) -> tuple[np.ndarray, dict]:
