@@ -62,8 +62,8 @@ class Calls:
     ) -> UnaryScope:
         return UnaryScope(self, context, Call(method, new_request_id(client_id), inference))
 
-    def stream_item(self, method: str, context: grpc.aio.ServicerContext, client_id: str) -> InBandScope:
-        return InBandScope(self, context, Call(method, new_request_id(client_id), inference=True))
+    def stream_item(self, method: str, context: grpc.aio.ServicerContext, client_id: str) -> StreamItemScope:
+        return StreamItemScope(self, context, Call(method, new_request_id(client_id), inference=True))
 
     def in_band(
         self, method: str, context: grpc.aio.ServicerContext | None, client_id: str = "", inference: bool = False
@@ -155,6 +155,29 @@ class InBandScope(_Scope):
     ) -> bool:
         self._exit(exc)
         return isinstance(exc, Exception)
+
+
+class StreamItemScope(_Scope):
+    """One request of a stream, answered in-band. It is counted once its answer's fate is known
+    (`settle`): an answer computed for a client that left before it was written is counted
+    CANCELLED (or DEADLINE_EXCEEDED), not OK. A request cancelled while computing is counted at
+    once."""
+
+    async def __aexit__(
+        self, typ: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> bool:
+        self._exit(exc, record=isinstance(exc, asyncio.CancelledError | GeneratorExit))
+        return isinstance(exc, Exception)
+
+    def settle(self, delivered: bool) -> None:
+        if not delivered and self.call.ok:
+            self.call.code = _ended_code(self._context)
+            self.call.message = "answered after the client had left: the answer was not delivered"
+        token = request_id_var.set(self.call.request_id)
+        try:
+            self._calls.closed(self.call)
+        finally:
+            request_id_var.reset(token)
 
 
 class StreamScope(_Scope):

@@ -58,10 +58,11 @@ async def _messages(requests: AsyncIterator[Message | Unparsable]) -> AsyncItera
         yield request
 
 
-def _stream(behavior: Callable[..., AsyncIterator[Any]]) -> Callable[..., AsyncIterator[Any]]:
-    async def handle(requests: AsyncIterator[Message | Unparsable], context: Context) -> AsyncIterator[Any]:
-        async for response in behavior(_messages(requests), context):
-            yield response
+def _stream(behavior: Callable[..., Awaitable[None]]) -> Callable[..., Awaitable[None]]:
+    """A bidirectional stream whose behavior writes its answers (context.write)."""
+
+    async def handle(requests: AsyncIterator[Message | Unparsable], context: Context) -> None:
+        await behavior(_messages(requests), context)
 
     return handle
 

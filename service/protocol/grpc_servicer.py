@@ -6,6 +6,9 @@ codec reads requests and `render` writes what the server knows.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import logging
 from collections.abc import AsyncIterator
 from typing import TypeAlias
 
@@ -18,13 +21,14 @@ from service.proto import grpc_service_pb2 as pb
 from service.proto import grpc_service_pb2_grpc as pb_grpc
 from service.protocol import render
 from service.protocol.answer import answer_infer
-from service.protocol.calls import Calls
+from service.protocol.calls import Calls, StreamItemScope
 from service.protocol.codec import SEQUENCE_HEADER
 from service.protocol.grpc_streams import answer_concurrently
 from service.protocol.peers import WorkerPeers
 from service.protocol.regions import RegionDirectory
 from service.protocol.shm import SystemRegions
 
+log = logging.getLogger(__name__)
 Context: TypeAlias = grpc.aio.ServicerContext
 CUDA_SHM_OFF = (
     "CUDA shared memory is not offered by this server; register a system shared memory region "
@@ -133,24 +137,46 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         async with self.calls.unary("ModelInfer", context, request.id, inference=True):
             return await self._infer(request, context)
 
-    async def ModelStreamInfer(
-        self, request_iterator: AsyncIterator[pb.ModelInferRequest], context: Context
-    ) -> AsyncIterator[pb.ModelStreamInferResponse]:
+    async def ModelStreamInfer(self, request_iterator: AsyncIterator[pb.ModelInferRequest], context: Context) -> None:
         """Requests of one stream are served concurrently (so they can share batches); each
         response carries its request's id. A failed request answers error_message, and the
-        stream goes on; a message that is not a request, or draining, ends it with a status."""
+        stream goes on; a message that is not a request, or draining, ends it with a status.
+        Answers are written here (not yielded) so that each one's delivery is known: an answer
+        that could not be written counts CANCELLED, and a client that left is no server error."""
         draining = (self.core.draining, NotReady("the server is draining for shutdown; reconnect to another replica"))
         async with self.calls.stream("ModelStreamInfer", context):
-            async for response in answer_concurrently(
-                request_iterator, lambda r: self._stream_one(r, context), draining
-            ):
-                yield response
+            answers = answer_concurrently(
+                request_iterator, lambda r: self._stream_one(r, context), draining, _settle_stream_item
+            )
+            async with contextlib.aclosing(answers):  # closed here, not whenever it is collected
+                async for response, _ in answers:
+                    if not await _written(context, response):
+                        return
 
-    async def _stream_one(self, request: pb.ModelInferRequest, context: Context) -> pb.ModelStreamInferResponse:
-        async with self.calls.stream_item("ModelStreamInfer", context, request.id) as call:
-            return pb.ModelStreamInferResponse(infer_response=await self._infer(request, context))
-        return render.stream_error(request, call.code, call.message)
+    async def _stream_one(
+        self, request: pb.ModelInferRequest, context: Context
+    ) -> tuple[pb.ModelStreamInferResponse, StreamItemScope]:
+        scope = self.calls.stream_item("ModelStreamInfer", context, request.id)
+        async with scope as call:
+            return pb.ModelStreamInferResponse(infer_response=await self._infer(request, context)), scope
+        return render.stream_error(request, call.code, call.message), scope
 
     async def _infer(self, request: pb.ModelInferRequest, context: Context) -> pb.ModelInferResponse:
         deadline = _deadline(context, self.core.clock)
         return await answer_infer(self.core, self.regions, request, deadline, _sequence_header(context), self.peers)
+
+
+def _settle_stream_item(answered: tuple[pb.ModelStreamInferResponse, StreamItemScope], delivered: bool) -> None:
+    answered[1].settle(delivered)
+
+
+async def _written(context: Context, response: pb.ModelStreamInferResponse) -> bool:
+    """Write one answer of a stream; False when it cannot be, because the client has gone."""
+    try:
+        await context.write(response)
+    except asyncio.CancelledError:
+        raise
+    except Exception as exc:  # gRPC's failed batch: the call is over under us
+        log.info("a stream answer could not be written (the client has gone): %s", type(exc).__name__)
+        return False
+    return True

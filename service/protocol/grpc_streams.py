@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import TypeVar
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
+from typing import TypeVar, cast
 
 Req = TypeVar("Req")
 Resp = TypeVar("Resp")
@@ -16,7 +16,8 @@ async def answer_concurrently(
     requests: AsyncIterator[Req],
     answer: Callable[[Req], Awaitable[Resp]],
     stop: tuple[asyncio.Event, Exception] | None = None,
-) -> AsyncIterator[Resp]:
+    settle: Callable[[Resp, bool], None] | None = None,
+) -> AsyncGenerator[Resp, None]:
     """Answer each request on its own task and yield the answers as they complete.
 
     Requests of one stream may so share batches. Whenever the consumer stops, because the
@@ -25,6 +26,10 @@ async def answer_concurrently(
     nothing keeps computing for a client that has gone. An error reading the requests is
     raised once the requests read before it are answered. `stop` = (event, error): once the
     event is set, reading stops and, after the answers to what was read, `error` is raised.
+
+    `settle(answer, delivered)` is called once for every answer computed: delivered is True
+    once the consumer came back for the next one (gRPC has written it), False for an answer
+    the consumer never took, or took but never came back from (its write did not complete).
     """
     answers: asyncio.Queue[object] = asyncio.Queue()
     tasks: set[asyncio.Task[None]] = set()
@@ -47,9 +52,12 @@ async def answer_concurrently(
     stopper = asyncio.create_task(stop[0].wait()) if stop else None
     if stopper is not None:
         stopper.add_done_callback(lambda _: reader.cancel())
+    in_hand: list[Resp] = []  # yielded, its delivery not yet known
     try:
         while (item := await answers.get()) is not _END:
+            in_hand.append(item)  # type: ignore[arg-type]
             yield item  # type: ignore[misc]
+            _settle_all(settle, in_hand, delivered=True)
         if stop is not None and reader.cancelled():
             raise stop[1]
         await reader  # raises what ended the reading, if anything did
@@ -60,4 +68,30 @@ async def answer_concurrently(
         pending = list(tasks)
         for task in pending:
             task.cancel()
-        await asyncio.gather(reader, *pending, return_exceptions=True)
+        cancelled_again = await _wait_out(reader, *pending)
+        _settle_all(settle, in_hand, delivered=False)
+        while not answers.empty():
+            if (left := answers.get_nowait()) is not _END:
+                _settle_all(settle, [cast(Resp, left)], delivered=False)
+        if cancelled_again:
+            raise asyncio.CancelledError
+
+
+async def _wait_out(*tasks: asyncio.Task[None]) -> bool:
+    """Wait until every (cancelled) task has ended, even when this wait is itself cancelled (as
+    gRPC cancels a handler whose client left): nothing may be left to put an answer nobody
+    settles. True if the wait was cancelled."""
+    cancelled = False
+    while True:
+        try:
+            await asyncio.gather(*tasks, return_exceptions=True)
+            return cancelled
+        except asyncio.CancelledError:
+            cancelled = True
+
+
+def _settle_all(settle: Callable[[Resp, bool], None] | None, answers: list[Resp], delivered: bool) -> None:
+    if settle is not None:
+        for answer in answers:
+            settle(answer, delivered)
+    answers.clear()

@@ -188,3 +188,53 @@ def test_a_stream_closed_under_its_generator_is_cancelled_not_a_fault(
     asyncio.run(scenario())
     errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
     assert errors == [], errors
+
+
+def test_an_answer_counts_delivered_only_once_the_consumer_came_back_for_the_next() -> None:
+    settled: list[tuple[int, bool]] = []
+
+    async def main() -> None:
+        computed: list[int] = []
+
+        async def answer(i: int) -> int:
+            computed.append(i)
+            return i
+
+        stream = answer_concurrently(_numbers(5), answer, settle=lambda a, d: settled.append((a, d)))
+        first = await anext(stream)
+        second = await anext(stream)  # the consumer came back: `first` was written
+        while len(computed) < 5:
+            await asyncio.sleep(0)
+        await stream.aclose()  # closed at the yield of `second`: its write never completed
+        assert settled[0] == (first, True)
+        assert (second, False) in settled
+
+    asyncio.run(main())
+    answers = [a for a, _ in settled]
+    assert sorted(answers) == [0, 1, 2, 3, 4], settled  # every computed answer settled, once
+    assert [a for a, delivered in settled if delivered] == [answers[0]]
+
+
+def test_answers_computed_but_never_written_count_cancelled_not_ok(
+    server: ServerThread, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The client reads one answer and leaves while the server has computed them all: what gRPC
+    never wrote (flow control holds it back) is CANCELLED, and OK counts only what was written."""
+    x = np.random.default_rng(1).standard_normal((1, 1024, 128), dtype=np.float32)  # 512 KiB answers
+    gate = Gate(server)
+    gate.permits.release(N)
+    with grpc.insecure_channel(server.url) as channel:
+        requests = (encode_infer_request(x, request_id=str(i)) for i in range(N))
+        call = pb_grpc.GRPCInferenceServiceStub(channel).ModelStreamInfer(requests, timeout=120)
+        assert not next(call).error_message
+        deadline = time.monotonic() + 60
+        while gate.computed < N and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert gate.computed == N
+        call.cancel()
+    _settle(server)
+    counts = _stream_counts(server)
+    assert counts["OK"] + counts["CANCELLED"] == N, counts
+    assert counts["OK"] < N // 2, counts  # before: all N counted OK, for one answer read
+    errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+    assert errors == [], errors  # gRPC's failed write under a departed client is no server fault
