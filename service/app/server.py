@@ -26,6 +26,7 @@ from service.protocol.grpc_handlers import generic_handler
 from service.protocol.grpc_servicer import InferenceServicer
 from service.protocol.handover import Handover
 from service.protocol.http_app import HttpApi, ssl_context
+from service.protocol.http_wire import JsonErrorsRunner
 from service.protocol.peers import WorkerPeers, socket_path
 from service.protocol.shm import SystemRegions
 from service.settings import Settings
@@ -191,7 +192,7 @@ async def _start_metrics(running: Running, settings: Settings, metrics: Metrics)
 
 
 async def _start_http(running: Running, settings: Settings, api: HttpApi) -> None:
-    running.http_runner = web.AppRunner(api.app(), access_log=None, handle_signals=False)
+    running.http_runner = JsonErrorsRunner(api.app(), access_log=None, handle_signals=False)
     await running.http_runner.setup()
     site = web.TCPSite(
         running.http_runner,

@@ -47,5 +47,7 @@ class TorchBackend(Backend):
 
     @torch.inference_mode()
     def run(self, x: np.ndarray) -> np.ndarray:
+        if not x.flags.writeable:  # a view of a request's bytes: torch warns on (and may not) share it
+            x = x.copy()
         xt = torch.from_numpy(x).to(self.device, self.dtype, non_blocking=True)
         return self._module(xt).float().cpu().numpy()

@@ -29,6 +29,7 @@ from service.protocol.answer import answer_infer
 from service.protocol.auth import HTTP_HOW, BearerToken
 from service.protocol.calls import Call, Calls
 from service.protocol.codec import SEQUENCE_HEADER, parameter_values
+from service.protocol.http_wire import route_errors
 from service.protocol.peers import WorkerPeers
 from service.protocol.regions import RegionDirectory
 from service.protocol.shm import SystemRegions
@@ -231,7 +232,7 @@ class HttpApi:
         self._token = BearerToken(token) if token else None
 
     def app(self) -> web.Application:
-        app = web.Application(client_max_size=self.core.settings.max_message_mb * 2**20)
+        app = web.Application(client_max_size=self.core.settings.max_message_mb * 2**20, middlewares=[route_errors])
         model = "/v2/models/{name}"
         versioned = "/v2/models/{name}/versions/{version}"
         app.router.add_get("/v2/health/live", self._live)
