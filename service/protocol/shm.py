@@ -109,13 +109,32 @@ class SystemRegions:
     def read(self, where: Placement, out: np.ndarray) -> None:
         """Fill `out` (C-contiguous) with the placement's bytes."""
         region, start = self._bounds(where, out.nbytes)
-        got = os.preadv(region.fd, [out.data.cast("B")], start)
+        try:
+            got = os.preadv(region.fd, [out.data.cast("B")], start)
+        except OSError as exc:
+            raise InvalidInput(f"region {quote(region.name)}: its object cannot be read: {exc.strerror}") from None
         if got != out.nbytes:
             raise InvalidInput(f"region {quote(region.name)}: read {got} of {out.nbytes} bytes; its object shrank")
 
     def write(self, where: Placement, data: np.ndarray) -> None:
+        """Write `data` at the placement, all of it or an error that names the region: the
+        object's file may refuse bytes (the host's shared memory is full: tmpfs allocates pages
+        on the first write; a file size limit), and an answer with part of its output would be
+        a silent wrong answer."""
         region, start = self._bounds(where, data.nbytes)
-        os.pwrite(region.fd, np.ascontiguousarray(data).data.cast("B"), start)
+        try:
+            wrote = os.pwrite(region.fd, np.ascontiguousarray(data).data.cast("B"), start)
+        except OSError as exc:
+            raise Overloaded(
+                f"region {quote(region.name)}: the output could not be written to its object {quote(region.key)}: "
+                f"{exc.strerror}; free shared memory on the host, or receive the output in the response"
+            ) from None
+        if wrote != data.nbytes:
+            raise Overloaded(
+                f"region {quote(region.name)}: its object {quote(region.key)} took {wrote} of the output's "
+                f"{data.nbytes} bytes (the host's shared memory is full, or a file size limit); free shared "
+                "memory, or receive the output in the response"
+            )
 
     def close(self) -> None:
         self._forget(list(self._regions))
@@ -147,7 +166,10 @@ class SystemRegions:
                 f"byte_size {region.byte_size}"
             )
         start = region.offset + where.offset
-        size = os.fstat(region.fd).st_size
+        try:
+            size = os.fstat(region.fd).st_size
+        except OSError as exc:
+            raise InvalidInput(f"region {quote(region.name)}: its object cannot be examined: {exc.strerror}") from None
         if start + nbytes > size:
             raise InvalidInput(
                 f"region {quote(region.name)}: its object {quote(region.key)} is now {size} bytes, too small for "

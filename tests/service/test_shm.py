@@ -374,3 +374,39 @@ def test_http_registration_refuses_what_is_not_a_registration(small_model_dir: P
             "/v2/systemsharedmemory/region/r/register", json.dumps({"key": key, "byte_size": 64}).encode()
         )
         assert code == 409 and "already registered" in answer["error"]
+
+
+_SHORT_WRITE = """
+import resource, signal, sys
+from pathlib import Path
+import numpy as np
+from service.errors import Overloaded
+from service.protocol.shm import Placement, SystemRegions
+
+directory = Path(sys.argv[1])
+(directory / "out").write_bytes(bytes(256))
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+resource.setrlimit(resource.RLIMIT_FSIZE, (200, 200))  # the file takes bytes up to 200 only
+regions = SystemRegions(True, 2, directory)
+regions.register("out", "/out", 0, 256)
+try:
+    regions.write(Placement("out", 128, 128), np.ones(32, np.float32))  # bytes 128..256: 72 fit
+except Overloaded as exc:
+    print("refused:", exc)
+else:
+    print("answered OK")
+"""
+
+
+def test_an_output_the_object_takes_only_in_part_is_refused_naming_the_region(tmp_path: Path) -> None:
+    """A short pwrite (here a file size limit; on a host, full shared memory) is no OK answer
+    with part of its output: RESOURCE_EXHAUSTED, naming the region and what it took."""
+    import subprocess
+    import sys
+
+    done = subprocess.run(
+        [sys.executable, "-c", _SHORT_WRITE, str(tmp_path)], capture_output=True, text=True, timeout=60, check=True
+    )
+    assert "refused: region 'out': its object '/out' took 72 of the output's 128 bytes" in done.stdout, (
+        done.stdout + done.stderr
+    )
