@@ -42,6 +42,7 @@ RESTART_WINDOW_S = 60.0
 PR_SET_PDEATHSIG = 1  # prctl(2)
 WATCHDOG_PERIOD_S = 2.0  # how often each worker's own metrics port is asked whether it still answers
 WATCHDOG_MISSES = 3  # unanswered in a row (after it first answered): hung, killed, and so replaced
+WORKER_START_S = 300.0  # never answered this long after its start (loading a model on a GPU included): hung
 
 
 @dataclass
@@ -51,6 +52,27 @@ class Worker:
     process: asyncio.subprocess.Process | None = None
     restarts: list[float] = field(default_factory=list)  # time.monotonic() of each restart
     answered: bool = False  # its metrics port answered since it was (re)started: the watchdog counts from then
+    started: float = 0.0  # time.monotonic() of its last (re)start
+
+
+@dataclass
+class Silence:
+    """The watchdog's verdict on one worker from its answers, on an injected clock: hung after
+    `misses` unanswered asks in a row once it has answered, or when it has never answered
+    `start_s` after its start (stuck before it could serve)."""
+
+    misses: int = WATCHDOG_MISSES
+    start_s: float = WORKER_START_S
+    _silent: int = 0
+
+    def hung(self, worker: Worker, answered: bool, now: float) -> bool:
+        worker.answered |= answered
+        self._silent = 0 if answered or not worker.answered else self._silent + 1
+        never = not worker.answered and now - worker.started >= self.start_s
+        if self._silent >= self.misses or never:
+            self._silent = 0
+            return True
+        return False
 
 
 Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]  # (sample name, labels) -> value
@@ -165,7 +187,7 @@ class Supervisor:
     async def _spawn(self, worker: Worker) -> None:
         env = self.environment(worker)
         die_with_me = partial(_die_with_parent, os.getpid())
-        worker.answered = False
+        worker.answered, worker.started = False, time.monotonic()
         worker.process = await asyncio.create_subprocess_exec(*self._command(worker), env=env, preexec_fn=die_with_me)
         log.info(
             "worker %d started (pid %d, metrics 127.0.0.1:%d)", worker.index, worker.process.pid, worker.metrics_port
@@ -222,18 +244,19 @@ class Supervisor:
     async def _watchdog(self, worker: Worker) -> None:
         """Kill a worker that is alive but answers nothing (a hung event loop), so that _watch
         replaces it, as KServe's multiprocess server does with its children."""
-        misses = 0
+        silence = Silence()
         while True:
             await asyncio.sleep(WATCHDOG_PERIOD_S)
             ok = await asyncio.to_thread(_answers, worker.metrics_port, WATCHDOG_PERIOD_S)
-            worker.answered |= ok
-            misses = 0 if ok or not worker.answered else misses + 1
             process = worker.process
-            if misses >= WATCHDOG_MISSES and process is not None and process.returncode is None:
-                waited = misses * WATCHDOG_PERIOD_S
-                log.error("worker %d (pid %d) silent for %.0f s: killing it", worker.index, process.pid, waited)
+            if silence.hung(worker, ok, time.monotonic()) and process is not None and process.returncode is None:
+                how = (
+                    f"silent for {silence.misses * WATCHDOG_PERIOD_S:.0f} s"
+                    if worker.answered
+                    else f"never answered in the {silence.start_s:.0f} s since its start"
+                )
+                log.error("worker %d (pid %d) %s: killing it", worker.index, process.pid, how)
                 process.kill()
-                misses = 0
 
     async def _stop_all(self) -> None:
         """SIGTERM to every worker, then wait for each one's drain."""

@@ -1,0 +1,26 @@
+"""The supervisor's watchdog verdicts, on an injected clock (the real processes: tests/e2e/test_workers.py)."""
+
+from __future__ import annotations
+
+from service.app.supervisor import Silence, Worker
+
+
+def test_a_worker_is_hung_after_three_silences_once_it_has_answered() -> None:
+    worker, silence = Worker(0, 9000, started=0.0), Silence(misses=3, start_s=100.0)
+    verdicts = [silence.hung(worker, ok, now) for now, ok in enumerate([True, False, False, True, False, False, False])]
+    assert verdicts == [False, False, False, False, False, False, True]
+
+
+def test_a_worker_that_never_answers_is_hung_once_its_start_time_is_over() -> None:
+    """Stuck before it could serve (a load that never ends, a deadlock at import): replaced too;
+    before, a worker that had never answered was never counted silent."""
+    worker, silence = Worker(0, 9000, started=50.0), Silence(misses=3, start_s=100.0)
+    assert not any(silence.hung(worker, False, now) for now in (52.0, 100.0, 149.9))  # loading, however slowly
+    assert silence.hung(worker, False, 150.0)
+
+
+def test_a_slow_start_that_answers_in_time_is_judged_by_silences_from_then() -> None:
+    worker, silence = Worker(0, 9000, started=0.0), Silence(misses=3, start_s=100.0)
+    assert not silence.hung(worker, True, 99.0)
+    assert not silence.hung(worker, False, 500.0) and not silence.hung(worker, False, 502.0)
+    assert silence.hung(worker, False, 504.0)
