@@ -68,6 +68,7 @@ class BackendChain:
         self._on_fallback = on_fallback
         self._clock = clock
         self._health = {b.name: _Health() for b in backends}
+        self._verdicts: dict[str, tuple[float, bool]] = {}  # backend -> (when, passed): the last blame probe
 
     @property
     def active(self) -> Backend:
@@ -136,7 +137,17 @@ class BackendChain:
                 return not bool(np.isfinite(other.run(rows)).all())
             except Exception:  # a failing witness says nothing: ask the next
                 continue
-        return self._probe(backend)[0]
+        return self._blame_probe(backend)
+
+    def _blame_probe(self, backend: Backend) -> bool:
+        """The backend's self-check, run at most once per cool-down to judge who is to blame for
+        non-finite rows: a client sending such rows cannot make the server check itself at will."""
+        now = self._clock()
+        when, passed = self._verdicts.get(backend.name, (-float("inf"), False))
+        if now - when >= self._cooldown:
+            passed = self._probe(backend)[0]
+            self._verdicts[backend.name] = (now, passed)
+        return passed
 
     def _available(self, backend: Backend) -> bool:
         health = self._health[backend.name]

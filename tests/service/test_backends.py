@@ -272,3 +272,37 @@ def test_node_placements_are_read_from_onnx_runtime_itself(small_model_dir: Path
     assert off_device(real, "CUDAExecutionProvider") == ["every node"]
     assert off_device(real, "CPUExecutionProvider") == []
     assert off_device({}, "CUDAExecutionProvider")  # no log: not confirmed
+
+
+class Overflows(Backend):
+    """Answers non-finite rows for any input whose values reach 1e3 (as float32 attention would
+    at ~1e20), and computes the others exactly: a lone backend, with no other one to ask."""
+
+    name, device, platform = "overflows", "cpu", "test"
+
+    def __init__(self, inner: Backend) -> None:
+        self.inner = inner
+
+    def run(self, x: np.ndarray) -> np.ndarray:
+        y = self.inner.run(x)
+        y[np.abs(x).reshape(x.shape[0], -1).max(axis=1) >= 1e3] = np.inf
+        return y
+
+
+def test_overflowing_input_makes_a_lone_backend_check_itself_once_per_cool_down(small_model_dir: Path) -> None:
+    config, weights = load_checkpoint(small_model_dir / "weights.safetensors")
+    check, probes, clock = SelfCheck(config, weights), [], Clock()
+
+    def probe(backend: Backend) -> tuple[bool, str]:
+        probes.append(backend.name)
+        return check.passes(backend)
+
+    chain = BackendChain([Overflows(TorchBackend(config, weights))], probe=probe, cooldown_s=10, clock=clock)
+    x = np.full((1, 3, 32), 1e4, np.float32)
+    for _ in range(20):  # a client sending overflowing requests as fast as it likes
+        y, _ = chain.run(x)
+        assert not np.isfinite(y).all()  # the input's doing: handed back (the core refuses it)
+    assert len(probes) == 1, probes  # before: one full self-check per batch
+    clock.now += 11
+    chain.run(x)
+    assert len(probes) == 2
