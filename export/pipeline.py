@@ -101,6 +101,17 @@ def export_model_dir(
     return report
 
 
+def ensure_default_model(directory: Path) -> Path:
+    """The default model's directory, exported first (seed 0, default config) unless it holds a
+    complete export (its manifest is written last)."""
+    from model.checkpoint import init_weights
+
+    if not (Path(directory) / MANIFEST_FILE).is_file():
+        log.info("no default model in %s: exporting it there (seed 0, default config; about 10 s)", directory)
+        export_model_dir(Path(directory), MHAConfig(), init_weights(MHAConfig(), seed=0))
+    return Path(directory)
+
+
 def _export_precision(staging: Path, config: MHAConfig, weights: Weights, precision: str) -> ParityReport:
     """model.<precision>.onnx, verified on ONNX Runtime (CPU) within the format's tolerance."""
     path = staging / precision_file(precision)

@@ -8,7 +8,7 @@ import os
 import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 if TYPE_CHECKING:
     import numpy as np
@@ -145,6 +145,21 @@ def _client_security(args: argparse.Namespace) -> dict[str, Any]:
     return options
 
 
+def model_dir_problem(model_dir: Path | None) -> str | None:
+    """What is wrong with --model-dir before anything binds or loads, said with the fix; None if
+    nothing is (or it is unset: the default model)."""
+    if model_dir is None:
+        return None
+    fix = f"export one with `mha export --out {model_dir}`, or leave --model-dir unset to serve the default model"
+    if not model_dir.exists():
+        return f"--model-dir {model_dir}: no such directory; {fix}"
+    if not model_dir.is_dir():
+        return f"--model-dir {model_dir} is a file, not a directory: name the directory `mha export --out` wrote"
+    if not (model_dir / "weights.safetensors").is_file():
+        return f"--model-dir {model_dir} holds no exported model (no weights.safetensors); {fix}"
+    return None
+
+
 def _add_client_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--token-file", help="file holding the bearer token")
     p.add_argument("--tls-ca", help="PEM CA bundle to trust the server's certificate (enables TLS)")
@@ -168,13 +183,21 @@ def cmd_serve(args: argparse.Namespace) -> int:
         os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     from service.app.server import StartupError, serve
     from service.app.supervisor import Supervisor, gpu_devices, worker_count
-    from service.settings import to_argv
+    from service.settings import default_model_home, to_argv
 
     configure_logging(settings.log_level, settings.log_format)
-    if settings.model_dir is None:
-        settings = replace(settings, model_dir=ensure_default_model(settings.default_model_dir))
+    if (problem := model_dir_problem(settings.model_dir)) is not None:
+        log.error("cannot start: %s", problem)
+        return 2
+    if settings.model_dir is None and settings.default_model_dir is None:
+        settings = replace(settings, default_model_dir=default_model_home(Path.cwd(), os.environ))
     gpus = gpu_devices() if settings.workers == "auto" else []
     if (count := worker_count(settings.workers, gpus)) > 1:
+        if settings.model_dir is None:  # exported once, here, rather than by every worker at once
+            from export.pipeline import ensure_default_model
+
+            assert settings.default_model_dir is not None
+            settings = replace(settings, model_dir=ensure_default_model(settings.default_model_dir))
         argv = to_argv(replace(settings, workers="1"))
         return asyncio.run(Supervisor(settings, argv, count, gpus).run())
     try:
@@ -184,20 +207,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
         return exc.exit_code
 
 
-def ensure_default_model(directory: Path) -> Path:
-    """The default model's directory, exported first (seed 0, default config) if it is missing."""
-    from export.layout import ModelFiles
-
-    if not ModelFiles(directory).weights.is_file():
-        from export.pipeline import export_model_dir
-        from model import MHAConfig
-        from model.checkpoint import init_weights
-
-        log.info("no default model in %s: exporting it (seed 0, default config)", directory)
-        export_model_dir(directory, MHAConfig(), init_weights(MHAConfig(), seed=0))
-    return directory
-
-
 def cmd_infer(args: argparse.Namespace) -> int:
     import time
 
@@ -205,6 +214,10 @@ def cmd_infer(args: argparse.Namespace) -> int:
 
     from service.client.client import InferenceError, MHAClient
 
+    if args.address:
+        raise CliError(f"unexpected argument {args.address!r}: give the server as --url {args.address}", 2)
+    url = grpc_address(args.url)
+    output = _writable("--output", args.output, suffix=".npy")
     if args.input:
         try:
             x = np.load(args.input).astype(np.float32)
@@ -216,20 +229,62 @@ def cmd_infer(args: argparse.Namespace) -> int:
         except ValueError as exc:
             raise CliError(f"--shape {args.shape!r}: expected B,T,C such as 1,64,128", 2) from exc
         x = random_input(shape, seed=args.seed)
-    with MHAClient(args.url, model=args.model, **_client_security(args)) as client:
+    with MHAClient(url, model=args.model, **_client_security(args)) as client:
         start = time.perf_counter()
         try:
             y, backend = client.infer_with_backend(x, timeout=args.timeout)
         except InferenceError as exc:
-            raise CliError(str(exc)) from exc
+            raise CliError(_with_port_hint(str(exc), url)) from exc
         elapsed = time.perf_counter() - start
     sys.stdout.write(
         f"input {list(x.shape)} -> output {list(y.shape)} in {elapsed * 1e3:.2f} ms by {backend}; "
         f"checksum sum={float(y.sum(dtype=np.float64)):.6f} mean|y|={float(np.abs(y).mean()):.6f}\n"
     )
-    if args.output:
-        np.save(args.output, y)
+    if output is not None:
+        np.save(output, y)
+        sys.stdout.write(f"wrote the output to {output}\n")
     return 0
+
+
+GRPC_URL_HELP = "the server's gRPC HOST:PORT, not its HTTP port (default 127.0.0.1:8001)"
+
+
+def grpc_address(url: str) -> str:
+    """--url as gRPC's HOST:PORT; an http(s):// URL is the REST endpoint, which these commands do not speak."""
+    if "://" in url:
+        raise CliError(
+            f"--url {url!r}: expected the gRPC HOST:PORT such as 127.0.0.1:8001, not a URL; the HTTP/REST "
+            "endpoint (port 8000) is for curl and tritonclient.http (docs/api.md)",
+            2,
+        )
+    return url
+
+
+def _with_port_hint(message: str, url: str) -> str:
+    """gRPC's words for a gRPC client at an HTTP/1.1 port, followed by what to do."""
+    if "HTTP/2" in message or "http2" in message.lower():
+        return f"{message}\n{url} answers HTTP/1.1: is it the HTTP port? --url takes the gRPC port (default 8001)"
+    return message
+
+
+def _writable(flag: str, path: str | None, suffix: str = "") -> Path | None:
+    """The file a command will write, checked before any work is done: a bad path fails at once,
+    not after a whole run. np.save adds `suffix` when the name lacks it."""
+    if path is None:
+        return None
+    target = Path(path)
+    if target.is_dir():
+        raise CliError(f"{flag} {path} is a directory: name a file to write", 2)
+    if suffix and target.suffix != suffix:
+        target = target.with_name(target.name + suffix)
+    parent = target.parent
+    if target.is_dir():
+        raise CliError(f"{flag} {path} is a directory: name a file to write", 2)
+    if not parent.is_dir():
+        raise CliError(f"{flag} {path}: there is no directory {parent}; create it first", 2)
+    if not os.access(parent, os.W_OK) or (target.exists() and not os.access(target, os.W_OK)):
+        raise CliError(f"{flag} {path}: not writable by this user", 2)
+    return target
 
 
 def random_input(shape: Sequence[int], seed: int = 0) -> np.ndarray:
@@ -285,9 +340,20 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from service.client.loadgen import run_load, server_cpu_seconds
 
     levels, seqs = _int_list(args.concurrency, "--concurrency"), _int_list(args.seq_lens, "--seq-lens")
+    args.url = grpc_address(args.url)
+    for flag in ("json", "csv", "plot"):  # every output checked before the run, not after it
+        _writable(f"--{flag}", getattr(args, flag))
+    if args.plot:
+        _plotter()
     security = _client_security(args)
     d_model = args.d_model or _served_width(args.url, security)
     metrics_url = None if args.metrics_url == "off" else args.metrics_url or f"{args.url.rsplit(':', 1)[0]}:8002"
+    if metrics_url is not None and server_cpu_seconds(metrics_url) is None:
+        log.warning(
+            "server CPU per request not measured: http://%s/metrics did not answer (give --metrics-url, or off)",
+            metrics_url,
+        )
+        metrics_url = None
     results = []
     for n, clients in enumerate(levels, 1):
         progress = _progress_bar(f"[{n}/{len(levels)}] {clients:>4} clients", args.seconds)
@@ -349,38 +415,67 @@ def _write_results(results: list[Any], args: argparse.Namespace) -> None:
 
     columns = ["concurrency", "requests", "throughput_rps", "p50_ms", "p90_ms", "p95_ms", "p99_ms"]
     columns.append("server_cpu_ms_per_request")
-    lines = [" ".join(f"{c.replace('_ms', '').replace('_per_request', '/req'):>12}" for c in columns)]
+    lines = [" ".join(f"{TABLE_HEADINGS[c]:>14}" for c in columns)]
     for r in results:
         row = r.to_dict()
-        lines.append(" ".join(f"{row[c]:>12.2f}" if isinstance(row[c], float) else f"{row[c]!s:>12}" for c in columns))
+        lines.append(" ".join(f"{_cell(row[c]):>14}" for c in columns))
     sys.stdout.write("\n".join(lines) + "\n")
+    written = []
     if args.json:
         Path(args.json).write_text(json.dumps([r.to_dict() for r in results], indent=1) + "\n")
+        written.append(args.json)
     if args.csv:
         with open(args.csv, "w", newline="") as f:
             writer = csv.DictWriter(f, fieldnames=columns, extrasaction="ignore")
             writer.writeheader()
             writer.writerows(r.to_dict() for r in results)
+        written.append(args.csv)
     if args.plot:
-        _plot(results, args)
+        _plotter()(results, Path(args.plot), f"mha bench {args.url}: B={args.batch}, T in {{{args.seq_lens}}}")
+        written.append(args.plot)
+    if written:
+        sys.stdout.write(f"wrote {', '.join(written)}\n")
 
 
-def _plot(results: list[Any], args: argparse.Namespace) -> None:
+def _cell(value: object) -> str:
+    return "-" if value is None else f"{value:.2f}" if isinstance(value, float) else str(value)
+
+
+TABLE_HEADINGS = {
+    "concurrency": "clients",
+    "requests": "requests",
+    "throughput_rps": "req/s",
+    "p50_ms": "p50 ms",
+    "p90_ms": "p90 ms",
+    "p95_ms": "p95 ms",
+    "p99_ms": "p99 ms",
+    "server_cpu_ms_per_request": "server CPU ms/req",
+}
+
+
+def _plotter() -> Any:
+    """benchplot.plot_sweep, or the one line that says how to get matplotlib."""
     try:
+        import matplotlib  # noqa: F401  (checked before a run, not after it)
+
         from service.client.benchplot import plot_sweep
     except ImportError as exc:  # pragma: no cover - the dev install has matplotlib
-        raise CliError(f"--plot needs matplotlib: pip install 'mha-serve[plot]' ({exc})") from exc
-    shape = f"B={args.batch}, T in {{{args.seq_lens}}}"
-    try:
-        plot_sweep(results, Path(args.plot), f"mha bench {args.url}: {shape}")
-    except ImportError as exc:
-        raise CliError(f"--plot needs matplotlib: pip install 'mha-serve[plot]' ({exc})") from exc
+        raise CliError(f"--plot needs matplotlib: pip install 'mha-serve[plot]' ({exc})", 2) from exc
+    return plot_sweep
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """A command-line mistake answers one line (what was wrong, and where the options are), not
+    the whole usage, which for `mha serve` is 35 lines long."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (`{self.prog} --help` lists the options)\n")
 
 
 def build_parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
     from service.settings import LOG_LEVELS, add_serve_arguments
 
-    parser = argparse.ArgumentParser(prog="mha", description="Serve a causal multi-head attention block over gRPC.")
+    parser = OneLineParser(prog="mha", description="Serve a causal multi-head attention block over gRPC.")
     parser.add_argument(
         "--log-level",
         type=str.upper,
@@ -388,7 +483,7 @@ def build_parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
         default=environ.get("MHA_LOG_LEVEL", "INFO"),
         help="log level (default INFO) [env MHA_LOG_LEVEL]",
     )
-    sub = parser.add_subparsers(dest="command", required=True)
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=OneLineParser)
 
     p = sub.add_parser("export", help="export the model to a verified ONNX model directory")
     p.add_argument("--out", required=True, help="model directory to write (new or empty, unless --force)")
@@ -423,10 +518,11 @@ def build_parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("infer", help="send one tensor to a running server")
-    p.add_argument("--url", default="127.0.0.1:8001", help="HOST:PORT (default 127.0.0.1:8001)")
+    p.add_argument("address", nargs="?", help=argparse.SUPPRESS)  # `mha infer HOST:PORT`: said what to write
+    p.add_argument("--url", default="127.0.0.1:8001", help=GRPC_URL_HELP)
     p.add_argument("--shape", default="1,64,128", help="B,T,C of a random input (default 1,64,128)")
     p.add_argument("--input", help=".npy file with a (B, T, C) array, instead of --shape")
-    p.add_argument("--output", help="write the output to this .npy file")
+    p.add_argument("--output", help="write the output to this .npy file (checked writable before sending)")
     p.add_argument("--model", default="mha", help="model name (default mha)")
     p.add_argument("--seed", type=int, default=0, help="seed of the random input")
     p.add_argument("--timeout", type=float, default=60.0, help="seconds (default 60)")
@@ -434,7 +530,7 @@ def build_parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_infer)
 
     p = sub.add_parser("bench", help="closed-loop load on a running server: req/s, latency percentiles, CPU")
-    p.add_argument("--url", default="127.0.0.1:8001", help="HOST:PORT (default 127.0.0.1:8001)")
+    p.add_argument("--url", default="127.0.0.1:8001", help=GRPC_URL_HELP)
     p.add_argument("--concurrency", default="1,8,32", help="clients per level, comma-separated (default 1,8,32)")
     p.add_argument("--seconds", type=float, default=10.0, help="duration of each level (default 10)")
     p.add_argument("--batch", type=int, default=1, help="B per request (default 1)")

@@ -25,7 +25,8 @@ def new_request_id(client_id: str = "") -> str:
 
 class RequestIdFilter(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
-        record.request_id = request_id_var.get()
+        record.request_id = request_id = request_id_var.get()
+        record.request_tag = f" [{request_id}]" if request_id else ""  # text lines: nothing when there is none
         return True
 
 
@@ -57,7 +58,7 @@ def configure_logging(level: str, fmt: str) -> None:
     if fmt == "json":
         handler.setFormatter(JsonFormatter())
     else:
-        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s [%(request_id)s] %(message)s"))
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s%(request_tag)s %(message)s"))
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level.upper())

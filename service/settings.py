@@ -42,7 +42,11 @@ def setting(
 @dataclass(frozen=True)
 class Settings:
     model_dir: Path | None = setting(None, "model directory from `mha export`; unset: the default model")
-    default_model_dir: Path = setting(Path("models/default"), "where the default model is kept (exported if missing)")
+    default_model_dir: Path | None = setting(
+        None,
+        "where the default model is kept, exported there first if missing; unset: ./models/default in a "
+        "checkout of mha-serve, else $XDG_CACHE_HOME/mha-serve/models/default (~/.cache/...)",
+    )
     model_name: str = setting("mha", "model name clients address")
     model_version: str = setting("1", "model version clients may address")
     host: str = setting("0.0.0.0", "address to bind")
@@ -177,6 +181,17 @@ def _parser_type(annotation: Any) -> Any:
             return _port
         annotation = next(a for a in annotation.__args__ if a is not type(None))
     return _boolean if annotation is bool else annotation
+
+
+def default_model_home(cwd: Path, environ: Mapping[str, str]) -> Path:
+    """Where the default model lives when --default-model-dir is unset: ./models/default in a
+    checkout of mha-serve (or wherever one was exported before), else the user's cache directory,
+    so that `mha serve` run elsewhere neither litters the working directory nor exports again."""
+    local = cwd / "models" / "default"
+    if (local / "manifest.json").is_file() or ((cwd / "pyproject.toml").is_file() and (cwd / "service").is_dir()):
+        return local
+    cache = Path(environ.get("XDG_CACHE_HOME") or Path(environ.get("HOME") or Path.home()) / ".cache")
+    return cache / "mha-serve" / "models" / "default"
 
 
 def add_serve_arguments(parser: argparse.ArgumentParser, environ: Mapping[str, str]) -> None:

@@ -3,11 +3,16 @@
 from __future__ import annotations
 
 import asyncio
+import errno
 import logging
+import shutil
 import signal
+import socket
 import ssl
+import sys
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import grpc
 from aiohttp import web
@@ -120,7 +125,7 @@ async def start(settings: Settings, registry: CollectorRegistry | None = None, c
     peers = _peers(settings)
     server = _grpc_server(settings, InferenceServicer(core, calls, regions, peers), calls, token, health_servicer)
     credentials = _credentials(settings)
-    port = _bind(server, f"{settings.host}:{settings.grpc_port}", credentials, "--grpc-port")
+    port = _bind(server, f"{settings.host}:{settings.grpc_port}", credentials, "--grpc-port", settings.reuse_port)
     running = Running(server, core, health_servicer, grpc_port=port, metrics_port=0, regions=regions, peers=peers)
     if peers is not None:  # where the other workers hand over the steps of this worker's sequences
         running.handover = Handover(core, calls, regions, peers)
@@ -134,7 +139,7 @@ async def start(settings: Settings, registry: CollectorRegistry | None = None, c
     await server.start()
     running.tasks.add(asyncio.get_running_loop().create_task(_not_serving_when_lost(running)))
     tls = "TLS" if credentials else "plaintext"
-    log.info(
+    log.debug(  # a person reads "ready" (or the one line that says why not)
         "listening: gRPC %s:%d (%s), HTTP :%s, metrics :%s",
         settings.host,
         port,
@@ -217,7 +222,14 @@ async def _start_health_port(running: Running, settings: Settings) -> None:
     await running.health_server.start()
 
 
-def _bind(server: grpc.aio.Server, address: str, credentials: grpc.ServerCredentials | None, flag: str) -> int:
+def _bind(
+    server: grpc.aio.Server, address: str, credentials: grpc.ServerCredentials | None, flag: str, shared: bool = False
+) -> int:
+    """Listen on `address`. A port that is taken is found first with a plain socket (unless the
+    port is `shared`, --reuse-port), so that the error is one line of ours and not gRPC core's too."""
+    host, _, port_text = address.rpartition(":")
+    if not shared and (why := _cannot_listen(host, int(port_text))) is not None:
+        raise StartupError(f"{flag}: cannot listen on {address}: {why}", 1)
     try:
         port = server.add_secure_port(address, credentials) if credentials else server.add_insecure_port(address)
     except RuntimeError as exc:  # grpc raises this when it cannot listen
@@ -227,6 +239,25 @@ def _bind(server: grpc.aio.Server, address: str, credentials: grpc.ServerCredent
     if port == 0:
         raise StartupError(f"{flag}: cannot listen on {address} (in use, or not an address of this machine)", 1)
     return port
+
+
+def _cannot_listen(host: str, port: int) -> str | None:
+    """Why a TCP listener on (host, port) cannot be made now, or None (port 0: always can)."""
+    if port == 0:
+        return None
+    try:
+        addresses = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as exc:
+        return f"{host!r} is not an address of this machine ({exc.strerror})"
+    for family, kind, proto, _, sockaddr in addresses:
+        with socket.socket(family, kind, proto) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as gRPC: TIME_WAIT does not count
+            try:
+                probe.bind(sockaddr)
+            except OSError as exc:
+                taken = exc.errno == errno.EADDRINUSE
+                return "the port is in use by another process" if taken else (exc.strerror or str(exc))
+    return None
 
 
 async def load_and_serve(running: Running) -> None:
@@ -241,18 +272,35 @@ async def load_and_serve(running: Running) -> None:
     if not ok:
         refuse_readiness(running)
         return
+    log.info("%s", ready_line(running))
+
+
+def ready_line(running: Running) -> str:
+    """What a person reads once the server serves: where, and the command that tries it. A worker
+    of several names the ports it shares and the supervisor's merged /metrics, not its own."""
     settings = running.core.settings
     host = "127.0.0.1" if settings.host in ("0.0.0.0", "::", "") else settings.host
-    log.info(
-        "ready: serving %s on %s, gRPC :%d, HTTP :%s, metrics :%s; try `.venv/bin/mha infer --url %s:%d`",
-        running.core.identity.name,
-        settings.host,
-        running.grpc_port,
-        running.http_port or "off",
-        running.metrics_port or "off",
-        host,
-        running.grpc_port,
-    )
+    http = running.http_port or "off"
+    try_it = f"try `{client_command()} infer --url {host}:{running.grpc_port}`"
+    name = running.core.identity.name
+    if settings.worker_peers > 1:
+        return (
+            f"worker {settings.worker_index} ready: serving {name} on {settings.host}, gRPC :{running.grpc_port}, "
+            f"HTTP :{http} (shared by {settings.worker_peers} workers; metrics: the supervisor's port); {try_it}"
+        )
+    metrics = running.metrics_port or "off"
+    ports = f"gRPC :{running.grpc_port}, HTTP :{http}, metrics :{metrics}"
+    return f"ready: serving {name} on {settings.host}, {ports}; {try_it}"
+
+
+def client_command() -> str:
+    """`mha` as this server was started: its path when not found on PATH under that name
+    (.venv/bin/mha in a checkout), `mha` when it is, `python -m service.cli` when run as a module."""
+    invoked = sys.argv[0]
+    if Path(invoked).name != "mha":
+        return f"{Path(sys.executable).name} -m service.cli"
+    on_path = shutil.which("mha")
+    return "mha" if on_path and Path(on_path).resolve() == Path(invoked).resolve() else invoked
 
 
 async def _not_serving_when_lost(running: Running) -> None:
@@ -290,17 +338,18 @@ async def _set_health(running: Running, ok: bool) -> None:
     await running.health.set(INFERENCE_SERVICE, serving if ok else not_serving)
 
 
-async def drain_and_stop(running: Running, grace_s: float) -> None:
+async def drain_and_stop(running: Running, grace_s: float, announce: bool = True) -> None:
     """NOT_SERVING, refuse new requests, let in-flight ones finish within the grace, stop.
 
     Until the in-flight requests are answered the port stays open, so that a client still
-    routed here hears UNAVAILABLE with a message that says the server is draining.
+    routed here hears UNAVAILABLE with a message that says the server is draining. Not
+    `announce`d (a server that never served): its steps are logged at DEBUG only.
     """
     for service in HEALTH_SERVICES:
         await running.health.set(service, health_pb2.HealthCheckResponse.NOT_SERVING)
-    running.core.start_draining()
+    running.core.start_draining(announce)
     started = time.monotonic()
-    if not await running.core.requests.wait_idle(grace_s):
+    if running.core.requests.count and not await running.core.requests.wait_idle(grace_s):
         log.warning("grace period over with %d requests in flight: stopping anyway", running.core.requests.count)
     await running.server.stop(max(0.0, grace_s - (time.monotonic() - started)))
     await running.core.close()
@@ -318,7 +367,7 @@ async def drain_and_stop(running: Running, grace_s: float) -> None:
         await running.health_server.stop(0)
     for task in running.tasks:
         task.cancel()
-    log.info("stopped")
+    log.log(logging.INFO if announce else logging.DEBUG, "stopped")
 
 
 async def serve(settings: Settings) -> int:
@@ -333,8 +382,8 @@ async def serve(settings: Settings) -> int:
     lost = asyncio.create_task(running.core.device.lost.wait())
     await asyncio.wait({loader, stopper}, return_when=asyncio.FIRST_COMPLETED)
     if loader.done() and loader.exception() is not None:
-        log.error("cannot serve: %s", loader.exception())
-        await drain_and_stop(running, 0)
+        log.error("cannot serve: %s", loader.exception())  # the one line a failed start prints
+        await drain_and_stop(running, 0, announce=False)
         return 1
     await asyncio.wait({stopper, lost}, return_when=asyncio.FIRST_COMPLETED)
     if lost.done() and not stop.is_set():

@@ -72,7 +72,10 @@ class OrtCpuBackend(Backend):
         if threads > 1 and width is not None:
             self._single = _load_session(model_path, _cpu_options(1, spinning), ["CPUExecutionProvider"])
             self.single_max_tokens = self._crossover(width)
-            log.info("ORT-CPU: batches of up to %d tokens run single-threaded (measured)", self.single_max_tokens)
+            log.debug(
+                "ORT-CPU: measured at start, batches of up to %d tokens run faster on one thread (varies with load)",
+                self.single_max_tokens,
+            )
 
     def run(self, x: np.ndarray) -> np.ndarray:
         tokens = int(x.shape[0]) * int(x.shape[1])

@@ -13,6 +13,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import partial
+from pathlib import Path
 
 import numpy as np
 
@@ -185,9 +186,10 @@ class InferenceCore:
         if self.state is not State.READY:
             raise NotReady(f"the model is not ready (state: {self.state.value}); retry shortly")
 
-    def start_draining(self) -> None:
+    def start_draining(self, announce: bool = True) -> None:
         if self.state is not State.DRAINING:
-            log.info("draining: new requests are refused, in-flight requests finish")
+            level = logging.INFO if announce else logging.DEBUG
+            log.log(level, "draining: new requests are refused, in-flight requests finish")
             self._set_state(State.DRAINING)
             self.draining.set()
 
@@ -207,9 +209,7 @@ def load_model(
     """Read the model directory, load and self-check the backends, and chain them; the step
     runner for incremental decoding (blocking)."""
     s = settings
-    if s.model_dir is None:
-        raise ModelLoadError("no model directory to serve; `mha serve` exports the default model and names it")
-    files = ModelFiles(s.model_dir)
+    files = ModelFiles(s.model_dir if s.model_dir is not None else _default_model(s))
     try:
         config, weights = load_checkpoint(files.weights)
     except CheckpointError as exc:
@@ -242,7 +242,7 @@ def load_model(
         on_fallback=on_fallback,
     )
     active = chain.active
-    log.info("serving %s with %s on %s; %s", files.directory, active.name, active.device, selection.summary())
+    log.info("serving %s with %s on %s", files.directory, active.name, active.device)  # the verdict: selection's
     bound = magnitude_bound(config, weights, s.precision)  # below it no backend can overflow
     served = ServedModel(
         identity, config, files, s.max_request_rows, s.max_attention_mb, weights_sha256, verified, bound
@@ -252,6 +252,22 @@ def load_model(
     if s.require_device == "cuda" and runner.device == "cpu":  # not silent: readiness covers the stateless path
         log.warning("decode steps run on the CPU: this PyTorch build sees no CUDA device (see docs/api.md)")
     return served, selection, chain, runner
+
+
+def _default_model(s: Settings) -> Path:
+    """No --model-dir: the default model, exported into --default-model-dir first if missing
+    (after the server has bound its ports: clients see NOT_SERVING meanwhile)."""
+    from export.pipeline import ensure_default_model
+
+    if s.default_model_dir is None:
+        raise ModelLoadError("no model directory to serve: give --model-dir, or --default-model-dir")
+    try:
+        return ensure_default_model(s.default_model_dir)
+    except OSError as exc:
+        raise ModelLoadError(
+            f"cannot export the default model into {s.default_model_dir}: {exc.strerror or exc}; "
+            "give --default-model-dir (or MHA_DEFAULT_MODEL_DIR) a writable directory"
+        ) from exc
 
 
 def _serving(loaded: Loaded, s: Settings) -> Serving:

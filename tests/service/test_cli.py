@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -38,6 +39,31 @@ def test_infer_from_and_to_npy(
     assert relative_error(torch.from_numpy(y), attention_view(torch.from_numpy(x), weights, config)) < 1e-5
 
 
+def test_bench_checks_its_outputs_first_and_says_when_metrics_are_unreachable(
+    server: ServerThread, tmp_path: Path, capsys: pytest.CaptureFixture[str], caplog: pytest.LogCaptureFixture
+) -> None:
+    started = time.monotonic()
+    args = ["bench", "--url", server.url, "--concurrency", "1", "--seconds", "300"]
+    assert mha([*args, "--plot", str(tmp_path / "no" / "r.png")]) == 2  # before the 300 s run, not after it
+    assert time.monotonic() - started < 60 and f"there is no directory {tmp_path / 'no'}" in caplog.text
+    args = ["bench", "--url", server.url, "--concurrency", "1", "--seconds", "0.5", "--metrics-url", "127.0.0.1:1"]
+    assert mha(args) == 0
+    assert "http://127.0.0.1:1/metrics did not answer (give --metrics-url, or off)" in caplog.text
+    assert capsys.readouterr().out.splitlines()[1].split()[-1] == "-"  # not measured, and not "None"
+
+
+def test_infer_says_where_it_wrote_and_checks_the_path_first(
+    server: ServerThread, tmp_path: Path, capsys: pytest.CaptureFixture[str], caplog: pytest.LogCaptureFixture
+) -> None:
+    assert mha(["infer", "--url", server.url, "--shape", "1,4,32", "--output", str(tmp_path / "y")]) == 0
+    assert f"wrote the output to {tmp_path / 'y.npy'}" in capsys.readouterr().out
+    assert np.load(tmp_path / "y.npy").shape == (1, 4, 32)
+    assert mha(["infer", "--url", server.url, "--shape", "1,4,32", "--output", str(tmp_path)]) == 2
+    assert "is a directory: name a file" in caplog.text
+    assert mha(["infer", "--url", f"http://{server.url}"]) == 2
+    assert "expected the gRPC HOST:PORT such as 127.0.0.1:8001, not a URL" in caplog.text
+
+
 def test_infer_random_and_errors(server: ServerThread, capsys: pytest.CaptureFixture[str]) -> None:
     assert mha(["infer", "--url", server.url, "--shape", "1,4,32"]) == 0
     assert "output [1, 4, 32]" in capsys.readouterr().out
@@ -56,7 +82,9 @@ def test_bench_sweeps_concurrency_and_writes_json_and_csv(
         args += ["--plot", str(tmp_path / "r.png")]
         assert mha(args) == 0
     table = capsys.readouterr().out.splitlines()
-    assert table[0].split()[:3] == ["concurrency", "requests", "throughput_rps"] and len(table) == 3
+    assert table[0].split()[:3] == ["clients", "requests", "req/s"] and "p50 ms" in table[0] and len(table) == 4
+    assert "server CPU ms/req" in table[0]  # every column with its unit
+    assert table[3] == f"wrote {tmp_path / 'r.json'}, {tmp_path / 'r.csv'}, {tmp_path / 'r.png'}"
     results = json.loads((tmp_path / "r.json").read_text())
     assert [r["concurrency"] for r in results] == [1, 2]
     for r in results:

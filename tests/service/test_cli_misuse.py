@@ -39,6 +39,12 @@ def _serve(model_dir: Path, *extra: str) -> list[str]:
     return ["serve", "--model-dir", str(model_dir), "--host", "127.0.0.1", "--log-format", "text", *extra]
 
 
+def _corrupt(directory: Path) -> Path:
+    """A model directory whose weights are not safetensors: found only once the server loads it."""
+    (directory / "weights.safetensors").write_bytes(b"not safetensors")
+    return directory
+
+
 CASES = {  # name: (arguments given the fixtures, environment, exit code, what the message must say)
     "grpc-port-taken": (
         lambda f: _serve(f["model"], "--grpc-port", str(f["taken"]), "--metrics-port", "off"),
@@ -72,6 +78,17 @@ CASES = {  # name: (arguments given the fixtures, environment, exit code, what t
     ),
     "padding-ratio-out-of-range": (lambda f: _serve(f["model"], "--max-padding-ratio", "2"), {}, 2, "must be <= 1"),
     "threads-negative": (lambda f: _serve(f["model"], "--threads", "-1"), {}, 2, "--threads must be >= 0"),
+    "model-dir-missing": (lambda f: _serve(f["tmp"] / "none"), {}, 2, "no such directory; export one with"),
+    "model-dir-a-file": (lambda f: _serve(f["model"] / "weights.safetensors"), {}, 2, "is a file, not a directory"),
+    "model-dir-empty": (lambda f: _serve(f["tmp"]), {}, 2, "holds no exported model"),
+    "model-dir-corrupt": (
+        lambda f: _serve(_corrupt(f["tmp"]), "--grpc-port", "0", "--http-port", "off", "--metrics-port", "off"),
+        {},
+        1,
+        "cannot serve",
+    ),
+    "grpc-port-not-a-number": (lambda f: _serve(f["model"], "--grpc-port", "abc"), {}, 2, "--grpc-port: invalid"),
+    "infer-url-without-flag": (lambda f: ["infer", f["url"]], {}, 2, "give the server as --url"),
     "env-port-not-a-number": (lambda f: _serve(f["model"]), {"MHA_GRPC_PORT": "abc"}, 2, "--grpc-port: invalid"),
     "log-level-unknown": (lambda f: ["--log-level", "LOUD", "serve"], {}, 2, "--log-level: invalid choice"),
     "infer-input-missing": (lambda f: ["infer", "--input", "/nope/x.npy"], {}, 2, "--input /nope/x.npy"),
@@ -165,3 +182,5 @@ def test_misuse_gets_one_clear_line(
     assert run.returncode == code, run.stderr[-2000:]
     assert says in run.stderr, run.stderr[-2000:]
     assert "Traceback" not in run.stderr
+    lines = [line for line in run.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1, lines  # the cause and the fix: no usage, no start-up and drain narration

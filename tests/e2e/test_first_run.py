@@ -1,0 +1,46 @@
+"""A newcomer's first `mha serve`, outside a checkout: it binds at once (health NOT_SERVING while
+the default model is exported), keeps the model in the user's cache, and says where."""
+
+from __future__ import annotations
+
+import json
+import threading
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from tests.support import ServerProcess
+
+
+def _messages(log: str) -> list[str]:
+    return [json.loads(line)["msg"] for line in log.splitlines() if line.startswith("{")]
+
+
+def test_serve_outside_a_checkout_binds_first_then_exports_into_the_users_cache(tmp_path: Path) -> None:
+    elsewhere, cache = tmp_path / "elsewhere", tmp_path / "cache"
+    elsewhere.mkdir()
+    env = {"XDG_CACHE_HOME": str(cache), "MHA_LOG_LEVEL": "DEBUG"}  # "listening" is a DEBUG line
+    server = ServerProcess(["--backend", "torch"], env=env, cwd=elsewhere)
+    seen: list[int] = []
+
+    def health_while_exporting() -> None:  # asked as soon as the port is bound, while the export runs
+        with grpc.insecure_channel(server.url) as channel:
+            check = health_pb2_grpc.HealthStub(channel).Check
+            seen.append(check(health_pb2.HealthCheckRequest(service=""), wait_for_ready=True, timeout=60).status)
+
+    asker = threading.Thread(target=health_while_exporting)
+    asker.start()
+    try:
+        server.start(tmp_path / "server.log", ready_timeout=300)
+        asker.join(60)
+        messages = _messages(server.log())
+    finally:
+        server.kill()
+    home = cache / "mha-serve" / "models" / "default"
+    listening = next(i for i, m in enumerate(messages) if m.startswith("listening"))
+    exporting = next(i for i, m in enumerate(messages) if m.startswith(f"no default model in {home}: exporting"))
+    assert listening < exporting, messages  # before: exported (~10 s) into ./models/default, then bound
+    assert seen == [health_pb2.HealthCheckResponse.NOT_SERVING]
+    assert (home / "manifest.json").is_file() and list(elsewhere.iterdir()) == []
+    assert any(m.startswith(f"serving {home} with torch-cpu") for m in messages), messages
