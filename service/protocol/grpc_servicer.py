@@ -78,7 +78,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         async with self.calls.unary("ModelMetadata", context):
             self.core.identity.check(request.name, request.version)
             loaded = self.core.loaded
-            return render.model_metadata(loaded.model, loaded.chain.active)
+            return render.model_metadata(loaded.model)
 
     async def ModelConfig(self, request: pb.ModelConfigRequest, context: Context) -> pb.ModelConfigResponse:
         async with self.calls.unary("ModelConfig", context):

@@ -10,6 +10,7 @@ their gRPC code.
 from __future__ import annotations
 
 import json
+import re
 import ssl
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeGuard
@@ -53,7 +54,30 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 def error_response(call: Call) -> web.Response:
     status = 413 if isinstance(call.error, TooLarge) else HTTP_STATUS.get(call.code, 500)  # 429 would say: retry
-    return web.json_response({"error": call.message}, status=status)
+    return web.json_response({"error": in_http_words(call.message)}, status=status)
+
+
+# The codec checks the protobuf request an HTTP body becomes, and words its messages in gRPC's
+# fields; over HTTP they name what the client wrote instead (tests/service/test_http.py checks
+# every refusal for gRPC words).
+_HTTP_WORDS = (
+    (re.compile(r"\b(?:contents\.)?fp32_contents\b"), "data"),
+    (re.compile(r"\braw_input_contents\b"), "binary data (binary_data_size)"),
+    (re.compile(r"\ban? u?int64_param\b"), "a JSON integer"),
+    (re.compile(r"\ba string_param\b"), "a JSON string"),
+    (re.compile(r"\ba bool_param\b"), "a JSON boolean (true or false)"),
+    (re.compile(r"\bu?int64_param\b"), "a JSON integer"),
+    (re.compile(r"\bstring_param\b"), "a JSON string"),
+    (re.compile(r"\bbool_param\b"), "a JSON boolean"),
+    (re.compile(r"\bdouble_param\b"), "a JSON number"),
+    (re.compile(r"\bcontents\.(\w+)"), r"data of another type (\1)"),
+)
+
+
+def in_http_words(message: str) -> str:
+    for pattern, words in _HTTP_WORDS:
+        message = pattern.sub(words, message)
+    return message
 
 
 INT64 = {
@@ -282,7 +306,7 @@ class HttpApi:
 
     async def _model_metadata(self, request: web.Request) -> web.Response:
         loaded = self.core.loaded
-        return web.json_response(proto_json(render.model_metadata(loaded.model, loaded.chain.active)))
+        return web.json_response(proto_json(render.model_metadata(loaded.model)))
 
     async def _model_ready(self, request: web.Request) -> web.Response:
         if not self.core.serving_ok():

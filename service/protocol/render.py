@@ -35,16 +35,19 @@ def server_metadata(active: Backend | None) -> pb.ServerMetadataResponse:
     return pb.ServerMetadataResponse(name=SERVER_NAME, version=server_version(), extensions=extensions)
 
 
-def model_metadata(model: ServedModel, active: Backend) -> pb.ModelMetadataResponse:
+def model_metadata(model: ServedModel) -> pb.ModelMetadataResponse:
     shape = [-1, -1, model.config.d_model]  # (B, T, C)
     tensor = pb.ModelMetadataResponse.TensorMetadata
     return pb.ModelMetadataResponse(
         name=model.name,
         versions=[model.version],
-        platform=active.platform,
+        platform=MODEL_PLATFORM,
         inputs=[tensor(name=model.input_name, datatype=DATATYPE, shape=shape)],
         outputs=[tensor(name=model.output_name, datatype=DATATYPE, shape=shape)],
     )
+
+
+MODEL_PLATFORM = "onnxruntime_onnx"  # stable from one start to the next: the directory's model.onnx
 
 
 def model_config(model: ServedModel, serving: Serving) -> pb.ModelConfig:
@@ -53,9 +56,8 @@ def model_config(model: ServedModel, serving: Serving) -> pb.ModelConfig:
     kind = groups.KIND_GPU if active.device.startswith("cuda") else groups.KIND_CPU
     config = pb.ModelConfig(
         name=model.name,
-        platform=active.platform,
-        backend="onnxruntime" if active.name.startswith("ort") else "pytorch",
-        max_batch_size=model.max_request_rows,
+        platform=MODEL_PLATFORM,  # the model's format; what computes it is parameters["backend"]
+        max_batch_size=model.max_request_rows,  # as Triton: the largest B a request may carry
         input=[pb.ModelInput(name=model.input_name, data_type=pb.TYPE_FP32, dims=dims)],
         output=[pb.ModelOutput(name=model.output_name, data_type=pb.TYPE_FP32, dims=dims)],
         instance_group=[groups(kind=kind, count=1)],
@@ -70,6 +72,9 @@ def model_config(model: ServedModel, serving: Serving) -> pb.ModelConfig:
         sequences.oldest.preserve_ordering = True  # one sequence's steps run in arrival order
     params = {
         "backend": active.name,
+        "backend_platform": active.platform,
+        "max_batch_rows": str(serving.max_batch_size),  # --max-batch-size: rows the batcher merges
+        "max_queue_delay_ms": f"{serving.max_queue_delay_ms:g}",
         "device": active.device,
         "fallbacks": ",".join(b.name for b in serving.backends if b is not active),
         "selection": serving.selection,

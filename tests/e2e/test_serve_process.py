@@ -118,7 +118,8 @@ def test_corrupt_onnx_serves_through_torch(default_model_dir: Path, tmp_path: Pa
         assert _rel(tmp_path, x.tolist(), y.tolist()) < 1e-5
         assert config.parameters["backend"].string_value == "torch-cpu"
         assert "ort-cpu: unavailable (failed to load" in config.parameters["selection"].string_value
-        assert metadata.platform == "pytorch_libtorch"
+        assert metadata.platform == "onnxruntime_onnx"  # the model format, stable; the backend says torch
+        assert config.parameters["backend_platform"].string_value == "pytorch_libtorch"
         logs = [json.loads(line) for line in server.log().splitlines() if line.startswith("{")]
         assert any("serving" in e["msg"] and "torch-cpu" in e["msg"] for e in logs)
         assert any(e["level"] == "WARNING" and "ort-cpu unavailable" in e["msg"] for e in logs)

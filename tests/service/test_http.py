@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import time
 import urllib.error
 import urllib.request
@@ -70,7 +71,11 @@ BAD = {
     ),
     "object-sequence-id": (_with(parameters={"sequence_id": {"a": 1}}), 400, "is a JSON object; expected a string"),
     "array-parameter": (_with(parameters={"priority": [1]}), 400, "is a JSON array; expected a string"),
+    "element-count": (_with(tensor={"data": [1.0] * 31}), 400, "data holds 31 values; shape [1, 1, 32] needs 32"),
+    "flag-not-a-bool": (_with(parameters={"sequence_start": 1}), 400, "must be a JSON boolean (true or false)"),
+    "sequence-id-a-number": (_with(parameters={"sequence_id": 1.5}), 400, "a JSON integer or a JSON string"),
 }
+GRPC_WORDS = re.compile(r"_param\b|_contents\b|\bcontents\.")  # each protocol names its own fields
 
 
 @pytest.mark.parametrize(("body", "status", "says"), BAD.values(), ids=BAD.keys())
@@ -79,7 +84,9 @@ def test_client_mistakes_get_the_http_status_of_their_grpc_code(
 ) -> None:
     assert server.http_port
     code, _, answer = _call(server.http_port, "/v2/models/mha/infer", body)
-    assert code == status and says in json.loads(answer)["error"]
+    error = json.loads(answer)["error"]
+    assert code == status and says in error, error
+    assert not GRPC_WORDS.search(error), error  # before: "contents.fp32_contents holds 31 values"
 
 
 def test_a_body_over_the_message_limit_is_resource_exhausted(small_model_dir: Path) -> None:

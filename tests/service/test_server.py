@@ -137,7 +137,7 @@ def test_readiness_and_metadata(server: ServerThread, stub: pb_grpc.GRPCInferenc
     active = server.core.loaded.chain.active
     assert meta.name == "mha-serve" and f"backend:{active.name}@{active.device}" in meta.extensions
     model = stub.ModelMetadata(pb.ModelMetadataRequest(name="mha"))
-    assert model.versions == ["1"] and model.platform == active.platform
+    assert model.versions == ["1"] and model.platform == "onnxruntime_onnx"  # stable, whichever backend computes
     assert [(t.name, t.datatype, list(t.shape)) for t in model.inputs] == [("x", "FP32", [-1, -1, 32])]
     assert [(t.name, t.datatype, list(t.shape)) for t in model.outputs] == [("y", "FP32", [-1, -1, 32])]
 
@@ -150,6 +150,11 @@ def test_model_config_says_which_backend_and_why(server: ServerThread, client: M
     assert params["backend"] == server.core.loaded.chain.active.name
     assert "self-check relative error" in params["selection"]
     assert params["max_seq_len"] == "64"
+    # As a Triton tool reads them: the largest B per request, the batcher's own row limit beside
+    # it, and a platform that does not change with the backend measured at start
+    assert config.platform == "onnxruntime_onnx" and not config.backend
+    assert params["max_batch_rows"] == str(server.core.settings.max_batch_size)
+    assert params["backend_platform"] == server.core.loaded.chain.active.platform
 
 
 def test_statistics_count_rows_and_executions(client: MHAClient) -> None:
