@@ -174,6 +174,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from service.logs import configure_logging
     from service.settings import settings_from_namespace
 
+    configure_logging(args.log_level, args.log_format)  # first: off a terminal every line is JSON, errors too
     try:
         settings = settings_from_namespace(args, args.log_level)
     except ValueError as exc:
@@ -185,7 +186,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from service.app.supervisor import Supervisor, gpu_devices, worker_count
     from service.settings import default_model_home, to_argv
 
-    configure_logging(settings.log_level, settings.log_format)
     if (problem := model_dir_problem(settings.model_dir)) is not None:
         log.error("cannot start: %s", problem)
         return 2

@@ -43,4 +43,7 @@ def test_serve_outside_a_checkout_binds_first_then_exports_into_the_users_cache(
     assert listening < exporting, messages  # before: exported (~10 s) into ./models/default, then bound
     assert seen == [health_pb2.HealthCheckResponse.NOT_SERVING]
     assert (home / "manifest.json").is_file() and list(elsewhere.iterdir()) == []
-    assert any(m.startswith(f"serving {home} with torch-cpu") for m in messages), messages
+    assert any(m == f"serving {home} with torch-cpu on cpu" for m in messages), messages
+    assert sum("self-check relative error" in m for m in messages) == 1, messages  # the verdict, once
+    ready = next(m for m in messages if m.startswith("ready:"))
+    assert "try `python -m service.cli infer --url 127.0.0.1:" in ready  # as it was started: no .venv/bin/mha

@@ -68,6 +68,9 @@ def test_two_workers_share_the_port_add_up_restart_and_drain(small_model_dir: Pa
         assert all(n > 0 for n in per_worker) and sum(per_worker) == 40 == _ok(total)
         assert total[("mha_request_duration_seconds_count", (("method", "ModelInfer"),))] == 40  # histograms add up
         assert {total[("mha_ready", (("worker", str(i)),))] for i in range(2)} == {1.0}  # gauges by worker
+        ready = [line for line in server.log().splitlines() if " ready: serving" in line]
+        assert len(ready) == 2 and all("metrics: the supervisor's port" in line for line in ready), ready
+        assert not any(f":{port}" in line for line in ready for _, port in started.values())  # no private port
 
         os.kill(started[0][0], signal.SIGKILL)
         seen: list[float] = []  # the merged counter at every scrape while worker 0 is replaced

@@ -3,6 +3,7 @@ exit code 2 for a wrong command line, 1 for work that failed."""
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import subprocess
@@ -184,3 +185,49 @@ def test_misuse_gets_one_clear_line(
     assert "Traceback" not in run.stderr
     lines = [line for line in run.stderr.splitlines() if line.strip()]
     assert len(lines) == 1, lines  # the cause and the fix: no usage, no start-up and drain narration
+
+
+@pytest.mark.parametrize("fault", ["model-dir-missing", "grpc-port-taken", "grpc-port-out-of-range"])
+def test_off_a_terminal_a_failed_start_is_one_json_line(
+    fault: str, small_model_dir: Path, taken_port: int, tmp_path: Path
+) -> None:
+    args = {
+        "model-dir-missing": ["--model-dir", str(tmp_path / "none")],
+        "grpc-port-taken": ["--model-dir", str(small_model_dir), "--grpc-port", str(taken_port)],
+        "grpc-port-out-of-range": ["--model-dir", str(small_model_dir), "--grpc-port", "70000"],
+    }[fault]
+    run = _mha("serve", "--host", "127.0.0.1", "--metrics-port", "off", "--http-port", "off", *args)  # auto: JSON
+    lines = run.stderr.splitlines()
+    assert run.returncode != 0 and len(lines) == 1, lines
+    entry = json.loads(lines[0])  # before: "E1130 ... add_port.cc" beside it, or a plain-text settings error
+    assert entry["level"] == "ERROR" and "--" in entry["msg"], entry
+
+
+def test_text_lines_without_a_request_carry_no_empty_tag() -> None:
+    import io
+    import logging
+
+    from service.logs import configure_logging, request_id_var
+
+    root = logging.getLogger()
+    handlers, level = root.handlers[:], root.level
+    try:
+        configure_logging("INFO", "text")
+        stream = io.StringIO()
+        root.handlers[0].setStream(stream)  # type: ignore[attr-defined]
+        logging.getLogger("t").info("no request here")
+        token = request_id_var.set("abc123")
+        logging.getLogger("t").info("in a request")
+        request_id_var.reset(token)
+    finally:
+        root.handlers[:], root.level = handlers, level
+    first, second = stream.getvalue().splitlines()
+    assert first.endswith("INFO t no request here") and "[]" not in first, first
+    assert second.endswith("INFO t [abc123] in a request"), second
+
+
+def test_infer_at_the_http_port_says_which_port_to_use(small_model_dir: Path) -> None:
+    with ServerThread(make_settings(small_model_dir, backend="torch", http_port=0)) as server:
+        run = _mha("infer", "--url", f"127.0.0.1:{server.http_port}", "--shape", "1,4,32", "--timeout", "10")
+    assert run.returncode == 1, run.stderr
+    assert "answers HTTP/1.1: is it the HTTP port? --url takes the gRPC port (default 8001)" in run.stderr, run.stderr
