@@ -17,7 +17,7 @@ import contextlib
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Generic, Protocol, TypeVar
+from typing import Any, Generic, Protocol, TypeVar
 
 import numpy as np
 
@@ -69,6 +69,7 @@ class Pending(Generic[P, R]):
     future: asyncio.Future[R]
     enqueued: float = 0.0  # clock time
     deadline: float | None = None  # clock time
+    trace: Any = None  # the span of the call that waits, when it is traced
 
     @property
     def rows(self) -> int:
@@ -240,6 +241,13 @@ class BatchEvent:
     compute_s: float
     backend: str  # "" when it failed
     error: BaseException | None = None
+    ended: float = 0.0  # clock time the compute ended (the event's `now`)
+    traced: tuple[tuple[Any, float], ...] = ()  # (span, enqueued) of each traced request: tracing's
+
+
+def traced(batch: Sequence[Pending[Any, Any]]) -> tuple[tuple[Any, float], ...]:
+    """(span, enqueued) of each traced request of a batch: what tracing needs of it."""
+    return tuple((item.trace, item.enqueued) for item in batch if item.trace is not None)
 
 
 def batch_event(
@@ -248,6 +256,7 @@ def batch_event(
     now: float,
     backend: str,
     error: BaseException | None,
+    traced: tuple[tuple[Any, float], ...] = (),
 ) -> BatchEvent:
     """The report of a batch merged from `shapes` (right-padded to the longest T, as `merge` does)."""
     (forming, started), rows, t_max = times, sum(b for b, _ in shapes), max(t for _, t in shapes)
@@ -260,4 +269,6 @@ def batch_event(
         compute_s=now - started,
         backend=backend,
         error=error,
+        ended=now,
+        traced=traced,
     )

@@ -12,6 +12,7 @@ import contextlib
 import logging
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from prometheus_client.openmetrics import exposition as openmetrics
 
 log = logging.getLogger(__name__)
 
@@ -45,7 +46,7 @@ class MetricsServer:
         try:
             head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), READ_TIMEOUT_S)
             # off the event loop: a registry's collectors may block (the supervisor's scrape its workers)
-            writer.write(await asyncio.to_thread(self._answer, head.split(b"\r\n", 1)[0]))
+            writer.write(await asyncio.to_thread(self._answer, head))
             await asyncio.wait_for(writer.drain(), READ_TIMEOUT_S)
         except (TimeoutError, asyncio.IncompleteReadError, asyncio.LimitOverrunError, ConnectionError):
             pass  # idle, oversized or gone: close it
@@ -54,15 +55,27 @@ class MetricsServer:
             with contextlib.suppress(ConnectionError, TimeoutError):
                 await asyncio.wait_for(writer.wait_closed(), READ_TIMEOUT_S)
 
-    def _answer(self, request_line: bytes) -> bytes:
+    def _answer(self, head: bytes) -> bytes:
+        request_line, *headers = head.split(b"\r\n")
         parts = request_line.split()
         if len(parts) != 3 or parts[0] not in (b"GET", b"HEAD"):
             return _response(405, b"text/plain; charset=utf-8", b"only GET /metrics is served\n")
         path = parts[1].split(b"?", 1)[0]
         if path != b"/metrics":
             return _response(404, b"text/plain; charset=utf-8", b"not found: this port serves GET /metrics only\n")
-        body = generate_latest(self._registry)
-        return _response(200, CONTENT_TYPE_LATEST.encode(), b"" if parts[0] == b"HEAD" else body, len(body))
+        if _wants_openmetrics(headers):  # Prometheus asks for it: exemplars (trace ids) come with it
+            body, content_type = openmetrics.generate_latest(self._registry), openmetrics.CONTENT_TYPE_LATEST
+        else:
+            body, content_type = generate_latest(self._registry), CONTENT_TYPE_LATEST
+        return _response(200, content_type.encode(), b"" if parts[0] == b"HEAD" else body, len(body))
+
+
+def _wants_openmetrics(headers: list[bytes]) -> bool:
+    for line in headers:
+        name, _, value = line.partition(b":")
+        if name.strip().lower() == b"accept" and b"application/openmetrics-text" in value:
+            return True
+    return False
 
 
 def _response(status: int, content_type: bytes, body: bytes, length: int | None = None) -> bytes:

@@ -54,6 +54,11 @@ class Settings:
     http_port: int | None = setting(8000, "HTTP/REST port (KServe v2); 0 picks one; off: none", low=0, high=65535)
     metrics_port: int | None = setting(8002, "Prometheus /metrics port; 0 picks one; off: none", low=0, high=65535)
     metrics_host: str | None = setting(None, "address the /metrics port binds; unset: the same as --host")
+    otlp_endpoint: str | None = setting(
+        None,
+        "OTLP/HTTP collector for traces, e.g. http://otel-collector:4318; unset: the OTEL_EXPORTER_OTLP_* "
+        "variables, or no tracing (docs/operations.md#tracing)",
+    )
     health_port: int | None = setting(
         None,
         "plaintext port with only the gRPC health service, for probes under mTLS; 0 picks one; off: none",

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import errno
 import logging
+import os
 import shutil
 import signal
 import socket
@@ -35,6 +36,7 @@ from service.protocol.http_wire import JsonErrorsRunner
 from service.protocol.peers import WorkerPeers, socket_path
 from service.protocol.shm import SystemRegions
 from service.settings import Settings
+from service.tracing import TraceSettings, Tracing
 
 log = logging.getLogger(__name__)
 
@@ -111,7 +113,7 @@ async def start(settings: Settings, registry: CollectorRegistry | None = None, c
     `clock` is the batcher's (tests inject one); by default time.monotonic().
     """
     metrics = Metrics(registry if registry is not None else CollectorRegistry(auto_describe=True))
-    core = InferenceCore(settings, metrics, clock)
+    core = InferenceCore(settings, metrics, clock, _tracing(settings))
     if settings.reuse_port:
         try:
             await core.load()
@@ -148,6 +150,22 @@ async def start(settings: Settings, registry: CollectorRegistry | None = None, c
         running.metrics_port or "off",
     )
     return running
+
+
+def _tracing(settings: Settings) -> Tracing:
+    """Traces, when --otlp-endpoint or the OTEL_* environment asks for them (off otherwise)."""
+    identity = TraceSettings(
+        settings.otlp_endpoint,
+        "mha-serve",
+        settings.replica,
+        settings.worker_index,
+        settings.model_name,
+        settings.model_version,
+    )
+    try:
+        return Tracing.configure(identity, os.environ)
+    except ValueError as exc:  # a malformed OTEL_TRACES_SAMPLER(_ARG)
+        raise StartupError(str(exc), 2) from exc
 
 
 def _peers(settings: Settings) -> WorkerPeers | None:
@@ -367,6 +385,7 @@ async def drain_and_stop(running: Running, grace_s: float, announce: bool = True
         await running.health_server.stop(0)
     for task in running.tasks:
         task.cancel()
+    running.core.tracing.shutdown()  # the last spans, flushed
     log.log(logging.INFO if announce else logging.DEBUG, "stopped")
 
 

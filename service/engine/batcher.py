@@ -28,6 +28,7 @@ from service.batching import (
     plan_batch,
     run_each_alone,
     split,
+    traced,
 )
 from service.errors import DeadlineExceeded, NotReady, Overloaded
 
@@ -57,6 +58,7 @@ class Batcher:
         on_batch: Callable[[BatchEvent], None] | None = None,
         in_flight: Callable[[], int] | None = None,
         clock: Clock | None = None,
+        current_trace: Callable[[], object] | None = None,
     ) -> None:
         self.config = config
         self._run_batch = run_batch
@@ -69,6 +71,7 @@ class Batcher:
         self._wakeup = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._closed = False
+        self._current_trace = current_trace  # the calling request's span (tracing on), for the batch's
 
     @property
     def depth(self) -> int:
@@ -94,12 +97,13 @@ class Batcher:
                 "retry with backoff"
             )
         enqueued = self.clock.now()
+        trace = self._current_trace() if self._current_trace is not None else None
         if await self._lone.inline(1, x.shape, self._depth, idle=True):
-            return self._run_alone(x, enqueued, deadline)
+            return self._run_alone(x, enqueued, deadline, trace)
         if self._closed and self._task is not None and self._task.done():  # stopped in that turn: none would answer
             raise NotReady("the server is draining; retry on another replica")
         future: asyncio.Future[Answer] = asyncio.get_running_loop().create_future()
-        self._queue.append(Pending(x, x.shape, future, enqueued, deadline))
+        self._queue.append(Pending(x, x.shape, future, enqueued, deadline, trace))
         self._wakeup.set()
         return await future
 
@@ -149,34 +153,40 @@ class Batcher:
             else:
                 y, backend = await asyncio.get_running_loop().run_in_executor(self._executor, self._run_batch, x)
         except Exception as exc:
-            self._report(shapes, (forming, started), "", exc)
+            self._report(shapes, (forming, started), "", exc, traced(batch))
             if len(batch) > 1:  # isolate the culprit: one request's failure never fails the others
                 await run_each_alone(batch, lambda one: self._execute(one, self.clock.now()))
             elif not batch[0].future.done():
                 batch[0].future.set_exception(exc)
             return
-        self._report(shapes, (forming, started), backend, None)
+        self._report(shapes, (forming, started), backend, None, traced(batch))
         for item, out in zip(batch, split(y, shapes), strict=True):
             if not item.future.done():
                 item.future.set_result((out, Timing(started - item.enqueued, backend)))
 
-    def _run_alone(self, x: np.ndarray, enqueued: float, deadline: float | None) -> Answer:
+    def _run_alone(self, x: np.ndarray, enqueued: float, deadline: float | None, trace: object) -> Answer:
         """The only request in the server, small: computed here on the event loop, without the
         queue, a future or the batcher's task (each a turn of the loop)."""
         started = self.clock.now()
         if deadline is not None and deadline <= started:
             raise DeadlineExceeded(f"deadline passed after {(started - enqueued) * 1e3:.1f} ms in the queue")
         shapes = [(int(x.shape[0]), int(x.shape[1]))]
+        spans = ((trace, enqueued),) if trace is not None else ()
         try:
             y, backend = self._run_batch(x)
         except Exception as exc:
-            self._report(shapes, (started, started), "", exc)
+            self._report(shapes, (started, started), "", exc, spans)
             raise
-        self._report(shapes, (started, started), backend, None)
+        self._report(shapes, (started, started), backend, None, spans)
         return y, Timing(started - enqueued, backend)
 
     def _report(
-        self, shapes: list[tuple[int, int]], times: tuple[float, float], backend: str, error: BaseException | None
+        self,
+        shapes: list[tuple[int, int]],
+        times: tuple[float, float],
+        backend: str,
+        error: BaseException | None,
+        spans: tuple[tuple[object, float], ...],
     ) -> None:
         if self._on_batch is not None:
-            self._on_batch(batch_event(shapes, times, self.clock.now(), backend, error))
+            self._on_batch(batch_event(shapes, times, self.clock.now(), backend, error, spans))

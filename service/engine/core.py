@@ -39,6 +39,7 @@ from service.engine.stats import ModelStats
 from service.errors import DeviceLost, InvalidInput, NotReady
 from service.metrics import Metrics
 from service.settings import Settings
+from service.tracing import Tracing
 
 log = logging.getLogger(__name__)
 
@@ -64,8 +65,11 @@ class Loaded:
 
 
 class InferenceCore:
-    def __init__(self, settings: Settings, metrics: Metrics, clock: Clock | None = None) -> None:
+    def __init__(
+        self, settings: Settings, metrics: Metrics, clock: Clock | None = None, tracing: Tracing | None = None
+    ) -> None:
         self.settings = settings
+        self.tracing = tracing or Tracing()  # off unless the app turned it on
         self.metrics = metrics
         self.clock: Clock = clock or MonotonicClock()  # the batcher's; request deadlines are converted to it
         self.identity = ModelIdentity(settings.model_name, settings.model_version)  # known before loading
@@ -79,7 +83,7 @@ class InferenceCore:
         metrics.ready.set_function(lambda: 1 if self.serving_ok() else 0)  # the one readiness, as every signal
         self.device = DeviceHealth(settings.require_device, metrics)  # the server's health follows serving_ok()
         self.publish = Publisher(
-            metrics, self.stats, self.device, self.serving_ok, lambda: self._set_state(State.FAILED)
+            metrics, self.stats, self.device, self.serving_ok, lambda: self._set_state(State.FAILED), self.tracing
         )
         self.home: dict[str, int | str] = {"replica": settings.replica, "worker": settings.worker_index}
 
@@ -115,6 +119,7 @@ class InferenceCore:
             on_batch=lambda event: self.publish.batch(event, self.loaded.chain),
             in_flight=lambda: self.requests.count,
             clock=self.clock,
+            current_trace=self.tracing.current if self.tracing.enabled else None,
         )
         decoder = _decoder(
             s, model.config, runner, self._executor, self.clock, self.metrics, self.requests, self.publish.steps
@@ -165,7 +170,10 @@ class InferenceCore:
         self._check_ready()
         self._check_magnitude(x)  # the cached keys and values were checked with their own steps
         try:
-            stepped = await self.loaded.decoder.step(control, x, deadline)
+            with self.tracing.step(control.label(), int(x.shape[1])) as span:
+                stepped = await self.loaded.decoder.step(control, x, deadline)
+                if span is not None:
+                    span.set_attribute("mha.sequence.tokens_held", stepped.length)
         except DeviceLost as exc:  # the caches' device is gone: stop serving, as a lost batch does
             if self.device.observe(exc):
                 self._set_state(State.FAILED)

@@ -11,6 +11,7 @@ from service.batching import BatchEvent
 from service.engine.readiness import DeviceHealth
 from service.engine.stats import ModelStats
 from service.metrics import Metrics
+from service.tracing import Tracing
 
 
 class Publisher:
@@ -21,8 +22,10 @@ class Publisher:
         device: DeviceHealth,
         serving_ok: Callable[[], bool],
         device_lost: Callable[[], None],
+        tracing: Tracing | None = None,
     ) -> None:
         self.metrics, self.stats, self.device = metrics, stats, device
+        self.tracing = tracing or Tracing()
         self._serving_ok, self._device_lost = serving_ok, device_lost
         self._active = ""  # the backend mha_backend_info last showed as active
 
@@ -35,6 +38,10 @@ class Publisher:
             self._device_lost()
         self.steps(event)
         self.backends(chain)
+        if event.traced:  # tracing on, and a traced request in the batch
+            preferred = chain.backends[0].name
+            fallback = f"{preferred} -> {event.backend}" if event.backend and event.backend != preferred else ""
+            self.tracing.report_batch(event, fallback)
 
     def steps(self, event: BatchEvent) -> None:
         """A batch, in the batch metrics and statistics; a batch of decode steps comes here alone

@@ -15,6 +15,7 @@ import contextlib
 import contextvars
 import logging
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
@@ -23,7 +24,8 @@ import grpc
 
 from service.errors import ServiceError
 from service.logs import new_request_id, request_id_var
-from service.protocol.status import to_status
+from service.protocol.status import SERVER_FAULTS, http_status, to_status
+from service.tracing import CallSpan
 
 if TYPE_CHECKING:
     from service.engine.core import InferenceCore
@@ -40,21 +42,29 @@ class Call:
     code: grpc.StatusCode = grpc.StatusCode.OK
     message: str = ""  # what a failed call answered
     error: BaseException | None = None  # what made it fail
+    http: bool = False  # answered over HTTP (its span says so)
+    span: CallSpan | None = None  # its trace span, when tracing is on
 
     @property
     def ok(self) -> bool:
         return self.code is grpc.StatusCode.OK
 
 
+DEADLINE_SLACK_S = 0.1  # the client's deadline fires before ours by the request's transit time
+
+
 def _ended_code(context: grpc.aio.ServicerContext | None) -> grpc.StatusCode:
-    """Why a call was cancelled under us: its deadline passed, or the client went away."""
+    """Why a call was cancelled under us: its deadline passed (the client's timer, which runs a
+    little ahead of ours, may end the call first), or the client went away."""
     remaining = context.time_remaining() if context is not None else None
-    return grpc.StatusCode.DEADLINE_EXCEEDED if remaining is not None and remaining <= 0 else grpc.StatusCode.CANCELLED
+    expired = remaining is not None and remaining <= DEADLINE_SLACK_S
+    return grpc.StatusCode.DEADLINE_EXCEEDED if expired else grpc.StatusCode.CANCELLED
 
 
 class Calls:
     def __init__(self, core: InferenceCore) -> None:
         self._core = core
+        self.tracing = core.tracing
         self._children: dict[tuple[str, grpc.StatusCode], tuple[Any, Any]] = {}  # method labels: a fixed set
 
     def unary(
@@ -66,10 +76,17 @@ class Calls:
         return StreamItemScope(self, context, Call(method, new_request_id(client_id), inference=True))
 
     def in_band(
-        self, method: str, context: grpc.aio.ServicerContext | None, client_id: str = "", inference: bool = False
+        self,
+        method: str,
+        context: grpc.aio.ServicerContext | None,
+        client_id: str = "",
+        inference: bool = False,
+        headers: Mapping[str, str] | None = None,
     ) -> InBandScope:
-        """A call answered by other means than a gRPC status (HTTP): the status stays on the Call."""
-        return InBandScope(self, context, Call(method, new_request_id(client_id), inference))
+        """A call answered by other means than a gRPC status (HTTP, with its `headers`; a worker's
+        hand-over): the status stays on the Call."""
+        call = Call(method, new_request_id(client_id), inference, http=headers is not None)
+        return InBandScope(self, context, call, headers)
 
     def stream(self, method: str, context: grpc.aio.ServicerContext) -> StreamScope:
         return StreamScope(self, context, Call(method, new_request_id(), inference=False))
@@ -79,9 +96,12 @@ class Calls:
         async with self.unary(method, context):
             raise error
 
-    def opened(self, call: Call) -> None:
+    def opened(self, call: Call, traced: bool = False, carrier: Mapping[str, str] | None = None) -> None:
+        """A call begins: counted in flight; traced (continuing the trace `carrier` names) if asked."""
         if call.inference:
             self._core.requests.started()
+        if traced:
+            call.span = self.tracing.start_call(call.method, carrier, _span_attributes(call))
 
     def failed(self, call: Call, exc: BaseException) -> None:
         call.error = exc
@@ -93,7 +113,12 @@ class Calls:
         elapsed = time.perf_counter() - call.started
         counted, timed = self._series(call.method, call.code)
         counted.inc()
-        timed.observe(elapsed)
+        if call.span is None:
+            timed.observe(elapsed)
+        else:  # a sampled call's trace id rides on its latency bucket (an OpenMetrics exemplar)
+            trace_id = call.span.trace_id
+            timed.observe(elapsed, {"trace_id": trace_id} if trace_id else None)
+            self._end_span(call)
         if call.inference:
             self._core.requests.finished()
             self._core.stats.observe_request(call.ok, elapsed)
@@ -101,6 +126,18 @@ class Calls:
         if (call.inference or not call.ok) and log.isEnabledFor(level):  # no record built that nobody reads
             extra = {"method": call.method, "code": call.code.name, "duration_ms": round(elapsed * 1e3, 3)}
             log.log(level, "%s %s %s", call.method, call.code.name, call.message, extra=extra)
+
+    @staticmethod
+    def _end_span(call: Call) -> None:
+        assert call.span is not None
+        status = (
+            {"http.response.status_code": http_status(call.code, call.error)}
+            if call.http
+            else {"rpc.grpc.status_code": call.code.value[0]}
+        )
+        fault = f"{call.code.name}: {call.message[:200]}" if call.code in SERVER_FAULTS else None
+        call.span.end({**status, "mha.code": call.code.name}, fault)
+        call.span = None
 
     def _series(self, method: str, code: grpc.StatusCode) -> tuple[Any, Any]:
         """The labelled counter and histogram of (method, code), looked up once."""
@@ -112,14 +149,44 @@ class Calls:
         return self._children[key]
 
 
+def _span_attributes(call: Call) -> dict[str, str]:
+    where = {"http.request.method": "POST" if call.inference else "GET"} if call.http else {"rpc.system": "grpc"}
+    return {
+        **where,
+        "rpc.service": "inference.GRPCInferenceService",
+        "rpc.method": call.method,
+        "mha.request_id": call.request_id,
+    }
+
+
+def _carrier(context: grpc.aio.ServicerContext | None) -> Mapping[str, str] | None:
+    """A gRPC call's metadata, where a client's `traceparent` is."""
+    if context is None:
+        return None
+    metadata = context.invocation_metadata()
+    return {key: value for key, value in metadata or () if isinstance(value, str)}
+
+
 class _Scope:
-    def __init__(self, calls: Calls, context: grpc.aio.ServicerContext | None, call: Call) -> None:
+    traced = True  # a span of its own (a stream as a whole has none: its requests do)
+
+    def __init__(
+        self,
+        calls: Calls,
+        context: grpc.aio.ServicerContext | None,
+        call: Call,
+        headers: Mapping[str, str] | None = None,
+    ) -> None:
         self._calls, self._context, self.call = calls, context, call
         self._token: contextvars.Token[str] | None = None
+        self._headers = headers
 
     async def __aenter__(self) -> Call:
         self._token = request_id_var.set(self.call.request_id)
-        self._calls.opened(self.call)
+        if self.traced and self._calls.tracing.enabled:
+            self._calls.opened(self.call, True, self._headers or _carrier(self._context))
+        else:
+            self._calls.opened(self.call)
         return self.call
 
     def _exit(self, exc: BaseException | None, record: bool = True) -> None:
@@ -184,6 +251,8 @@ class StreamScope(_Scope):
     """A stream as a whole. Its requests are counted one by one (stream_item scopes); only an
     error that ends the stream early (a message that is not a request, draining) is answered
     with its status, logged and counted here."""
+
+    traced = False
 
     async def __aexit__(
         self, typ: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None

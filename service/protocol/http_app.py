@@ -15,7 +15,6 @@ import ssl
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeGuard
 
-import grpc
 import numpy as np
 from aiohttp import web
 from google.protobuf import json_format
@@ -34,27 +33,15 @@ from service.protocol.http_wire import route_errors
 from service.protocol.peers import WorkerPeers
 from service.protocol.regions import RegionDirectory
 from service.protocol.shm import SystemRegions
+from service.protocol.status import http_status
 from service.settings import Settings
 
 HEADER_LENGTH = "Inference-Header-Content-Length"
-HTTP_STATUS = {
-    grpc.StatusCode.INVALID_ARGUMENT: 400,
-    grpc.StatusCode.UNAUTHENTICATED: 401,
-    grpc.StatusCode.NOT_FOUND: 404,
-    grpc.StatusCode.ALREADY_EXISTS: 409,
-    grpc.StatusCode.FAILED_PRECONDITION: 409,
-    grpc.StatusCode.RESOURCE_EXHAUSTED: 429,
-    grpc.StatusCode.CANCELLED: 499,
-    grpc.StatusCode.UNAVAILABLE: 503,
-    grpc.StatusCode.UNIMPLEMENTED: 501,
-    grpc.StatusCode.DEADLINE_EXCEEDED: 504,
-}
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
 def error_response(call: Call) -> web.Response:
-    status = 413 if isinstance(call.error, TooLarge) else HTTP_STATUS.get(call.code, 500)  # 429 would say: retry
-    return web.json_response({"error": in_http_words(call.message)}, status=status)
+    return web.json_response({"error": in_http_words(call.message)}, status=http_status(call.code, call.error))
 
 
 # The codec checks the protobuf request an HTTP body becomes, and words its messages in gRPC's
@@ -280,7 +267,7 @@ class HttpApi:
         model the path names (an inference's is checked with the request, by answer_infer)."""
 
         async def handle(request: web.Request) -> web.StreamResponse:
-            async with self.calls.in_band(method, None, inference=inference) as call:
+            async with self.calls.in_band(method, None, inference=inference, headers=request.headers) as call:
                 self._authorize(request)
                 if not inference:
                     name = request.match_info.get("name", self.core.identity.name)

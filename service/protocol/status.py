@@ -16,6 +16,7 @@ from service.errors import (
     Relayed,
     ServiceError,
     StaleSequence,
+    TooLarge,
     Unauthenticated,
 )
 
@@ -47,3 +48,34 @@ def to_status(exc: BaseException, request_id: str) -> tuple[grpc.StatusCode, str
         if cls in STATUS:
             return STATUS[cls], str(exc)
     return grpc.StatusCode.INTERNAL, INTERNAL_MESSAGE.format(request_id=request_id)
+
+
+HTTP_STATUS = {
+    grpc.StatusCode.OK: 200,
+    grpc.StatusCode.INVALID_ARGUMENT: 400,
+    grpc.StatusCode.UNAUTHENTICATED: 401,
+    grpc.StatusCode.NOT_FOUND: 404,
+    grpc.StatusCode.ALREADY_EXISTS: 409,
+    grpc.StatusCode.FAILED_PRECONDITION: 409,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: 429,
+    grpc.StatusCode.CANCELLED: 499,
+    grpc.StatusCode.UNAVAILABLE: 503,
+    grpc.StatusCode.UNIMPLEMENTED: 501,
+    grpc.StatusCode.DEADLINE_EXCEEDED: 504,
+}
+SERVER_FAULTS = frozenset(  # a span's status is ERROR for these only (OpenTelemetry's gRPC server rule)
+    {
+        grpc.StatusCode.UNKNOWN,
+        grpc.StatusCode.DEADLINE_EXCEEDED,
+        grpc.StatusCode.UNIMPLEMENTED,
+        grpc.StatusCode.INTERNAL,
+        grpc.StatusCode.UNAVAILABLE,
+        grpc.StatusCode.DATA_LOSS,
+    }
+)
+
+
+def http_status(code: grpc.StatusCode, error: BaseException | None) -> int:
+    """The HTTP status of a call's outcome: its gRPC code's, but 413 for a body that can never fit
+    (429 would say: retry)."""
+    return 413 if isinstance(error, TooLarge) else HTTP_STATUS.get(code, 500)

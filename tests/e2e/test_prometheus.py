@@ -150,3 +150,58 @@ def _wait_for_samples(port: int, instance: str, prom: subprocess.Popen[bytes], t
             pass
         time.sleep(0.5)
     pytest.fail("prometheus did not collect 12 scrapes in time")
+
+
+def test_latency_buckets_carry_trace_ids_that_prometheus_stores_as_exemplars(
+    small_model_dir: Path, tmp_path: Path
+) -> None:
+    """Tracing on: a real Prometheus with exemplar storage scrapes our OpenMetrics exposition, and
+    its exemplar API returns the trace ids our exporter sent (so a click on a slow bucket in the
+    dashboard opens that request's trace)."""
+    from tests.otlp_receiver import OtlpReceiver
+
+    metrics_port, prom_port = free_ports(2)
+    instance = f"127.0.0.1:{metrics_port}"
+    (tmp_path / "prometheus.yml").write_text(
+        "global: {scrape_interval: 1s}\n"
+        f"scrape_configs:\n  - job_name: mha-serve\n    static_configs: [{{targets: ['{instance}']}}]\n"
+    )
+    started = time.time()
+    with OtlpReceiver() as receiver:
+        settings = make_settings(small_model_dir, metrics_port=metrics_port, otlp_endpoint=receiver.endpoint)
+        with ServerThread(settings) as server:
+            prom = subprocess.Popen(
+                [
+                    str(PROMETHEUS),
+                    f"--config.file={tmp_path / 'prometheus.yml'}",
+                    f"--storage.tsdb.path={tmp_path / 'data'}",
+                    f"--web.listen-address=127.0.0.1:{prom_port}",
+                    "--enable-feature=exemplar-storage",
+                    "--log.level=warn",
+                ],
+                stdout=subprocess.DEVNULL,
+                stderr=(tmp_path / "prometheus.log").open("w"),
+            )
+            try:
+                found: list[dict] = []
+                deadline = time.monotonic() + 60
+                with MHAClient(server.url) as client:
+                    while not found and time.monotonic() < deadline:
+                        client.infer(np.ones((1, 4, 32), np.float32))
+                        time.sleep(0.2)
+                        result = api(
+                            prom_port,
+                            "query_exemplars",
+                            query='mha_request_duration_seconds_bucket{method="ModelInfer"}',
+                            start=str(started - 60),
+                            end=str(time.time() + 60),
+                        )
+                        found = [e for series in result.get("data") or [] for e in series["exemplars"]]
+                assert server.core.tracing.flush()
+            finally:
+                prom.terminate()
+                prom.wait(30)
+        traced = {s.trace_id for s in receiver.named("ModelInfer")}
+    assert found, "prometheus stored no exemplar"
+    ids = {e["labels"]["trace_id"] for e in found}
+    assert ids <= traced, (ids, len(traced))  # each one a trace our exporter delivered

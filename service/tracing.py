@@ -1,0 +1,256 @@
+"""OpenTelemetry traces, off by default: one span per call (gRPC or HTTP), its queue wait, the batch
+it was computed in (one span per batch, linked both ways with its requests' spans) and each decode
+step.
+
+Turned on by `--otlp-endpoint` or the standard environment (`OTEL_EXPORTER_OTLP_ENDPOINT`,
+`OTEL_EXPORTER_OTLP_TRACES_ENDPOINT`; `OTEL_TRACES_SAMPLER(_ARG)`, `OTEL_SERVICE_NAME`,
+`OTEL_RESOURCE_ATTRIBUTES` as the SDK reads them), exported over OTLP/HTTP by a background thread.
+A call that carries a W3C `traceparent` continues the client's trace and is recorded even when
+the sampler would skip it (Triton's rule). Off, `Tracing.enabled` is False and every caller skips
+its tracing work with that one check.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from opentelemetry.sdk.trace.sampling import Decision, Sampler, SamplingResult
+
+if TYPE_CHECKING:
+    from opentelemetry.context import Context
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.trace import Span, Tracer
+
+    from service.batching import BatchEvent
+
+log = logging.getLogger(__name__)
+
+SAMPLERS = (
+    "always_on",
+    "always_off",
+    "traceidratio",
+    "parentbased_always_on",
+    "parentbased_always_off",
+    "parentbased_traceidratio",
+)
+ENDPOINT_VARIABLES = ("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "OTEL_EXPORTER_OTLP_ENDPOINT")
+
+
+@dataclass(frozen=True)
+class TraceSettings:
+    """What the server knows of itself, for the resource every span carries."""
+
+    endpoint: str | None  # --otlp-endpoint; None: the environment decides
+    service_name: str
+    instance: str  # the pod (replica) name
+    worker: int
+    model_name: str
+    model_version: str
+
+
+def wanted(settings: TraceSettings, environ: Mapping[str, str]) -> bool:
+    """Is tracing on: an endpoint given, and the SDK not disabled by the environment."""
+    if environ.get("OTEL_SDK_DISABLED", "").lower() == "true" or environ.get("OTEL_TRACES_EXPORTER") == "none":
+        return False
+    return bool(settings.endpoint or any(environ.get(v) for v in ENDPOINT_VARIABLES))
+
+
+class Tracing:
+    """The server's tracer; `Tracing()` is off."""
+
+    def __init__(self, provider: TracerProvider | None = None) -> None:
+        self._provider = provider
+        self.enabled = provider is not None
+        self._tracer: Tracer | None = provider.get_tracer("mha-serve") if provider is not None else None
+
+    @classmethod
+    def configure(cls, settings: TraceSettings, environ: Mapping[str, str]) -> Tracing:
+        if not wanted(settings, environ):
+            return cls()
+        from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+        from opentelemetry.sdk.resources import Resource
+        from opentelemetry.sdk.trace import TracerProvider
+        from opentelemetry.sdk.trace.export import BatchSpanProcessor
+
+        resource = Resource.create(  # OTEL_RESOURCE_ATTRIBUTES and OTEL_SERVICE_NAME are merged in (and win)
+            {
+                "service.name": environ.get("OTEL_SERVICE_NAME") or settings.service_name,
+                "service.instance.id": f"{settings.instance}/{settings.worker}",
+                "k8s.pod.name": settings.instance,
+                "mha.worker": settings.worker,
+                "mha.model.name": settings.model_name,
+                "mha.model.version": settings.model_version,
+            }
+        )
+        provider = TracerProvider(resource=resource, sampler=ClientTraceFirst(root_sampler(environ)))
+        endpoint = settings.endpoint
+        exporter = OTLPSpanExporter(endpoint=f"{endpoint.rstrip('/')}/v1/traces") if endpoint else OTLPSpanExporter()
+        provider.add_span_processor(BatchSpanProcessor(exporter))
+        log.info("tracing on: spans exported over OTLP/HTTP to %s", endpoint or "the OTEL_EXPORTER_OTLP_* endpoint")
+        return cls(provider)
+
+    def start_call(self, name: str, carrier: Mapping[str, str] | None, attributes: dict[str, Any]) -> CallSpan | None:
+        """The span of one call, continuing the client's trace when the carrier holds a
+        `traceparent`, made current until `CallSpan.end`."""
+        if self._tracer is None:
+            return None
+        from opentelemetry import context, trace
+        from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+
+        parent = TraceContextTextMapPropagator().extract(dict(carrier)) if carrier else None
+        span = self._tracer.start_span(name, parent, kind=trace.SpanKind.SERVER, attributes=attributes)
+        return CallSpan(span, context.attach(trace.set_span_in_context(span)))
+
+    def current(self) -> Span | None:
+        """The span of the call being served in this task, to hand to the batcher."""
+        if self._tracer is None:
+            return None
+        from opentelemetry import trace
+
+        span = trace.get_current_span()
+        return span if span.get_span_context().is_valid else None
+
+    def report_batch(self, event: BatchEvent, fallback: str = "") -> None:
+        """One span per executed batch, linked to its requests' spans (and each of those back
+        to it), and each request's queue wait as a child of its own span."""
+        if self._tracer is None or not event.traced:
+            return
+        from opentelemetry import trace
+        from opentelemetry.trace import Link, Status, StatusCode
+
+        wall = _WallClock(event.ended)
+        started = event.ended - event.compute_s
+        requests: list[Span] = [span for span, _ in event.traced]
+        attributes: dict[str, Any] = {
+            "mha.batch.requests": event.requests,
+            "mha.batch.rows": event.rows,
+            "mha.batch.padded_tokens": event.padded_tokens,
+            "mha.backend": event.backend,
+            "mha.batch.formation_ms": round(event.formation_s * 1e3, 3),
+        }
+        if fallback:
+            attributes["mha.fallback"] = fallback
+        links = [Link(span.get_span_context()) for span in requests]
+        batch = self._tracer.start_span(
+            "batch", context=trace.set_span_in_context(trace.INVALID_SPAN), links=links,
+            attributes=attributes, start_time=wall(started),
+        )  # fmt: skip
+        if event.error is not None:
+            batch.set_status(Status(StatusCode.ERROR, type(event.error).__name__))
+        batch.end(end_time=wall(event.ended))
+        for span, enqueued in event.traced:
+            span.add_link(batch.get_span_context(), {"mha.link": "computed in"})
+            queue = self._tracer.start_span("queue", context=trace.set_span_in_context(span), start_time=wall(enqueued))
+            queue.end(end_time=wall(started))
+
+    @contextlib.contextmanager
+    def step(self, sequence_id: str, tokens: int) -> Iterator[Span | None]:
+        """A decode step's span, child of the current call's: the caller adds the tokens held."""
+        if self._tracer is None:
+            yield None
+            return
+        attributes: dict[str, str | int] = {"mha.sequence_id": sequence_id, "mha.step.tokens": tokens}
+        with self._tracer.start_as_current_span("decode step", attributes=attributes) as span:
+            yield span
+
+    def flush(self, timeout_s: float = 10.0) -> bool:
+        """Export what is buffered now; True when it went out in time (or tracing is off)."""
+        return self._provider.force_flush(int(timeout_s * 1000)) if self._provider is not None else True
+
+    def shutdown(self) -> None:
+        """Flush what is buffered (the drain's last spans) and stop the export thread."""
+        if self._provider is not None:
+            self._provider.shutdown()
+
+
+class CallSpan:
+    """A call's span while it is current; `end` records its status and detaches it."""
+
+    def __init__(self, span: Span, token: object) -> None:
+        self.span, self._token = span, token
+
+    @property
+    def trace_id(self) -> str | None:
+        """The trace id (32 hex digits) when the span is sampled: the exemplar of its latency."""
+        context = self.span.get_span_context()
+        return format(context.trace_id, "032x") if context.trace_flags.sampled else None
+
+    def end(self, attributes: dict[str, Any], fault: str | None) -> None:
+        from opentelemetry import context
+        from opentelemetry.trace import Status, StatusCode
+
+        self.span.set_attributes(attributes)
+        if fault is not None:
+            self.span.set_status(Status(StatusCode.ERROR, fault))
+        self.span.end()
+        with contextlib.suppress(ValueError):  # a stream's generator closed from another task's context
+            context.detach(self._token)  # type: ignore[arg-type]
+
+
+class _WallClock:
+    """Times on a batcher's monotonic clock as wall-clock nanoseconds, anchored at `now`."""
+
+    def __init__(self, now: float) -> None:
+        self._now, self._wall = now, time.time_ns()
+
+    def __call__(self, t: float) -> int:
+        return self._wall - int((self._now - t) * 1e9)
+
+
+def root_sampler(environ: Mapping[str, str]) -> Any:
+    """The sampler OTEL_TRACES_SAMPLER names (default parentbased_always_on: everything)."""
+    from opentelemetry.sdk.trace import sampling
+
+    name = environ.get("OTEL_TRACES_SAMPLER", "parentbased_always_on").strip().lower()
+    if name not in SAMPLERS:
+        raise ValueError(f"OTEL_TRACES_SAMPLER={name!r}: expected one of {', '.join(SAMPLERS)}")
+    if name.endswith("always_on"):
+        return sampling.ALWAYS_ON
+    if name.endswith("always_off"):
+        return sampling.ALWAYS_OFF
+    arg = environ.get("OTEL_TRACES_SAMPLER_ARG", "1.0")
+    try:
+        ratio = float(arg)
+    except ValueError:
+        raise ValueError(f"OTEL_TRACES_SAMPLER_ARG={arg!r}: expected a ratio from 0 to 1") from None
+    if not 0.0 <= ratio <= 1.0:
+        raise ValueError(f"OTEL_TRACES_SAMPLER_ARG={arg!r}: expected a ratio from 0 to 1")
+    return sampling.TraceIdRatioBased(ratio)
+
+
+class ClientTraceFirst(Sampler):
+    """A call that continues a client's trace (a remote parent) is recorded whatever its flags
+    say, as Triton does; any other span (a call without traceparent, a batch) asks `root`. A child
+    of a local span follows its parent."""
+
+    def __init__(self, root: Any) -> None:
+        self._root = root
+
+    def should_sample(
+        self,
+        parent_context: Context | None,
+        trace_id: int,
+        name: str,
+        kind: Any = None,
+        attributes: Any = None,
+        links: Sequence[Any] | None = None,
+        trace_state: Any = None,
+    ) -> Any:
+        from opentelemetry import trace
+
+        parent = trace.get_current_span(parent_context).get_span_context()
+        if parent.is_valid and (parent.is_remote or parent.trace_flags.sampled):
+            return SamplingResult(Decision.RECORD_AND_SAMPLE, attributes, parent.trace_state)
+        if parent.is_valid:
+            return SamplingResult(Decision.DROP, None, parent.trace_state)
+        if any(link.context.trace_flags.sampled for link in links or ()):  # a batch of a sampled request
+            return SamplingResult(Decision.RECORD_AND_SAMPLE, attributes)
+        return self._root.should_sample(parent_context, trace_id, name, kind, attributes, links, trace_state)
+
+    def get_description(self) -> str:
+        return f"ClientTraceFirst{{{self._root.get_description()}}}"
