@@ -75,11 +75,12 @@ def _errors(doc: dict[str, Any]) -> list[str]:
 OVERLAY_CRDS = {
     "cpu-gateway-api": {"GRPCRoute", "HTTPRoute", "BackendTrafficPolicy"},
     "cpu-istio": {"DestinationRule"},
+    "cpu-keda": {"ScaledObject"},
 }
 
 
 @pytest.mark.parametrize("overlay", sorted(OVERLAY_CRDS))
-def test_balancer_objects_validate_against_their_crds(overlay: str) -> None:
+def test_balancer_and_autoscaler_objects_validate_against_their_crds(overlay: str) -> None:
     custom = [d for d in render(overlay) if (d["apiVersion"], d["kind"]) in crd_schemas()]
     assert {d["kind"] for d in custom} == OVERLAY_CRDS[overlay]
     for doc in custom:
@@ -128,3 +129,36 @@ def test_every_balancer_hashes_on_the_header_clients_send() -> None:
     assert rule["spec"]["trafficPolicy"]["loadBalancer"]["consistentHash"]["httpHeaderName"] == SEQUENCE_HEADER
     conf = (ROOT / "deploy" / "nginx" / "mha-serve.conf").read_text()
     assert conf.count("hash $http_" + SEQUENCE_HEADER.replace("-", "_") + " consistent;") == 2
+
+
+def test_keda_scales_the_deployment_on_queue_over_compute_and_owns_the_hpa() -> None:
+    """One HPA per Deployment: KEDA makes its own, so the overlay has none of ours. The query
+    names only metrics the server exports, over the pods the ServiceMonitor scrapes."""
+    import re
+
+    from prometheus_client import CollectorRegistry
+
+    from service.metrics import Metrics
+
+    docs = render("cpu-keda")
+    assert not [d for d in docs if d["kind"] == "HorizontalPodAutoscaler"]
+    scaled = next(d for d in docs if d["kind"] == "ScaledObject")
+    deployment = next(d for d in docs if d["kind"] == "Deployment")
+    assert scaled["spec"]["scaleTargetRef"]["name"] == deployment["metadata"]["name"]
+    (trigger,) = scaled["spec"]["triggers"]
+    assert trigger["type"] == "prometheus" and float(trigger["metadata"]["threshold"]) > 0
+    query = trigger["metadata"]["query"]
+    registry = CollectorRegistry()
+    Metrics(registry).inference_duration.labels(backend="torch-cpu").observe(0.001)  # a labelled child exists
+    exported = {s.name for family in registry.collect() for s in family.samples}
+    used = set(re.findall(r"\b(mha_[a-z_]+)\{", query))
+    assert used == {
+        "mha_queue_duration_seconds_sum",
+        "mha_queue_duration_seconds_count",
+        "mha_inference_duration_seconds_sum",
+        "mha_inference_duration_seconds_count",
+    }
+    assert used <= exported, used - exported
+    wrong = copy.deepcopy(scaled)
+    wrong["spec"]["triggers"][0]["metadata"]["threshold"] = 0.5  # KEDA's metadata values are strings
+    assert _errors(wrong)

@@ -26,7 +26,7 @@ DEPLOY = ROOT / "deploy"
 SCHEMAS = Path(__file__).with_name("schemas")
 VENV_BIN = ROOT / ".venv" / "bin"
 BALANCED = ("cpu-ingress-nginx", "cpu-gateway-api", "cpu-istio")  # behind an L7 balancer (test_crds.py)
-OVERLAYS = ("cpu", "gpu", "gpu-nvidia-runtime", "dev", "cpu-prometheus", "cpu-custom-model", *BALANCED)
+OVERLAYS = ("cpu", "gpu", "gpu-nvidia-runtime", "dev", "cpu-prometheus", "cpu-custom-model", "cpu-keda", *BALANCED)
 BARE = ("cpu", "gpu", "gpu-nvidia-runtime", "dev")  # apply to a cluster without the Prometheus Operator
 
 
@@ -64,6 +64,7 @@ KINDS = {
     "dev": [k for k in CORE if k != "NetworkPolicy"],  # open: a newcomer's test pod needs no label
     "cpu-prometheus": [*CORE, "HorizontalPodAutoscaler", "PodDisruptionBudget", "ServiceMonitor", "PrometheusRule"],
     "cpu-custom-model": [*CORE, "HorizontalPodAutoscaler", "PodDisruptionBudget"],
+    "cpu-keda": [*CORE, "PodDisruptionBudget", "ScaledObject", "PrometheusRule", "ServiceMonitor"],  # KEDA's HPA
     "cpu-ingress-nginx": [*SCALED, "Ingress", "Ingress"],
     "cpu-gateway-api": [*SCALED, "GRPCRoute", "HTTPRoute", "BackendTrafficPolicy"],
     "cpu-istio": [*SCALED, "DestinationRule"],

@@ -88,6 +88,12 @@ CASES = {  # name: (arguments given the fixtures, environment, exit code, what t
         1,
         "cannot serve",
     ),
+    "trace-sampler-unknown": (
+        lambda f: _serve(f["model"], "--grpc-port", "0", "--otlp-endpoint", "http://127.0.0.1:9"),
+        {"OTEL_TRACES_SAMPLER": "sometimes"},
+        2,
+        "OTEL_TRACES_SAMPLER='sometimes': expected one of always_on",
+    ),
     "grpc-port-not-a-number": (lambda f: _serve(f["model"], "--grpc-port", "abc"), {}, 2, "--grpc-port: invalid"),
     "infer-url-without-flag": (lambda f: ["infer", f["url"]], {}, 2, "give the server as --url"),
     "env-port-not-a-number": (lambda f: _serve(f["model"]), {"MHA_GRPC_PORT": "abc"}, 2, "--grpc-port: invalid"),
