@@ -14,7 +14,12 @@ served it is measured in this process.
 
 Writes bench/results/compare.json and prints a table. Not a test.
 
-usage: python bench/compare.py [--seconds 5] [--model-dir models/default]
+`--runs N` (N > 1) interleaves instead: every server is started at once, each on its own port,
+and each run visits them in turn, case by case (A B C A B C ...), so that a loaded spell of the
+machine falls on all of them; the medians over the N runs are reported, with each run's ratio of
+mha-serve to KServe and to the in-line floor, and their spread (bench/results/compare_runs.json).
+
+usage: python bench/compare.py [--seconds 5] [--runs 1] [--model-dir models/default]
 """
 
 from __future__ import annotations
@@ -222,12 +227,118 @@ def in_process_ms(model_dir: Path, backend: str, seconds: float) -> float:
     return round(float(np.median(times[2:])) * 1e3, 3)
 
 
+class Started:
+    """A server started for the interleaved runs: its process and address."""
+
+    def __init__(self, name: str, model_dir: Path) -> None:
+        port = free_port()
+        command = server_command(name, model_dir, port)
+        if command is None:
+            raise LookupError(f"{name}: its environment is not installed (make bench-servers)")
+        slug = "-".join(w.strip(":-").lower() for w in name.split()[:2] if w.strip(":-+"))
+        with open(common.RESULTS / f"compare-{slug}.log", "w") as out:
+            self.proc = subprocess.Popen(
+                command[0],
+                env={**os.environ, **command[1]},
+                cwd=ROOT,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+        self.name, self.url = name, f"127.0.0.1:{port}"
+
+    def case(self, B: int, T: int, clients: int, seconds: float) -> dict:
+        before = group_cpu_seconds(self.proc.pid)
+        result = run_load(self.url, clients, seconds, [T], batch=B)
+        cpu = group_cpu_seconds(self.proc.pid) - before
+        return {
+            "p50_ms": result.p50_ms,
+            "rps": result.throughput_rps,
+            "server_cpu_ms_per_request": cpu / max(result.requests, 1) * 1e3,
+        }
+
+    def stop(self) -> None:
+        os.killpg(self.proc.pid, signal.SIGTERM)
+        try:
+            self.proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+
+
+def interleaved(model_dir: Path, runs: int, seconds: float) -> dict:
+    """Every server up at once; `runs` rounds, each visiting every case on every server in turn."""
+    started: list[Started] = []
+    for name in SERVERS:
+        try:
+            started.append(Started(name, model_dir))
+        except LookupError as exc:
+            log.warning("%s; left out", exc)
+    per_run: dict[str, dict[str, list[dict]]] = {s.name: {case: [] for case, *_ in CASES} for s in started}
+    try:
+        for server in started:
+            wait_ready(server.url, server.proc)
+            run_load(server.url, 1, 1.0, [64])  # warm-up
+        for run in range(runs):
+            for case, B, T, clients in CASES:
+                for server in started:
+                    per_run[server.name][case].append(server.case(B, T, clients, seconds))
+            log.info("run %d of %d done", run + 1, runs)
+    finally:
+        for server in started:
+            server.stop()
+    return summarize(per_run)
+
+
+def summarize(per_run: dict[str, dict[str, list[dict]]]) -> dict:
+    """Medians per server and case, and mha-serve's ratio to each other server, run by run."""
+    import statistics
+
+    medians = {
+        name: {
+            case: {k: round(statistics.median(r[k] for r in rows), 3) for k in rows[0]} for case, rows in cases.items()
+        }
+        for name, cases in per_run.items()
+    }
+    ratios: dict[str, dict[str, dict]] = {}
+    ours = per_run.get("mha-serve", {})
+    for other in per_run:
+        if other == "mha-serve" or not ours:
+            continue
+        for case, _, _, clients in CASES:
+            metric = "p50_ms" if clients == 1 else "rps"
+            each = [a[metric] / b[metric] for a, b in zip(ours[case], per_run[other][case], strict=True)]
+            ratios.setdefault(other, {})[f"{case}, {metric}"] = {
+                "median": round(statistics.median(each), 3),
+                "runs": [round(r, 3) for r in each],
+            }
+            cpu = [
+                a["server_cpu_ms_per_request"] / b["server_cpu_ms_per_request"]
+                for a, b in zip(ours[case], per_run[other][case], strict=True)
+                if b["server_cpu_ms_per_request"] > 0
+            ]
+            if cpu:
+                ratios[other][f"{case}, server CPU/request"] = {
+                    "median": round(statistics.median(cpu), 3),
+                    "runs": [round(r, 3) for r in cpu],
+                }
+    return {"medians": medians, "mha_serve_over": ratios}
+
+
 def main() -> int:
     parser = common.parser(__doc__)
     parser.add_argument("--seconds", type=float, default=5.0)
+    parser.add_argument("--runs", type=int, default=1)
     parser.add_argument("--model-dir", type=Path, default=Path("models/default"))
     args = parser.parse_args()
     model_dir = args.model_dir.resolve()
+    if args.runs > 1:
+        summary = interleaved(model_dir, args.runs, args.seconds)
+        machine = f"{socket.gethostname()}: {len(os.sched_getaffinity(0))} CPUs"
+        common.write_json("compare_runs.json", {"machine": machine, "runs": args.runs, **summary})
+        for other, cases in summary["mha_serve_over"].items():
+            for case, ratio in cases.items():
+                log.info("mha-serve / %s, %s: median %.3f, runs %s", other, case, ratio["median"], ratio["runs"])
+        return 0
     results: dict[str, object] = {"machine": f"{socket.gethostname()}: {len(os.sched_getaffinity(0))} CPUs"}
     servers: dict[str, dict] = {}
     for name in SERVERS:

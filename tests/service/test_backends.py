@@ -29,6 +29,24 @@ def test_cpu_backends_match_reference(small_model_dir: Path) -> None:
         assert relative_error(torch.from_numpy(backend.run(x)), ref) < 1e-5, backend
 
 
+@pytest.mark.parametrize(
+    ("medians", "limit"),
+    [
+        ({1: (40, 60), 4: (45, 60), 16: (60, 62), 64: (158, 150), 256: (1000, 500)}, 64),  # about equal: one thread
+        ({1: (40, 60), 4: (45, 60), 16: (60, 62), 64: (158, 120)}, 16),  # the pool clearly faster at 64
+        ({1: (90, 60)}, 0),  # the pool wins from the start
+        ({1: (40, 60), 4: (45, 60), 16: (60, 62), 64: (100, 110), 256: (300, 250)}, 256),
+    ],
+)
+def test_one_thread_is_kept_unless_the_pool_is_clearly_faster(medians: dict, limit: int) -> None:
+    """The measured crossover keeps one thread within a 25% margin: before, a (1, 64, 128) that
+    one thread computed in 158 us and the pool in 150 us went to the pool, and the limit varied
+    0 to 256 from one start to the next."""
+    from service.backends.ort import single_thread_limit
+
+    assert single_thread_limit(medians) == limit
+
+
 def test_ort_cpu_runs_small_batches_single_threaded_below_a_measured_crossover(small_model_dir: Path) -> None:
     config, weights = load_checkpoint(small_model_dir / "weights.safetensors")
     backend = OrtCpuBackend(small_model_dir / "model.onnx", threads=2, width=32)
