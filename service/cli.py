@@ -468,8 +468,32 @@ class OneLineParser(argparse.ArgumentParser):
     """A command-line mistake answers one line (what was wrong, and where the options are), not
     the whole usage, which for `mha serve` is 35 lines long."""
 
+    log_format = "text"  # `mha serve`'s: auto, json or text, as its logs will be
+
     def error(self, message: str) -> NoReturn:
-        self.exit(2, f"{self.prog}: error: {message} (`{self.prog} --help` lists the options)\n")
+        text = f"{self.prog}: error: {message} (`{self.prog} --help` lists the options)"
+        fmt = _given_log_format(sys.argv) or self.log_format
+        if fmt == "json" or (fmt == "auto" and not sys.stderr.isatty()):
+            text = json_log_line("ERROR", text)  # off a terminal the server's every line is JSON
+        self.exit(2, text + "\n")
+
+
+def _given_log_format(argv: Sequence[str]) -> str | None:
+    """--log-format as written on a command line that did not parse."""
+    for i, arg in enumerate(argv):
+        if arg == "--log-format" and i + 1 < len(argv):
+            return argv[i + 1]
+        if arg.startswith("--log-format="):
+            return arg.split("=", 1)[1]
+    return None
+
+
+def json_log_line(level: str, message: str) -> str:
+    """One line as service.logs writes it, for what is said before logging is set up."""
+    from service.logs import JsonFormatter
+
+    record = logging.LogRecord("mha", getattr(logging, level), "", 0, message, None, None)
+    return JsonFormatter().format(record)
 
 
 def build_parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
@@ -514,6 +538,7 @@ def build_parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
         help="serve the model over gRPC (Open Inference Protocol)",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
+    p.log_format = environ.get("MHA_LOG_FORMAT", "auto")  # type: ignore[attr-defined]
     add_serve_arguments(p, environ)
     p.set_defaults(func=cmd_serve)
 

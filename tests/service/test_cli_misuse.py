@@ -193,7 +193,9 @@ def test_misuse_gets_one_clear_line(
     assert len(lines) == 1, lines  # the cause and the fix: no usage, no start-up and drain narration
 
 
-@pytest.mark.parametrize("fault", ["model-dir-missing", "grpc-port-taken", "grpc-port-out-of-range"])
+@pytest.mark.parametrize(
+    "fault", ["model-dir-missing", "grpc-port-taken", "grpc-port-out-of-range", "port-not-a-number"]
+)
 def test_off_a_terminal_a_failed_start_is_one_json_line(
     fault: str, small_model_dir: Path, taken_port: int, tmp_path: Path
 ) -> None:
@@ -201,6 +203,7 @@ def test_off_a_terminal_a_failed_start_is_one_json_line(
         "model-dir-missing": ["--model-dir", str(tmp_path / "none")],
         "grpc-port-taken": ["--model-dir", str(small_model_dir), "--grpc-port", str(taken_port)],
         "grpc-port-out-of-range": ["--model-dir", str(small_model_dir), "--grpc-port", "70000"],
+        "port-not-a-number": ["--model-dir", str(small_model_dir), "--grpc-port", "abc"],  # argparse's own
     }[fault]
     run = _mha("serve", "--host", "127.0.0.1", "--metrics-port", "off", "--http-port", "off", *args)  # auto: JSON
     lines = run.stderr.splitlines()
