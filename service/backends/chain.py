@@ -83,7 +83,7 @@ class BackendChain:
         now = self._clock()
         return [b.name for b in self.backends if self._health[b.name].benched_until > now]
 
-    def run(self, x: np.ndarray) -> tuple[np.ndarray, Backend]:
+    def run(self, x: np.ndarray, alone: bool = False) -> tuple[np.ndarray, Backend]:
         """Run on the first healthy backend; on error, on the next. Called by one batcher at a time:
         on its worker thread, or on the event loop for a lone small batch (never both at once)."""
         errors: list[str] = []
@@ -94,7 +94,7 @@ class BackendChain:
             if previous is not None:
                 self._fallback(previous[0].name, backend.name, previous[1])
             try:
-                y = backend.run(x)
+                y = backend.run_alone(x) if alone else backend.run(x)
             except Exception as exc:  # any backend fault: try the next one, unless the device is gone
                 log.error("backend %s failed on batch %s: %s", backend.name, x.shape, exc, exc_info=True)
                 if is_sticky_device_error(backend.device, exc):

@@ -58,7 +58,14 @@ class OrtCpuBackend(Backend):
     device = "cpu"
     platform = "onnxruntime_onnx"
 
-    def __init__(self, model_path: Path, threads: int, spinning: bool = False, width: int | None = None) -> None:
+    def __init__(
+        self,
+        model_path: Path,
+        threads: int,
+        spinning: bool = False,
+        width: int | None = None,
+        lone_spinning: bool = False,
+    ) -> None:
         self._session = _load_session(model_path, _cpu_options(threads, spinning), ["CPUExecutionProvider"])
         self._input = self._session.get_inputs()[0].name
         self.threads = threads
@@ -69,6 +76,11 @@ class OrtCpuBackend(Backend):
         # on two threads). The crossover is measured here, per model and machine.
         self._single: ort.InferenceSession | None = None
         self.single_max_tokens = 0  # rows x T up to which the single-threaded session runs
+        # A lone client's small requests run on a pool whose idle threads spin, as fast as ORT's
+        # default; the batcher stops sending them there once requests share batches.
+        self._lone: ort.InferenceSession | None = None
+        if threads > 1 and lone_spinning and not spinning:
+            self._lone = _load_session(model_path, _cpu_options(threads, True), ["CPUExecutionProvider"])
         if threads > 1 and width is not None:
             self._single = _load_session(model_path, _cpu_options(1, spinning), ["CPUExecutionProvider"])
             self.single_max_tokens = self._crossover(width)
@@ -76,6 +88,11 @@ class OrtCpuBackend(Backend):
                 "ORT-CPU: measured at start, batches of up to %d tokens run faster on one thread (varies with load)",
                 self.single_max_tokens,
             )
+
+    def run_alone(self, x: np.ndarray) -> np.ndarray:
+        if self._lone is None:
+            return self.run(x)
+        return self._lone.run(None, {self._input: x})[0]
 
     def run(self, x: np.ndarray) -> np.ndarray:
         tokens = int(x.shape[0]) * int(x.shape[1])

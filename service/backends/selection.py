@@ -79,6 +79,7 @@ def _factories(
     spinning: bool,
     gpu_mem_limit_mb: int = 0,
     precision: str = "fp32",
+    lone_spinning: bool = False,
 ) -> dict[str, Callable[[], Backend]]:
     from service.backends.ort import OrtCpuBackend, OrtCudaBackend
     from service.backends.pytorch import TorchBackend
@@ -87,7 +88,9 @@ def _factories(
     if cuda:
         factories["ort-cuda"] = lambda: OrtCudaBackend(onnx_path, mem_limit_mb=gpu_mem_limit_mb)
         factories["torch-cuda"] = lambda: TorchBackend(config, weights, device="cuda", precision=precision)
-    factories["ort-cpu"] = lambda: OrtCpuBackend(onnx_path, threads=threads, spinning=spinning, width=config.d_model)
+    factories["ort-cpu"] = lambda: OrtCpuBackend(
+        onnx_path, threads=threads, spinning=spinning, width=config.d_model, lone_spinning=lone_spinning
+    )
     factories["torch-cpu"] = lambda: TorchBackend(config, weights, device="cpu", threads=threads, precision=precision)
     return factories
 
@@ -157,6 +160,7 @@ def select_backends(
     gpu_mem_limit_mb: int = 0,
     precision: str = "fp32",
     measure: Callable[[list[Backend], MHAConfig], list[float]] = measure_interleaved,
+    lone_spinning: bool = False,
 ) -> Selection:
     """Load every wanted backend, self-check each, and order them.
 
@@ -164,7 +168,9 @@ def select_backends(
     torch-CPU are measured on the probe shapes (`measure`: ms per backend) and the faster serves.
     """
     cuda = torch.cuda.is_available() if cuda is None else cuda
-    factories = _factories(onnx_path, config, weights, threads, cuda, spinning, gpu_mem_limit_mb, precision)
+    factories = _factories(
+        onnx_path, config, weights, threads, cuda, spinning, gpu_mem_limit_mb, precision, lone_spinning
+    )
     check = SelfCheck(config, weights, tolerance=precision_tolerance(precision, config))
     loaded: list[tuple[Backend, CandidateReport]] = []
     reports: list[CandidateReport] = []

@@ -29,6 +29,17 @@ def test_cpu_backends_match_reference(small_model_dir: Path) -> None:
         assert relative_error(torch.from_numpy(backend.run(x)), ref) < 1e-5, backend
 
 
+def test_a_lone_clients_route_is_exact_and_only_there_when_asked(small_model_dir: Path) -> None:
+    config, weights = load_checkpoint(small_model_dir / "weights.safetensors")
+    x = np.random.default_rng(3).standard_normal((1, 9, 32), dtype=np.float32)
+    ref = attention_view(torch.from_numpy(x), weights, config)
+    spinning = OrtCpuBackend(small_model_dir / "model.onnx", threads=2, width=32, lone_spinning=True)
+    assert spinning._lone is not None
+    assert relative_error(torch.from_numpy(spinning.run_alone(x)), ref) < 1e-5
+    plain = OrtCpuBackend(small_model_dir / "model.onnx", threads=2, width=32)  # --lone-spinning off
+    assert plain._lone is None and relative_error(torch.from_numpy(plain.run_alone(x)), ref) < 1e-5
+
+
 @pytest.mark.parametrize(
     ("medians", "limit"),
     [

@@ -468,3 +468,40 @@ def test_after_a_failed_batch_only_the_requests_still_awaited_run_again() -> Non
         return ran
 
     assert asyncio.run(scenario()) == [0, 3]
+
+
+def test_a_lone_clients_requests_take_the_lone_route_until_requests_share_a_batch() -> None:
+    """The lone route (a pool that spins, on ORT-CPU) is for a client alone in the server: once
+    a batch holds several requests it is not taken for LONE_CLIENT_S on the batcher's clock."""
+    from service.engine.batcher import LONE_CLIENT_S
+
+    config = replace(CFG, inline_max_mflop=1.0)
+    routes: list[str] = []
+    backend = TorchBackend(CONFIG, WEIGHTS)
+
+    def batch(x: np.ndarray) -> tuple[np.ndarray, str]:
+        routes.append("batch")
+        return backend.run(x), "torch-cpu"
+
+    def lone(x: np.ndarray) -> tuple[np.ndarray, str]:
+        routes.append("lone")
+        return backend.run(x), "torch-cpu"
+
+    async def main() -> None:
+        in_flight = [1]
+        clock = ManualClock()
+        with ThreadPoolExecutor(1) as pool:
+            batcher = Batcher(config, batch, pool, in_flight=lambda: in_flight[0], clock=clock, run_lone=lone)
+            batcher.start()
+            await batcher.submit(_x(1, 4))  # alone: the lone route
+            in_flight[0] = 2  # two clients: their requests share a batch
+            pair = [asyncio.ensure_future(batcher.submit(_x(1, 4, seed))) for seed in (1, 2)]
+            await asyncio.gather(*pair)  # both in flight and queued: no more may come, so at once
+            in_flight[0] = 1
+            await batcher.submit(_x(1, 4))  # alone again, but a batch was shared just now
+            clock.advance(LONE_CLIENT_S)
+            await batcher.submit(_x(1, 4))  # alone for long enough: the lone route again
+            await batcher.stop()
+
+    asyncio.run(main())
+    assert routes == ["lone", "batch", "batch", "lone"]
