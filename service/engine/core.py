@@ -115,7 +115,7 @@ class InferenceCore:
         batcher = Batcher(
             _batching(s, model),
             run_batch=self._run_batch,
-            run_lone=self._run_lone,
+            run_lone=partial(self._run_batch, alone=True),
             executor=self._executor,
             on_batch=lambda event: self.publish.batch(event, self.loaded.chain),
             in_flight=lambda: self.requests.count,
@@ -133,13 +133,9 @@ class InferenceCore:
         self.publish.backends(chain)
         self._set_state(State.READY)
 
-    def _run_batch(self, x: np.ndarray) -> tuple[np.ndarray, str]:
-        y, backend = self.loaded.chain.run(x)
-        return y, backend.name
-
-    def _run_lone(self, x: np.ndarray) -> tuple[np.ndarray, str]:
-        """A lone client's small request, on the event loop: the backend's fastest way for it."""
-        y, backend = self.loaded.chain.run(x, alone=True)
+    def _run_batch(self, x: np.ndarray, alone: bool = False) -> tuple[np.ndarray, str]:
+        """`alone`: a lone client's small request, on the event loop (the backend's fastest way)."""
+        y, backend = self.loaded.chain.run(x, alone)
         return y, backend.name
 
     def serving_ok(self) -> bool:
