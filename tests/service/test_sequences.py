@@ -285,6 +285,33 @@ def test_a_batch_that_mixes_past_lengths_equals_each_sequence_alone(small_model_
         np.testing.assert_allclose(y, y_alone, rtol=1e-5, atol=1e-6)
 
 
+def test_a_small_cpu_step_runs_on_one_thread_and_leaves_the_setting_as_it_was(small_model_dir: Path) -> None:
+    """A one-token step on two threads paid the sleeping pool's wake-up on each small op (223 us a
+    step in process, 158 us on one thread); a large step keeps the pool. The setting is restored,
+    and both stay exact."""
+    runner, config, weights = _runner(small_model_dir, "cpu")
+    store = SequenceStore(config, SequenceLimits(), ManualClock().now)
+    seen: list[int] = []
+    compute = runner._compute
+    runner._compute = lambda steps: (seen.append(torch.get_num_threads()), compute(steps))[1]  # type: ignore[method-assign]
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        rng = np.random.default_rng(5)
+        prefix = rng.standard_normal((1, 41, C), dtype=np.float32)
+        sequence = store.open(SequenceControl("threads", start=True), 1, C)
+        store.check_room(sequence, 40)
+        (head,) = runner.run([StepInput(sequence, prefix[:, :40])])  # 40 tokens: the pool
+        sequence.length += 40
+        store.check_room(sequence, 1)
+        (last,) = runner.run([StepInput(sequence, prefix[:, 40:])])  # one token: one thread
+        assert seen == [2, 1] and torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
+    reference = attention_view(torch.from_numpy(prefix), weights, config)
+    assert relative_error(torch.from_numpy(np.concatenate([head, last], axis=1)), reference) < 1e-5
+
+
 def test_idle_sequences_are_evicted_and_say_so(small_model_dir: Path) -> None:
     config, _ = load_checkpoint(small_model_dir / "weights.safetensors")
     clock = ManualClock()
