@@ -19,7 +19,11 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from opentelemetry import context as otel_context
+from opentelemetry import trace
 from opentelemetry.sdk.trace.sampling import Decision, Sampler, SamplingResult
+from opentelemetry.trace import Link, Status, StatusCode
+from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 if TYPE_CHECKING:
     from opentelemetry.context import Context
@@ -27,6 +31,8 @@ if TYPE_CHECKING:
     from opentelemetry.trace import Span, Tracer
 
     from service.batching import BatchEvent
+
+PROPAGATOR = TraceContextTextMapPropagator()  # W3C traceparent / tracestate
 
 log = logging.getLogger(__name__)
 
@@ -99,19 +105,14 @@ class Tracing:
         `traceparent`, made current until `CallSpan.end`."""
         if self._tracer is None:
             return None
-        from opentelemetry import context, trace
-        from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
-
-        parent = TraceContextTextMapPropagator().extract(dict(carrier)) if carrier else None
+        parent = PROPAGATOR.extract(carrier) if carrier else None
         span = self._tracer.start_span(name, parent, kind=trace.SpanKind.SERVER, attributes=attributes)
-        return CallSpan(span, context.attach(trace.set_span_in_context(span)))
+        return CallSpan(span, otel_context.attach(trace.set_span_in_context(span)))
 
     def current(self) -> Span | None:
         """The span of the call being served in this task, to hand to the batcher."""
         if self._tracer is None:
             return None
-        from opentelemetry import trace
-
         span = trace.get_current_span()
         return span if span.get_span_context().is_valid else None
 
@@ -120,9 +121,6 @@ class Tracing:
         to it), and each request's queue wait as a child of its own span."""
         if self._tracer is None or not event.traced:
             return
-        from opentelemetry import trace
-        from opentelemetry.trace import Link, Status, StatusCode
-
         wall = _WallClock(event.ended)
         started = event.ended - event.compute_s
         requests: list[Span] = [span for span, _ in event.traced]
@@ -169,10 +167,16 @@ class Tracing:
 
 
 class CallSpan:
-    """A call's span while it is current; `end` records its status and detaches it."""
+    """A call's span, current in the task that serves the call until `detach` (called there);
+    `end` records its status, possibly later and elsewhere (a stream's answer, once written)."""
 
     def __init__(self, span: Span, token: object) -> None:
         self.span, self._token = span, token
+
+    def detach(self) -> None:
+        if self._token is not None:
+            otel_context.detach(self._token)  # type: ignore[arg-type]
+            self._token = None
 
     @property
     def trace_id(self) -> str | None:
@@ -181,15 +185,10 @@ class CallSpan:
         return format(context.trace_id, "032x") if context.trace_flags.sampled else None
 
     def end(self, attributes: dict[str, Any], fault: str | None) -> None:
-        from opentelemetry import context
-        from opentelemetry.trace import Status, StatusCode
-
         self.span.set_attributes(attributes)
         if fault is not None:
             self.span.set_status(Status(StatusCode.ERROR, fault))
         self.span.end()
-        with contextlib.suppress(ValueError):  # a stream's generator closed from another task's context
-            context.detach(self._token)  # type: ignore[arg-type]
 
 
 class _WallClock:
@@ -241,8 +240,6 @@ class ClientTraceFirst(Sampler):
         links: Sequence[Any] | None = None,
         trace_state: Any = None,
     ) -> Any:
-        from opentelemetry import trace
-
         parent = trace.get_current_span(parent_context).get_span_context()
         if parent.is_valid and (parent.is_remote or parent.trace_flags.sampled):
             return SamplingResult(Decision.RECORD_AND_SAMPLE, attributes, parent.trace_state)

@@ -194,6 +194,8 @@ class _Scope:
             self.call.code = _ended_code(self._context)
         elif exc is not None:
             self._calls.failed(self.call, exc)
+        if self.call.span is not None:
+            self.call.span.detach()  # in the task that attached it; the span may end later (settle)
         if record:
             self._calls.closed(self.call)
         if self._token is not None:

@@ -6,13 +6,17 @@ from __future__ import annotations
 
 import subprocess
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import grpc
 import numpy as np
 import pytest
 
 from service.client.client import MHAClient
+from service.proto import grpc_service_pb2_grpc as pb_grpc
+from service.protocol.codec import encode_infer_request
 from tests.otlp_receiver import OtlpReceiver, ReceivedSpan
 from tests.support import ROOT, ServerThread, make_settings
 
@@ -134,3 +138,32 @@ def test_off_by_default(small_model_dir: Path) -> None:
         assert not server.core.tracing.enabled
         with MHAClient(server.url) as client:
             client.infer(np.ones((1, 2, 32), np.float32))
+
+
+def test_each_request_of_a_stream_is_a_span_and_nothing_logs_an_error(
+    receiver: OtlpReceiver, small_model_dir: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A stream's answers are counted (and their spans ended) once written, in the stream's task,
+    not the request's: the span's context is detached where it was attached, with no error."""
+    import logging
+
+    settings = make_settings(small_model_dir, backend="torch", otlp_endpoint=receiver.endpoint)
+    with ServerThread(settings) as server:
+        with MHAClient(server.url) as client:
+            outputs = list(client.stream_infer([np.ones((1, 2 + i, 32), np.float32) for i in range(5)]))
+        with grpc.insecure_channel(server.url) as channel:  # and one cancelled after its first answer
+            x = np.ones((8, 64, 32), np.float32)
+            requests = (encode_infer_request(x, request_id=str(i)) for i in range(30))
+            call = pb_grpc.GRPCInferenceServiceStub(channel).ModelStreamInfer(requests, timeout=60)
+            next(call)
+            call.cancel()
+        deadline = time.monotonic() + 30
+        while server.core.requests.count and time.monotonic() < deadline:
+            time.sleep(0.02)
+        _flush(server)
+    assert len(outputs) == 5
+    calls = receiver.named("ModelStreamInfer")
+    assert sum(c.attributes["mha.code"] == "OK" for c in calls) >= 5, [c.attributes for c in calls]
+    assert {c.attributes["mha.code"] for c in calls} <= {"OK", "CANCELLED"}
+    errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+    assert errors == [], errors
