@@ -11,8 +11,8 @@ import asyncio
 import contextlib
 import logging
 
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
-from prometheus_client.openmetrics import exposition as openmetrics
+from prometheus_client import CollectorRegistry
+from prometheus_client.exposition import choose_encoder
 
 log = logging.getLogger(__name__)
 
@@ -63,19 +63,19 @@ class MetricsServer:
         path = parts[1].split(b"?", 1)[0]
         if path != b"/metrics":
             return _response(404, b"text/plain; charset=utf-8", b"not found: this port serves GET /metrics only\n")
-        if _wants_openmetrics(headers):  # Prometheus asks for it: exemplars (trace ids) come with it
-            body, content_type = openmetrics.generate_latest(self._registry), openmetrics.CONTENT_TYPE_LATEST
-        else:
-            body, content_type = generate_latest(self._registry), CONTENT_TYPE_LATEST
+        # prometheus-client's own negotiation: OpenMetrics (with exemplars: trace ids) when asked for
+        encoder, content_type = choose_encoder(_header(headers, b"accept"))
+        body = encoder(self._registry)
         return _response(200, content_type.encode(), b"" if parts[0] == b"HEAD" else body, len(body))
 
 
-def _wants_openmetrics(headers: list[bytes]) -> bool:
+def _header(headers: list[bytes], wanted: bytes) -> str:
+    """A request header's value ("" when absent), its name matched in any case."""
     for line in headers:
         name, _, value = line.partition(b":")
-        if name.strip().lower() == b"accept" and b"application/openmetrics-text" in value:
-            return True
-    return False
+        if name.strip().lower() == wanted:
+            return value.strip().decode("latin-1")
+    return ""
 
 
 def _response(status: int, content_type: bytes, body: bytes, length: int | None = None) -> bytes:

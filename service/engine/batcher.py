@@ -178,9 +178,10 @@ class Batcher:
             raise DeadlineExceeded(f"deadline passed after {(started - enqueued) * 1e3:.1f} ms in the queue")
         shapes = [(int(x.shape[0]), int(x.shape[1]))]
         spans = ((trace, enqueued),) if trace is not None else ()
-        lone_client = self._run_lone is not None and started - self._shared_at >= LONE_CLIENT_S
+        lone_client = started - self._shared_at >= LONE_CLIENT_S
+        run = self._run_lone if self._run_lone is not None and lone_client else self._run_batch
         try:
-            y, backend = self._run_lone(x) if lone_client else self._run_batch(x)  # type: ignore[misc]
+            y, backend = run(x)
         except Exception as exc:
             self._report(shapes, (started, started), "", exc, spans)
             raise

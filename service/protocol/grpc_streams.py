@@ -52,12 +52,13 @@ async def answer_concurrently(
     stopper = asyncio.create_task(stop[0].wait()) if stop else None
     if stopper is not None:
         stopper.add_done_callback(lambda _: reader.cancel())
-    in_hand: list[Resp] = []  # yielded, its delivery not yet known
+    settled = settle or _unsettled
+    in_hand: list[Resp] = []  # the answer yielded and not yet known written (at most one)
     try:
         while (item := await answers.get()) is not _END:
-            in_hand.append(item)  # type: ignore[arg-type]
-            yield item  # type: ignore[misc]
-            _settle_all(settle, in_hand, delivered=True)
+            in_hand.append(cast(Resp, item))
+            yield in_hand[0]
+            settled(in_hand.pop(), True)
         if stop is not None and reader.cancelled():
             raise stop[1]
         await reader  # raises what ended the reading, if anything did
@@ -69,10 +70,11 @@ async def answer_concurrently(
         for task in pending:
             task.cancel()
         cancelled_again = await _wait_out(reader, *pending)
-        _settle_all(settle, in_hand, delivered=False)
-        while not answers.empty():
+        while not answers.empty():  # computed, never taken
             if (left := answers.get_nowait()) is not _END:
-                _settle_all(settle, [cast(Resp, left)], delivered=False)
+                in_hand.append(cast(Resp, left))
+        for undelivered in in_hand:
+            settled(undelivered, False)
         if cancelled_again:
             raise asyncio.CancelledError
 
@@ -90,8 +92,5 @@ async def _wait_out(*tasks: asyncio.Task[None]) -> bool:
             cancelled = True
 
 
-def _settle_all(settle: Callable[[Resp, bool], None] | None, answers: list[Resp], delivered: bool) -> None:
-    if settle is not None:
-        for answer in answers:
-            settle(answer, delivered)
-    answers.clear()
+def _unsettled(answer: object, delivered: bool) -> None:
+    """No `settle` given: nothing to record."""
