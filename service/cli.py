@@ -155,8 +155,11 @@ def model_dir_problem(model_dir: Path | None) -> str | None:
         return f"--model-dir {model_dir}: no such directory; {fix}"
     if not model_dir.is_dir():
         return f"--model-dir {model_dir} is a file, not a directory: name the directory `mha export --out` wrote"
-    if not (model_dir / "weights.safetensors").is_file():
-        return f"--model-dir {model_dir} holds no exported model (no weights.safetensors); {fix}"
+    from export.layout import ModelFiles
+
+    weights = ModelFiles(model_dir).weights
+    if not weights.is_file():
+        return f"--model-dir {model_dir} holds no exported model (no {weights.name}); {fix}"
     return None
 
 
@@ -272,14 +275,12 @@ def _writable(flag: str, path: str | None, suffix: str = "") -> Path | None:
     not after a whole run. np.save adds `suffix` when the name lacks it."""
     if path is None:
         return None
-    target = Path(path)
-    if target.is_dir():
-        raise CliError(f"{flag} {path} is a directory: name a file to write", 2)
+    given = target = Path(path)
     if suffix and target.suffix != suffix:
         target = target.with_name(target.name + suffix)
-    parent = target.parent
-    if target.is_dir():
+    if given.is_dir() or target.is_dir():
         raise CliError(f"{flag} {path} is a directory: name a file to write", 2)
+    parent = target.parent
     if not parent.is_dir():
         raise CliError(f"{flag} {path}: there is no directory {parent}; create it first", 2)
     if not os.access(parent, os.W_OK) or (target.exists() and not os.access(target, os.W_OK)):

@@ -16,6 +16,8 @@ from dataclasses import Field, dataclass, field, fields
 from pathlib import Path
 from typing import Any, get_type_hints
 
+from export.layout import MANIFEST_FILE
+
 BACKEND_CHOICES = ("auto", "ort-cuda", "ort-cpu", "torch")
 LOG_FORMATS = ("auto", "json", "text")
 SHARED_MEMORY_CHOICES = ("off", "system")
@@ -198,7 +200,7 @@ def default_model_home(cwd: Path, environ: Mapping[str, str]) -> Path:
     checkout of mha-serve (or wherever one was exported before), else the user's cache directory,
     so that `mha serve` run elsewhere neither litters the working directory nor exports again."""
     local = cwd / "models" / "default"
-    if (local / "manifest.json").is_file() or ((cwd / "pyproject.toml").is_file() and (cwd / "service").is_dir()):
+    if (local / MANIFEST_FILE).is_file() or ((cwd / "pyproject.toml").is_file() and (cwd / "service").is_dir()):
         return local
     cache = Path(environ.get("XDG_CACHE_HOME") or Path(environ.get("HOME") or Path.home()) / ".cache")
     return cache / "mha-serve" / "models" / "default"

@@ -79,20 +79,21 @@ class Tracing:
         if not wanted(settings, environ):
             return cls()
         from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
-        from opentelemetry.sdk.resources import Resource
+        from opentelemetry.sdk.resources import OTELResourceDetector, Resource
         from opentelemetry.sdk.trace import TracerProvider
         from opentelemetry.sdk.trace.export import BatchSpanProcessor
 
-        resource = Resource.create(  # OTEL_RESOURCE_ATTRIBUTES and OTEL_SERVICE_NAME are merged in (and win)
-            {
-                "service.name": environ.get("OTEL_SERVICE_NAME") or settings.service_name,
-                "service.instance.id": f"{settings.instance}/{settings.worker}",
-                "k8s.pod.name": settings.instance,
-                "mha.worker": settings.worker,
-                "mha.model.name": settings.model_name,
-                "mha.model.version": settings.model_version,
-            }
-        )
+        ours: dict[str, str | int] = {
+            "service.name": settings.service_name,
+            "service.instance.id": f"{settings.instance}/{settings.worker}",
+            "k8s.pod.name": settings.instance,
+            "mha.worker": settings.worker,
+            "mha.model.name": settings.model_name,
+            "mha.model.version": settings.model_version,
+        }
+        # OTEL_RESOURCE_ATTRIBUTES and OTEL_SERVICE_NAME win over ours (Resource.create alone lets
+        # the code's attributes win)
+        resource = Resource.create(ours).merge(OTELResourceDetector().detect())
         provider = TracerProvider(resource=resource, sampler=ClientTraceFirst(root_sampler(environ)))
         endpoint = settings.endpoint
         exporter = OTLPSpanExporter(endpoint=f"{endpoint.rstrip('/')}/v1/traces") if endpoint else OTLPSpanExporter()

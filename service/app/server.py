@@ -127,7 +127,7 @@ async def start(settings: Settings, registry: CollectorRegistry | None = None, c
     peers = _peers(settings)
     server = _grpc_server(settings, InferenceServicer(core, calls, regions, peers), calls, token, health_servicer)
     credentials = _credentials(settings)
-    port = _bind(server, f"{settings.host}:{settings.grpc_port}", credentials, "--grpc-port", settings.reuse_port)
+    port = _bind(server, settings.host, settings.grpc_port, credentials, "--grpc-port", settings.reuse_port)
     running = Running(server, core, health_servicer, grpc_port=port, metrics_port=0, regions=regions, peers=peers)
     if peers is not None:  # where the other workers hand over the steps of this worker's sequences
         running.handover = Handover(core, calls, regions, peers)
@@ -235,28 +235,32 @@ async def _start_health_port(running: Running, settings: Settings) -> None:
     """Health only, plaintext: kubelet's gRPC probes cannot present a client certificate."""
     running.health_server = grpc.aio.server()
     health_pb2_grpc.add_HealthServicer_to_server(running.health, running.health_server)
-    address = f"{settings.host}:{settings.health_port}"
-    running.health_port = _bind(running.health_server, address, None, "--health-port")
+    assert settings.health_port is not None
+    running.health_port = _bind(running.health_server, settings.host, settings.health_port, None, "--health-port")
     await running.health_server.start()
 
 
 def _bind(
-    server: grpc.aio.Server, address: str, credentials: grpc.ServerCredentials | None, flag: str, shared: bool = False
+    server: grpc.aio.Server,
+    host: str,
+    port: int,
+    credentials: grpc.ServerCredentials | None,
+    flag: str,
+    shared: bool = False,
 ) -> int:
-    """Listen on `address`. A port that is taken is found first with a plain socket (unless the
+    """Listen on (host, port). A port that is taken is found first with a plain socket (unless the
     port is `shared`, --reuse-port), so that the error is one line of ours and not gRPC core's too."""
-    host, _, port_text = address.rpartition(":")
-    if not shared and (why := _cannot_listen(host, int(port_text))) is not None:
+    address = f"{host}:{port}"
+    if not shared and (why := _cannot_listen(host, port)) is not None:
         raise StartupError(f"{flag}: cannot listen on {address}: {why}", 1)
+    refused = StartupError(f"{flag}: cannot listen on {address} (in use, or not an address of this machine)", 1)
     try:
-        port = server.add_secure_port(address, credentials) if credentials else server.add_insecure_port(address)
+        bound = server.add_secure_port(address, credentials) if credentials else server.add_insecure_port(address)
     except RuntimeError as exc:  # grpc raises this when it cannot listen
-        raise StartupError(
-            f"{flag}: cannot listen on {address} (in use, or not an address of this machine)", 1
-        ) from exc
-    if port == 0:
-        raise StartupError(f"{flag}: cannot listen on {address} (in use, or not an address of this machine)", 1)
-    return port
+        raise refused from exc
+    if bound == 0:
+        raise refused
+    return bound
 
 
 def _cannot_listen(host: str, port: int) -> str | None:

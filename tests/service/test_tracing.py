@@ -46,7 +46,7 @@ def test_tritonclient_traceparent_is_continued_even_when_sampling_is_off(
     traceparent is traced all the same (Triton's rule), under the client's trace and span."""
     assert TRITON_PYTHON.exists(), "make install creates .venv-triton with tritonclient"
     monkeypatch.setenv("OTEL_TRACES_SAMPLER", "always_off")
-    monkeypatch.setenv("OTEL_RESOURCE_ATTRIBUTES", "deployment.environment=test")
+    monkeypatch.setenv("OTEL_RESOURCE_ATTRIBUTES", "deployment.environment=test,k8s.pod.name=pod-7")
     settings = make_settings(small_model_dir, backend="torch", http_port=0, otlp_endpoint=receiver.endpoint)
     with ServerThread(settings) as server:
         url = server.url if protocol == "grpc" else f"127.0.0.1:{server.http_port}"
@@ -69,7 +69,7 @@ def test_tritonclient_traceparent_is_continued_even_when_sampling_is_off(
         assert call.attributes["http.request.method"] == "POST" and call.attributes["http.response.status_code"] == 200
     resource = call.resource
     assert resource["service.name"] == "mha-serve" and resource["mha.model.name"] == "mha"
-    assert resource["deployment.environment"] == "test" and "k8s.pod.name" in resource
+    assert resource["deployment.environment"] == "test" and resource["k8s.pod.name"] == "pod-7"  # the env's win
     (queue,) = _children(receiver.spans, call, "queue")
     assert call.start_ns <= queue.start_ns <= queue.end_ns <= call.end_ns
     (batch,) = receiver.named("batch")
