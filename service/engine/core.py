@@ -29,6 +29,7 @@ from service.decode.control import SequenceControl
 from service.decode.runner import StepRunner, step_device
 from service.decode.scheduler import Decoder, StepBatcher
 from service.decode.sequences import SequenceLimits, SequenceStore
+from service.deferred import after_answer
 from service.engine.batcher import Batcher, Timing
 from service.engine.inflight import InFlight
 from service.engine.magnitude import magnitude_bound
@@ -160,8 +161,7 @@ class InferenceCore:
         y, timing = await self.loaded.batcher.submit(x, deadline)
         if not all_finite(y):  # the chain found this input to blame (see BackendChain)
             raise InvalidInput(not_finite(x))
-        self.metrics.observe_answer(int(x.shape[0]) * int(x.shape[1]), timing.queue_s)
-        self.stats.observe_answer(int(x.shape[0]), timing.queue_s)
+        after_answer(self.publish.answered, x.shape, timing.queue_s)
         return y, timing
 
     async def step(
@@ -180,8 +180,7 @@ class InferenceCore:
             if self.device.observe(exc):
                 self._set_state(State.FAILED)
             raise
-        self.metrics.observe_answer(int(x.shape[0]) * int(x.shape[1]), stepped.queue_s)
-        self.stats.observe_answer(int(x.shape[0]), stepped.queue_s)
+        after_answer(self.publish.answered, x.shape, stepped.queue_s)
         return stepped.y, Timing(stepped.queue_s, self.loaded.decoder.backend), stepped.length
 
     def _check_magnitude(self, x: np.ndarray) -> None:

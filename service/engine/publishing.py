@@ -1,6 +1,7 @@
-"""What the core makes known as it serves: every executed batch (stateless or decode steps) into
-the metrics and the model's statistics, the active backend into mha_backend_info (and readiness
-under --require-device), fallbacks as they happen. No serving decisions here."""
+"""What the core makes known as it serves: every executed batch (stateless or decode steps) and
+every answered request into the metrics and the model's statistics, the active backend into
+mha_backend_info (and readiness under --require-device), fallbacks as they happen. No serving
+decisions here."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from collections.abc import Callable
 
 from service.backends import BackendChain
 from service.batching import BatchEvent
+from service.deferred import after_answer
 from service.engine.readiness import DeviceHealth
 from service.engine.stats import ModelStats
 from service.metrics import Metrics
@@ -33,9 +35,13 @@ class Publisher:
         self.metrics.fallbacks.labels(source, target, reason).inc()
 
     def batch(self, event: BatchEvent, chain: BackendChain) -> None:
-        """A stateless batch: a sticky device error in it stops the server (DeviceHealth)."""
+        """A stateless batch: a sticky device error in it stops the server (DeviceHealth) at once;
+        the rest is published after the batch's answers have gone (after_answer)."""
         if self.device.observe(event.error):
             self._device_lost()
+        after_answer(self._published, event, chain)
+
+    def _published(self, event: BatchEvent, chain: BackendChain) -> None:
         self.steps(event)
         self.backends(chain)
         if event.traced:  # tracing on, and a traced request in the batch
@@ -48,6 +54,11 @@ class Publisher:
         (its lost device is handled where the step fails)."""
         self.metrics.observe_batch(event)
         self.stats.observe_batch(event)
+
+    def answered(self, shape: tuple[int, ...], queue_s: float) -> None:
+        """A request of `shape` (B, T, C) answered after `queue_s` in the queue: its tokens and wait."""
+        self.metrics.observe_answer(int(shape[0]) * int(shape[1]), queue_s)
+        self.stats.observe_answer(int(shape[0]), queue_s)
 
     def backends(self, chain: BackendChain) -> None:
         """The active backend, once it changes: mha_backend_info, and readiness on the required device."""

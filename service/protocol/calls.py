@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 import grpc
 
+from service.deferred import after_answer
 from service.errors import ServiceError
 from service.logs import new_request_id, request_id_var
 from service.protocol.status import SERVER_FAULTS, http_status, to_status
@@ -110,7 +111,14 @@ class Calls:
             log.error("%s failed: %s", call.method, exc, exc_info=exc)
 
     def closed(self, call: Call) -> None:
+        """A call ends: out of the in-flight count now; counted, timed, its span ended and its
+        line logged after its response has gone (after_answer)."""
         elapsed = time.perf_counter() - call.started
+        if call.inference:
+            self._core.requests.finished()
+        after_answer(self._account, call, elapsed)
+
+    def _account(self, call: Call, elapsed: float) -> None:
         counted, timed = self._series(call.method, call.code)
         counted.inc()
         if call.span is None:
@@ -120,7 +128,6 @@ class Calls:
             timed.observe(elapsed, {"trace_id": trace_id} if trace_id else None)
             self._end_span(call)
         if call.inference:
-            self._core.requests.finished()
             self._core.stats.observe_request(call.ok, elapsed)
         level = logging.DEBUG if call.ok else logging.INFO  # a client's mistake or leaving; faults: in failed()
         if (call.inference or not call.ok) and log.isEnabledFor(level):  # no record built that nobody reads
