@@ -15,7 +15,8 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -33,6 +34,7 @@ if TYPE_CHECKING:
     from service.batching import BatchEvent
 
 PROPAGATOR = TraceContextTextMapPropagator()  # W3C traceparent / tracestate
+NO_SPAN: AbstractContextManager[None] = contextlib.nullcontext()  # a step's, when tracing is off
 
 log = logging.getLogger(__name__)
 
@@ -147,15 +149,13 @@ class Tracing:
             queue = self._tracer.start_span("queue", context=trace.set_span_in_context(span), start_time=wall(enqueued))
             queue.end(end_time=wall(started))
 
-    @contextlib.contextmanager
-    def step(self, sequence_id: str, tokens: int) -> Iterator[Span | None]:
-        """A decode step's span, child of the current call's: the caller adds the tokens held."""
+    def step(self, sequence_id: Callable[[], str], tokens: int) -> AbstractContextManager[Span | None]:
+        """A decode step's span, child of the current call's: the caller adds the tokens held.
+        `sequence_id` is asked only when tracing is on (nothing is built for a step otherwise)."""
         if self._tracer is None:
-            yield None
-            return
-        attributes: dict[str, str | int] = {"mha.sequence_id": sequence_id, "mha.step.tokens": tokens}
-        with self._tracer.start_as_current_span("decode step", attributes=attributes) as span:
-            yield span
+            return NO_SPAN
+        attributes: dict[str, str | int] = {"mha.sequence_id": sequence_id(), "mha.step.tokens": tokens}
+        return self._tracer.start_as_current_span("decode step", attributes=attributes)
 
     def flush(self, timeout_s: float = 10.0) -> bool:
         """Export what is buffered now; True when it went out in time (or tracing is off)."""

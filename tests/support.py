@@ -63,7 +63,7 @@ class ServerThread:
     def __init__(self, settings: Settings, wait_ready: bool = True, clock: Clock | None = None) -> None:
         self.settings = settings
         self.clock = clock
-        self.registry = CollectorRegistry()
+        self._registry = CollectorRegistry()
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
         self._wait_ready = wait_ready
@@ -78,7 +78,7 @@ class ServerThread:
 
     def __enter__(self) -> ServerThread:
         self._thread.start()
-        self.running = self.call(start(self.settings, self.registry, self.clock))
+        self.running = self.call(start(self.settings, self._registry, self.clock))
         if self._wait_ready:
             self.call(load_and_serve(self.running))
         return self
@@ -110,7 +110,24 @@ class ServerThread:
     @property
     def core(self):
         assert self.running is not None
+        self.settle()
         return self.running.core
+
+    @property
+    def registry(self) -> CollectorRegistry:
+        self.settle()
+        return self._registry
+
+    def settle(self) -> None:
+        """Let the server's loop run what it has scheduled so far: the bookkeeping of an answer the
+        test has received runs after the answer is sent (service/deferred.py), and a test that
+        reads the metrics or statistics in-process reads them after it."""
+
+        async def one_turn() -> None:
+            await asyncio.sleep(0)
+
+        if self._thread.is_alive() and threading.current_thread() is not self._thread and self._loop.is_running():
+            self.call(one_turn(), timeout=30)
 
     def __exit__(self, *exc: object) -> None:
         if self.running is not None:

@@ -70,6 +70,7 @@ class StepRunner:
             self._qkv_weight = torch.cat((m.q_proj.weight, m.k_proj.weight, m.v_proj.weight))  # (3C, C)
             biases = (m.q_proj.bias, m.k_proj.bias, m.v_proj.bias)
             self._qkv_bias = torch.cat(biases) if config.bias else None  # (3C,)
+        self._on_cpu = device == "cpu"  # no copies to or from a device
 
     def run(self, steps: Seq[StepInput]) -> list[np.ndarray]:
         """The outputs (B, t, C) of each step, in order. A sticky CUDA error raises DeviceLost:
@@ -85,7 +86,8 @@ class StepRunner:
 
     @torch.inference_mode()
     def _compute(self, steps: Seq[StepInput]) -> list[np.ndarray]:
-        x = torch.from_numpy(merge([s.x for s in steps])).to(self.device)  # (R, t_max, C), right-padded
+        x = torch.from_numpy(merge([s.x for s in steps]))  # (R, t_max, C), right-padded
+        x = x if self._on_cpu else x.to(self.device)
         q, k, v = self._project(x)  # (R, nh, t_max, hs)
         if len(steps) == 1:
             heads = self._attend(steps[0].sequence, q, k, v)  # (R, nh, t, hs)
@@ -97,24 +99,32 @@ class StepRunner:
                 rows = slice(row, row + B)
                 heads[rows, :, :t] = self._attend(step.sequence, q[rows, :, :t], k[rows, :, :t], v[rows, :, :t])
                 row += B
-        y = self.module.merge(heads).cpu().numpy()  # (R, t_max, C); a no-op on the CPU
+        merged = self._merge(heads)  # (R, t_max, C)
+        y = (merged if self._on_cpu else merged.cpu()).numpy()
         return split(y, [(s.x.shape[0], s.x.shape[1]) for s in steps])  # (B, t, C) each
 
     def _project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(R, t, C) -> q, k, v, each (R, nh, t, hs): MultiHeadAttention.project in one matmul."""
-        R, t, C = x.shape
+        R, t, _ = x.shape
         nh, hs = self.config.n_head, self.config.head_size
-        qkv = F.linear(x, self._qkv_weight, self._qkv_bias)  # (R, t, 3C)
-        q, k, v = (part.view(R, t, nh, hs).transpose(1, 2) for part in qkv.split(C, dim=2))  # (R, nh, t, hs)
+        qkv = F.linear(x, self._qkv_weight, self._qkv_bias)  # (R, t, 3C): q, k, v side by side
+        q, k, v = qkv.view(R, t, 3, nh, hs).permute(2, 0, 3, 1, 4).unbind(0)  # (R, nh, t, hs) each
         return q, k, v
+
+    def _merge(self, heads: torch.Tensor) -> torch.Tensor:
+        """(R, nh, t, hs) -> (R, t, C) through o_proj: MultiHeadAttention.merge without the
+        module call (a step's ops are small enough for each call's cost to count)."""
+        R, _, t, _ = heads.shape
+        merged = heads.transpose(1, 2).reshape(R, t, self.config.d_model)  # (R, t, C); a view when t == 1
+        return F.linear(merged, self.module.o_proj.weight, self.module.o_proj.bias)
 
     @staticmethod
     def _attend(sequence: Sequence, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """(B, nh, t, hs) heads of the new tokens, their keys and values written into the cache."""
         P, t = sequence.length, q.shape[2]
-        sequence.keys[:, :, P : P + t] = k
-        sequence.values[:, :, P : P + t] = v
-        keys, values = sequence.keys[:, :, : P + t], sequence.values[:, :, : P + t]  # (B, nh, P + t, hs)
+        sequence.keys.narrow(2, P, t).copy_(k)  # [:, :, P : P + t], without the cost of indexing
+        sequence.values.narrow(2, P, t).copy_(v)
+        keys, values = sequence.keys.narrow(2, 0, P + t), sequence.values.narrow(2, 0, P + t)  # (B, nh, P + t, hs)
         if t == 1:  # one new token sees every key: no mask
             return F.scaled_dot_product_attention(q, keys, values)
         return cached_attention(q, keys, values, torch.full((q.shape[0],), P, device=q.device))

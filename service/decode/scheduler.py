@@ -161,12 +161,10 @@ def _answer(item: Step, y: np.ndarray, started: float) -> None:
 
 def _commit(step: StepInput, y: np.ndarray) -> np.ndarray:
     """The sequence grows by the step's t tokens; a non-finite output commits nothing, so the
-    sequence stays as it was."""
+    sequence stays as it was. NaN or inf in the step's input always reach its output (as on the
+    stateless path), so they are found here, and named, without a pass over every input."""
     if not all_finite(y):
-        raise InvalidInput(
-            "the output is not finite: the input's values overflow float32 inside attention; the step "
-            "was not added to the sequence"
-        )
+        raise InvalidInput(f"{not_finite(step.x)}; the step was not added to the sequence")
     step.sequence.length += step.x.shape[1]
     return y
 
@@ -212,8 +210,8 @@ class Decoder:
     async def step(self, control: SequenceControl, x: np.ndarray, deadline: float | None = None) -> Stepped:
         """(B, t, C) new tokens of the sequence -> their (B, t, C) outputs, the tokens the sequence
         holds after them, and the step's time in the queue."""
-        if not all_finite(x):  # refused before it touches the sequence's state
-            raise InvalidInput(not_finite(x))
+        if control.start and not all_finite(x):  # a start would drop the sequence's state: refused first
+            raise InvalidInput(not_finite(x))  # (any other step's NaN or inf is found in its output)
         sequence = self.sequences.open(control, int(x.shape[0]), int(x.shape[2]))
         async with sequence.lock:  # this sequence's steps one at a time, in arrival order
             _check_offset(control, sequence.length, self.sequences.where)

@@ -172,7 +172,7 @@ class InferenceCore:
         self._check_ready()
         self._check_magnitude(x)  # the cached keys and values were checked with their own steps
         try:
-            with self.tracing.step(control.label(), int(x.shape[1])) as span:
+            with self.tracing.step(control.label, int(x.shape[1])) as span:
                 stepped = await self.loaded.decoder.step(control, x, deadline)
                 if span is not None:
                     span.set_attribute("mha.sequence.tokens_held", stepped.length)

@@ -42,7 +42,7 @@ class Publisher:
         after_answer(self._published, event, chain)
 
     def _published(self, event: BatchEvent, chain: BackendChain) -> None:
-        self.steps(event)
+        self._recorded(event)
         self.backends(chain)
         if event.traced:  # tracing on, and a traced request in the batch
             preferred = chain.backends[0].name
@@ -50,8 +50,12 @@ class Publisher:
             self.tracing.report_batch(event, fallback)
 
     def steps(self, event: BatchEvent) -> None:
-        """A batch, in the batch metrics and statistics; a batch of decode steps comes here alone
-        (its lost device is handled where the step fails)."""
+        """A batch of decode steps, published after its answers have gone (its lost device is
+        handled where the step fails)."""
+        after_answer(self._recorded, event)
+
+    def _recorded(self, event: BatchEvent) -> None:
+        """A batch, in the batch metrics and statistics."""
         self.metrics.observe_batch(event)
         self.stats.observe_batch(event)
 

@@ -121,6 +121,9 @@ def test_a_step_with_nan_or_inf_is_refused_and_leaves_its_sequence_as_it_was(stu
         stub.ModelInfer(_step(bad, 90), timeout=30)
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "the input holds 2 NaN or inf values" in (info.value.details() or "")
+    with pytest.raises(grpc.RpcError) as info:  # a restart with them would have dropped the 3 tokens
+        stub.ModelInfer(_step(bad, 90, start=True), timeout=30)
+    assert "the input holds 2 NaN or inf values" in (info.value.details() or "")
     x = rng.standard_normal((1, 2, C), dtype=np.float32)  # the sequence goes on from its 3 tokens
     y = decode_infer_response(stub.ModelInfer(_step(x, 90, end=True), timeout=30))
     expected = _reference_tail(small_model_dir, np.concatenate([prefix, x], axis=1), 2)
