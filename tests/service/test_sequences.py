@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from model import MHAConfig
-from model.checkpoint import load_checkpoint
+from model.checkpoint import init_weights, load_checkpoint
 from model.reference import attention_view, relative_error
 from service.decode.control import SequenceControl
 from service.decode.runner import StepInput, StepRunner
@@ -288,8 +288,32 @@ def test_a_batch_that_mixes_past_lengths_equals_each_sequence_alone(small_model_
         np.testing.assert_allclose(y, y_alone, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("bias", [True, False])
+def test_one_token_steps_in_numpy_are_exact_token_by_token(bias: bool) -> None:
+    """A lone sequence's one-token CPU steps (numpy, OneTokenStep) over 70 tokens: the cache grows
+    past its first capacity on the way, B = 2 rows; each output against the float64 reference of
+    the whole prefix, and the keys and values it wrote against PyTorch's."""
+    config = MHAConfig(d_model=48, n_head=6, max_seq_len=80, bias=bias)
+    weights = init_weights(config, seed=21)
+    runner = StepRunner(config, weights, "cpu")
+    assert runner._one_token is not None
+    store = SequenceStore(config, SequenceLimits(), ManualClock().now)
+    x = np.random.default_rng(8).standard_normal((2, 70, config.d_model), dtype=np.float32)
+    reference = attention_view(torch.from_numpy(x), weights, config)  # (2, 70, C), float64
+    sequence = store.open(SequenceControl("numpy", start=True), 2, config.d_model)
+    outputs = []
+    for i in range(70):
+        store.check_room(sequence, 1)
+        (y,) = runner.run([StepInput(sequence, x[:, i : i + 1])])
+        sequence.length += 1
+        outputs.append(y)
+    assert relative_error(torch.from_numpy(np.concatenate(outputs, axis=1)), reference) < 1e-5
+    _, keys, _ = runner.module.project(torch.from_numpy(x))  # (2, nh, 70, hs)
+    assert torch.allclose(sequence.keys[:, :, :70], keys, rtol=1e-5, atol=1e-6)
+
+
 def test_a_small_cpu_step_runs_on_one_thread_and_leaves_the_setting_as_it_was(small_model_dir: Path) -> None:
-    """A one-token step on two threads paid the sleeping pool's wake-up on each small op (223 us a
+    """A two-token step on two threads paid the sleeping pool's wake-up on each small op (223 us a
     step in process, 158 us on one thread); a large step keeps the pool. The setting is restored,
     and both stay exact."""
     runner, config, weights = _runner(small_model_dir, "cpu")
@@ -301,13 +325,13 @@ def test_a_small_cpu_step_runs_on_one_thread_and_leaves_the_setting_as_it_was(sm
     torch.set_num_threads(2)
     try:
         rng = np.random.default_rng(5)
-        prefix = rng.standard_normal((1, 41, C), dtype=np.float32)
+        prefix = rng.standard_normal((1, 42, C), dtype=np.float32)
         sequence = store.open(SequenceControl("threads", start=True), 1, C)
         store.check_room(sequence, 40)
         (head,) = runner.run([StepInput(sequence, prefix[:, :40])])  # 40 tokens: the pool
         sequence.length += 40
-        store.check_room(sequence, 1)
-        (last,) = runner.run([StepInput(sequence, prefix[:, 40:])])  # one token: one thread
+        store.check_room(sequence, 2)
+        (last,) = runner.run([StepInput(sequence, prefix[:, 40:])])  # two tokens: one thread
         assert seen == [2, 1] and torch.get_num_threads() == 2
     finally:
         torch.set_num_threads(before)
