@@ -107,6 +107,8 @@ def sequence_control(request: pb.ModelInferRequest) -> SequenceControl | None:
     """Triton's sequence parameters and our `sequence_offset`, checked: None for a stateless
     request (no sequence_id)."""
     parameters = request.parameters
+    if not parameters:  # most requests: nothing to read
+        return None
     flags = {key: _flag(parameters, key) for key in ("sequence_start", "sequence_end")}
     if "sequence_id" not in parameters:
         if any(flags.values()) or SEQUENCE_OFFSET in parameters:
@@ -172,6 +174,8 @@ def request_timeout_s(request: pb.ModelInferRequest) -> float | None:
     """Triton's `timeout` (microseconds the request may take; 0 or absent: no limit of its own),
     as seconds; and its `priority`, refused unless it is the one level this server has."""
     parameters = request.parameters
+    if not parameters:
+        return None
     level = _count_parameter(parameters, PRIORITY, "the request", "priority level") if PRIORITY in parameters else 0
     if level != 0:
         raise InvalidInput(f"{PRIORITY} {level}: this server has one priority level; send 0 or leave it out")
