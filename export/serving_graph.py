@@ -115,8 +115,8 @@ def fuse_projections(g: _Graph) -> bool:
 # The heads ---------------------------------------------------------------------------------
 
 
-def _split_heads(g: _Graph, name: str) -> tuple[str, int] | None:
-    """`name` = Transpose(Reshape(t, [B, T, nh, hs])): (t, nh), else None."""
+def _split_heads(g: _Graph, name: str) -> tuple[str, tuple[int, int]] | None:
+    """`name` = Transpose(Reshape(t, [B, T, nh, hs])): (t, (nh, hs)), else None."""
     transpose = g.producer(name)
     if transpose is None or transpose.op_type != "Transpose" or _perm(transpose) != HEADS_PERM:
         return None
@@ -127,37 +127,48 @@ def _split_heads(g: _Graph, name: str) -> tuple[str, int] | None:
     return (reshape.input[0], heads) if heads is not None else None
 
 
-def _heads_of_shape(g: _Graph, shape: str) -> int | None:
-    """nh of a 4-d shape [B, T, nh, hs]: a Concat whose last two parts are constants."""
+def _heads_of_shape(g: _Graph, shape: str) -> tuple[int, int] | None:
+    """(nh, hs) of a 4-d shape [B, T, nh, hs]: a Concat whose last two parts are constants."""
+    parts = _constant_tail(g, shape, 4, 2)
+    return (parts[0], parts[1]) if parts is not None else None
+
+
+def _constant_tail(g: _Graph, shape: str, rank: int, count: int) -> list[int] | None:
+    """The last `count` entries of a shape built by a Concat of `rank` parts, when constants."""
     concat = g.producer(shape)
-    if concat is None or concat.op_type != "Concat" or len(concat.input) != 4:
+    if concat is None or concat.op_type != "Concat" or len(concat.input) != rank:
         return None
-    nh, hs = g.constant(concat.input[2]), g.constant(concat.input[3])
-    if nh is None or hs is None or nh.size != 1 or hs.size != 1:
+    values = [g.constant(name) for name in concat.input[rank - count :]]
+    if any(v is None or v.size != 1 for v in values):
         return None
-    return int(nh.reshape(-1)[0])
+    return [int(v.reshape(-1)[0]) for v in values if v is not None]
 
 
-def _merged_heads(g: _Graph, name: str) -> list[onnx.NodeProto] | None:
-    """[Transpose, Reshape] that merge the heads of `name` into (B, T, C), else None."""
+def _merged_heads(g: _Graph, name: str, width: int) -> list[onnx.NodeProto] | None:
+    """[Transpose, Reshape] that merge the heads of `name` into (B, T, width), else None."""
     transpose = g.only_consumer(name, "Transpose")
     if transpose is None or _perm(transpose) != HEADS_PERM:
         return None
     reshape = g.only_consumer(transpose.output[0], "Reshape")
-    return [transpose, reshape] if reshape is not None else None
+    if reshape is None or _constant_tail(g, reshape.input[1], 3, 1) != [width]:
+        return None
+    return [transpose, reshape]
 
 
 def attend_on_3d(g: _Graph) -> bool:
     """Attention(split heads of q, k, v) merged back -> Attention of (B, T, C) with its head counts."""
     changed = False
-    for node in [n for n in g.graph.node if n.op_type == "Attention" and len(n.input) == 3]:
+    standard = [n for n in g.graph.node if n.op_type == "Attention" and n.domain in ("", "ai.onnx")]  # not contrib ops
+    for node in [n for n in standard if len(n.input) == 3]:
         if any(a.name in ("q_num_heads", "kv_num_heads") for a in node.attribute):
             continue
-        split = [found for name in node.input if (found := _split_heads(g, name)) is not None]  # [(t, nh)]
-        merged = _merged_heads(g, node.output[0])
-        if merged is None or len(split) != 3 or len({heads for _, heads in split}) != 1:
+        split = [found for name in node.input if (found := _split_heads(g, name)) is not None]  # [(t, (nh, hs))]
+        if len(split) != 3 or len({heads for _, heads in split}) != 1:
             continue
-        heads = split[0][1]
+        heads, size = split[0][1]
+        merged = _merged_heads(g, node.output[0], heads * size)
+        if merged is None:
+            continue
         attributes = {a.name: helper.get_attribute_value(a) for a in node.attribute}
         inputs = [t for t, _ in split]  # q, k, v as (B, T, C)
         output = merged[1].output[0]  # (B, T, C)

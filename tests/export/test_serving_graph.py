@@ -10,7 +10,7 @@ import onnx
 import onnxruntime as ort
 import pytest
 import torch
-from onnx import TensorProto, helper
+from onnx import TensorProto, helper, numpy_helper
 
 from export.pipeline import export_model_dir
 from export.serving_graph import serving_graph
@@ -75,3 +75,15 @@ def test_a_graph_of_another_shape_is_served_as_it_is() -> None:
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 23)])
     rewritten, done = serving_graph(model)
     assert done == [] and rewritten == model
+
+
+def test_heads_merged_to_another_width_are_left_as_they_are(small_model_dir: Path) -> None:
+    """The heads are handed to Attention only when the Reshape after it merges them back into
+    exactly nh x hs: a graph that reshapes to anything else keeps its own nodes."""
+    model = onnx.load(str(small_model_dir / "model.onnx"))
+    merge = next(n for n in model.graph.node if n.op_type == "Reshape" and n.input[0].startswith("transpose"))
+    concat = next(n for n in model.graph.node if merge.input[1] in n.output)
+    width = next(t for t in model.graph.initializer if t.name == concat.input[-1])
+    width.CopyFrom(numpy_helper.from_array(np.array([64], dtype=np.int64), width.name))  # not 4 heads x 8
+    _, done = serving_graph(model)
+    assert done == ["fuse_projections"]
