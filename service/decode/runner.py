@@ -70,8 +70,7 @@ class StepRunner:
             self._qkv_weight = torch.cat((m.q_proj.weight, m.k_proj.weight, m.v_proj.weight))  # (3C, C)
             biases = (m.q_proj.bias, m.k_proj.bias, m.v_proj.bias)
             self._qkv_bias = torch.cat(biases) if config.bias else None  # (3C,)
-        self._on_cpu = device == "cpu"  # no copies to or from a device
-        self._one_token = OneTokenStep(config, self._qkv_weight, self._qkv_bias, m) if self._on_cpu else None
+        self._one_token = OneTokenStep(config, self._qkv_weight, self._qkv_bias, m) if device == "cpu" else None
 
     def run(self, steps: Seq[StepInput]) -> list[np.ndarray]:
         """The outputs (B, t, C) of each step, in order. A sticky CUDA error raises DeviceLost:
@@ -89,8 +88,7 @@ class StepRunner:
 
     @torch.inference_mode()
     def _compute(self, steps: Seq[StepInput]) -> list[np.ndarray]:
-        x = torch.from_numpy(merge([s.x for s in steps]))  # (R, t_max, C), right-padded
-        x = x if self._on_cpu else x.to(self.device)
+        x = torch.from_numpy(merge([s.x for s in steps])).to(self.device)  # (R, t_max, C), right-padded
         q, k, v = self._project(x)  # (R, nh, t_max, hs)
         if len(steps) == 1:
             heads = self._attend(steps[0].sequence, q, k, v)  # (R, nh, t, hs)
@@ -102,8 +100,7 @@ class StepRunner:
                 rows = slice(row, row + B)
                 heads[rows, :, :t] = self._attend(step.sequence, q[rows, :, :t], k[rows, :, :t], v[rows, :, :t])
                 row += B
-        merged = self._merge(heads)  # (R, t_max, C)
-        y = (merged if self._on_cpu else merged.cpu()).numpy()
+        y = self.module.merge(heads).cpu().numpy()  # (R, t_max, C); a no-op on the CPU
         return split(y, [(s.x.shape[0], s.x.shape[1]) for s in steps])  # (B, t, C) each
 
     def _project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -113,13 +110,6 @@ class StepRunner:
         qkv = F.linear(x, self._qkv_weight, self._qkv_bias)  # (R, t, 3C): q, k, v side by side
         q, k, v = qkv.view(R, t, 3, nh, hs).permute(2, 0, 3, 1, 4).unbind(0)  # (R, nh, t, hs) each
         return q, k, v
-
-    def _merge(self, heads: torch.Tensor) -> torch.Tensor:
-        """(R, nh, t, hs) -> (R, t, C) through o_proj: MultiHeadAttention.merge without the
-        module call (a step's ops are small enough for each call's cost to count)."""
-        R, _, t, _ = heads.shape
-        merged = heads.transpose(1, 2).reshape(R, t, self.config.d_model)  # (R, t, C); a view when t == 1
-        return F.linear(merged, self.module.o_proj.weight, self.module.o_proj.bias)
 
     @staticmethod
     def _attend(sequence: Sequence, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -152,7 +142,12 @@ class OneTokenStep:
             self.o_bias = module.o_proj.bias.numpy() if module.o_proj.bias is not None else None  # (C,)
 
     def __call__(self, step: StepInput) -> np.ndarray:
-        """(B, 1, C) -> (B, 1, C); the token's key and value written into the cache at `length`."""
+        """(B, 1, C) -> (B, 1, C); the token's key and value written into the cache at `length`.
+        NaN or inf in the input come out as NaN in its output, which the step's commit refuses."""
+        with np.errstate(over="ignore", invalid="ignore"):  # an answer to refuse, not a warning on stderr
+            return self._compute(step)
+
+    def _compute(self, step: StepInput) -> np.ndarray:
         B, C, nh, hs = int(step.x.shape[0]), self.width, self.heads, self.head_size
         P = step.sequence.length
         qkv = step.x.reshape(B, C) @ self.qkv_weight  # (B, 3C)

@@ -152,7 +152,7 @@ class BrokenCudaSteps(StepRunner):
     def __init__(self, config: MHAConfig, weights: dict) -> None:
         super().__init__(config, weights)  # built on the CPU, then presented as the device's
         self.device, self.name, self.calls = "cuda:0", "torch-cuda", 0
-        self._on_cpu, self._one_token = False, None  # as on the device: every step through _compute
+        self._one_token = None  # as on the device: every step through _compute
 
     def _compute(self, steps: Sequence[StepInput]) -> list[np.ndarray]:
         self.calls += 1

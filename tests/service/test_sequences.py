@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import threading
 import time
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -310,6 +311,23 @@ def test_one_token_steps_in_numpy_are_exact_token_by_token(bias: bool) -> None:
     assert relative_error(torch.from_numpy(np.concatenate(outputs, axis=1)), reference) < 1e-5
     _, keys, _ = runner.module.project(torch.from_numpy(x))  # (2, nh, 70, hs)
     assert torch.allclose(sequence.keys[:, :, :70], keys, rtol=1e-5, atol=1e-6)
+
+
+def test_a_one_token_step_with_inf_or_nan_answers_nan_without_a_warning(small_model_dir: Path) -> None:
+    """The numpy step meets a client's inf as inf - inf: NaN comes out, for the commit to refuse
+    (INVALID_ARGUMENT, the sequence as it was), and nothing is printed on the server's stderr."""
+    runner, config, _ = _runner(small_model_dir, "cpu")
+    store = SequenceStore(config, SequenceLimits(), ManualClock().now)
+    sequence = store.open(SequenceControl("hostile", start=True), 1, C)
+    store.check_room(sequence, 1)
+    for bad in (np.inf, np.nan, -np.inf):
+        x = np.ones((1, 1, C), np.float32)
+        x[0, 0, 3] = bad
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            (y,) = runner.run([StepInput(sequence, x)])
+        assert np.isnan(y).all()
+    assert sequence.length == 0
 
 
 def test_a_small_cpu_step_runs_on_one_thread_and_leaves_the_setting_as_it_was(small_model_dir: Path) -> None:
