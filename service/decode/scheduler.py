@@ -110,7 +110,7 @@ class StepBatcher:
     async def _execute(self, batch: list[Step]) -> None:
         steps, oldest = [p.payload for p in batch], batch[0].enqueued
         try:
-            if await self._lone.inline(len(batch), batch[0].shape, self._depth, idle=False):
+            if await self._lone.inline(len(batch), _covered_shape(batch), self._depth, idle=False):
                 ys, started = self._compute(steps, oldest)  # alone and small: on the loop, as a lone small batch
             else:
                 compute = partial(self._compute, steps, oldest)
@@ -176,6 +176,12 @@ def _waited(enqueued: float, now: float) -> str:
 def _check_deadline(deadline: float | None, enqueued: float, now: float) -> None:
     if deadline is not None and deadline <= now:
         raise DeadlineExceeded(_waited(enqueued, now))
+
+
+def _covered_shape(batch: list[Step]) -> tuple[int, int, int]:
+    """(rows, t, C) a batch of steps covers: its rows, its longest step and the width, the shape
+    whose work `alone_and_small` weighs."""
+    return sum(p.rows for p in batch), max(p.seq for p in batch), int(batch[0].shape[2])
 
 
 def _fail(item: Step, exc: BaseException) -> None:

@@ -206,6 +206,31 @@ def test_only_a_small_batch_of_a_lone_request_is_computed_on_the_event_loop() ->
     assert others.threads == [False]
 
 
+def test_a_small_batch_of_every_request_in_the_server_is_computed_on_the_event_loop() -> None:
+    """Requests that share a batch and are all the server holds: nothing else waits for the loop,
+    so the batch computes there without the thread hop; with one more request in the server, or
+    too much work, it goes to the worker thread."""
+    config = replace(CFG, inline_max_mflop=1.0)  # (2, 6, 16) is 0.03 MFLOP, (2, 512, 16) 35.7
+
+    def pair(T: int) -> Scenario:
+        async def scenario(batcher: Batcher, run: Gated, clock: ManualClock) -> None:
+            first = asyncio.ensure_future(batcher.submit(_x(1, 4)))
+            await _until(lambda: batcher.depth == 1)  # others in the server: it queues
+            second = asyncio.ensure_future(batcher.submit(_x(1, T)))  # with it, both form a batch
+            await _until(lambda: (batcher.depth == 2 and clock.waiting == 1) or batcher.depth == 0)
+            clock.advance(CFG.max_queue_delay_s)  # formed at once when they are all in the server, else now
+            await asyncio.gather(first, second)
+
+        return scenario
+
+    _, both = _with_batcher(pair(6), config, in_flight=2)
+    assert both.batches == [(2, 6, 16)] and both.threads == [True]
+    _, more = _with_batcher(pair(6), config, in_flight=3)  # a third request: the worker thread
+    assert more.threads == [False]
+    _, large = _with_batcher(pair(512), replace(config, max_padding_ratio=1.0), in_flight=2)
+    assert large.batches == [(2, 512, 16)] and large.threads == [False]
+
+
 def test_a_lone_request_never_computes_beside_a_batch_still_on_the_worker() -> None:
     """The batch's own client went away (in flight 1), but its compute has not ended: the next
     small request queues behind it instead of running a second compute on the event loop."""

@@ -475,10 +475,11 @@ def test_a_failed_step_leaves_its_sequence_as_it_was(small_model_dir: Path) -> N
     asyncio.run(scenario())
 
 
-def test_a_lone_small_step_is_computed_on_the_event_loop(small_model_dir: Path) -> None:
+def test_small_steps_alone_in_the_server_are_computed_on_the_event_loop(small_model_dir: Path) -> None:
     import asyncio
     from concurrent.futures import ThreadPoolExecutor
 
+    from service.batching import batch_mflop
     from service.decode.scheduler import StepBatcher
 
     runner, config, _ = _runner(small_model_dir)
@@ -499,6 +500,23 @@ def test_a_lone_small_step_is_computed_on_the_event_loop(small_model_dir: Path) 
     asyncio.run(scenario(in_flight=1, inline_max_mflop=16))  # alone and small: on the loop
     asyncio.run(scenario(in_flight=3, inline_max_mflop=16))  # others in the server: the worker thread
     asyncio.run(scenario(in_flight=1, inline_max_mflop=0))  # turned off
+    assert on_main == [True, False, False]
+
+    async def two_sequences(in_flight: int, inline_max_mflop: float = 16) -> None:  # a batch of two steps
+        with ThreadPoolExecutor(1) as pool:
+            store = SequenceStore(config, SequenceLimits(), ManualClock().now)
+            batcher = StepBatcher(spy, pool, 8, in_flight=lambda: in_flight, inline_max_mflop=inline_max_mflop)
+            steps = []
+            for sid in (1, 2):
+                sequence = store.open(SequenceControl(sid, start=True), 1, C)
+                store.check_room(sequence, 2)
+                steps.append(StepInput(sequence, np.ones((1, 2, C), np.float32)))
+            await asyncio.gather(*(batcher.submit(step) for step in steps))
+
+    on_main.clear()
+    asyncio.run(two_sequences(in_flight=2))  # the batch is every request in the server: on the loop
+    asyncio.run(two_sequences(in_flight=3))  # one more in the server: the worker thread
+    asyncio.run(two_sequences(in_flight=2, inline_max_mflop=1.5 * batch_mflop(1, 2, C)))  # each small, not both
     assert on_main == [True, False, False]
 
 
