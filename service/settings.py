@@ -94,7 +94,7 @@ class Settings:
     max_padding_ratio: float = setting(0.25, "padded share of a batch's tokens when merging T", low=0, high=1)
     max_request_rows: int = setting(256, "largest B in one request", "rows", low=1)
     inline_max_mflop: float = setting(
-        64.0,
+        1000.0,
         "batches up to this much work, holding every request in the server, run on the event loop, "
         "without a thread hop; 0: never",
         "MFLOP",
