@@ -8,7 +8,6 @@ command line wins) and the checks, which run whenever a Settings is made.
 from __future__ import annotations
 
 import argparse
-import os
 import socket
 import types
 from collections.abc import Mapping
@@ -17,6 +16,7 @@ from pathlib import Path
 from typing import Any, get_type_hints
 
 from export.layout import MANIFEST_FILE
+from service.cpus import available_cpus
 
 BACKEND_CHOICES = ("auto", "ort-cuda", "ort-cpu", "torch")
 LOG_FORMATS = ("auto", "json", "text")
@@ -81,7 +81,9 @@ class Settings:
     worker_index: int = setting(0, "this process's index among --workers (set by the supervisor)", low=0)
     worker_peers: int = setting(1, "workers sharing the ports, this one included (set by the supervisor)", low=1)
     worker_socket_dir: Path | None = setting(None, "directory of the workers' Unix sockets (set by the supervisor)")
-    threads: int = setting(0, "intra-op threads of the CPU backends; 0: the CPUs this process may use", low=0)
+    threads: int = setting(
+        0, "intra-op threads of the CPU backends; 0: the CPUs this process may use (affinity, cgroup CPU limit)", low=0
+    )
     thread_spinning: bool = setting(False, "let idle intra-op threads busy-wait: a little latency for a lot of CPU")
     lone_spinning: bool = setting(
         True,
@@ -145,11 +147,6 @@ class Settings:
         if self.threads > 0:
             return self.threads
         return available_cpus()
-
-
-def available_cpus() -> int:
-    """The CPUs this process may run on (its affinity mask: a container's cpuset), not the host's."""
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
 def _flag(name: str) -> str:

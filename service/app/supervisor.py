@@ -31,8 +31,9 @@ from prometheus_client.core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 
 from service.app.launch import free_ports, serve_command
+from service.cpus import available_cpus
 from service.metrics_http import MetricsServer
-from service.settings import Settings, available_cpus
+from service.settings import Settings
 
 log = logging.getLogger(__name__)
 

@@ -1,0 +1,79 @@
+"""How many CPUs this process may use: its affinity mask (a container's cpuset), capped by the CPU
+limit of its cgroups (a container's `--cpus` or a pod's `resources.limits.cpu`, a CFS quota).
+
+A pod limited to 2 CPUs on a 64-core node sees 64 CPUs in its affinity mask; sizing thread pools
+from that gives 64 threads that the quota throttles. cgroup v2 (`cpu.max`) and v1
+(`cpu.cfs_quota_us` / `cpu.cfs_period_us`) are read; the smallest limit along the hierarchy wins.
+Unreadable or absent files mean no limit.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Callable
+from pathlib import Path
+
+CGROUP_ROOT = Path("/sys/fs/cgroup")
+SELF_CGROUP = Path("/proc/self/cgroup")
+
+
+def available_cpus(cgroup_root: Path = CGROUP_ROOT, self_cgroup: Path = SELF_CGROUP) -> int:
+    """The CPUs of the affinity mask, at most the cgroup CPU limit rounded up, at least 1."""
+    affinity = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    try:
+        membership = self_cgroup.read_text()
+    except OSError:
+        return affinity
+    limit = cgroup_cpu_limit(membership, cgroup_root)
+    return affinity if limit is None else max(1, min(affinity, math.ceil(limit)))
+
+
+def cgroup_cpu_limit(membership: str, root: Path) -> float | None:
+    """The CPU limit (quota / period) of the cgroups listed in `membership` (the text of
+    /proc/self/cgroup) under the mount `root`; None when none is set."""
+    limits: list[float] = []
+    for line in membership.splitlines():
+        parts = line.split(":", 2)
+        if len(parts) != 3:
+            continue
+        hierarchy, controllers, path = parts
+        if hierarchy == "0" and not controllers:  # cgroup v2: one unified hierarchy
+            limits += _along(root, path, _v2_limit)
+        elif "cpu" in controllers.split(","):  # cgroup v1: the cpu controller's own mount
+            mount = next((m for m in (root / controllers, root / "cpu", root / "cpu,cpuacct") if m.is_dir()), None)
+            if mount is not None:
+                limits += _along(mount, path, _v1_limit)
+    return min(limits) if limits else None
+
+
+def _along(mount: Path, path: str, read: Callable[[Path], float | None]) -> list[float]:
+    """The limits set on `path`'s cgroup and on its ancestors. The mount's root counts too: inside a
+    container without a cgroup namespace the path names the host's hierarchy, and the container's
+    own cgroup is mounted at the root."""
+    relative = Path(path.lstrip("/"))
+    found = (read(mount / d) for d in (relative, *relative.parents))
+    return [limit for limit in found if limit is not None]
+
+
+def _v2_limit(cgroup: Path) -> float | None:
+    """cpu.max: "max 100000" (no limit) or "<quota> <period>" in microseconds."""
+    try:
+        quota, period = (cgroup / "cpu.max").read_text().split()[:2]
+        return None if quota == "max" else _ratio(int(quota), int(period))
+    except (OSError, ValueError):
+        return None
+
+
+def _v1_limit(cgroup: Path) -> float | None:
+    """cpu.cfs_quota_us (-1: no limit) over cpu.cfs_period_us."""
+    try:
+        quota = int((cgroup / "cpu.cfs_quota_us").read_text())
+        period = int((cgroup / "cpu.cfs_period_us").read_text())
+    except (OSError, ValueError):
+        return None
+    return None if quota < 0 else _ratio(quota, period)
+
+
+def _ratio(quota: int, period: int) -> float | None:
+    return quota / period if quota > 0 and period > 0 else None
