@@ -40,8 +40,8 @@ def cgroup_cpu_limit(membership: str, root: Path) -> float | None:
         hierarchy, controllers, path = parts
         if hierarchy == "0" and not controllers:  # cgroup v2: one unified hierarchy
             limits += _along(root, path, _v2_limit)
-        elif "cpu" in controllers.split(","):  # cgroup v1: the cpu controller's own mount
-            mount = next((m for m in (root / controllers, root / "cpu", root / "cpu,cpuacct") if m.is_dir()), None)
+        elif "cpu" in controllers.split(","):  # cgroup v1: the cpu controller's mount, or its usual link
+            mount = next((m for m in (root / controllers, root / "cpu") if m.is_dir()), None)
             if mount is not None:
                 limits += _along(mount, path, _v1_limit)
     return min(limits) if limits else None
