@@ -15,6 +15,7 @@ import numpy as np
 
 from service.arrays import all_finite
 from service.backends.base import Backend
+from service.batching import batch_mflop
 from service.errors import BackendFailure, DeviceLost
 
 log = logging.getLogger(__name__)
@@ -43,6 +44,16 @@ def is_sticky_device_error(device: str, exc: BaseException) -> bool:
     return device.startswith("cuda") and any(marker in text for marker in STICKY_CUDA_ERRORS)
 
 
+@dataclass(frozen=True)
+class LightRoute:
+    """Batches of at most `max_mflop` of work go through `backends`, in this order: the backend
+    that computes light shapes fastest is not always the one that computes heavy ones fastest
+    (selection.split_by_size)."""
+
+    max_mflop: float
+    backends: list[Backend]
+
+
 @dataclass
 class _Health:
     consecutive_failures: int = 0
@@ -58,10 +69,12 @@ class BackendChain:
         cooldown_s: float = 30.0,
         on_fallback: FallbackHook | None = None,
         clock: Callable[[], float] = time.monotonic,
+        light: LightRoute | None = None,
     ) -> None:
         if not backends:
             raise ValueError("a backend chain needs at least one backend")
         self.backends = backends
+        self._light = light
         self._probe = probe
         self._threshold = failure_threshold
         self._cooldown = cooldown_s
@@ -88,7 +101,7 @@ class BackendChain:
         on its worker thread, or on the event loop for a lone small batch (never both at once)."""
         errors: list[str] = []
         previous: tuple[Backend, str] | None = None
-        for backend in self.backends:
+        for backend in self.order_for(x.shape):
             if not self._available(backend):
                 continue
             if previous is not None:
@@ -115,6 +128,12 @@ class BackendChain:
             self._health[backend.name].consecutive_failures = 0
             return y, backend
         raise BackendFailure(f"every backend failed on a batch of shape {x.shape}: {errors or 'all benched'}")
+
+    def order_for(self, shape: tuple[int, ...]) -> list[Backend]:
+        """The backends a batch of `shape` (rows, T, C) tries, in order."""
+        if self._light is not None and batch_mflop(*shape[:3]) <= self._light.max_mflop:
+            return self._light.backends
+        return self.backends
 
     def _finite_or_input_to_blame(self, backend: Backend, x: np.ndarray, y: np.ndarray) -> bool:
         """True when `y` is finite, or its non-finite rows are the input's doing: NaN or inf in

@@ -18,6 +18,8 @@ from model import MHAConfig
 from model.checkpoint import Weights
 from model.reference import attention_view, relative_error
 from service.backends.base import Backend, BackendLoadError
+from service.backends.chain import LightRoute
+from service.batching import batch_mflop
 from service.settings import BACKEND_CHOICES
 
 log = logging.getLogger(__name__)
@@ -38,6 +40,7 @@ class Selection:
     backends: list[Backend]  # serving order: the first serves, the rest are the fallback chain
     check: SelfCheck  # what each backend passed; the chain probes benched backends with it
     candidates: list[CandidateReport] = field(default_factory=list)
+    light: LightRoute | None = None  # where light batches go when another backend wins them
 
     def summary(self) -> str:
         return "; ".join(f"{c.name}: {c.status} ({c.reason})" for c in self.candidates)
@@ -108,20 +111,25 @@ def _wanted(requested: str, cuda: bool) -> list[str]:
 
 
 def probe_shapes(config: MHAConfig) -> list[tuple[int, int]]:
-    return [(1, min(64, config.max_seq_len)), (4, min(512, config.max_seq_len))]
+    """(B, T) from a lone client's small request up to a batch of long ones, lightest first: the
+    backend that wins the light ones need not win the heavy ones (ORT's CPU attention kernel and
+    PyTorch's cross over on some machines)."""
+    shapes = [(1, 16), (1, 64), (1, 256), (4, 512)]
+    clipped = [(B, min(T, config.max_seq_len)) for B, T in shapes]
+    return list(dict.fromkeys(clipped))  # a short max_seq_len folds shapes together
 
 
 MARGIN = 0.8  # a challenger must take at most this share of the incumbent's time to displace it
 
 
-def measure_interleaved(backends: list[Backend], config: MHAConfig, rounds: int = 7) -> list[float]:
-    """Per backend, the geometric mean over the probe shapes of the median time (ms).
+def measure_interleaved(backends: list[Backend], config: MHAConfig, rounds: int = 7) -> list[list[float]]:
+    """Per backend, the median time (ms) on each of the probe shapes.
 
     The backends take turns run by run, in an order that alternates every round, so that a
     burst of load on a shared machine falls on all of them alike.
     """
     rng = np.random.default_rng(0)
-    logs: list[list[float]] = [[] for _ in backends]
+    medians: list[list[float]] = [[] for _ in backends]
     for B, T in probe_shapes(config):
         x = rng.standard_normal((B, T, config.d_model), dtype=np.float32)
         samples: list[list[float]] = [[] for _ in backends]
@@ -134,8 +142,12 @@ def measure_interleaved(backends: list[Backend], config: MHAConfig, rounds: int 
                 backends[k].run(x)
                 samples[k].append(time.perf_counter() - start)
         for k in range(len(backends)):
-            logs[k].append(math.log(statistics.median(samples[k]) * 1e3))
-    return [math.exp(sum(ls) / len(ls)) for ls in logs]
+            medians[k].append(statistics.median(samples[k]) * 1e3)
+    return medians
+
+
+def geometric_mean(values: list[float]) -> float:
+    return math.exp(sum(math.log(v) for v in values) / len(values))
 
 
 def speed_order(times_ms: list[float], margin: float = MARGIN) -> list[int]:
@@ -149,6 +161,35 @@ def speed_order(times_ms: list[float], margin: float = MARGIN) -> list[int]:
     return order
 
 
+@dataclass(frozen=True)
+class SizeSplit:
+    """Serving orders by a batch's work: up to `light_max_mflop`, `light`; above, `heavy`."""
+
+    light_max_mflop: float
+    light: list[int]
+    heavy: list[int]
+
+
+def split_by_size(times_ms: list[list[float]], works_mflop: list[float], margin: float = MARGIN) -> SizeSplit | None:
+    """Where the backend that wins the lightest probe shapes stops winning (`times_ms`: per
+    backend, per shape, lightest first; `works_mflop`: each shape's work): the light shapes up to
+    there are served in their order, the heavier in theirs, and the boundary lies midway (in
+    ratio) between the last light shape and the first heavy one. None when one backend wins
+    every shape: a single order serves all."""
+    winners = [speed_order([t[s] for t in times_ms], margin)[0] for s in range(len(works_mflop))]
+    light = 1
+    while light < len(winners) and winners[light] == winners[0]:
+        light += 1
+    if light == len(winners):
+        return None
+
+    def order(shapes: range) -> list[int]:
+        return speed_order([geometric_mean([t[s] for s in shapes]) for t in times_ms], margin)
+
+    boundary = math.sqrt(works_mflop[light - 1] * works_mflop[light])
+    return SizeSplit(boundary, order(range(light)), order(range(light, len(works_mflop))))
+
+
 def select_backends(
     onnx_path: Path,
     config: MHAConfig,
@@ -159,59 +200,96 @@ def select_backends(
     spinning: bool = False,
     gpu_mem_limit_mb: int = 0,
     precision: str = "fp32",
-    measure: Callable[[list[Backend], MHAConfig], list[float]] = measure_interleaved,
+    measure: Callable[[list[Backend], MHAConfig], list[list[float]]] = measure_interleaved,
     lone_spinning: bool = False,
 ) -> Selection:
     """Load every wanted backend, self-check each, and order them.
 
     With CUDA, the order is fixed (ORT-CUDA, torch-CUDA, then CPU). Without, ORT-CPU and
-    torch-CPU are measured on the probe shapes (`measure`: ms per backend) and the faster serves.
+    torch-CPU are measured on the probe shapes (`measure`: ms per backend and shape) and the
+    faster serves; where one wins the light shapes and the other the heavy ones, each serves
+    its own (Selection.light).
     """
     cuda = torch.cuda.is_available() if cuda is None else cuda
     factories = _factories(
         onnx_path, config, weights, threads, cuda, spinning, gpu_mem_limit_mb, precision, lone_spinning
     )
     check = SelfCheck(config, weights, tolerance=precision_tolerance(precision, config))
-    loaded: list[tuple[Backend, CandidateReport]] = []
-    reports: list[CandidateReport] = []
-    for name in _wanted(requested, cuda):
-        report = CandidateReport(name=name, status="unavailable", reason="")
-        reports.append(report)
-        factory = factories.get(name)
-        if factory is None:  # a CUDA backend asked for where torch sees no CUDA device
-            report.reason = "failed to load: needs a CUDA device, and torch sees none (no GPU, driver or CUDA build)"
-            log.warning("backend %s unavailable: %s", name, report.reason)
-            continue
-        try:
-            backend = factory()
-        except (BackendLoadError, RuntimeError, OSError) as exc:
-            report.reason = f"failed to load: {exc}"
-            log.warning("backend %s unavailable: %s", name, exc)
-            continue
-        ok, why = check.passes(backend)
-        if not ok:
-            report.status, report.reason = "failed-self-check", why
-            log.warning("backend %s rejected: %s", name, why)
-            backend.close()
-            continue
-        report.reason = why + (f", {backend.placement}" if hasattr(backend, "placement") else "")
-        loaded.append((backend, report))
-    preferred = loaded[0][1].name if loaded else ""
+    reports = [CandidateReport(name=name, status="unavailable", reason="") for name in _wanted(requested, cuda)]
+    loaded = [(backend, report) for report in reports if (backend := _load(report, factories, check)) is not None]
+    light: LightRoute | None = None
     if not cuda and len(loaded) > 1:
-        times = measure([b for b, _ in loaded], config)
-        for (_, report), ms in zip(loaded, times, strict=True):
-            report.probe_ms = ms
-            report.reason += f", probe {ms:.3f} ms"
-        loaded = [loaded[k] for k in speed_order(times)]
-    for i, (_, report) in enumerate(loaded):
-        report.status = "serving" if i == 0 else "fallback"
-        if i == 0 and len(loaded) > 1:
-            if cuda:
-                report.reason += " (first in order)"
-            elif report.name == preferred:
-                report.reason += f" (preferred; no other is faster by {1 / MARGIN - 1:.0%})"
-            else:
-                report.reason += f" (faster than {preferred} by more than {1 / MARGIN - 1:.0%})"
-    selection = Selection(backends=[b for b, _ in loaded], check=check, candidates=reports)
+        loaded, light = _by_speed(loaded, measure(_backends(loaded), config), config)
+    else:
+        _mark(loaded, "first in order" if cuda else "")
+    selection = Selection(backends=_backends(loaded), check=check, candidates=reports, light=light)
     log.info("backend selection: %s", selection.summary())
     return selection
+
+
+Candidates = list[tuple[Backend, CandidateReport]]
+
+
+def _backends(loaded: Candidates) -> list[Backend]:
+    return [backend for backend, _ in loaded]
+
+
+def _load(report: CandidateReport, factories: dict[str, Callable[[], Backend]], check: SelfCheck) -> Backend | None:
+    """The candidate `report` names, loaded and self-checked; None (and the report says why) if it cannot serve."""
+    factory = factories.get(report.name)
+    if factory is None:  # a CUDA backend asked for where torch sees no CUDA device
+        report.reason = "failed to load: needs a CUDA device, and torch sees none (no GPU, driver or CUDA build)"
+        log.warning("backend %s unavailable: %s", report.name, report.reason)
+        return None
+    try:
+        backend = factory()
+    except (BackendLoadError, RuntimeError, OSError) as exc:
+        report.reason = f"failed to load: {exc}"
+        log.warning("backend %s unavailable: %s", report.name, exc)
+        return None
+    ok, why = check.passes(backend)
+    if not ok:
+        report.status, report.reason = "failed-self-check", why
+        log.warning("backend %s rejected: %s", report.name, why)
+        backend.close()
+        return None
+    report.reason = why + (f", {backend.placement}" if hasattr(backend, "placement") else "")
+    return backend
+
+
+def _mark(loaded: Candidates, why_first: str) -> None:
+    """The first serves, the rest fall back; `why_first` is said of the first when others exist."""
+    for i, (_, report) in enumerate(loaded):
+        report.status = "serving" if i == 0 else "fallback"
+        if i == 0 and len(loaded) > 1 and why_first:
+            report.reason += f" ({why_first})"
+
+
+def _by_speed(
+    loaded: Candidates, times_ms: list[list[float]], config: MHAConfig
+) -> tuple[Candidates, LightRoute | None]:
+    """The candidates in serving order by what was measured, and the light batches' own order
+    when another backend wins them."""
+    shapes = probe_shapes(config)
+    for (_, report), per_shape in zip(loaded, times_ms, strict=True):
+        report.probe_ms = geometric_mean(per_shape)
+        each = ", ".join(f"{shape} {ms:.3f}" for shape, ms in zip(shapes, per_shape, strict=True))
+        report.reason += f", probe {report.probe_ms:.3f} ms ({each})"
+    preferred = loaded[0][1].name
+    split = split_by_size(times_ms, [batch_mflop(B, T, config.d_model) for B, T in shapes])
+    if split is None:
+        ordered = [loaded[k] for k in speed_order([geometric_mean(t) for t in times_ms])]
+        _mark(ordered, _why(ordered[0][1].name, preferred))
+        return ordered, None
+    ordered = [loaded[k] for k in split.heavy]
+    _mark(ordered, f"batches over {split.light_max_mflop:.0f} MFLOP")
+    first_light = loaded[split.light[0]][1]
+    first_light.status = "serving"
+    first_light.reason += f" (batches of at most {split.light_max_mflop:.0f} MFLOP)"
+    return ordered, LightRoute(split.light_max_mflop, [loaded[k][0] for k in split.light])
+
+
+def _why(serving: str, preferred: str) -> str:
+    if serving == preferred:
+        return f"preferred; no other is faster by {1 / MARGIN - 1:.0%}"
+    return f"faster than {preferred} by more than {1 / MARGIN - 1:.0%}"

@@ -250,6 +250,7 @@ def load_model(
         failure_threshold=s.fallback_failures,
         cooldown_s=s.fallback_cooldown_s,
         on_fallback=on_fallback,
+        light=selection.light,
     )
     active = chain.active
     log.info("serving %s with %s on %s", files.directory, active.name, active.device)  # the verdict: selection's

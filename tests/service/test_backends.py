@@ -15,9 +15,11 @@ from model.checkpoint import load_checkpoint
 from model.reference import attention_view, relative_error
 from service.backends import BackendChain, BackendLoadError, select_backends
 from service.backends.base import Backend
+from service.backends.chain import LightRoute
 from service.backends.ort import OrtCpuBackend, OrtCudaBackend
 from service.backends.pytorch import TorchBackend
-from service.backends.selection import SelfCheck, speed_order
+from service.backends.selection import SelfCheck, probe_shapes, speed_order, split_by_size
+from service.batching import batch_mflop
 from service.errors import BackendFailure
 
 
@@ -105,9 +107,10 @@ def test_auto_without_cuda_serves_the_clearly_faster_backend(
     config, weights = load_checkpoint(small_model_dir / "weights.safetensors")
     measured: list[list[str]] = []
 
-    def measure(backends: list, config: MHAConfig) -> list[float]:  # type: ignore[type-arg]
+    def measure(backends: list, config: MHAConfig) -> list[list[float]]:  # type: ignore[type-arg]
         measured.append([b.name for b in backends])
-        return [{"ort-cpu": 10.0, "torch-cpu": torch_ms}[b.name] for b in backends]
+        shapes = len(probe_shapes(config))
+        return [[{"ort-cpu": 10.0, "torch-cpu": torch_ms}[b.name]] * shapes for b in backends]
 
     files = ModelFiles(small_model_dir)
     selection = select_backends(files.onnx, config, weights, "auto", threads=1, cuda=False, measure=measure)
@@ -117,7 +120,8 @@ def test_auto_without_cuda_serves_the_clearly_faster_backend(
     reports = {c.name: c for c in selection.candidates}
     assert reports[serving].status == "serving" and reason in reports[serving].reason
     assert reports[names[1]].status == "fallback"
-    assert reports["torch-cpu"].probe_ms == torch_ms and reports["ort-cpu"].probe_ms == 10.0
+    assert reports["torch-cpu"].probe_ms == pytest.approx(torch_ms) and reports["ort-cpu"].probe_ms == pytest.approx(10)
+    assert selection.light is None  # one backend wins every shape: one order serves all
 
 
 def test_the_real_measurement_times_every_candidate(small_model_dir: Path) -> None:
@@ -126,7 +130,33 @@ def test_the_real_measurement_times_every_candidate(small_model_dir: Path) -> No
     config, weights = load_checkpoint(small_model_dir / "weights.safetensors")
     backends = [OrtCpuBackend(small_model_dir / "model.onnx", threads=1), TorchBackend(config, weights)]
     times = measure_interleaved(backends, config, rounds=3)
-    assert len(times) == 2 and all(0 < ms < 10_000 for ms in times)
+    shapes = probe_shapes(config)
+    assert [len(t) for t in times] == [len(shapes)] * 2 and all(0 < ms < 10_000 for t in times for ms in t)
+    assert shapes == sorted(shapes, key=lambda s: batch_mflop(*s, config.d_model))  # lightest first
+
+
+@pytest.mark.parametrize(
+    ("times", "light"),
+    [
+        ([[1, 4, 20, 300], [2, 4.2, 10, 100]], (26.5, [0, 1], [1, 0])),  # ORT wins light shapes, torch heavy
+        ([[1, 4, 20, 300], [2, 3, 10, 100]], (4.7, [0, 1], [1, 0])),  # torch clearly faster from (1, 64) on
+        ([[2, 5, 10, 100], [1, 4, 20, 300]], (4.7, [1, 0], [0, 1])),  # the other way round
+        ([[1, 4, 10, 100], [2, 4.2, 20, 300]], None),  # one backend wins every shape: no split
+        ([[1, 4, 10, 100], [2, 3.5, 9, 90]], None),  # never clearly faster: the preferred serves all
+    ],
+)
+def test_light_and_heavy_batches_go_to_the_backend_that_wins_them(times: list, light: tuple | None) -> None:
+    """The backend that wins the lightest shapes serves batches up to the boundary (midway, in
+    ratio, between the last shape it wins and the next); the heavier go to the others' order."""
+    works = [2.1, 10.5, 67.1, 805.3]  # (1, 16), (1, 64), (1, 256), (4, 512) at C = 128
+    split = split_by_size(times, works)
+    if light is None:
+        assert split is None
+        return
+    assert split is not None
+    boundary, light_order, heavy_order = light
+    assert split.light_max_mflop == pytest.approx(boundary, rel=0.05)
+    assert (split.light, split.heavy) == (light_order, heavy_order)
 
 
 @pytest.mark.parametrize(
@@ -231,6 +261,48 @@ def test_chain_falls_back_benches_and_recovers(small_model_dir: Path) -> None:
     y, used = chain.run(x)
     assert used is first and chain.benched() == [] and chain.active is first
     assert relative_error(torch.from_numpy(y), ref) < 1e-5
+
+
+def test_light_batches_take_their_own_order_and_fall_back_along_it(small_model_dir: Path) -> None:
+    """A lone client's small request goes to the backend that wins light shapes (ORT here), a
+    heavy batch to the other's order; a failing light backend falls back to the next, exactly."""
+    config, weights = load_checkpoint(small_model_dir / "weights.safetensors")
+    ort = Flaky("ort-cpu", OrtCpuBackend(small_model_dir / "model.onnx", threads=1))
+    torch_cpu = TorchBackend(config, weights)
+    route = LightRoute(batch_mflop(1, 8, config.d_model), [ort, torch_cpu])
+    chain = BackendChain([torch_cpu, ort], probe=SelfCheck(config, weights).passes, light=route)
+    rng = np.random.default_rng(4)
+    for shape, expected in (((1, 8, 32), ort), ((1, 9, 32), torch_cpu), ((3, 40, 32), torch_cpu)):
+        x = rng.standard_normal(shape, dtype=np.float32)
+        y, used = chain.run(x, alone=True)
+        assert used is expected, shape
+        assert relative_error(torch.from_numpy(y), attention_view(torch.from_numpy(x), weights, config)) < 1e-5
+    assert chain.active is torch_cpu  # the heavy order's first: what the server reports as serving
+    ort.broken = True
+    x = rng.standard_normal((1, 4, 32), dtype=np.float32)
+    y, used = chain.run(x)
+    assert (
+        used is torch_cpu
+        and relative_error(torch.from_numpy(y), attention_view(torch.from_numpy(x), weights, config)) < 1e-5
+    )
+
+
+def test_auto_splits_by_size_where_the_measurement_crosses_over(small_model_dir: Path) -> None:
+    config, weights = load_checkpoint(small_model_dir / "weights.safetensors")
+    shapes = probe_shapes(config)
+
+    def measure(backends: list, config: MHAConfig) -> list[list[float]]:  # type: ignore[type-arg]
+        ort = [1.0] + [100.0] * (len(shapes) - 1)  # ORT wins the lightest shape only
+        return [ort if b.name == "ort-cpu" else [3.0] + [10.0] * (len(shapes) - 1) for b in backends]
+
+    selection = select_backends(ModelFiles(small_model_dir).onnx, config, weights, "auto", cuda=False, measure=measure)
+    assert [b.name for b in selection.backends] == ["torch-cpu", "ort-cpu"]
+    assert selection.light is not None and [b.name for b in selection.light.backends] == ["ort-cpu", "torch-cpu"]
+    light = batch_mflop(*shapes[0], config.d_model)
+    assert light < selection.light.max_mflop < batch_mflop(*shapes[1], config.d_model)
+    reports = {c.name: c for c in selection.candidates}
+    assert reports["ort-cpu"].status == reports["torch-cpu"].status == "serving"
+    assert "batches of at most" in reports["ort-cpu"].reason and "batches over" in reports["torch-cpu"].reason
 
 
 def test_chain_all_failing_is_backend_failure(small_model_dir: Path) -> None:
