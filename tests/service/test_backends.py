@@ -18,7 +18,7 @@ from service.backends.base import Backend
 from service.backends.chain import LightRoute
 from service.backends.ort import OrtCpuBackend, OrtCudaBackend
 from service.backends.pytorch import TorchBackend
-from service.backends.selection import SelfCheck, probe_shapes, speed_order, split_by_size
+from service.backends.selection import SelfCheck, probe_rounds, probe_shapes, speed_order, split_by_size
 from service.batching import batch_mflop
 from service.errors import BackendFailure
 
@@ -135,11 +135,19 @@ def test_the_real_measurement_times_every_candidate(small_model_dir: Path) -> No
     assert shapes == sorted(shapes, key=lambda s: batch_mflop(*s, config.d_model))  # lightest first
 
 
+@pytest.mark.parametrize(("one_round_s", "rounds"), [(0.0003, 41), (0.01, 21), (0.04, 7), (2.0, 7), (0.0, 41)])
+def test_light_probe_shapes_get_more_rounds_within_the_budget(one_round_s: float, rounds: int) -> None:
+    """A light shape's verdict rests on up to 41 runs of each backend (a noisy moment flipped the
+    light shapes' order with 7), a heavy one's on 7, within about 0.2 s a shape."""
+    assert probe_rounds(one_round_s, 7, 0.2) == rounds
+
+
 @pytest.mark.parametrize(
     ("times", "light"),
     [
         ([[1, 4, 20, 300], [2, 4.2, 10, 100]], (26.5, [0, 1], [1, 0])),  # ORT wins light shapes, torch heavy
-        ([[1, 4, 20, 300], [2, 3, 10, 100]], (4.7, [0, 1], [1, 0])),  # torch clearly faster from (1, 64) on
+        ([[1, 4, 20, 300], [2, 2.5, 10, 100]], (4.7, [0, 1], [1, 0])),  # torch 1.6x faster from (1, 64) on
+        ([[1, 4, 20, 300], [2, 3.1, 10, 100]], (26.5, [0, 1], [1, 0])),  # 1.3x at (1, 64): not enough to move it
         ([[2, 5, 10, 100], [1, 4, 20, 300]], (4.7, [1, 0], [0, 1])),  # the other way round
         ([[1, 4, 10, 100], [2, 4.2, 20, 300]], None),  # one backend wins every shape: no split
         ([[1, 4, 10, 100], [2, 3.5, 9, 90]], None),  # never clearly faster: the preferred serves all
