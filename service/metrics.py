@@ -76,7 +76,9 @@ class Metrics:
             ["from", "to", "reason"],
         )
         self.backend_info = gauge(
-            "mha_backend_info", "1 for the backend serving now, 0 for fallbacks.", ["backend", "device"]
+            "mha_backend_info",
+            "1 for each backend serving now (light and heavy batches may have their own), 0 for fallbacks.",
+            ["backend", "device"],
         )
         self.model_info = Info("mha_model", "The model being served.", registry=registry)
         self.ready = gauge("mha_ready", "1 when the model is loaded, self-checked and serving.")
@@ -134,6 +136,6 @@ class Metrics:
             for reason in reasons:
                 self.fallbacks.labels(source, target, reason)
 
-    def set_backends(self, active: tuple[str, str], loaded: list[tuple[str, str]]) -> None:
+    def set_backends(self, serving: list[tuple[str, str]], loaded: list[tuple[str, str]]) -> None:
         for name, device in loaded:
-            self.backend_info.labels(backend=name, device=device).set(1 if (name, device) == active else 0)
+            self.backend_info.labels(backend=name, device=device).set(1 if (name, device) in serving else 0)

@@ -52,6 +52,10 @@ class LightRoute:
 
     max_mflop: float
     backends: list[Backend]
+    width: int  # the model's C: a batch's work is reckoned from (rows, T, C)
+
+    def takes(self, rows: int, seq: int) -> bool:
+        return batch_mflop(rows, seq, self.width) <= self.max_mflop
 
 
 @dataclass
@@ -85,12 +89,23 @@ class BackendChain:
 
     @property
     def active(self) -> Backend:
-        """The backend the next batch goes to first."""
+        """The backend the next heavy batch goes to first (every batch, without a light route)."""
+        return self._first_healthy(self.backends)
+
+    def orders(self) -> list[list[Backend]]:
+        """Every order a batch may try the backends in: the chain's, and the light route's."""
+        return [self.backends] if self._light is None else [self.backends, self._light.backends]
+
+    def serving(self) -> list[Backend]:
+        """The backend each order tries first now: the active one, and the light route's."""
+        return list(dict.fromkeys(self._first_healthy(order) for order in self.orders()))
+
+    def _first_healthy(self, order: list[Backend]) -> Backend:
         now = self._clock()
-        for backend in self.backends:
+        for backend in order:
             if self._health[backend.name].benched_until <= now:
                 return backend
-        return self.backends[0]
+        return order[0]
 
     def benched(self) -> list[str]:
         now = self._clock()
@@ -101,7 +116,7 @@ class BackendChain:
         on its worker thread, or on the event loop for a lone small batch (never both at once)."""
         errors: list[str] = []
         previous: tuple[Backend, str] | None = None
-        for backend in self.order_for(x.shape):
+        for backend in self.order_for(int(x.shape[0]), int(x.shape[1])):
             if not self._available(backend):
                 continue
             if previous is not None:
@@ -129,11 +144,10 @@ class BackendChain:
             return y, backend
         raise BackendFailure(f"every backend failed on a batch of shape {x.shape}: {errors or 'all benched'}")
 
-    def order_for(self, shape: tuple[int, ...]) -> list[Backend]:
-        """The backends a batch of `shape` (rows, T, C) tries, in order."""
-        if self._light is not None and batch_mflop(*shape[:3]) <= self._light.max_mflop:
-            return self._light.backends
-        return self.backends
+    def order_for(self, rows: int, seq: int) -> list[Backend]:
+        """The backends a batch of `rows` sequences of `seq` tokens tries, in order."""
+        light = self._light
+        return light.backends if light is not None and light.takes(rows, seq) else self.backends
 
     def _finite_or_input_to_blame(self, backend: Backend, x: np.ndarray, y: np.ndarray) -> bool:
         """True when `y` is finite, or its non-finite rows are the input's doing: NaN or inf in

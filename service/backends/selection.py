@@ -317,7 +317,7 @@ def _by_speed(
     first_light = loaded[split.light[0]][1]
     first_light.status = "serving"
     first_light.reason += f" (batches of at most {split.light_max_mflop:.0f} MFLOP)"
-    return ordered, LightRoute(split.light_max_mflop, [loaded[k][0] for k in split.light])
+    return ordered, LightRoute(split.light_max_mflop, [loaded[k][0] for k in split.light], config.d_model)
 
 
 def _why(serving: str, preferred: str) -> str:

@@ -130,7 +130,8 @@ class InferenceCore:
         batcher.start()
         decoder.start(expiry_period_s=min(1.0, max(s.sequence_idle_timeout_s / 4, 0.05)))
         self.metrics.loaded(model.labels(), s.max_queue_size, lambda: batcher.depth)
-        self.metrics.init_fallbacks([b.name for b in chain.backends], REASONS)
+        for order in chain.orders():
+            self.metrics.init_fallbacks([b.name for b in order], REASONS)
         self.publish.backends(chain)
         self._set_state(State.READY)
 

@@ -29,7 +29,7 @@ class Publisher:
         self.metrics, self.stats, self.device = metrics, stats, device
         self.tracing = tracing or Tracing()
         self._serving_ok, self._device_lost = serving_ok, device_lost
-        self._active = ""  # the backend mha_backend_info last showed as active
+        self._serving: list[tuple[str, str]] = []  # the backends mha_backend_info last showed as serving
 
     def fallback(self, source: str, target: str, reason: str) -> None:
         self.metrics.fallbacks.labels(source, target, reason).inc()
@@ -45,7 +45,7 @@ class Publisher:
         self._recorded(event)
         self.backends(chain)
         if event.traced:  # tracing on, and a traced request in the batch
-            preferred = chain.backends[0].name
+            preferred = chain.order_for(event.rows, max(event.seqs))[0].name
             fallback = f"{preferred} -> {event.backend}" if event.backend and event.backend != preferred else ""
             self.tracing.report_batch(event, fallback)
 
@@ -65,10 +65,10 @@ class Publisher:
         self.stats.observe_answer(int(shape[0]), queue_s)
 
     def backends(self, chain: BackendChain) -> None:
-        """The active backend, once it changes: mha_backend_info, and readiness on the required device."""
-        if chain.active.name != self._active:
-            self._active = chain.active.name
+        """The serving backends (the active one, and the light batches' where they have their
+        own), once they change: mha_backend_info, and readiness on the required device."""
+        serving = [(b.name, b.device) for b in chain.serving()]
+        if serving != self._serving:
+            self._serving = serving
             self.device.serving_changed(self._serving_ok())
-            self.metrics.set_backends(
-                (chain.active.name, chain.active.device), [(b.name, b.device) for b in chain.backends]
-            )
+            self.metrics.set_backends(serving, [(b.name, b.device) for b in chain.backends])

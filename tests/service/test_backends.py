@@ -8,6 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from prometheus_client import CollectorRegistry
 
 from export.layout import ModelFiles
 from model import MHAConfig
@@ -20,7 +21,11 @@ from service.backends.ort import OrtCpuBackend, OrtCudaBackend
 from service.backends.pytorch import TorchBackend
 from service.backends.selection import SelfCheck, probe_rounds, probe_shapes, speed_order, split_by_size
 from service.batching import batch_mflop
+from service.engine.publishing import Publisher
+from service.engine.readiness import DeviceHealth
+from service.engine.stats import ModelStats
 from service.errors import BackendFailure
+from service.metrics import Metrics
 
 
 def test_cpu_backends_match_reference(small_model_dir: Path) -> None:
@@ -277,7 +282,7 @@ def test_light_batches_take_their_own_order_and_fall_back_along_it(small_model_d
     config, weights = load_checkpoint(small_model_dir / "weights.safetensors")
     ort = Flaky("ort-cpu", OrtCpuBackend(small_model_dir / "model.onnx", threads=1))
     torch_cpu = TorchBackend(config, weights)
-    route = LightRoute(batch_mflop(1, 8, config.d_model), [ort, torch_cpu])
+    route = LightRoute(batch_mflop(1, 8, config.d_model), [ort, torch_cpu], config.d_model)
     chain = BackendChain([torch_cpu, ort], probe=SelfCheck(config, weights).passes, light=route)
     rng = np.random.default_rng(4)
     for shape, expected in (((1, 8, 32), ort), ((1, 9, 32), torch_cpu), ((3, 40, 32), torch_cpu)):
@@ -285,7 +290,7 @@ def test_light_batches_take_their_own_order_and_fall_back_along_it(small_model_d
         y, used = chain.run(x, alone=True)
         assert used is expected, shape
         assert relative_error(torch.from_numpy(y), attention_view(torch.from_numpy(x), weights, config)) < 1e-5
-    assert chain.active is torch_cpu  # the heavy order's first: what the server reports as serving
+    assert chain.active is torch_cpu and chain.serving() == [torch_cpu, ort]  # both serve: mha_backend_info
     ort.broken = True
     x = rng.standard_normal((1, 4, 32), dtype=np.float32)
     y, used = chain.run(x)
@@ -293,6 +298,25 @@ def test_light_batches_take_their_own_order_and_fall_back_along_it(small_model_d
         used is torch_cpu
         and relative_error(torch.from_numpy(y), attention_view(torch.from_numpy(x), weights, config)) < 1e-5
     )
+
+
+def test_both_backends_of_a_split_show_as_serving(small_model_dir: Path) -> None:
+    """mha_backend_info says 1 for each backend that serves some batches first, 0 for none."""
+    config, weights = load_checkpoint(small_model_dir / "weights.safetensors")
+    ort, torch_cpu = OrtCpuBackend(small_model_dir / "model.onnx", threads=1), TorchBackend(config, weights)
+    check = SelfCheck(config, weights).passes
+    metrics = Metrics(CollectorRegistry())
+    publisher = Publisher(metrics, ModelStats(), DeviceHealth("any", metrics), lambda: True, lambda: None)
+
+    def info() -> dict[str, float | None]:
+        get = metrics.registry.get_sample_value
+        return {b: get("mha_backend_info", {"backend": b, "device": "cpu"}) for b in ("torch-cpu", "ort-cpu")}
+
+    publisher.backends(BackendChain([torch_cpu, ort], probe=check))
+    assert info() == {"torch-cpu": 1, "ort-cpu": 0}
+    route = LightRoute(batch_mflop(1, 8, config.d_model), [ort, torch_cpu], config.d_model)
+    publisher.backends(BackendChain([torch_cpu, ort], probe=check, light=route))
+    assert info() == {"torch-cpu": 1, "ort-cpu": 1}
 
 
 def test_auto_splits_by_size_where_the_measurement_crosses_over(small_model_dir: Path) -> None:
