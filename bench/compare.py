@@ -266,18 +266,23 @@ class Started:
 
 
 def interleaved(model_dir: Path, runs: int, seconds: float) -> dict:
-    """Every server up at once; `runs` rounds, each visiting every case on every server in turn."""
+    """Every server up at once; `runs` rounds, each visiting every case on every server in turn.
+    The servers start one after the other, each once the one before is ready: a server that
+    measures at start (mha-serve's backend selection, its ORT crossover) does so on a quiet
+    machine, not among the others' start-ups."""
     started: list[Started] = []
-    for name in SERVERS:
-        try:
-            started.append(Started(name, model_dir))
-        except LookupError as exc:
-            log.warning("%s; left out", exc)
-    per_run: dict[str, dict[str, list[dict]]] = {s.name: {case: [] for case, *_ in CASES} for s in started}
+    per_run: dict[str, dict[str, list[dict]]] = {}
     try:
-        for server in started:
+        for name in SERVERS:
+            try:
+                server = Started(name, model_dir)
+            except LookupError as exc:
+                log.warning("%s; left out", exc)
+                continue
+            started.append(server)
             wait_ready(server.url, server.proc)
             run_load(server.url, 1, 1.0, [64])  # warm-up
+            per_run[server.name] = {case: [] for case, *_ in CASES}
         for run in range(runs):
             for case, B, T, clients in CASES:
                 for server in started:
