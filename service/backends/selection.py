@@ -162,7 +162,7 @@ def measure_interleaved(
 
 def probe_rounds(one_round_s: float, least: int, budget_s: float) -> int:
     """Rounds of a probe shape whose round takes `one_round_s`: as many as fit `budget_s`,
-    between `least` and MAX_ROUNDS (odd: a median of one sample)."""
+    between `least` and MAX_ROUNDS, and odd, so that the median is one of the samples."""
     fit = int(budget_s / one_round_s) if one_round_s > 0 else MAX_ROUNDS
     return max(least, min(MAX_ROUNDS, fit)) | 1
 
