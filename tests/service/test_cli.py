@@ -14,6 +14,7 @@ import torch
 from model.checkpoint import load_checkpoint
 from model.reference import attention_view, relative_error
 from service.cli import main as mha
+from service.client.loadgen import VARIANTS, input_pool
 from tests.support import ServerThread, make_settings
 
 
@@ -94,6 +95,17 @@ def test_bench_sweeps_concurrency_and_writes_json_and_csv(
     assert (tmp_path / "r.csv").read_text().splitlines()[0].startswith("concurrency,requests,throughput_rps")
     png = (tmp_path / "r.png").read_bytes()
     assert png.startswith(b"\x89PNG\r\n\x1a\n") and len(png) > 10_000, "a real plot, not an empty image"
+
+
+def test_load_inputs_are_drawn_once_for_every_sequence_length() -> None:
+    pool = input_pool([9, 4, 9], batch=2, d_model=8, seed=3)
+    assert list(pool) == [9, 4]  # each length once, in the order given
+    for T, inputs in pool.items():
+        assert len(inputs) == VARIANTS
+        assert all(x.shape == (2, T, 8) and x.dtype == np.float32 and np.isfinite(x).all() for x in inputs)
+        assert len({x.tobytes() for x in inputs}) == VARIANTS, "distinct inputs, not one repeated"
+    again = input_pool([9, 4, 9], batch=2, d_model=8, seed=3)
+    assert all(np.array_equal(a, b) for T in pool for a, b in zip(pool[T], again[T], strict=True))
 
 
 def test_bench_stops_at_once_with_the_servers_message(
