@@ -302,14 +302,15 @@ def _by_speed(
     """The candidates in serving order by what was measured, and the light batches' own order
     when another backend wins them."""
     shapes = probe_shapes(config)
-    for (_, report), per_shape in zip(loaded, times_ms, strict=True):
-        report.probe_ms = geometric_mean(per_shape)
+    means = [geometric_mean(per_shape) for per_shape in times_ms]
+    for (_, report), per_shape, mean in zip(loaded, times_ms, means, strict=True):
+        report.probe_ms = mean
         each = ", ".join(f"{shape} {ms:.3f}" for shape, ms in zip(shapes, per_shape, strict=True))
         report.reason += f", probe {report.probe_ms:.3f} ms ({each})"
     preferred = loaded[0][1].name
     split = split_by_size(times_ms, [batch_mflop(B, T, config.d_model) for B, T in shapes])
     if split is None:
-        ordered = [loaded[k] for k in speed_order([geometric_mean(t) for t in times_ms])]
+        ordered = [loaded[k] for k in speed_order(means)]
         _mark(ordered, _why(ordered[0][1].name, preferred))
         return ordered, None
     ordered = [loaded[k] for k in split.heavy]
