@@ -59,6 +59,12 @@ def test_two_workers_share_the_port_add_up_restart_and_drain(small_model_dir: Pa
     try:
         started = {int(i): (int(pid), int(port)) for i, pid, port in STARTED.findall(server.log())}
         assert sorted(started) == [0, 1]
+
+        def both_ready() -> bool:  # the port answers once one worker has bound it; the other may still load
+            samples = _samples(server.metrics_port)
+            return all(samples.get(("mha_ready", (("worker", str(i)),))) == 1.0 for i in range(2))
+
+        _until(both_ready)
         x = np.ones((1, 3, 32), np.float32)
         for _ in range(40):  # a channel each: the kernel spreads connections over the workers
             with MHAClient(server.url) as client:
