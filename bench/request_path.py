@@ -1,0 +1,183 @@
+"""What one unary ModelInfer costs in mha-serve's own layers, without gRPC: stage by stage, in process.
+
+A server is started in this process (the real core, batcher, backends and metrics, its gRPC port
+bound but not used); its servicer's ModelInfer is called directly on the event loop with a
+minimal context, as gRPC would call it once the request is parsed. Each stage (the whole call,
+answer_infer, core.infer, the batcher, the codec, the checks, one turn of the loop) runs N times
+in a row, in R rounds that alternate the stages' order; the median of the rounds' means is
+reported, in microseconds of the loop thread's CPU (the compute of a lone small request runs on
+it). Warm caches flatter every stage against a server between two requests (there the same work
+costs about twice as much: bench/RESULTS.md), so compare stages and versions, not absolute times.
+
+Without --compute (the default) the backend chain answers with a copy of its input: what is left
+is the per-request work the no-compute floor (bench/servers/floor.py none) does not do. Not a test.
+
+usage: python bench/request_path.py [--calls 2000] [--rounds 5] [--compute] [--model-dir models/default]
+Writes bench/results/request_path_no_compute.json (or _compute.json with --compute).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import statistics
+import sys
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import common
+import numpy as np
+from prometheus_client import CollectorRegistry
+
+from service.app.server import Running, drain_and_stop, load_and_serve, start
+from service.arrays import all_finite
+from service.proto import grpc_service_pb2 as pb
+from service.protocol.answer import answer_infer
+from service.protocol.calls import Calls
+from service.protocol.codec import decode_infer_request, encode_infer_request, encode_infer_response
+from service.protocol.grpc_servicer import InferenceServicer
+from service.settings import Settings
+
+log = logging.getLogger("bench")
+
+Stage = Callable[[], Awaitable[Any]]
+
+
+class QuietContext:
+    """What the unary path asks of a grpc.aio.ServicerContext when the request is valid."""
+
+    def time_remaining(self) -> float | None:
+        return None
+
+    def invocation_metadata(self) -> tuple[tuple[str, str], ...]:
+        return (("user-agent", "grpc-python/bench"),)
+
+    async def abort(self, code: object, details: str) -> None:
+        raise RuntimeError(f"the request was refused: {code} {details}")
+
+
+def stages(running: Running, x: np.ndarray) -> dict[str, Stage]:
+    core, regions = running.core, running.regions
+    assert regions is not None
+    model, batcher = core.loaded.model, core.loaded.batcher
+    servicer = InferenceServicer(core, Calls(core), regions)
+    request, context = encode_infer_request(x, model.name, "", "bench"), QuietContext()
+
+    async def whole() -> Any:
+        return await servicer.ModelInfer(request, context)  # type: ignore[arg-type]
+
+    async def answer() -> Any:
+        return await answer_infer(core, regions, request, None)
+
+    async def infer() -> Any:
+        return await core.infer(x, None)
+
+    async def submit() -> Any:
+        return await batcher.submit(x, None)
+
+    async def decode() -> Any:
+        return decode_infer_request(request, model, regions)
+
+    async def encode() -> pb.ModelInferResponse:
+        return encode_infer_response(x, model, "bench", "ort-cpu")
+
+    async def checks() -> Any:
+        core._check_magnitude(x)  # the input's magnitude bound, then the output's finiteness
+        return all_finite(x)
+
+    async def chain() -> Any:
+        return core.loaded.chain.run(x, True)
+
+    async def turn() -> None:
+        await asyncio.sleep(0)
+
+    return {
+        "ModelInfer (servicer, no gRPC)": whole,
+        "answer_infer (protocol)": answer,
+        "core.infer (engine)": infer,
+        "batcher.submit": submit,
+        "decode_infer_request": decode,
+        "encode_infer_response": encode,
+        "input and output checks": checks,
+        "backend chain": chain,
+        "one turn of the event loop": turn,
+    }
+
+
+async def measure(running: Running, x: np.ndarray, calls: int, rounds: int) -> dict[str, float]:
+    """Per stage, the median over `rounds` of the mean loop-thread CPU microseconds per call."""
+    timed = stages(running, x)
+    samples: dict[str, list[float]] = {name: [] for name in timed}
+    for stage in timed.values():  # warm-up: first calls allocate
+        for _ in range(200):
+            await stage()
+    for r in range(rounds):
+        names = list(timed) if r % 2 == 0 else list(reversed(timed))
+        for name in names:
+            stage = timed[name]
+            await asyncio.sleep(0)  # bookkeeping deferred by the previous stage runs here, not in this one
+            start_cpu = time.thread_time()
+            for _ in range(calls):
+                await stage()
+            await asyncio.sleep(0)  # ... and this stage's runs inside its own time
+            samples[name].append((time.thread_time() - start_cpu) / calls * 1e6)
+    return {name: statistics.median(values) for name, values in samples.items()}
+
+
+async def run(settings: Settings, shape: tuple[int, int, int], calls: int, rounds: int, compute: bool) -> dict:
+    running = await start(settings, CollectorRegistry())
+    try:
+        await load_and_serve(running)
+        chain = running.core.loaded.chain
+        if not compute:  # the chain answers with a copy: the layers around the compute alone
+            chain.run = lambda x, alone=False: (x.copy(), chain.backends[0])  # type: ignore[method-assign]
+        x = np.random.default_rng(0).standard_normal(shape, dtype=np.float32)  # (B, T, C)
+        return await measure(running, x, calls, rounds)
+    finally:
+        await drain_and_stop(running, 1.0, announce=False)
+
+
+def main() -> int:
+    parser = common.parser(__doc__)
+    parser.add_argument("--model-dir", type=Path, default=Path("models/default"))
+    parser.add_argument("--calls", type=int, default=2000, help="calls of each stage per round")
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--seq-len", type=int, default=64, help="T of the (1, T, C) request")
+    parser.add_argument("--compute", action="store_true", help="run the real backend chain, not a copy")
+    args = parser.parse_args()
+    settings = replace(
+        Settings(model_dir=args.model_dir, host="127.0.0.1", grpc_port=0, http_port=None, metrics_port=None),
+        log_format="text",
+        log_level="WARNING",
+    )
+    width = settings_width(args.model_dir)
+    results = asyncio.run(run(settings, (1, args.seq_len, width), args.calls, args.rounds, args.compute))
+    shape = f"(1, {args.seq_len}, {width})"
+    lines = [f"{name:32s} {us:8.1f} us" for name, us in results.items()]
+    log.info(
+        "%s, %s, median of %d rounds of %d calls:\n%s",
+        shape,
+        "compute" if args.compute else "no compute",
+        args.rounds,
+        args.calls,
+        "\n".join(lines),
+    )
+    common.write_json(
+        f"request_path_{'compute' if args.compute else 'no_compute'}.json",
+        {"shape": shape, "compute": args.compute, "us_per_call": results},
+    )
+    return 0
+
+
+def settings_width(model_dir: Path) -> int:
+    from model.checkpoint import load_checkpoint
+
+    config, _ = load_checkpoint(model_dir / "weights.safetensors")
+    return config.d_model
+
+
+if __name__ == "__main__":
+    sys.exit(main())
