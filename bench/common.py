@@ -6,8 +6,11 @@ The scripts run as `python bench/NAME.py`, so this folder is on sys.path and `im
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
+import os
+from collections.abc import Iterator
 from pathlib import Path
 
 RESULTS = Path(__file__).parent / "results"
@@ -24,3 +27,38 @@ def write_json(name: str, payload: object) -> Path:
     path = RESULTS / name
     path.write_text(json.dumps(payload, indent=1) + "\n")
     return path
+
+
+def cpu_list(text: str) -> set[int]:
+    """CPUs named the way taskset and cgroups do ("0", "0-3,6"), checked against the CPUs this
+    process may use."""
+    cpus: set[int] = set()
+    for part in text.split(","):
+        low, dash, high = part.strip().partition("-")
+        try:
+            first = int(low)
+            last = int(high) if dash else first
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r}: expected CPU numbers such as 0 or 0-3,6") from None
+        if first < 0 or last < first:
+            raise argparse.ArgumentTypeError(f"{text!r}: {part.strip()!r} is not a CPU or an ascending range")
+        cpus.update(range(first, last + 1))
+    allowed = os.sched_getaffinity(0)
+    if not cpus <= allowed:
+        raise argparse.ArgumentTypeError(f"{text!r}: CPUs {sorted(cpus - allowed)} are not among {sorted(allowed)}")
+    return cpus
+
+
+@contextlib.contextmanager
+def on_cpus(cpus: set[int] | None) -> Iterator[None]:
+    """Within it, this thread, and every process and thread it starts, runs on `cpus` only
+    (None: unchanged); afterwards this thread runs where it did before."""
+    if cpus is None:
+        yield
+        return
+    before = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, cpus)
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, before)

@@ -19,7 +19,14 @@ and each run visits them in turn, case by case (A B C A B C ...), so that a load
 machine falls on all of them; the medians over the N runs are reported, with each run's ratio of
 mha-serve to KServe and to the in-line floor, and their spread (bench/results/compare_runs.json).
 
+`--server-cpus 0 --client-cpus 1` gives the servers and the client CPUs of their own (each server
+process and its threads run on the first set, the load generator on the second; the ORT pools
+size themselves by the CPUs they may use): then a server whose idle threads spin cannot take the
+client's CPU, as it does when they share the machine, and the comparison is the one a server
+with cores of its own would see. The sets are written into the results.
+
 usage: python bench/compare.py [--seconds 5] [--runs 1] [--model-dir models/default]
+                               [--server-cpus LIST --client-cpus LIST]
 """
 
 from __future__ import annotations
@@ -136,8 +143,10 @@ def wait_ready(url: str, proc: subprocess.Popen[bytes], timeout: float = 180) ->
     raise TimeoutError(f"{url} did not become ready")
 
 
-def measure(name: str, command: list[str], env: dict[str, str], url: str, seconds: float, log_path: Path) -> dict:
-    with open(log_path, "w") as out:
+def measure(
+    name: str, command: list[str], env: dict[str, str], url: str, seconds: float, log_path: Path, cpus: set[int] | None
+) -> dict:
+    with open(log_path, "w") as out, common.on_cpus(cpus):
         proc = subprocess.Popen(
             command, env={**os.environ, **env}, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
         )
@@ -230,13 +239,13 @@ def in_process_ms(model_dir: Path, backend: str, seconds: float) -> float:
 class Started:
     """A server started for the interleaved runs: its process and address."""
 
-    def __init__(self, name: str, model_dir: Path) -> None:
+    def __init__(self, name: str, model_dir: Path, cpus: set[int] | None) -> None:
         port = free_port()
         command = server_command(name, model_dir, port)
         if command is None:
             raise LookupError(f"{name}: its environment is not installed (make bench-servers)")
         slug = "-".join(w.strip(":-").lower() for w in name.split()[:2] if w.strip(":-+"))
-        with open(common.RESULTS / f"compare-{slug}.log", "w") as out:
+        with open(common.RESULTS / f"compare-{slug}.log", "w") as out, common.on_cpus(cpus):
             self.proc = subprocess.Popen(
                 command[0],
                 env={**os.environ, **command[1]},
@@ -265,7 +274,7 @@ class Started:
             os.killpg(self.proc.pid, signal.SIGKILL)
 
 
-def interleaved(model_dir: Path, runs: int, seconds: float) -> dict:
+def interleaved(model_dir: Path, runs: int, seconds: float, cpus: set[int] | None) -> dict:
     """Every server up at once; `runs` rounds, each visiting every case on every server in turn.
     The servers start one after the other, each once the one before is ready: a server that
     measures at start (mha-serve's backend selection, its ORT crossover) does so on a quiet
@@ -275,7 +284,7 @@ def interleaved(model_dir: Path, runs: int, seconds: float) -> dict:
     try:
         for name in SERVERS:
             try:
-                server = Started(name, model_dir)
+                server = Started(name, model_dir, cpus)
             except LookupError as exc:
                 log.warning("%s; left out", exc)
                 continue
@@ -334,17 +343,26 @@ def main() -> int:
     parser.add_argument("--seconds", type=float, default=5.0)
     parser.add_argument("--runs", type=int, default=1)
     parser.add_argument("--model-dir", type=Path, default=Path("models/default"))
+    parser.add_argument("--server-cpus", type=common.cpu_list, help="CPUs the servers run on (with --client-cpus)")
+    parser.add_argument("--client-cpus", type=common.cpu_list, help="CPUs the load generator runs on")
     args = parser.parse_args()
-    model_dir = args.model_dir.resolve()
+    if (args.server_cpus is None) != (args.client_cpus is None) or (args.server_cpus or set()) & (
+        args.client_cpus or set()
+    ):
+        parser.error("--server-cpus and --client-cpus go together, and name CPUs apart")
+    model_dir, cpus = args.model_dir.resolve(), args.server_cpus
+    machine = f"{socket.gethostname()}: {len(os.sched_getaffinity(0))} CPUs"
+    if cpus is not None:
+        machine += f"; servers on CPUs {sorted(cpus)}, the client on {sorted(args.client_cpus)}"
+        os.sched_setaffinity(0, args.client_cpus)  # this thread, and the load generator's threads it starts
     if args.runs > 1:
-        summary = interleaved(model_dir, args.runs, args.seconds)
-        machine = f"{socket.gethostname()}: {len(os.sched_getaffinity(0))} CPUs"
+        summary = interleaved(model_dir, args.runs, args.seconds, cpus)
         common.write_json("compare_runs.json", {"machine": machine, "runs": args.runs, **summary})
         for other, cases in summary["mha_serve_over"].items():
             for case, ratio in cases.items():
                 log.info("mha-serve / %s, %s: median %.3f, runs %s", other, case, ratio["median"], ratio["runs"])
         return 0
-    results: dict[str, object] = {"machine": f"{socket.gethostname()}: {len(os.sched_getaffinity(0))} CPUs"}
+    results: dict[str, object] = {"machine": machine}
     servers: dict[str, dict] = {}
     for name in SERVERS:
         port = free_port()
@@ -355,12 +373,13 @@ def main() -> int:
         slug = "-".join(w.strip(":-").lower() for w in name.split()[:2] if w.strip(":-+"))
         logs = common.RESULTS / f"compare-{slug}.log"
         try:
-            servers[name] = measure(name, *command, f"127.0.0.1:{port}", args.seconds, logs)
+            servers[name] = measure(name, *command, f"127.0.0.1:{port}", args.seconds, logs, cpus)
         except (RuntimeError, TimeoutError) as exc:
             log.error("%s: %s", name, exc)
             servers[name] = {"error": str(exc)}
     shm = servers["mha-serve"]["(4, 512, 128) 1 client, shared memory"]
-    shm["in_process_ms"] = in_process_ms(model_dir, shm["backend"], args.seconds)
+    with common.on_cpus(cpus):  # where the servers computed it
+        shm["in_process_ms"] = in_process_ms(model_dir, shm["backend"], args.seconds)
     results["servers"] = servers
     common.write_json("compare.json", results)
     markdown = table(servers)
