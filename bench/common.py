@@ -62,3 +62,20 @@ def on_cpus(cpus: set[int] | None) -> Iterator[None]:
         yield
     finally:
         os.sched_setaffinity(0, before)
+
+
+def threads_outside(pgid: int, cpus: set[int]) -> list[str]:
+    """The threads of process group `pgid` that may run on a CPU outside `cpus` ("name tid: CPUs"):
+    a thread that set its own affinity (ORT's default pool pins one to every core of the machine)."""
+    outside = []
+    for task in Path("/proc").glob("[0-9]*/task/[0-9]*"):
+        try:
+            if int((task / "stat").read_text().rsplit(")", 1)[1].split()[2]) != pgid:
+                continue
+            allowed = os.sched_getaffinity(int(task.name))
+            name = (task / "comm").read_text().strip()
+        except (OSError, ValueError):  # a thread that ended meanwhile
+            continue
+        if not allowed <= cpus:
+            outside.append(f"{name} {task.name}: CPUs {sorted(allowed)}")
+    return outside

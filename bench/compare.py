@@ -148,11 +148,18 @@ def measure(
 ) -> dict:
     with open(log_path, "w") as out, common.on_cpus(cpus):
         proc = subprocess.Popen(
-            command, env={**os.environ, **env}, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+            command,
+            env={**os.environ, **env, **pinned_env(cpus)},
+            cwd=ROOT,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
         )
     rows: dict[str, dict] = {}
     try:
         wait_ready(url, proc)
+        if cpus is not None and (outside := escaped(name, proc.pid, cpus)):
+            rows["threads outside the servers' CPUs"] = outside  # type: ignore[assignment]
         run_load(url, 1, 1.0, [64])  # warm-up
         for case, B, T, clients in CASES:
             before = group_cpu_seconds(proc.pid)
@@ -248,7 +255,7 @@ class Started:
         with open(common.RESULTS / f"compare-{slug}.log", "w") as out, common.on_cpus(cpus):
             self.proc = subprocess.Popen(
                 command[0],
-                env={**os.environ, **command[1]},
+                env={**os.environ, **command[1], **pinned_env(cpus)},
                 cwd=ROOT,
                 stdout=out,
                 stderr=subprocess.STDOUT,
@@ -281,6 +288,7 @@ def interleaved(model_dir: Path, runs: int, seconds: float, cpus: set[int] | Non
     machine, not among the others' start-ups."""
     started: list[Started] = []
     per_run: dict[str, dict[str, list[dict]]] = {}
+    escapes: dict[str, list[str]] = {}
     try:
         for name in SERVERS:
             try:
@@ -290,6 +298,8 @@ def interleaved(model_dir: Path, runs: int, seconds: float, cpus: set[int] | Non
                 continue
             started.append(server)
             wait_ready(server.url, server.proc)
+            if cpus is not None and (outside := escaped(name, server.proc.pid, cpus)):
+                escapes[name] = outside
             run_load(server.url, 1, 1.0, [64])  # warm-up
             per_run[server.name] = {case: [] for case, *_ in CASES}
         for run in range(runs):
@@ -300,7 +310,22 @@ def interleaved(model_dir: Path, runs: int, seconds: float, cpus: set[int] | Non
     finally:
         for server in started:
             server.stop()
-    return summarize(per_run)
+    return {**summarize(per_run), **({"threads outside the servers' CPUs": escapes} if escapes else {})}
+
+
+def pinned_env(cpus: set[int] | None) -> dict[str, str]:
+    """What a server pinned to `cpus` is told (bench/servers/*: ORT's pool size, as for a pod of
+    that many CPUs; mha-serve sizes its own by the CPUs it may use)."""
+    return {} if cpus is None else {"BENCH_ORT_THREADS": str(len(cpus))}
+
+
+def escaped(name: str, pid: int, cpus: set[int]) -> list[str]:
+    """The server's threads that may run outside `cpus`, said in the log: its numbers then count
+    CPUs the comparison did not give it."""
+    outside = common.threads_outside(pid, cpus)  # the server leads its own process group
+    if outside:
+        log.warning("%s: threads outside CPUs %s: %s", name, sorted(cpus), "; ".join(outside))
+    return outside
 
 
 def summarize(per_run: dict[str, dict[str, list[dict]]]) -> dict:

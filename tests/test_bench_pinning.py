@@ -73,3 +73,38 @@ def test_what_starts_on_cpus_runs_there_and_the_caller_goes_back() -> None:
         child.communicate(b"", timeout=30)
     with common.on_cpus(None):
         assert os.sched_getaffinity(0) == before
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two CPUs to pin to one of them")
+def test_a_thread_that_pins_itself_elsewhere_is_named() -> None:
+    """ORT's default pool pins a thread to every core of the machine, out of the CPUs a server
+    was started on: compare.py must say so rather than count that CPU as the server's own."""
+    common = _common()
+    inside, elsewhere = sorted(os.sched_getaffinity(0))[:2]
+    script = (
+        "import os, sys, threading\n"
+        "escape = sys.argv[1] == 'escape'\n"
+        "done = threading.Event()\n"
+        "def pool():\n"
+        f"    if escape: os.sched_setaffinity(0, {{{elsewhere}}})\n"
+        "    print('started', flush=True)\n"
+        "    done.wait()\n"
+        "threading.Thread(target=pool, name='pool', daemon=True).start()\n"
+        "sys.stdin.read()\n"
+    )
+    for mode, expected in (("stay", 0), ("escape", 1)):
+        with common.on_cpus({inside}):
+            child = subprocess.Popen(
+                [sys.executable, "-c", script, mode],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                text=True,
+                start_new_session=True,
+            )
+        try:
+            assert child.stdout is not None and child.stdout.readline() == "started\n"
+            outside = common.threads_outside(child.pid, {inside})
+            assert len(outside) == expected, outside
+            assert all(f"CPUs [{elsewhere}]" in line for line in outside)
+        finally:
+            child.communicate("", timeout=30)

@@ -5,11 +5,13 @@
 batching, no checks, no metrics). Run by bench/compare.py in the main virtual environment.
 
 usage: python bench/servers/floor.py none|ort PORT MODEL_DIR
+(BENCH_ORT_THREADS sizes ORT's pool where compare.py pins the servers: see kserve_ort.py)
 """
 
 from __future__ import annotations
 
 import asyncio
+import os
 import sys
 from pathlib import Path
 
@@ -41,7 +43,9 @@ class Floor(pb_grpc.GRPCInferenceServiceServicer):
 
 
 async def serve(mode: str, port: int, model_dir: Path) -> None:
-    session = ort.InferenceSession(str(model_dir / "model.onnx"), providers=["CPUExecutionProvider"])
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = int(os.environ.get("BENCH_ORT_THREADS", "0"))  # 0: ORT's default
+    session = ort.InferenceSession(str(model_dir / "model.onnx"), options, providers=["CPUExecutionProvider"])
     server = grpc.aio.server(options=[("grpc.max_receive_message_length", 64 << 20)])
     pb_grpc.add_GRPCInferenceServiceServicer_to_server(Floor(session if mode == "ort" else None), server)
     server.add_insecure_port(f"127.0.0.1:{port}")

@@ -2,6 +2,10 @@
 write it. Runs in its own virtual environment (`make bench-servers`), started by bench/compare.py.
 
 usage: KSERVE_GRPC_PORT=P KSERVE_HTTP_PORT=Q python bench/servers/kserve_ort.py MODEL_DIR
+
+BENCH_ORT_THREADS=N (set by compare.py when it pins the servers to N CPUs) sizes ORT's pool, as
+one would for a pod of N CPUs: ORT's default pool pins a thread to every core of the machine,
+outside the CPUs the server was given.
 """
 
 from __future__ import annotations
@@ -16,7 +20,9 @@ from kserve import InferOutput, InferRequest, InferResponse, Model, ModelServer
 class MHA(Model):
     def __init__(self, name: str, path: str) -> None:
         super().__init__(name)
-        self.session = ort.InferenceSession(path, providers=["CPUExecutionProvider"])
+        options = ort.SessionOptions()
+        options.intra_op_num_threads = int(os.environ.get("BENCH_ORT_THREADS", "0"))  # 0: ORT's default
+        self.session = ort.InferenceSession(path, options, providers=["CPUExecutionProvider"])
         self.ready = True
 
     async def predict(self, payload: InferRequest, headers=None, response_headers=None) -> InferResponse:

@@ -1,8 +1,11 @@
 """MLServer's custom runtime for the same ONNX file on ONNX Runtime (CPU), as an MLServer user
 would write it. bench/compare.py writes the settings beside a copy of this file and starts
-`mlserver start` in its own virtual environment (`make bench-servers`)."""
+`mlserver start` in its own virtual environment (`make bench-servers`). BENCH_ORT_THREADS sizes
+ORT's pool where compare.py pins the servers (see kserve_ort.py)."""
 
 from __future__ import annotations
+
+import os
 
 import onnxruntime as ort
 from mlserver import MLModel
@@ -12,7 +15,9 @@ from mlserver.types import InferenceRequest, InferenceResponse
 
 class MHARuntime(MLModel):
     async def load(self) -> bool:
-        self.session = ort.InferenceSession(self.settings.parameters.uri, providers=["CPUExecutionProvider"])
+        options = ort.SessionOptions()
+        options.intra_op_num_threads = int(os.environ.get("BENCH_ORT_THREADS", "0"))  # 0: ORT's default
+        self.session = ort.InferenceSession(self.settings.parameters.uri, options, providers=["CPUExecutionProvider"])
         return True
 
     async def predict(self, payload: InferenceRequest) -> InferenceResponse:
