@@ -12,13 +12,18 @@ costs about twice as much: bench/RESULTS.md), so compare stages and versions, no
 Without --compute (the default) the backend chain answers with a copy of its input: what is left
 is the per-request work the no-compute floor (bench/servers/floor.py none) does not do. Not a test.
 
-usage: python bench/request_path.py [--calls 2000] [--rounds 5] [--compute] [--model-dir models/default]
+Times on a shared VM move by half between spells (bench/RESULTS.md); `--opcodes` counts instead
+the Python opcodes one whole call executes (sys.settrace), by file: the same on every run of
+the same code, so two versions compare exactly, though C work (protobuf, numpy, locks) is not in it.
+
+usage: python bench/request_path.py [--calls 2000] [--rounds 5] [--compute] [--opcodes] [--model-dir models/default]
 Writes bench/results/request_path_no_compute.json (or _compute.json with --compute).
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 import statistics
 import sys
@@ -127,7 +132,45 @@ async def measure(running: Running, x: np.ndarray, calls: int, rounds: int) -> d
     return {name: statistics.median(values) for name, values in samples.items()}
 
 
-async def run(settings: Settings, shape: tuple[int, int, int], calls: int, rounds: int, compute: bool) -> dict:
+async def opcodes(running: Running, x: np.ndarray, calls: int) -> dict[str, float]:
+    """Python opcodes per whole call, by file (and in all): deterministic, unlike time."""
+    whole = stages(running, x)["ModelInfer (servicer, no gRPC)"]
+    for _ in range(200):
+        await whole()
+    await asyncio.sleep(0)
+    counts: collections.Counter[str] = collections.Counter()
+
+    def trace(frame: Any, event: str, arg: object) -> Any:
+        frame.f_trace_opcodes = True
+        if event == "opcode":
+            counts[frame.f_code.co_filename] += 1
+        return trace
+
+    sys.settrace(trace)
+    try:
+        for _ in range(calls):
+            await whole()
+        await asyncio.sleep(0)  # the calls' deferred bookkeeping, in
+    finally:
+        sys.settrace(None)
+    per_call = {_short(name): n / calls for name, n in counts.most_common()}
+    return {"all": sum(per_call.values()), **per_call}
+
+
+def _short(path: str) -> str:
+    """A file's name from where it matters: the project's, a package's or the standard library's."""
+    for marker in ("/site-packages/", f"/lib/python{sys.version_info.major}.{sys.version_info.minor}/"):
+        if marker in path:
+            return path.split(marker, 1)[1]
+    try:
+        return str(Path(path).resolve().relative_to(Path.cwd().resolve()))
+    except ValueError:  # "<string>" (dataclasses' generated code), or a file elsewhere
+        return path
+
+
+async def run(
+    settings: Settings, shape: tuple[int, int, int], calls: int, rounds: int, compute: bool, count: bool = False
+) -> dict:
     running = await start(settings, CollectorRegistry())
     try:
         await load_and_serve(running)
@@ -135,7 +178,7 @@ async def run(settings: Settings, shape: tuple[int, int, int], calls: int, round
         if not compute:  # the chain answers with a copy: the layers around the compute alone
             chain.run = lambda x, alone=False: (x.copy(), chain.backends[0])  # type: ignore[method-assign]
         x = np.random.default_rng(0).standard_normal(shape, dtype=np.float32)  # (B, T, C)
-        return await measure(running, x, calls, rounds)
+        return await (opcodes(running, x, min(calls, 500)) if count else measure(running, x, calls, rounds))
     finally:
         await drain_and_stop(running, 1.0, announce=False)
 
@@ -147,28 +190,25 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--seq-len", type=int, default=64, help="T of the (1, T, C) request")
     parser.add_argument("--compute", action="store_true", help="run the real backend chain, not a copy")
+    parser.add_argument("--opcodes", action="store_true", help="count Python opcodes per call instead of timing")
     args = parser.parse_args()
     settings = replace(
         Settings(model_dir=args.model_dir, host="127.0.0.1", grpc_port=0, http_port=None, metrics_port=None),
         log_format="text",
         log_level="WARNING",
     )
-    width = settings_width(args.model_dir)
-    results = asyncio.run(run(settings, (1, args.seq_len, width), args.calls, args.rounds, args.compute))
-    shape = f"(1, {args.seq_len}, {width})"
-    lines = [f"{name:32s} {us:8.1f} us" for name, us in results.items()]
-    log.info(
-        "%s, %s, median of %d rounds of %d calls:\n%s",
-        shape,
-        "compute" if args.compute else "no compute",
-        args.rounds,
-        args.calls,
-        "\n".join(lines),
-    )
-    common.write_json(
-        f"request_path_{'compute' if args.compute else 'no_compute'}.json",
-        {"shape": shape, "compute": args.compute, "us_per_call": results},
-    )
+    shape = (1, args.seq_len, settings_width(args.model_dir))
+    results = asyncio.run(run(settings, shape, args.calls, args.rounds, args.compute, args.opcodes))
+    what = "compute" if args.compute else "no compute"
+    if args.opcodes:
+        lines = [f"{n:8.1f}  {name}" for name, n in results.items()]
+        log.info("%s, %s, Python opcodes per call, by file:\n%s", shape, what, "\n".join(lines[:30]))
+        out, key = "request_path_opcodes.json", "opcodes_per_call"
+    else:
+        lines = [f"{name:32s} {us:8.1f} us" for name, us in results.items()]
+        log.info("%s, %s, median of %d rounds of %d calls:\n%s", shape, what, args.rounds, args.calls, "\n".join(lines))
+        out, key = f"request_path_{'compute' if args.compute else 'no_compute'}.json", "us_per_call"
+    common.write_json(out, {"shape": str(shape), "compute": args.compute, key: results})
     return 0
 
 

@@ -56,18 +56,17 @@ def decode_infer_request(
 
 def _check_shape(shape: list[int], model: ServedModel) -> tuple[int, int, int]:
     d_model, max_seq_len = model.config.d_model, model.config.max_seq_len
-    expected = f"[B, T, {d_model}] with 1 <= T <= {max_seq_len}"
     if len(shape) != 3:
-        raise InvalidInput(f"input shape {shape} has rank {len(shape)}; expected rank 3: {expected}")
+        raise InvalidInput(f"input shape {shape} has rank {len(shape)}; expected rank 3: {_expected_shape(model)}")
     B, T, C = shape
     if C != d_model:
-        raise InvalidInput(f"input shape {shape}: C = {C}; expected C = {d_model}: {expected}")
+        raise InvalidInput(f"input shape {shape}: C = {C}; expected C = {d_model}: {_expected_shape(model)}")
     if B < 1:
         raise InvalidInput(f"input shape {shape}: B = {B}; expected B >= 1")
     if T < 1:
-        raise InvalidInput(f"input shape {shape}: T = {T}; expected T >= 1: {expected}")
+        raise InvalidInput(f"input shape {shape}: T = {T}; expected T >= 1: {_expected_shape(model)}")
     if T > max_seq_len:
-        raise InvalidInput(f"input shape {shape}: T = {T} exceeds max_seq_len {max_seq_len}: {expected}")
+        raise InvalidInput(f"input shape {shape}: T = {T} exceeds max_seq_len {max_seq_len}: {_expected_shape(model)}")
     if B > model.max_request_rows:
         raise InvalidInput(
             f"input shape {shape}: B = {B} exceeds this server's limit of {model.max_request_rows} rows per request; "
@@ -80,6 +79,10 @@ def _check_shape(shape: list[int], model: ServedModel) -> tuple[int, int, int]:
             f"this server's limit is {model.max_attention_mb:g} MiB per request: split the batch or shorten T"
         )
     return B, T, C
+
+
+def _expected_shape(model: ServedModel) -> str:
+    return f"[B, T, {model.config.d_model}] with 1 <= T <= {model.config.max_seq_len}"
 
 
 # Protocol features this server does not implement: refused, never silently ignored.
@@ -193,6 +196,8 @@ def names_shared_memory(request: pb.ModelInferRequest) -> bool:
 
 def placement(parameters: Any, where: str, regions: SystemRegions | None) -> Placement | None:
     """The shared memory placement that a tensor's parameters name, or None when they name none."""
+    if not parameters:  # most tensors carry none
+        return None
     if not any(key in parameters for key in (SHM_REGION, SHM_SIZE, SHM_OFFSET)):
         return None
     if regions is None or not regions.enabled:

@@ -15,13 +15,15 @@ import grpc
 import numpy as np
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 from prometheus_client import CollectorRegistry
 
 from model import MHAConfig
 from model.checkpoint import init_weights, load_checkpoint
 from model.reference import attention_view, relative_error
 from service.backends.pytorch import TorchBackend
-from service.batching import BatcherConfig, BatchEvent, batch_mflop, form_at, merge, plan_batch, split
+from service.batching import BatcherConfig, BatchEvent, batch_event, batch_mflop, form_at, merge, plan_batch, split
 from service.client.client import InferenceError, MHAClient
 from service.engine.batcher import Batcher
 from service.errors import DeadlineExceeded, Overloaded
@@ -530,3 +532,13 @@ def test_a_lone_clients_requests_take_the_lone_route_until_requests_share_a_batc
 
     asyncio.run(main())
     assert routes == ["lone", "batch", "batch", "lone"]
+
+
+@given(st.lists(st.tuples(st.integers(1, 8), st.integers(1, 64)), min_size=1, max_size=5))
+def test_a_batch_report_counts_rows_and_padding_for_one_request_as_for_many(shapes: list[tuple[int, int]]) -> None:
+    """batch_event takes a shortcut for a request alone; it must report what the general count does."""
+    event = batch_event(shapes, (1.0, 1.5), 2.0, "ort-cpu", None)
+    rows, longest = sum(b for b, _ in shapes), max(t for _, t in shapes)
+    assert (event.requests, event.rows, event.seqs) == (len(shapes), rows, tuple(t for _, t in shapes))
+    assert event.padded_tokens == rows * longest - sum(b * t for b, t in shapes)
+    assert (event.formation_s, event.compute_s, event.ended) == (0.5, 0.5, 2.0)
