@@ -64,18 +64,31 @@ def on_cpus(cpus: set[int] | None) -> Iterator[None]:
         os.sched_setaffinity(0, before)
 
 
+def group_stats(pgid: int) -> Iterator[tuple[int, list[str]]]:
+    """(pid, the fields of /proc/PID/stat after the name) of every live process in process group
+    `pgid`: fields[2] is the group, [11] and [12] user and system CPU ticks."""
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            fields = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:  # a process that ended meanwhile
+            continue
+        if int(fields[2]) == pgid:
+            yield int(entry), fields
+
+
 def threads_outside(pgid: int, cpus: set[int]) -> list[str]:
     """The threads of process group `pgid` that may run on a CPU outside `cpus` ("name tid: CPUs"):
     a thread that set its own affinity (ORT's default pool pins one to every core of the machine)."""
     outside = []
-    for task in Path("/proc").glob("[0-9]*/task/[0-9]*"):
-        try:
-            if int((task / "stat").read_text().rsplit(")", 1)[1].split()[2]) != pgid:
+    for pid, _ in group_stats(pgid):
+        for task in Path(f"/proc/{pid}/task").glob("[0-9]*"):
+            try:
+                allowed = os.sched_getaffinity(int(task.name))
+                name = (task / "comm").read_text().strip()
+            except OSError:  # a thread that ended meanwhile
                 continue
-            allowed = os.sched_getaffinity(int(task.name))
-            name = (task / "comm").read_text().strip()
-        except (OSError, ValueError):  # a thread that ended meanwhile
-            continue
-        if not allowed <= cpus:
-            outside.append(f"{name} {task.name}: CPUs {sorted(allowed)}")
+            if not allowed <= cpus:
+                outside.append(f"{name} {task.name}: CPUs {sorted(allowed)}")
     return outside

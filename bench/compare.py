@@ -67,17 +67,7 @@ CLK_TCK = os.sysconf("SC_CLK_TCK")
 
 def group_cpu_seconds(pgid: int) -> float:
     """User + system CPU seconds of every live process in process group `pgid`."""
-    total = 0
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            fields = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[2]) == pgid:  # fields after the name: state, ppid, pgrp, ...
-            total += int(fields[11]) + int(fields[12])  # utime, stime
-    return total / CLK_TCK
+    return sum(int(fields[11]) + int(fields[12]) for _, fields in common.group_stats(pgid)) / CLK_TCK
 
 
 def server_command(name: str, model_dir: Path, port: int) -> tuple[list[str], dict[str, str]] | None:
@@ -146,15 +136,7 @@ def wait_ready(url: str, proc: subprocess.Popen[bytes], timeout: float = 180) ->
 def measure(
     name: str, command: list[str], env: dict[str, str], url: str, seconds: float, log_path: Path, cpus: set[int] | None
 ) -> dict:
-    with open(log_path, "w") as out, common.on_cpus(cpus):
-        proc = subprocess.Popen(
-            command,
-            env={**os.environ, **env, **pinned_env(cpus)},
-            cwd=ROOT,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
+    proc = spawn(command, env, log_path, cpus)
     rows: dict[str, dict] = {}
     try:
         wait_ready(url, proc)
@@ -252,15 +234,7 @@ class Started:
         if command is None:
             raise LookupError(f"{name}: its environment is not installed (make bench-servers)")
         slug = "-".join(w.strip(":-").lower() for w in name.split()[:2] if w.strip(":-+"))
-        with open(common.RESULTS / f"compare-{slug}.log", "w") as out, common.on_cpus(cpus):
-            self.proc = subprocess.Popen(
-                command[0],
-                env={**os.environ, **command[1], **pinned_env(cpus)},
-                cwd=ROOT,
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-            )
+        self.proc = spawn(*command, common.RESULTS / f"compare-{slug}.log", cpus)
         self.name, self.url = name, f"127.0.0.1:{port}"
 
     def case(self, B: int, T: int, clients: int, seconds: float) -> dict:
@@ -313,10 +287,20 @@ def interleaved(model_dir: Path, runs: int, seconds: float, cpus: set[int] | Non
     return {**summarize(per_run), **({"threads outside the servers' CPUs": escapes} if escapes else {})}
 
 
-def pinned_env(cpus: set[int] | None) -> dict[str, str]:
-    """What a server pinned to `cpus` is told (bench/servers/*: ORT's pool size, as for a pod of
-    that many CPUs; mha-serve sizes its own by the CPUs it may use)."""
-    return {} if cpus is None else {"BENCH_ORT_THREADS": str(len(cpus))}
+def spawn(command: list[str], env: dict[str, str], log_path: Path, cpus: set[int] | None) -> subprocess.Popen[bytes]:
+    """A server process leading its own process group, its output in `log_path`; on `cpus` when
+    given, and then told how many it has (bench/servers/*: ORT's pool size, as for a pod of that
+    many CPUs; mha-serve sizes its own by the CPUs it may use)."""
+    pinned = {} if cpus is None else {"BENCH_ORT_THREADS": str(len(cpus))}
+    with open(log_path, "w") as out, common.on_cpus(cpus):
+        return subprocess.Popen(
+            command,
+            env={**os.environ, **env, **pinned},
+            cwd=ROOT,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
 
 
 def escaped(name: str, pid: int, cpus: set[int]) -> list[str]:

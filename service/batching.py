@@ -264,17 +264,14 @@ def batch_event(
 ) -> BatchEvent:
     """The report of a batch merged from `shapes` (right-padded to the longest T, as `merge` does)."""
     forming, started = times
-    seqs: tuple[int, ...]
-    if len(shapes) == 1:  # a request alone: no padding (the common case, kept cheap)
-        rows, seqs, padded = shapes[0][0], (shapes[0][1],), 0
-    else:
-        rows, t_max = sum(b for b, _ in shapes), max(t for _, t in shapes)
-        seqs, padded = tuple(seq for _, seq in shapes), rows * t_max - sum(b * t for b, t in shapes)
+    rows = tokens = t_max = 0
+    for b, t in shapes:  # one pass: this runs for every batch, most of them one request
+        rows, tokens, t_max = rows + b, tokens + b * t, max(t_max, t)
     return BatchEvent(
         requests=len(shapes),
         rows=rows,
-        seqs=seqs,
-        padded_tokens=padded,
+        seqs=tuple(t for _, t in shapes),
+        padded_tokens=rows * t_max - tokens,
         formation_s=started - forming,
         compute_s=now - started,
         backend=backend,

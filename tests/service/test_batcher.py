@@ -536,7 +536,7 @@ def test_a_lone_clients_requests_take_the_lone_route_until_requests_share_a_batc
 
 @given(st.lists(st.tuples(st.integers(1, 8), st.integers(1, 64)), min_size=1, max_size=5))
 def test_a_batch_report_counts_rows_and_padding_for_one_request_as_for_many(shapes: list[tuple[int, int]]) -> None:
-    """batch_event takes a shortcut for a request alone; it must report what the general count does."""
+    """batch_event counts rows, padding and T in one pass; it must report what the definitions say."""
     event = batch_event(shapes, (1.0, 1.5), 2.0, "ort-cpu", None)
     rows, longest = sum(b for b, _ in shapes), max(t for _, t in shapes)
     assert (event.requests, event.rows, event.seqs) == (len(shapes), rows, tuple(t for _, t in shapes))
