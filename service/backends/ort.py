@@ -6,13 +6,13 @@ import logging
 import os
 import re
 import tempfile
-import time
 from pathlib import Path
 
 import numpy as np
 import onnxruntime as ort
 
 from service.backends.base import Backend, BackendLoadError
+from service.backends.crossover import measure_crossover
 
 log = logging.getLogger(__name__)
 
@@ -134,45 +134,12 @@ class OrtCpuBackend(Backend):
         return self._session.run(None, {self._input: x}, self._shrink if large else None)[0]
 
     def _crossover(self, width: int) -> int:
-        """The largest T of (1, T, C), among powers of 4, up to which one thread is chosen (see
-        `single_thread_limit`), from interleaved medians of 15 runs each after warm-up."""
+        """The largest T of (1, T, C), among powers of 4, up to which one thread is chosen."""
         assert self._single is not None
-        medians: dict[int, tuple[float, float]] = {}
-        for T in CROSSOVER_T:
-            x = np.random.default_rng(T).standard_normal((1, T, width), dtype=np.float32)
-            for session in (self._single, self._session):  # warm-up: first runs allocate
-                for _ in range(3):
-                    session.run(None, {self._input: x})
-            one: list[float] = []
-            many: list[float] = []
-            for _ in range(15):
-                for session, times in ((self._single, one), (self._session, many)):
-                    start = time.perf_counter()
-                    session.run(None, {self._input: x})
-                    times.append(time.perf_counter() - start)
-            medians[T] = (float(np.median(one)), float(np.median(many)))
-            if medians[T][0] > POOL_MARGIN * medians[T][1]:
-                break
-        return single_thread_limit(medians)
-
-
-CROSSOVER_T = (1, 4, 16, 64, 256)
-POOL_MARGIN = 1.25  # the pool must be this much faster to be chosen over one thread
-
-
-def single_thread_limit(medians: dict[int, tuple[float, float]], margin: float = POOL_MARGIN) -> int:
-    """The largest T whose (one thread, pool) median times keep one thread, and every smaller T
-    too; 0 when the pool wins from the start. One thread is kept unless the pool is faster by
-    `margin`: at about equal time one thread costs one core, where the pool wakes them all
-    (and the measurement at start-up is noisy: without a margin the limit varied 0 to 256 from
-    one start to the next on the same machine, and a lone (1, 64, 128) paid the pool's wake-up)."""
-    best = 0
-    for T in sorted(medians):
-        one, many = medians[T]
-        if one > margin * many:
-            break
-        best = T
-    return best
+        one, pool = self._single, self._session
+        return measure_crossover(
+            lambda x: one.run(None, {self._input: x}), lambda x: pool.run(None, {self._input: x}), width
+        )
 
 
 COMPUTE_OPS = ("Attention", "MatMul", "Gemm", "Softmax")  # where the FLOPs are: these must run on the GPU

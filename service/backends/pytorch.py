@@ -2,14 +2,22 @@
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import warnings
+from collections.abc import Iterator
 
 import numpy as np
 import torch
+import torch.nn.functional as F
+from torch import nn
 
 from model import MHAConfig, MultiHeadAttention
 from model.checkpoint import Weights
 from service.backends.base import Backend, BackendLoadError
+from service.backends.crossover import measure_crossover
+
+log = logging.getLogger(__name__)
 
 PRECISIONS = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
@@ -23,6 +31,64 @@ def prepare_device(device: str) -> str:
         torch.backends.cudnn.allow_tf32 = False
     warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
     return "torch-cuda" if device.startswith("cuda") else "torch-cpu"
+
+
+@contextlib.contextmanager
+def one_thread(wanted: bool) -> Iterator[None]:
+    """PyTorch on one intra-op thread for the duration, when `wanted`: a small batch's ops are too
+    small to share, and waking the sleeping pool for each of them costs more than it saves. The
+    setting is the calling thread's (OpenMP's), so the event loop and the worker thread each
+    keep their own."""
+    threads = torch.get_num_threads()
+    if not wanted or threads == 1:
+        yield
+        return
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+class ServedAttention(nn.Module):
+    """MultiHeadAttention as PyTorch serves it: the same arithmetic in fewer kernels. The three
+    projections of x are one linear against [Wq; Wk; Wv] (each output column is the same dot
+    product as before), attention is SDPA's, then o_proj. A small request pays each kernel's
+    dispatch: (1, 64, 128) on one thread took 276 us against the module's 358 (bench/RESULTS.md)."""
+
+    qkv_weight: torch.Tensor  # (3C, C), a buffer: moves with .to()
+    qkv_bias: torch.Tensor | None  # (3C,)
+
+    def __init__(self, module: MultiHeadAttention) -> None:
+        super().__init__()
+        self.config = module.config
+        projections = (module.q_proj, module.k_proj, module.v_proj)
+        with torch.no_grad():
+            self.register_buffer("qkv_weight", torch.cat([p.weight.detach() for p in projections]))  # (3C, C)
+            biases = [p.bias.detach() for p in projections if p.bias is not None]
+            self.register_buffer("qkv_bias", torch.cat(biases) if biases else None)  # (3C,)
+        self.o_proj = module.o_proj
+
+    @classmethod
+    def from_weights(cls, config: MHAConfig, weights: Weights) -> ServedAttention:
+        return cls(MultiHeadAttention.from_weights(config, weights)).eval()
+
+    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(B, T, C) -> q, k, v, each (B, nh, T, hs): MultiHeadAttention.project in one matmul."""
+        B, T, _ = x.shape
+        nh, hs = self.config.n_head, self.config.head_size
+        qkv = F.linear(x, self.qkv_weight, self.qkv_bias)  # (B, T, 3C): q, k, v side by side
+        q, k, v = qkv.view(B, T, 3, nh, hs).permute(2, 0, 3, 1, 4).unbind(0)  # (B, nh, T, hs) each
+        return q, k, v
+
+    def merge(self, y: torch.Tensor) -> torch.Tensor:
+        """(B, nh, T, hs) per head -> (B, T, C) through o_proj."""
+        B, _, T, _ = y.shape
+        return self.o_proj(y.transpose(1, 2).reshape(B, T, self.config.d_model))  # (B, T, C)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.project(x)  # (B, nh, T, hs) each
+        return self.merge(F.scaled_dot_product_attention(q, k, v, is_causal=self.config.causal))
 
 
 class TorchBackend(Backend):
@@ -43,11 +109,26 @@ class TorchBackend(Backend):
         self.device = device
         self.name = prepare_device(device)
         self.dtype = PRECISIONS[precision]  # float32 in and out; computed in this dtype
-        self._module = MultiHeadAttention.from_weights(config, weights).to(device, self.dtype)
+        self._module = ServedAttention.from_weights(config, weights).to(device, self.dtype)
+        # Small batches on one thread when that measures about as fast as the pool, as ORT-CPU's
+        # (service/backends/crossover.py): rows x T up to this many tokens.
+        self.single_max_tokens = 0
+        if device == "cpu" and torch.get_num_threads() > 1:
+            self.single_max_tokens = measure_crossover(self._one_thread, self._compute, config.d_model)
+            log.debug("torch-cpu: batches of up to %d tokens run on one thread", self.single_max_tokens)
 
-    @torch.inference_mode()
     def run(self, x: np.ndarray) -> np.ndarray:
         if not x.flags.writeable:  # a view of a request's bytes: torch warns on (and may not) share it
             x = x.copy()
+        if int(x.shape[0]) * int(x.shape[1]) <= self.single_max_tokens:
+            return self._one_thread(x)
+        return self._compute(x)
+
+    def _one_thread(self, x: np.ndarray) -> np.ndarray:
+        with one_thread(True):
+            return self._compute(x)
+
+    @torch.inference_mode()
+    def _compute(self, x: np.ndarray) -> np.ndarray:
         xt = torch.from_numpy(x).to(self.device, self.dtype, non_blocking=True)
         return self._module(xt).float().cpu().numpy()

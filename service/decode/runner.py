@@ -5,8 +5,6 @@ memory: a step moves only its new tokens in and their outputs out."""
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 
@@ -14,32 +12,16 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from model import MHAConfig, MultiHeadAttention
+from model import MHAConfig
 from model.attention import cached_attention
 from model.checkpoint import Weights
 from service.backends.chain import is_sticky_device_error
-from service.backends.pytorch import prepare_device
+from service.backends.pytorch import ServedAttention, one_thread, prepare_device
 from service.batching import merge, split
 from service.decode.sequences import Sequence
 from service.errors import DeviceLost
 
 ONE_THREAD_TOKENS = 16  # steps of at most this many new tokens (rows x t) run on one CPU thread
-
-
-@contextlib.contextmanager
-def one_thread(wanted: bool) -> Iterator[None]:
-    """PyTorch on one intra-op thread for the duration, when `wanted`: a one-token step's ops are
-    too small to share, and waking the sleeping pool for each of them cost more than the step
-    itself (in process: 223 us a step on two threads, 158 us on one)."""
-    threads = torch.get_num_threads()
-    if not wanted or threads == 1:
-        yield
-        return
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
 
 
 def step_device(serving_device: str) -> str:
@@ -64,13 +46,8 @@ class StepRunner:
     def __init__(self, config: MHAConfig, weights: Weights, device: str = "cpu") -> None:
         self.config, self.device = config, device
         self.name = prepare_device(device)
-        self.module = MultiHeadAttention.from_weights(config, weights).to(device)
-        m = self.module  # the three projections as one matmul: a step is a few tokens, and each call costs
-        with torch.no_grad():
-            self._qkv_weight = torch.cat((m.q_proj.weight, m.k_proj.weight, m.v_proj.weight))  # (3C, C)
-            biases = (m.q_proj.bias, m.k_proj.bias, m.v_proj.bias)
-            self._qkv_bias = torch.cat(biases) if config.bias else None  # (3C,)
-        self._one_token = OneTokenStep(config, self._qkv_weight, self._qkv_bias, m) if device == "cpu" else None
+        self.module = ServedAttention.from_weights(config, weights).to(device)  # q, k, v in one matmul
+        self._one_token = OneTokenStep(config, self.module) if device == "cpu" else None
 
     def run(self, steps: Seq[StepInput]) -> list[np.ndarray]:
         """The outputs (B, t, C) of each step, in order. A sticky CUDA error raises DeviceLost:
@@ -89,7 +66,7 @@ class StepRunner:
     @torch.inference_mode()
     def _compute(self, steps: Seq[StepInput]) -> list[np.ndarray]:
         x = torch.from_numpy(merge([s.x for s in steps])).to(self.device)  # (R, t_max, C), right-padded
-        q, k, v = self._project(x)  # (R, nh, t_max, hs)
+        q, k, v = self.module.project(x)  # (R, nh, t_max, hs)
         if len(steps) == 1:
             heads = self._attend(steps[0].sequence, q, k, v)  # (R, nh, t, hs)
         else:
@@ -102,14 +79,6 @@ class StepRunner:
                 row += B
         y = self.module.merge(heads).cpu().numpy()  # (R, t_max, C); a no-op on the CPU
         return split(y, [(s.x.shape[0], s.x.shape[1]) for s in steps])  # (B, t, C) each
-
-    def _project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(R, t, C) -> q, k, v, each (R, nh, t, hs): MultiHeadAttention.project in one matmul."""
-        R, t, _ = x.shape
-        nh, hs = self.config.n_head, self.config.head_size
-        qkv = F.linear(x, self._qkv_weight, self._qkv_bias)  # (R, t, 3C): q, k, v side by side
-        q, k, v = qkv.view(R, t, 3, nh, hs).permute(2, 0, 3, 1, 4).unbind(0)  # (R, nh, t, hs) each
-        return q, k, v
 
     @staticmethod
     def _attend(sequence: Sequence, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -130,14 +99,12 @@ class OneTokenStep:
     PyTorch op costs microseconds of dispatch (in process, default model: 18-27 us against 46-48 us
     with 10 to 250 tokens held). Batches of several sequences, and t > 1, stay on PyTorch."""
 
-    def __init__(
-        self, config: MHAConfig, qkv_weight: torch.Tensor, qkv_bias: torch.Tensor | None, module: MultiHeadAttention
-    ) -> None:
+    def __init__(self, config: MHAConfig, module: ServedAttention) -> None:
         self.width, self.heads, self.head_size = config.d_model, config.n_head, config.head_size
         self.scale = np.float32(1.0 / np.sqrt(config.head_size))  # SDPA's default
         with torch.no_grad():
-            self.qkv_weight = qkv_weight.t().contiguous().numpy()  # (C, 3C)
-            self.qkv_bias = qkv_bias.numpy() if qkv_bias is not None else None  # (3C,)
+            self.qkv_weight = module.qkv_weight.t().contiguous().numpy()  # (C, 3C)
+            self.qkv_bias = module.qkv_bias.numpy() if module.qkv_bias is not None else None  # (3C,)
             self.o_weight = module.o_proj.weight.t().contiguous().numpy()  # (C, C)
             self.o_bias = module.o_proj.bias.numpy() if module.o_proj.bias is not None else None  # (C,)
 

@@ -12,13 +12,14 @@ from prometheus_client import CollectorRegistry
 
 from export.layout import ModelFiles
 from model import MHAConfig
-from model.checkpoint import load_checkpoint
+from model.attention import MultiHeadAttention
+from model.checkpoint import init_weights, load_checkpoint
 from model.reference import attention_view, relative_error
 from service.backends import BackendChain, BackendLoadError, select_backends
 from service.backends.base import Backend
 from service.backends.chain import LightRoute
 from service.backends.ort import OrtCpuBackend, OrtCudaBackend
-from service.backends.pytorch import TorchBackend
+from service.backends.pytorch import ServedAttention, TorchBackend
 from service.backends.selection import SelfCheck, probe_rounds, probe_shapes, speed_order, split_by_size
 from service.batching import batch_mflop
 from service.engine.publishing import Publisher
@@ -52,6 +53,42 @@ def test_a_lone_clients_route_is_exact_and_only_there_when_asked(small_model_dir
     assert plain._lone is None and relative_error(torch.from_numpy(plain.run_alone(x)), ref) < 1e-5
 
 
+@pytest.mark.parametrize(("causal", "bias"), [(True, True), (True, False), (False, True), (False, False)])
+def test_the_served_torch_module_computes_what_the_reference_does(causal: bool, bias: bool) -> None:
+    """ServedAttention projects q, k and v in one matmul: each of them, and the answer, is what
+    the reference computes, with and without bias, causal or not, for batches of several rows."""
+    config = MHAConfig(d_model=32, n_head=4, max_seq_len=64, causal=causal, bias=bias)
+    weights = init_weights(config, seed=7)
+    served = ServedAttention.from_weights(config, weights)
+    plain = MultiHeadAttention.from_weights(config, weights)
+    x = torch.from_numpy(np.random.default_rng(2).standard_normal((3, 19, 32), dtype=np.float32))  # (B, T, C)
+    with torch.inference_mode():
+        for fused, separate in zip(served.project(x), plain.project(x), strict=True):  # (B, nh, T, hs) each
+            assert torch.allclose(fused, separate, rtol=1e-6, atol=1e-6)
+        assert relative_error(served(x), attention_view(x, weights, config)) < 1e-5
+
+
+def test_torch_cpu_runs_small_batches_on_one_thread_and_restores_the_pool(small_model_dir: Path) -> None:
+    """Below the measured crossover a batch runs on one thread (on two, (1, 64, 128) cost twice
+    the CPU for no gain); above it the pool; the setting is restored, and both stay exact."""
+    config, weights = load_checkpoint(small_model_dir / "weights.safetensors")
+    before = torch.get_num_threads()
+    try:
+        backend = TorchBackend(config, weights, threads=2)
+        assert backend.single_max_tokens in (0, 1, 4, 16, 64, 256)
+        backend.single_max_tokens = 16  # whatever was measured: both routes stay exact
+        seen: list[int] = []
+        module = backend._module
+        backend._module = lambda xt: (seen.append(torch.get_num_threads()), module(xt))[1]  # type: ignore[assignment]
+        for shape in ((1, 16, 32), (1, 17, 32), (4, 61, 32)):
+            x = np.random.default_rng(1).standard_normal(shape, dtype=np.float32)
+            reference = attention_view(torch.from_numpy(x), weights, config)
+            assert relative_error(torch.from_numpy(backend.run(x)), reference) < 1e-5
+        assert seen == [1, 2, 2] and torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
+
+
 @pytest.mark.parametrize(
     ("medians", "limit"),
     [
@@ -65,7 +102,7 @@ def test_one_thread_is_kept_unless_the_pool_is_clearly_faster(medians: dict, lim
     """The measured crossover keeps one thread within a 25% margin: before, a (1, 64, 128) that
     one thread computed in 158 us and the pool in 150 us went to the pool, and the limit varied
     0 to 256 from one start to the next."""
-    from service.backends.ort import single_thread_limit
+    from service.backends.crossover import single_thread_limit
 
     assert single_thread_limit(medians) == limit
 
