@@ -37,8 +37,8 @@ def prepare_device(device: str) -> str:
 def one_thread(wanted: bool) -> Iterator[None]:
     """PyTorch on one intra-op thread for the duration, when `wanted`: a small batch's ops are too
     small to share, and waking the sleeping pool for each of them costs more than it saves. The
-    setting is the calling thread's (OpenMP's), so the event loop and the worker thread each
-    keep their own."""
+    setting is changed for the calling thread (other running threads keep theirs) and restored
+    on exit."""
     threads = torch.get_num_threads()
     if not wanted or threads == 1:
         yield
@@ -63,10 +63,9 @@ class ServedAttention(nn.Module):
         super().__init__()
         self.config = module.config
         projections = (module.q_proj, module.k_proj, module.v_proj)
-        with torch.no_grad():
-            self.register_buffer("qkv_weight", torch.cat([p.weight.detach() for p in projections]))  # (3C, C)
-            biases = [p.bias.detach() for p in projections if p.bias is not None]
-            self.register_buffer("qkv_bias", torch.cat(biases) if biases else None)  # (3C,)
+        self.register_buffer("qkv_weight", torch.cat([p.weight.detach() for p in projections]))  # (3C, C)
+        biases = [p.bias.detach() for p in projections if p.bias is not None]
+        self.register_buffer("qkv_bias", torch.cat(biases) if biases else None)  # (3C,)
         self.o_proj = module.o_proj
 
     @classmethod
