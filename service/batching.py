@@ -31,6 +31,7 @@ class BatcherConfig:
     causal: bool = True  # merging different T is exact only for causal attention
     max_cells: int | None = None  # rows x T_max x T_max a merged batch may reach (its attention memory)
     inline_max_mflop: float = 0.0  # batches this small run on the event loop: a thread hop costs more
+    one_core: bool = False  # the server computes on one CPU: no thread runs beside the loop
 
 
 # Deciding ----------------------------------------------------------------------------------
@@ -86,13 +87,16 @@ class Pending(Generic[P, R]):
 
 
 class LoneGate:
-    """Are a batch's requests alone in the server? Then a small batch is computed on the event
-    loop, without a thread hop. Shared by both batchers, each with its own queue and its own
-    computing flag."""
+    """Is a small batch computed on the event loop, without a thread hop? When its requests are
+    alone in the server; or, on a server with one CPU (`one_core`), always: there a worker thread
+    computes in turn with the loop, never beside it, so the hop (a future, a wake-up of the worker
+    and one of the loop: about 0.1 ms) buys nothing, and a request meeting an empty queue is
+    computed at once. Shared by both batchers, each with its own queue and its own computing flag."""
 
-    def __init__(self, in_flight: Callable[[], int] | None, inline_max_mflop: float) -> None:
+    def __init__(self, in_flight: Callable[[], int] | None, inline_max_mflop: float, one_core: bool = False) -> None:
         self._in_flight = in_flight  # requests in the server, queued or not; None: unknown, assume others
         self.inline_max_mflop = inline_max_mflop
+        self.one_core = one_core
         self.computing = False  # a batch of this batcher is being computed (on the worker thread)
 
     def alone(self, queued: int, requests: int = 1) -> bool:
@@ -100,9 +104,11 @@ class LoneGate:
         return queued == 0 and self._in_flight is not None and self._in_flight() <= requests
 
     async def inline(self, requests: int, shape: tuple[int, ...], queued: Callable[[], int], idle: bool) -> bool:
-        """Compute a batch of `requests` and `shape` (rows, T, C) on the loop? `idle`: also no
-        batch of this batcher computing (for a request not yet queued: a batch whose client went
-        away may still be)."""
+        """Compute a batch of `requests` and `shape` (rows, T, C) on the loop? `idle`: the request
+        is not queued yet, and goes first only if no batch of this batcher is computing (one whose
+        client went away may still be) and, on one core, none waits before it."""
+        if self.one_core and batch_mflop(*shape[:3]) <= self.inline_max_mflop:
+            return not idle or (not self.computing and queued() == 0)
 
         def alone() -> bool:
             return (not idle or not self.computing) and self.alone(queued(), requests)

@@ -97,8 +97,8 @@ class Settings:
     max_request_rows: int = setting(256, "largest B in one request", "rows", low=1)
     inline_max_mflop: float = setting(
         1000.0,
-        "batches up to this much work, holding every request in the server, run on the event loop, "
-        "without a thread hop; 0: never",
+        "batches up to this much work, holding every request in the server (with one CPU: any), run on "
+        "the event loop, without a thread hop; 0: never",
         "MFLOP",
         low=0,
     )
@@ -143,10 +143,15 @@ class Settings:
         return self.replica_name or socket.gethostname()
 
     @property
+    def cpus(self) -> int:
+        """The CPUs this process may use (its affinity, its cgroup's limit), whatever --threads says."""
+        return available_cpus()
+
+    @property
     def cpu_threads(self) -> int:
         if self.threads > 0:
             return self.threads
-        return available_cpus()
+        return self.cpus
 
 
 def _flag(name: str) -> str:

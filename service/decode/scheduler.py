@@ -44,12 +44,13 @@ class StepBatcher:
         max_rows: int,
         in_flight: Callable[[], int] | None = None,
         inline_max_mflop: float = 0.0,
+        one_core: bool = False,
         on_batch: Callable[[BatchEvent], None] | None = None,
         clock: Clock | None = None,
         backend: str = "torch-cpu",
     ) -> None:
         self._run, self._executor, self.max_rows = run, executor, max_rows
-        self._lone = LoneGate(in_flight, inline_max_mflop)
+        self._lone = LoneGate(in_flight, inline_max_mflop, one_core)
         self._on_batch, self.backend = on_batch, backend  # each executed batch, for metrics and statistics
         self.clock: Clock = clock or MonotonicClock()
         self._pending: deque[Step] = deque()
@@ -75,6 +76,11 @@ class StepBatcher:
             self._task = loop.create_task(self._drain(), name="steps")
         y, started = await future
         return y, started - enqueued
+
+    @property
+    def one_core(self) -> bool:
+        """Small batches run on the event loop whoever is in flight (LoneGate)."""
+        return self._lone.one_core
 
     def _depth(self) -> int:
         return len(self._pending)

@@ -69,7 +69,7 @@ class Batcher:
         self._executor = executor
         self._on_batch = on_batch
         self._in_flight = in_flight  # requests in the server, queued or not; None: assume more may come
-        self._lone = LoneGate(in_flight, config.inline_max_mflop)
+        self._lone = LoneGate(in_flight, config.inline_max_mflop, config.one_core)
         self.clock: Clock = clock or MonotonicClock()
         self._queue: list[Queued] = []
         self._wakeup = asyncio.Event()
@@ -171,14 +171,15 @@ class Batcher:
                 item.future.set_result((out, Timing(started - item.enqueued, backend)))
 
     def _run_alone(self, x: np.ndarray, enqueued: float, deadline: float | None, trace: object) -> Answer:
-        """The only request in the server, small: computed here on the event loop, without the
-        queue, a future or the batcher's task (each a turn of the loop)."""
+        """A small request computed at once on the event loop, without the queue, a future or the
+        batcher's task (each a turn of the loop): the only request in the server or, on one core,
+        the first in line. The lone route is a lone client's only."""
         started = self.clock.now()
         if deadline is not None and deadline <= started:
             raise DeadlineExceeded(f"deadline passed after {(started - enqueued) * 1e3:.1f} ms in the queue")
         shapes = [(int(x.shape[0]), int(x.shape[1]))]
         spans = ((trace, enqueued),) if trace is not None else ()
-        lone_client = started - self._shared_at >= LONE_CLIENT_S
+        lone_client = started - self._shared_at >= LONE_CLIENT_S and self._lone.alone(0)
         run = self._run_lone if self._run_lone is not None and lone_client else self._run_batch
         try:
             y, backend = run(x)

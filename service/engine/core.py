@@ -114,7 +114,7 @@ class InferenceCore:
             raise
         s = self.settings
         batcher = Batcher(
-            _batching(s, model),
+            _batching(s, model, one_core=_one_core(s, chain.active.device)),
             run_batch=self._run_batch,
             run_lone=partial(self._run_batch, alone=True),
             executor=self._executor,
@@ -126,6 +126,8 @@ class InferenceCore:
         decoder = _decoder(
             s, model.config, runner, self._executor, self.clock, self.metrics, self.requests, self.publish.steps
         )
+        if batcher.config.one_core:
+            log.info("one CPU to compute on: small batches run on the event loop, without a thread hop")
         self._loaded = Loaded(model, selection, chain, batcher, decoder)
         batcher.start()
         decoder.start(expiry_period_s=min(1.0, max(s.sequence_idle_timeout_s / 4, 0.05)))
@@ -288,7 +290,13 @@ def _serving(loaded: Loaded, s: Settings) -> Serving:
     return Serving(chain.backends, chain.active, summary, *limits)
 
 
-def _batching(s: Settings, model: ServedModel) -> BatcherConfig:
+def _one_core(s: Settings, device: str) -> bool:
+    """Computing on the CPU with one CPU to compute on: a worker thread would take turns with the
+    event loop, never run beside it (LoneGate)."""
+    return device == "cpu" and s.cpus == 1
+
+
+def _batching(s: Settings, model: ServedModel, one_core: bool = False) -> BatcherConfig:
     return BatcherConfig(
         max_batch_size=s.max_batch_size,
         max_queue_delay_s=s.max_queue_delay_ms / 1e3,
@@ -297,6 +305,7 @@ def _batching(s: Settings, model: ServedModel) -> BatcherConfig:
         causal=model.config.causal,
         max_cells=model.max_attention_cells,
         inline_max_mflop=s.inline_max_mflop,
+        one_core=one_core,
     )
 
 
@@ -323,6 +332,7 @@ def _decoder(
         s.max_step_rows,
         in_flight=lambda: requests.count,
         inline_max_mflop=s.inline_max_mflop,
+        one_core=_one_core(s, runner.device),
         on_batch=on_batch,
         clock=clock,
         backend=runner.name,

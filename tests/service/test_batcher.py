@@ -497,6 +497,50 @@ def test_after_a_failed_batch_only_the_requests_still_awaited_run_again() -> Non
     assert asyncio.run(scenario()) == [0, 3]
 
 
+def test_on_one_core_a_small_request_is_computed_at_once_on_the_event_loop_whoever_is_in_flight() -> None:
+    """With one CPU a worker thread only takes turns with the loop: a small request meeting an
+    empty queue is computed on the loop at once (no waiting for company: the clock never moves),
+    however many others the server holds; a large one still goes to the worker, so that the loop
+    keeps answering while it computes."""
+    config = replace(CFG, inline_max_mflop=1.0, one_core=True)  # (1, 4, 16): 0.009 MFLOP; (1, 512, 16): 17.8
+
+    async def scenario(batcher: Batcher, run: Gated, clock: ManualClock) -> None:
+        y, timing = await asyncio.wait_for(batcher.submit(_x(1, 4)), 10)
+        assert timing.queue_s == 0 and y.shape == (1, 4, 16)
+        large = asyncio.ensure_future(batcher.submit(_x(1, 512)))
+        await _until(lambda: batcher.depth == 1)  # queued, waiting for company
+        clock.advance(1.0)
+        await asyncio.wait_for(large, 10)
+
+    events, run = _with_batcher(scenario, config, in_flight=99)
+    assert run.threads == [True, False]
+    assert [e.requests for e in events] == [1, 1]
+
+
+def test_on_one_core_requests_arriving_while_a_large_batch_computes_wait_their_turn() -> None:
+    """First come, first computed: small requests that arrive while a large batch is on the worker
+    queue behind it (they do not jump ahead on the loop), and then run together, on the loop."""
+    config = replace(CFG, inline_max_mflop=1.0, one_core=True)
+    run = Gated(open_=False)
+
+    async def scenario(batcher: Batcher, gated: Gated, clock: ManualClock) -> None:
+        large = asyncio.ensure_future(batcher.submit(_x(1, 512)))
+        await _until(lambda: batcher.depth == 1)
+        clock.advance(1.0)  # past the queue delay: it goes alone
+        await _entered(gated)  # on the worker, held at the gate
+        small = [asyncio.ensure_future(batcher.submit(_x(1, 4, seed))) for seed in (1, 2)]
+        await _until(lambda: batcher.depth == 2)
+        gated.gate.set()
+        await asyncio.wait_for(large, 10)
+        clock.advance(1.0)  # past the queue delay: the two go together
+        await asyncio.wait_for(asyncio.gather(*small), 10)
+
+    events, _ = _with_batcher(scenario, config, run, in_flight=99)
+    assert run.batches == [(1, 512, 16), (2, 4, 16)]
+    assert run.threads == [False, True]
+    assert [e.requests for e in events] == [1, 2]
+
+
 def test_a_lone_clients_requests_take_the_lone_route_until_requests_share_a_batch() -> None:
     """The lone route (a pool that spins, on ORT-CPU) is for a client alone in the server: once
     a batch holds several requests it is not taken for LONE_CLIENT_S on the batcher's clock."""

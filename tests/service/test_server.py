@@ -282,3 +282,21 @@ def test_a_drain_answers_what_is_in_flight_and_refuses_what_comes_after(small_mo
         y = answers[i]
         assert isinstance(y, np.ndarray), y
         assert relative_error(torch.from_numpy(y.copy()), attention_view(torch.from_numpy(x), weights, config)) < 1e-5
+
+
+@pytest.mark.parametrize("cpus", [1, 2])
+def test_a_server_with_one_cpu_computes_small_batches_on_its_event_loop(
+    small_model_dir: Path, monkeypatch: pytest.MonkeyPatch, cpus: int
+) -> None:
+    """The CPUs come from the affinity mask and the cgroup's limit (a pod's `limits.cpu: 1`), not
+    from --threads; both batchers take the one-core route exactly when there is one, and the
+    answers are what they are on two."""
+    monkeypatch.setattr("service.settings.available_cpus", lambda: cpus)
+    with ServerThread(make_settings(small_model_dir, backend="torch")) as server:
+        assert server.running is not None
+        loaded = server.running.core.loaded
+        assert (loaded.batcher.config.one_core, loaded.decoder.steps.one_core) == (cpus == 1, cpus == 1)
+        x = np.random.default_rng(cpus).standard_normal((2, 5, 32)).astype(np.float32)
+        with MHAClient(server.url) as client:
+            y = client.infer(x)
+    assert relative_error(torch.from_numpy(y.copy()), _reference(small_model_dir, x)) < 1e-5
