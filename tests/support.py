@@ -25,14 +25,24 @@ __all__ += ["held_until", "wait_serving"]
 ROOT = Path(__file__).resolve().parent.parent
 
 
+def _on_event_loop() -> bool:
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return False
+    return True
+
+
 def held_until(run: Callable[[Any], Any], ready: Callable[[], bool], timeout_s: float = 30.0) -> Callable[[Any], Any]:
-    """`run`, whose first call waits (on the worker thread that computes) until `ready()`: requests
-    gather behind a compute, as on a busy server, whatever the machine's speed. Tests about
-    batches forming use it instead of hoping that clients are faster than the compute."""
+    """`run`, whose first call on a worker thread waits there until `ready()`: requests gather
+    behind a compute, as on a busy server, whatever the machine's speed. Tests about batches
+    forming use it instead of hoping that clients are faster than the compute. A call on the event
+    loop's thread (a request that found itself alone, computed in-line) is never held: it would
+    hold the loop that queues the others."""
     first = threading.Event()
 
     def held(arg: Any) -> Any:
-        if not first.is_set():
+        if not first.is_set() and not _on_event_loop():
             first.set()
             deadline = time.monotonic() + timeout_s
             while not ready() and time.monotonic() < deadline:
