@@ -25,12 +25,17 @@ size themselves by the CPUs they may use): then a server whose idle threads spin
 client's CPU, as it does when they share the machine, and the comparison is the one a server
 with cores of its own would see. The sets are written into the results.
 
+`--cases` and `--servers` narrow an interleaved comparison to some cases and servers: with
+fewer servers, each visit of mha-serve and the next of another lie closer in time, and short
+runs (`--runs 30 --seconds 1`) put many such pairs in one verdict.
+
 usage: python bench/compare.py [--seconds 5] [--runs 1] [--model-dir models/default]
-                               [--server-cpus LIST --client-cpus LIST]
+                               [--server-cpus LIST --client-cpus LIST] [--cases 1,4] [--servers NAMES]
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import logging
 import os
@@ -65,6 +70,20 @@ CASES = [  # (name, B, T, clients)
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 
 
+CASE_HELP = "; ".join(f"{n} {case}" for n, (case, *_) in enumerate(CASES, 1)) + " (default: all)"
+
+
+def case_list(text: str) -> list[tuple[str, int, int, int]]:
+    """--cases 1,4: the cases of those numbers, in CASES' order."""
+    try:
+        chosen = {int(n) for n in text.split(",") if n.strip()}
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected case numbers such as 1,4: {CASE_HELP}") from None
+    if not chosen or not chosen <= set(range(1, len(CASES) + 1)):
+        raise argparse.ArgumentTypeError(f"expected case numbers from 1 to {len(CASES)}: {CASE_HELP}")
+    return [case for n, case in enumerate(CASES, 1) if n in chosen]
+
+
 def group_cpu_seconds(pgid: int) -> float:
     """User + system CPU seconds of every live process in process group `pgid`."""
     return sum(int(fields[11]) + int(fields[12]) for _, fields in common.group_stats(pgid)) / CLK_TCK
@@ -97,6 +116,17 @@ SERVERS = (
     "floor: ORT in-line",
     "floor: no compute",
 )
+SERVER_HELP = "servers by name, comma-separated, mha-serve among them: " + ", ".join(SERVERS) + " (default: all)"
+
+
+def server_list(text: str) -> tuple[str, ...]:
+    """--servers "mha-serve,floor: ORT in-line": those servers, in SERVERS' order."""
+    chosen = {name.strip() for name in text.split(",") if name.strip()}
+    if unknown := chosen - set(SERVERS):
+        raise argparse.ArgumentTypeError(f"unknown servers {sorted(unknown)}: expected {SERVER_HELP}")
+    if "mha-serve" not in chosen:
+        raise argparse.ArgumentTypeError("mha-serve must be among the servers: the ratios are its own")
+    return tuple(name for name in SERVERS if name in chosen)
 
 
 def _mlserver_dir(model_dir: Path, port: int) -> Path:
@@ -255,7 +285,17 @@ class Started:
             os.killpg(self.proc.pid, signal.SIGKILL)
 
 
-def interleaved(model_dir: Path, runs: int, seconds: float, cpus: set[int] | None) -> dict:
+Case = tuple[str, int, int, int]  # (name, B, T, clients)
+
+
+def interleaved(
+    model_dir: Path,
+    runs: int,
+    seconds: float,
+    cpus: set[int] | None,
+    cases: list[Case] = CASES,
+    names: tuple[str, ...] = SERVERS,
+) -> dict:
     """Every server up at once; `runs` rounds, each visiting every case on every server in turn.
     The servers start one after the other, each once the one before is ready: a server that
     measures at start (mha-serve's backend selection, its ORT crossover) does so on a quiet
@@ -264,7 +304,7 @@ def interleaved(model_dir: Path, runs: int, seconds: float, cpus: set[int] | Non
     per_run: dict[str, dict[str, list[dict]]] = {}
     escapes: dict[str, list[str]] = {}
     try:
-        for name in SERVERS:
+        for name in names:
             try:
                 server = Started(name, model_dir, cpus)
             except LookupError as exc:
@@ -275,16 +315,16 @@ def interleaved(model_dir: Path, runs: int, seconds: float, cpus: set[int] | Non
             if cpus is not None and (outside := escaped(name, server.proc.pid, cpus)):
                 escapes[name] = outside
             run_load(server.url, 1, 1.0, [64])  # warm-up
-            per_run[server.name] = {case: [] for case, *_ in CASES}
+            per_run[server.name] = {case: [] for case, *_ in cases}
         for run in range(runs):
-            for case, B, T, clients in CASES:
+            for case, B, T, clients in cases:
                 for server in started:
                     per_run[server.name][case].append(server.case(B, T, clients, seconds))
             log.info("run %d of %d done", run + 1, runs)
     finally:
         for server in started:
             server.stop()
-    return {**summarize(per_run), **({"threads outside the servers' CPUs": escapes} if escapes else {})}
+    return {**summarize(per_run, cases), **({"threads outside the servers' CPUs": escapes} if escapes else {})}
 
 
 def spawn(command: list[str], env: dict[str, str], log_path: Path, cpus: set[int] | None) -> subprocess.Popen[bytes]:
@@ -312,7 +352,7 @@ def escaped(name: str, pid: int, cpus: set[int]) -> list[str]:
     return outside
 
 
-def summarize(per_run: dict[str, dict[str, list[dict]]]) -> dict:
+def summarize(per_run: dict[str, dict[str, list[dict]]], cases: list[Case] = CASES) -> dict:
     """Medians per server and case, and mha-serve's ratio to each other server, run by run."""
     import statistics
 
@@ -327,7 +367,7 @@ def summarize(per_run: dict[str, dict[str, list[dict]]]) -> dict:
     for other in per_run:
         if other == "mha-serve" or not ours:
             continue
-        for case, _, _, clients in CASES:
+        for case, _, _, clients in cases:
             metric = "p50_ms" if clients == 1 else "rps"
             each = [a[metric] / b[metric] for a, b in zip(ours[case], per_run[other][case], strict=True)]
             ratios.setdefault(other, {})[f"{case}, {metric}"] = {
@@ -354,18 +394,22 @@ def main() -> int:
     parser.add_argument("--model-dir", type=Path, default=Path("models/default"))
     parser.add_argument("--server-cpus", type=common.cpu_list, help="CPUs the servers run on (with --client-cpus)")
     parser.add_argument("--client-cpus", type=common.cpu_list, help="CPUs the load generator runs on")
+    parser.add_argument("--cases", type=case_list, default=CASES, help=f"with --runs: cases by number, {CASE_HELP}")
+    parser.add_argument("--servers", type=server_list, default=SERVERS, help=f"with --runs: {SERVER_HELP}")
     args = parser.parse_args()
     if (args.server_cpus is None) != (args.client_cpus is None) or (args.server_cpus or set()) & (
         args.client_cpus or set()
     ):
         parser.error("--server-cpus and --client-cpus go together, and name CPUs apart")
+    if args.runs == 1 and (args.cases is not CASES or args.servers is not SERVERS):
+        parser.error("--cases and --servers narrow an interleaved comparison: give --runs 2 or more")
     model_dir, cpus = args.model_dir.resolve(), args.server_cpus
     machine = f"{socket.gethostname()}: {len(os.sched_getaffinity(0))} CPUs"
     if cpus is not None:
         machine += f"; servers on CPUs {sorted(cpus)}, the client on {sorted(args.client_cpus)}"
         os.sched_setaffinity(0, args.client_cpus)  # this thread, and the load generator's threads it starts
     if args.runs > 1:
-        summary = interleaved(model_dir, args.runs, args.seconds, cpus)
+        summary = interleaved(model_dir, args.runs, args.seconds, cpus, args.cases, args.servers)
         common.write_json("compare_runs.json", {"machine": machine, "runs": args.runs, **summary})
         for other, cases in summary["mha_serve_over"].items():
             for case, ratio in cases.items():

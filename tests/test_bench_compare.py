@@ -1,0 +1,55 @@
+"""bench/compare.py's narrowing of an interleaved comparison: the cases and servers it takes,
+refusing what it would not measure (an unknown case or server, or a comparison without mha-serve,
+whose ratios it reports)."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+from types import ModuleType
+
+import pytest
+
+from tests.support import ROOT
+
+
+@pytest.fixture
+def compare(monkeypatch: pytest.MonkeyPatch) -> ModuleType:
+    monkeypatch.syspath_prepend(str(ROOT / "bench"))  # compare.py imports bench/common.py as `common`
+    spec = importlib.util.spec_from_file_location("bench_compare", ROOT / "bench" / "compare.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_cases_are_chosen_by_number_in_their_own_order(compare: ModuleType) -> None:
+    one_client, *_, heavy = compare.CASES
+    assert compare.case_list("4,1") == [one_client, heavy]
+    assert compare.case_list("1") == [one_client]
+    for bad in ("", "0", "5", "1,x", "-1"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            compare.case_list(bad)
+
+
+def test_servers_are_chosen_by_name_with_mha_serve_among_them(compare: ModuleType) -> None:
+    assert compare.server_list("floor: ORT in-line, mha-serve") == ("mha-serve", "floor: ORT in-line")
+    with pytest.raises(argparse.ArgumentTypeError, match="unknown servers"):
+        compare.server_list("mha-serve,KServe")
+    with pytest.raises(argparse.ArgumentTypeError, match="mha-serve must be among"):
+        compare.server_list("KServe + ORT,floor: ORT in-line")
+
+
+def test_the_summary_reports_the_chosen_cases_only(compare: ModuleType) -> None:
+    one_client, eight = compare.CASES[0], compare.CASES[1]
+    row = {"p50_ms": 2.0, "rps": 100.0, "server_cpu_ms_per_request": 1.0}
+    faster = {"p50_ms": 1.0, "rps": 300.0, "server_cpu_ms_per_request": 0.5}
+    per_run = {
+        "mha-serve": {one_client[0]: [row, row], eight[0]: [row, row]},
+        "floor: ORT in-line": {one_client[0]: [faster, row], eight[0]: [faster, faster]},
+    }
+    summary = compare.summarize(per_run, [one_client, eight])
+    over = summary["mha_serve_over"]["floor: ORT in-line"]
+    assert over[f"{one_client[0]}, p50_ms"] == {"median": 1.5, "runs": [2.0, 1.0]}
+    assert over[f"{eight[0]}, rps"]["runs"] == [round(100 / 300, 3)] * 2
+    assert set(summary["medians"]["mha-serve"]) == {one_client[0], eight[0]}
