@@ -87,8 +87,9 @@ class Settings:
     thread_spinning: bool = setting(False, "let idle intra-op threads busy-wait: a little latency for a lot of CPU")
     lone_spinning: bool = setting(
         True,
-        "a lone client's small requests (no batch shared for 1 s) run on an ORT-CPU pool whose threads "
-        "busy-wait within a run and sleep between runs: lower latency for it, little more CPU",
+        "a lone client's small requests (no request met another in the server for 1 s) run on an ORT-CPU "
+        "pool whose threads keep spinning briefly after each run: lower latency for it, up to about a core "
+        "more while it sends",
     )
     max_batch_size: int = setting(8, "rows per executed batch; 1 turns batching off", "rows", low=1)
     max_queue_delay_ms: float = setting(2.0, "how long the first request of a batch waits for company", "ms", low=0)

@@ -51,9 +51,7 @@ def _cpu_graph(model_path: Path) -> tuple[bytes | None, list[str]]:
         return None, []
 
 
-def _cpu_options(threads: int, spinning: bool, spin_in_runs_only: bool = False) -> ort.SessionOptions:
-    """`spin_in_runs_only`: the pool's threads spin between the operators of a run and sleep once
-    the run has returned (ORT's session.force_spinning_stop)."""
+def _cpu_options(threads: int, spinning: bool) -> ort.SessionOptions:
     options = ort.SessionOptions()
     options.intra_op_num_threads = threads
     options.inter_op_num_threads = 1
@@ -61,8 +59,6 @@ def _cpu_options(threads: int, spinning: bool, spin_in_runs_only: bool = False) 
     # burnt per thread between requests (bench/cpu_per_request.py measures both).
     options.add_session_config_entry("session.intra_op.allow_spinning", "1" if spinning else "0")
     options.add_session_config_entry("session.inter_op.allow_spinning", "1" if spinning else "0")
-    if spin_in_runs_only:
-        options.add_session_config_entry("session.force_spinning_stop", "1")
     options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
     options.enable_mem_pattern = False
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
@@ -105,14 +101,14 @@ class OrtCpuBackend(Backend):
         # on two threads). The crossover is measured here, per model and machine.
         self._single: ort.InferenceSession | None = None
         self.single_max_tokens = 0  # rows x T up to which the single-threaded session runs
-        # A lone client's small requests run on a pool whose threads spin within a run, as fast as
-        # ORT's default, and sleep between runs (a spinning thread would take the core the client
-        # and the event loop need: about a core per request at 1 client, bench/compare.py); the
-        # batcher stops sending them there once requests share batches.
+        # A lone client's small requests run on a pool whose threads keep spinning after a run
+        # (ORT's default: here about 50 ms of CPU, then they sleep), so the next request finds
+        # its CPUs awake: on a VM, waking an idle vCPU costs more than (1, 64, 128) computes
+        # (bench/RESULTS.md, tenth session). The batcher stops sending requests here once one has
+        # met another in the server, and the spinning ends by itself soon after.
         self._lone: ort.InferenceSession | None = None
         if threads > 1 and lone_spinning and not spinning:
-            lone = _cpu_options(threads, True, spin_in_runs_only=True)
-            self._lone = _load_session(model_path, lone, ["CPUExecutionProvider"], graph)
+            self._lone = _load_session(model_path, _cpu_options(threads, True), ["CPUExecutionProvider"], graph)
         if threads > 1 and width is not None:
             self._single = _load_session(model_path, _cpu_options(1, spinning), ["CPUExecutionProvider"], graph)
             self.single_max_tokens = self._crossover(width)

@@ -35,7 +35,7 @@ from service.errors import DeadlineExceeded, NotReady, Overloaded
 log = logging.getLogger(__name__)
 
 RunBatch = Callable[[np.ndarray], tuple[np.ndarray, str]]  # (B, T, C) -> ((B, T, C), backend name)
-LONE_CLIENT_S = 1.0  # no batch shared by several requests for this long: a lone client's requests
+LONE_CLIENT_S = 1.0  # no request has met another in the server for this long: a lone client's requests
 
 
 @dataclass(frozen=True)
@@ -65,7 +65,7 @@ class Batcher:
         self.config = config
         self._run_batch = run_batch
         self._run_lone = run_lone  # a lone client's small request (None: run_batch)
-        self._shared_at = -LONE_CLIENT_S  # clock time a batch last held several requests
+        self._crowded_at = -LONE_CLIENT_S  # clock time a request last met another in the server
         self._executor = executor
         self._on_batch = on_batch
         self._in_flight = in_flight  # requests in the server, queued or not; None: assume more may come
@@ -101,6 +101,8 @@ class Batcher:
                 "retry with backoff"
             )
         enqueued = self.clock.now()
+        if self._in_flight is None or self._in_flight() > 1:  # not a lone client's: others are in the server
+            self._crowded_at = enqueued
         trace = self._current_trace() if self._current_trace is not None else None
         if await self._lone.inline(1, x.shape, self._depth, idle=True):
             return self._run_alone(x, enqueued, deadline, trace)
@@ -151,8 +153,6 @@ class Batcher:
         x = merge([i.payload for i in batch])  # (sum B, T_max, C)
         shapes = [(i.rows, i.seq) for i in batch]
         started = self.clock.now()
-        if len(batch) > 1:  # requests share batches: not a lone client
-            self._shared_at = started
         try:
             if await self._lone.inline(len(batch), x.shape, self._depth, idle=False):
                 y, backend = self._run_batch(x)
@@ -179,7 +179,7 @@ class Batcher:
             raise DeadlineExceeded(f"deadline passed after {(started - enqueued) * 1e3:.1f} ms in the queue")
         shapes = [(int(x.shape[0]), int(x.shape[1]))]
         spans = ((trace, enqueued),) if trace is not None else ()
-        lone_client = started - self._shared_at >= LONE_CLIENT_S and self._lone.alone(0)
+        lone_client = started - self._crowded_at >= LONE_CLIENT_S and self._lone.alone(0)
         run = self._run_lone if self._run_lone is not None and lone_client else self._run_batch
         try:
             y, backend = run(x)

@@ -25,7 +25,7 @@ from model.reference import attention_view, relative_error
 from service.backends.pytorch import TorchBackend
 from service.batching import BatcherConfig, BatchEvent, batch_event, batch_mflop, form_at, merge, plan_batch, split
 from service.client.client import InferenceError, MHAClient
-from service.engine.batcher import Batcher
+from service.engine.batcher import LONE_CLIENT_S, Batcher, RunBatch
 from service.errors import DeadlineExceeded, Overloaded
 from tests.support import ManualClock, ServerThread, held_until, make_settings
 
@@ -541,41 +541,68 @@ def test_on_one_core_requests_arriving_while_a_large_batch_computes_wait_their_t
     assert [e.requests for e in events] == [1, 2]
 
 
-def test_a_lone_clients_requests_take_the_lone_route_until_requests_share_a_batch() -> None:
-    """The lone route (a pool that spins, on ORT-CPU) is for a client alone in the server: once
-    a batch holds several requests it is not taken for LONE_CLIENT_S on the batcher's clock."""
-    from service.engine.batcher import LONE_CLIENT_S
+LoneScenario = Callable[[Batcher, list[int], ManualClock], Coroutine[Any, Any, None]]
 
-    config = replace(CFG, inline_max_mflop=1.0)
+
+def _routes(scenario: LoneScenario, config: BatcherConfig) -> list[str]:
+    """The route ("lone" or "batch") each computed batch took, in order, in `scenario` (given the
+    batcher, the in-flight count it reads and its clock)."""
     routes: list[str] = []
     backend = TorchBackend(CONFIG, WEIGHTS)
 
-    def batch(x: np.ndarray) -> tuple[np.ndarray, str]:
-        routes.append("batch")
-        return backend.run(x), "torch-cpu"
+    def route(name: str) -> RunBatch:
+        def run(x: np.ndarray) -> tuple[np.ndarray, str]:
+            routes.append(name)
+            return backend.run(x), "torch-cpu"
 
-    def lone(x: np.ndarray) -> tuple[np.ndarray, str]:
-        routes.append("lone")
-        return backend.run(x), "torch-cpu"
+        return run
 
     async def main() -> None:
-        in_flight = [1]
-        clock = ManualClock()
+        in_flight, clock = [1], ManualClock()
         with ThreadPoolExecutor(1) as pool:
-            batcher = Batcher(config, batch, pool, in_flight=lambda: in_flight[0], clock=clock, run_lone=lone)
+            lone = route("lone")
+            batcher = Batcher(config, route("batch"), pool, in_flight=lambda: in_flight[0], clock=clock, run_lone=lone)
             batcher.start()
-            await batcher.submit(_x(1, 4))  # alone: the lone route
-            in_flight[0] = 2  # two clients: their requests share a batch
-            pair = [asyncio.ensure_future(batcher.submit(_x(1, 4, seed))) for seed in (1, 2)]
-            await asyncio.gather(*pair)  # both in flight and queued: no more may come, so at once
-            in_flight[0] = 1
-            await batcher.submit(_x(1, 4))  # alone again, but a batch was shared just now
-            clock.advance(LONE_CLIENT_S)
-            await batcher.submit(_x(1, 4))  # alone for long enough: the lone route again
+            await scenario(batcher, in_flight, clock)
             await batcher.stop()
 
     asyncio.run(main())
-    assert routes == ["lone", "batch", "batch", "lone"]
+    return routes
+
+
+def test_a_lone_clients_requests_take_the_lone_route_until_requests_share_a_batch() -> None:
+    """The lone route (a pool that spins, on ORT-CPU) is for a client alone in the server: once
+    a batch holds several requests it is not taken for LONE_CLIENT_S on the batcher's clock."""
+
+    async def scenario(batcher: Batcher, in_flight: list[int], clock: ManualClock) -> None:
+        await batcher.submit(_x(1, 4))  # alone: the lone route
+        in_flight[0] = 2  # two clients: their requests share a batch
+        pair = [asyncio.ensure_future(batcher.submit(_x(1, 4, seed))) for seed in (1, 2)]
+        await asyncio.gather(*pair)  # both in flight and queued: no more may come, so at once
+        in_flight[0] = 1
+        await batcher.submit(_x(1, 4))  # alone again, but a batch was shared just now
+        clock.advance(LONE_CLIENT_S)
+        await batcher.submit(_x(1, 4))  # alone for long enough: the lone route again
+
+    assert _routes(scenario, replace(CFG, inline_max_mflop=1.0)) == ["lone", "batch", "batch", "lone"]
+
+
+def test_a_request_that_meets_another_in_the_server_ends_the_lone_route_for_a_while() -> None:
+    """Two clients whose requests never share a batch (batching off here; on one CPU they are
+    computed one by one) are not a lone client: once a request finds another in the server, the
+    lone route (a pool that spins between runs) is not taken for LONE_CLIENT_S."""
+
+    async def scenario(batcher: Batcher, in_flight: list[int], clock: ManualClock) -> None:
+        await batcher.submit(_x(1, 4))  # alone: the lone route
+        in_flight[0] = 2
+        await batcher.submit(_x(1, 4))  # another client's request is in the server meanwhile
+        in_flight[0] = 1
+        await batcher.submit(_x(1, 4))  # alone again, but not a lone client's: no batch was shared
+        clock.advance(LONE_CLIENT_S)
+        await batcher.submit(_x(1, 4))  # alone for long enough
+
+    config = replace(CFG, inline_max_mflop=1.0, max_batch_size=1)
+    assert _routes(scenario, config) == ["lone", "batch", "batch", "lone"]
 
 
 @given(st.lists(st.tuples(st.integers(1, 8), st.integers(1, 64)), min_size=1, max_size=5))
