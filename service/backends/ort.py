@@ -105,10 +105,13 @@ class OrtCpuBackend(Backend):
         # (ORT's default: here about 50 ms of CPU, then they sleep), so the next request finds
         # its CPUs awake: on a VM, waking an idle vCPU costs more than (1, 64, 128) computes
         # (bench/RESULTS.md, tenth session). The batcher stops sending requests here once one has
-        # met another in the server, and the spinning ends by itself soon after.
+        # met another in the server, and the spinning ends by itself soon after. With
+        # --thread-spinning the main pool spins already: a lone client's requests go there, not to
+        # the single-threaded session, which has no pool to keep awake.
         self._lone: ort.InferenceSession | None = None
-        if threads > 1 and lone_spinning and not spinning:
-            self._lone = _load_session(model_path, _cpu_options(threads, True), ["CPUExecutionProvider"], graph)
+        if threads > 1 and lone_spinning:
+            lone = _cpu_options(threads, True)
+            self._lone = self._session if spinning else _load_session(model_path, lone, ["CPUExecutionProvider"], graph)
         if threads > 1 and width is not None:
             self._single = _load_session(model_path, _cpu_options(1, spinning), ["CPUExecutionProvider"], graph)
             self.single_max_tokens = self._crossover(width)
@@ -120,14 +123,17 @@ class OrtCpuBackend(Backend):
     def run_alone(self, x: np.ndarray) -> np.ndarray:
         if self._lone is None:
             return self.run(x)
-        return self._lone.run(None, {self._input: x})[0]
+        return self._lone.run(None, {self._input: x}, self._options(x))[0]
 
     def run(self, x: np.ndarray) -> np.ndarray:
         tokens = int(x.shape[0]) * int(x.shape[1])
         if self._single is not None and tokens <= self.single_max_tokens:
             return self._single.run(None, {self._input: x})[0]
-        large = int(x.shape[0]) * int(x.shape[1]) ** 2 >= SHRINK_CELLS
-        return self._session.run(None, {self._input: x}, self._shrink if large else None)[0]
+        return self._session.run(None, {self._input: x}, self._options(x))[0]
+
+    def _options(self, x: np.ndarray) -> ort.RunOptions | None:
+        """A pool's run of (B, T, C): a large one hands its arena memory back afterwards."""
+        return self._shrink if int(x.shape[0]) * int(x.shape[1]) ** 2 >= SHRINK_CELLS else None
 
     def _crossover(self, width: int) -> int:
         """The largest T of (1, T, C), among powers of 4, up to which one thread is chosen."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import shutil
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -53,6 +54,37 @@ def test_a_lone_clients_route_is_exact_and_only_there_when_asked(small_model_dir
     assert spinning._session.get_session_options().get_session_config_entry("session.intra_op.allow_spinning") == "0"
     plain = OrtCpuBackend(small_model_dir / "model.onnx", threads=2, width=32)  # --lone-spinning off
     assert plain._lone is None and relative_error(torch.from_numpy(plain.run_alone(x)), ref) < 1e-5
+    # --thread-spinning: the main pool spins already, and a lone client's requests go to it, not
+    # to the single-threaded session of small batches
+    spun = OrtCpuBackend(small_model_dir / "model.onnx", threads=2, spinning=True, width=32, lone_spinning=True)
+    assert spun._lone is spun._session and relative_error(torch.from_numpy(spun.run_alone(x)), ref) < 1e-5
+
+
+def test_a_large_run_hands_its_arena_memory_back_on_either_pool(small_model_dir: Path) -> None:
+    """A batch of SHRINK_CELLS or more (rows x T x T) shrinks ORT's arena after its run, on the
+    main pool and on a lone client's, so that one large request leaves no gigabytes resident."""
+    from service.backends.ort import SHRINK_CELLS
+
+    backend = OrtCpuBackend(small_model_dir / "model.onnx", threads=2, width=32, lone_spinning=True)
+    options: list[object] = []
+
+    class Recording:
+        def __init__(self, session: Any) -> None:
+            self.session = session
+
+        def run(self, names: Any, feeds: Any, run_options: Any = None) -> Any:
+            options.append(run_options)
+            return self.session.run(names, feeds, run_options)
+
+    backend._lone, backend._session = Recording(backend._lone), Recording(backend._session)  # type: ignore[assignment]
+    rng = np.random.default_rng(5)
+    small = rng.standard_normal((1, 4, 32), dtype=np.float32)
+    large = rng.standard_normal((SHRINK_CELLS // 64**2, 64, 32), dtype=np.float32)  # (1024, 64, 32)
+    assert large.shape[0] * large.shape[1] > backend.single_max_tokens  # the main pool's, not the single thread's
+    backend.run_alone(small)
+    backend.run_alone(large)
+    backend.run(large)
+    assert options == [None, backend._shrink, backend._shrink]
 
 
 @pytest.mark.parametrize(("causal", "bias"), [(True, True), (True, False), (False, True), (False, False)])
