@@ -20,13 +20,19 @@ SELF_CGROUP = Path("/proc/self/cgroup")
 
 def available_cpus(cgroup_root: Path = CGROUP_ROOT, self_cgroup: Path = SELF_CGROUP) -> int:
     """The CPUs of the affinity mask, at most the cgroup CPU limit rounded up, at least 1."""
+    return max(1, math.ceil(cpu_budget(cgroup_root, self_cgroup)))
+
+
+def cpu_budget(cgroup_root: Path = CGROUP_ROOT, self_cgroup: Path = SELF_CGROUP) -> float:
+    """The CPU time this process may take, in CPUs: its affinity mask's size, at most its cgroup
+    CPU limit (not rounded: a pod limited to 1.5 CPUs is throttled past 1.5 CPU-seconds a second)."""
     affinity = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     try:
         membership = self_cgroup.read_text()
     except OSError:
-        return affinity
+        return float(affinity)
     limit = cgroup_cpu_limit(membership, cgroup_root)
-    return affinity if limit is None else max(1, min(affinity, math.ceil(limit)))
+    return float(affinity) if limit is None else min(float(affinity), limit)
 
 
 def cgroup_cpu_limit(membership: str, root: Path) -> float | None:

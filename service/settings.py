@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any, get_type_hints
 
 from export.layout import MANIFEST_FILE
-from service.cpus import available_cpus
+from service.cpus import available_cpus, cpu_budget
 
 BACKEND_CHOICES = ("auto", "ort-cuda", "ort-cpu", "torch")
 LOG_FORMATS = ("auto", "json", "text")
@@ -147,6 +147,11 @@ class Settings:
     def cpus(self) -> int:
         """The CPUs this process may use (its affinity, its cgroup's limit), whatever --threads says."""
         return available_cpus()
+
+    @property
+    def cpu_budget(self) -> float:
+        """The CPU time this process may take, in CPUs: `cpus` before its cgroup limit is rounded up."""
+        return cpu_budget()
 
     @property
     def cpu_threads(self) -> int:

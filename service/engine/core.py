@@ -241,7 +241,7 @@ def load_model(
         requested=s.backend,
         threads=s.cpu_threads,
         spinning=s.thread_spinning,
-        lone_spinning=s.lone_spinning,
+        lone_spinning=_lone_spinning(s),
         gpu_mem_limit_mb=s.gpu_mem_limit_mb,
         precision=s.precision,
     )
@@ -266,6 +266,19 @@ def load_model(
     if s.require_device == "cuda" and runner.device == "cpu":  # not silent: readiness covers the stateless path
         log.warning("decode steps run on the CPU: this PyTorch build sees no CUDA device (see docs/api.md)")
     return served, selection, chain, runner
+
+
+LONE_SPIN_CPUS = 2.0  # a lone client's spinning pool takes up to a CPU beside the event loop's
+
+
+def _lone_spinning(s: Settings) -> bool:
+    """--lone-spinning, where the CPU budget has room for a thread that spins beside the event
+    loop: a pod limited to 1.5 CPUs gets two threads, and a spinning one would have the quota
+    throttle the loop with it."""
+    if s.lone_spinning and s.cpus > 1 and s.cpu_budget < LONE_SPIN_CPUS:
+        log.info("a lone client's pool will not spin: a budget of %.3g CPUs has no room for it", s.cpu_budget)
+        return False
+    return s.lone_spinning
 
 
 def _default_model(s: Settings) -> Path:

@@ -3,12 +3,13 @@ cgroup tree written here (v2 and v1 layouts, a container's view and a host's).""
 
 from __future__ import annotations
 
+import math
 import os
 from pathlib import Path
 
 import pytest
 
-from service.cpus import available_cpus, cgroup_cpu_limit
+from service.cpus import available_cpus, cgroup_cpu_limit, cpu_budget
 
 
 def _write(path: Path, **files: str) -> None:
@@ -54,3 +55,18 @@ def test_available_cpus_is_the_affinity_capped_by_the_limit_rounded_up(tmp_path:
     _write(tmp_path / "root" / "pod", cpu__max="max 100000\n")
     assert available_cpus(tmp_path / "root", membership) == affinity
     assert available_cpus(tmp_path / "root", tmp_path / "missing") == affinity  # no /proc/self/cgroup
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_getaffinity"), reason="needs an affinity mask")
+def test_the_cpu_budget_is_the_limit_unrounded(tmp_path: Path) -> None:
+    """A pod limited to 1.5 CPUs gets two threads (available_cpus) but 1.5 CPU-seconds a second:
+    what a thread that spins may take is judged by the budget."""
+    affinity = len(os.sched_getaffinity(0))
+    membership = tmp_path / "self_cgroup"
+    membership.write_text("0::/pod\n")
+    limit = min(affinity, 2) * 0.75  # 1.5 CPUs on this machine
+    _write(tmp_path / "root" / "pod", cpu__max=f"{int(limit * 100000)} 100000\n")
+    assert cpu_budget(tmp_path / "root", membership) == limit
+    assert available_cpus(tmp_path / "root", membership) == math.ceil(limit)
+    _write(tmp_path / "root" / "pod", cpu__max="max 100000\n")
+    assert cpu_budget(tmp_path / "root", membership) == affinity

@@ -14,6 +14,7 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from model.checkpoint import load_checkpoint
 from model.reference import attention_view, relative_error
+from service.backends.ort import OrtCpuBackend
 from service.cli import verify_server
 from service.client.client import InferenceError, MHAClient
 from service.proto import grpc_service_pb2 as pb
@@ -282,6 +283,25 @@ def test_a_drain_answers_what_is_in_flight_and_refuses_what_comes_after(small_mo
         y = answers[i]
         assert isinstance(y, np.ndarray), y
         assert relative_error(torch.from_numpy(y.copy()), attention_view(torch.from_numpy(x), weights, config)) < 1e-5
+
+
+@pytest.mark.parametrize(("budget", "spins"), [(1.5, False), (2.0, True)])
+def test_a_lone_clients_pool_spins_only_where_the_cpu_budget_has_room(
+    small_model_dir: Path, monkeypatch: pytest.MonkeyPatch, budget: float, spins: bool
+) -> None:
+    """A pod limited to 1.5 CPUs gets two threads, but a thread spinning beside the event loop
+    would exceed its quota: its lone clients' requests then run on the pool that never spins."""
+    monkeypatch.setattr("service.settings.available_cpus", lambda: 2)
+    monkeypatch.setattr("service.settings.cpu_budget", lambda: budget)
+    with ServerThread(make_settings(small_model_dir, backend="ort-cpu")) as server:
+        assert server.running is not None
+        (ort_cpu,) = server.running.core.loaded.chain.backends
+        assert isinstance(ort_cpu, OrtCpuBackend)
+        assert (ort_cpu._lone is not None) == spins
+        x = np.random.default_rng(7).standard_normal((1, 5, 32)).astype(np.float32)
+        with MHAClient(server.url) as client:
+            y = client.infer(x)
+    assert relative_error(torch.from_numpy(y.copy()), _reference(small_model_dir, x)) < 1e-5
 
 
 @pytest.mark.parametrize("cpus", [1, 2])
