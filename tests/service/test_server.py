@@ -285,13 +285,14 @@ def test_a_drain_answers_what_is_in_flight_and_refuses_what_comes_after(small_mo
         assert relative_error(torch.from_numpy(y.copy()), attention_view(torch.from_numpy(x), weights, config)) < 1e-5
 
 
-@pytest.mark.parametrize(("budget", "spins"), [(1.5, False), (2.0, True)])
+@pytest.mark.parametrize(("cpus", "budget", "spins"), [(2, 1.5, False), (1, 1.0, False), (2, 2.0, True)])
 def test_a_lone_clients_pool_spins_only_where_the_cpu_budget_has_room(
-    small_model_dir: Path, monkeypatch: pytest.MonkeyPatch, budget: float, spins: bool
+    small_model_dir: Path, monkeypatch: pytest.MonkeyPatch, cpus: int, budget: float, spins: bool
 ) -> None:
     """A pod limited to 1.5 CPUs gets two threads, but a thread spinning beside the event loop
-    would exceed its quota: its lone clients' requests then run on the pool that never spins."""
-    monkeypatch.setattr("service.settings.available_cpus", lambda: 2)
+    would exceed its quota: its lone clients' requests then run on the pool that never spins. So
+    too with one CPU and two threads asked for (make_settings' --threads 2)."""
+    monkeypatch.setattr("service.settings.available_cpus", lambda: cpus)
     monkeypatch.setattr("service.settings.cpu_budget", lambda: budget)
     with ServerThread(make_settings(small_model_dir, backend="ort-cpu")) as server:
         assert server.running is not None
