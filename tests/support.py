@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import importlib.util
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 from prometheus_client import CollectorRegistry
@@ -20,9 +22,18 @@ from service.settings import Settings
 
 __all__ = ["ROOT", "ManualClock", "ServerProcess", "ServerThread", "free_port", "free_ports", "make_settings"]
 __all__ += ["server_process"]
-__all__ += ["held_until", "wait_serving"]
+__all__ += ["bench_module", "held_until", "wait_serving"]
 
 ROOT = Path(__file__).resolve().parent.parent
+
+
+def bench_module(name: str) -> ModuleType:
+    """bench/<name>.py, loaded as a module (bench/ is scripts, not a package)."""
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", ROOT / "bench" / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def _on_event_loop() -> bool:

@@ -5,22 +5,17 @@ whose ratios it reports)."""
 from __future__ import annotations
 
 import argparse
-import importlib.util
 from types import ModuleType
 
 import pytest
 
-from tests.support import ROOT
+from tests.support import ROOT, bench_module
 
 
 @pytest.fixture
 def compare(monkeypatch: pytest.MonkeyPatch) -> ModuleType:
     monkeypatch.syspath_prepend(str(ROOT / "bench"))  # compare.py imports bench/common.py as `common`
-    spec = importlib.util.spec_from_file_location("bench_compare", ROOT / "bench" / "compare.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return bench_module("compare")
 
 
 def test_cases_are_chosen_by_number_in_their_own_order(compare: ModuleType) -> None:

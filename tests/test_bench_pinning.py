@@ -5,7 +5,6 @@ there while the caller goes back to where it ran."""
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import os
 import subprocess
 import sys
@@ -15,15 +14,11 @@ from types import ModuleType
 
 import pytest
 
-from tests.support import ROOT
+from tests.support import bench_module
 
 
 def _common() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("bench_common", ROOT / "bench" / "common.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return bench_module("common")
 
 
 def _allowed_list(pid: int) -> set[int]:

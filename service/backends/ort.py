@@ -109,9 +109,10 @@ class OrtCpuBackend(Backend):
         # --thread-spinning the main pool spins already: a lone client's requests go there, not to
         # the single-threaded session, which has no pool to keep awake.
         self._lone: ort.InferenceSession | None = None
-        if threads > 1 and lone_spinning:
-            lone = _cpu_options(threads, True)
-            self._lone = self._session if spinning else _load_session(model_path, lone, ["CPUExecutionProvider"], graph)
+        if threads > 1 and lone_spinning and spinning:
+            self._lone = self._session
+        elif threads > 1 and lone_spinning:
+            self._lone = _load_session(model_path, _cpu_options(threads, True), ["CPUExecutionProvider"], graph)
         if threads > 1 and width is not None:
             self._single = _load_session(model_path, _cpu_options(1, spinning), ["CPUExecutionProvider"], graph)
             self.single_max_tokens = self._crossover(width)

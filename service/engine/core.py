@@ -275,11 +275,14 @@ def _lone_spinning(s: Settings) -> bool:
     """--lone-spinning, where the CPU budget has room for a thread that spins beside the event
     loop: a pod limited to 1.5 CPUs gets two threads, and a spinning one would have the quota
     throttle the loop with it."""
-    if s.lone_spinning and s.cpu_budget < LONE_SPIN_CPUS:
-        if s.cpu_threads > 1:  # a pool that would have spun (--threads counts here, not the budget)
-            log.info("a lone client's pool will not spin: a budget of %.3g CPUs has no room for it", s.cpu_budget)
+    if not s.lone_spinning:
         return False
-    return s.lone_spinning
+    budget = s.cpu_budget  # read from the cgroup files: once
+    if budget < LONE_SPIN_CPUS:
+        if s.cpu_threads > 1:  # a pool that would have spun (--threads counts here, not the budget)
+            log.info("a lone client's pool will not spin: a budget of %.3g CPUs has no room for it", budget)
+        return False
+    return True
 
 
 def _default_model(s: Settings) -> Path:
