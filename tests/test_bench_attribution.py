@@ -1,0 +1,67 @@
+"""bench/attribution.py's reading of `perf script`: samples counted per thread and library group,
+and turned into microseconds per request of the main thread and of the others."""
+
+from __future__ import annotations
+
+import argparse
+from types import ModuleType
+
+import pytest
+
+from tests.support import ROOT, bench_module
+
+ORT = "/v/site-packages/onnxruntime/capi/onnxruntime_pybind11_state.cpython-311-x86_64-linux-gnu.so"
+PYTHON = "/usr/lib/libpython3.11.so.1.0"
+
+
+def _line(comm: str, tid: int, address: str, symbol: str, library: str) -> str:
+    """A sample as `perf script` prints it by default."""
+    return f"{comm:>16} {tid}  8160.858414:    1001001 cpu-clock:ppp:  {address:>16} {symbol} ({library})"
+
+
+PERF_SCRIPT = "\n".join(
+    [
+        "# ========",
+        "# captured on    : Tue Dec  1 23:45:01 2026",
+        _line("python", 17074, "7f5ce5614a9f", "[unknown]", ORT),
+        _line("python", 17074, "7f5d2b7aedfd", "_PyObject_Free+0x1d", PYTHON),
+        _line("python", 17074, "7f5d2b7aedfe", "_PyEval_EvalFrameDefault+0x9", PYTHON),
+        _line("python", 17074, "ffffffff8e2a1b2c", "finish_task_switch.isra.0+0x9c", "[kernel.kallsyms]"),
+        _line("python", 17093, "7f5ce630330f", "[unknown]", ORT),
+        _line("event_engine", 17086, "7f0000000001", "operator delete(void*)+0x1", "/usr/lib/libstdc++.so.6.0.30"),
+        " warning: a line perf writes that is not a sample",
+    ]
+)
+
+
+@pytest.fixture
+def attribution(monkeypatch: pytest.MonkeyPatch) -> ModuleType:
+    monkeypatch.syspath_prepend(str(ROOT / "bench"))  # attribution.py imports common and compare
+    return bench_module("attribution")
+
+
+def test_samples_are_counted_by_thread_and_library(attribution: ModuleType) -> None:
+    counts = attribution.parse_samples(PERF_SCRIPT)
+    assert counts == {
+        (17074, "ONNX Runtime"): 1,
+        (17074, "Python interpreter"): 2,
+        (17074, "kernel"): 1,
+        (17093, "ONNX Runtime"): 1,
+        (17086, "C and C++ runtime"): 1,  # the library, not the symbol's own parentheses
+    }
+
+
+def test_per_request_splits_the_main_thread_from_the_others(attribution: ModuleType) -> None:
+    counts = attribution.parse_samples(PERF_SCRIPT)
+    us = attribution.per_request(counts, main_tid=17074, requests=2)
+    tick = 1e6 / attribution.FREQUENCY_HZ / 2  # one sample's CPU, shared by the two requests
+    assert us["Python interpreter"] == pytest.approx(2 * tick, abs=0.1)
+    assert us["main thread, all"] == pytest.approx(4 * tick, abs=0.1)
+    assert us["other threads"] == pytest.approx(2 * tick, abs=0.1)
+    assert next(iter(us)) == "Python interpreter"  # the largest first
+
+
+def test_servers_are_those_compare_starts(attribution: ModuleType) -> None:
+    assert attribution.server_names("mha-serve, KServe + ORT") == ("mha-serve", "KServe + ORT")
+    with pytest.raises(argparse.ArgumentTypeError):
+        attribution.server_names("mha-serve,Triton")
