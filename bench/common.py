@@ -92,3 +92,34 @@ def threads_outside(pgid: int, cpus: set[int]) -> list[str]:
             if not allowed <= cpus:
                 outside.append(f"{name} {task.name}: CPUs {sorted(allowed)}")
     return outside
+
+
+CPU_DMA_LATENCY = Path("/dev/cpu_dma_latency")  # Linux PM QoS: the deepest idle wake-up latency allowed
+CPUIDLE = Path("/sys/devices/system/cpu/cpuidle")
+HALT_POLL = Path("/sys/module/haltpoll/parameters/guest_halt_poll_ns")
+
+
+def idle_policy(cpuidle: Path = CPUIDLE, halt_poll: Path = HALT_POLL) -> str:
+    """How this machine's idle CPUs wait, for the results' machine line: the cpuidle driver and
+    governor, and a KVM guest's halt-polling window. With guest_halt_poll_ns 0 an idle vCPU halts
+    at once, and waking it costs more than a small request computes (bench/RESULTS.md)."""
+    said = []
+    for name in ("current_driver", "current_governor"):
+        with contextlib.suppress(OSError):
+            said.append((cpuidle / name).read_text().strip())
+    with contextlib.suppress(OSError):
+        said.append(f"guest_halt_poll_ns {halt_poll.read_text().strip()}")
+    return "cpuidle " + ", ".join(said) if said else "cpuidle unknown"
+
+
+@contextlib.contextmanager
+def cpu_latency_qos(device: Path = CPU_DMA_LATENCY) -> Iterator[None]:
+    """Within it, idle CPUs poll instead of halting (a PM QoS request of 0 µs, what tuned's
+    latency-performance profile holds; it lasts while the file stays open). Needs root."""
+    try:
+        handle = open(device, "wb", buffering=0)  # noqa: SIM115  (held open for the whole block)
+    except OSError as exc:
+        raise SystemExit(f"--cpu-latency-qos: cannot open {device}: {exc.strerror} (it needs root)") from exc
+    with handle:
+        handle.write((0).to_bytes(4, "little", signed=True))
+        yield

@@ -2,8 +2,9 @@
 
 Every server serves the same model.onnx on this machine's CPU; one closed-loop gRPC client
 (service.client.loadgen: N threads, one request at a time each) drives each in turn, client and server
-sharing the cores. mha-serve runs twice: with its defaults (idle ORT threads sleep) and with
---thread-spinning (they busy-wait, ORT's default, which the others keep). The floors are the
+sharing the cores. mha-serve runs three times: with its defaults (idle ORT threads sleep, but a
+lone client's pool spins between its requests), with --thread-spinning (every pool busy-waits,
+ORT's default, which the others keep) and with --lone-spinning false (no pool spins). The floors are the
 cheapest Python gRPC servers of the same protocol: `none` returns its input (protocol and copies
 only), `ort-inline` runs ONNX Runtime on the event loop. KServe and MLServer run in their own
 virtual environments (`make bench-servers`); a server whose environment is missing is left out
@@ -25,17 +26,26 @@ size themselves by the CPUs they may use): then a server whose idle threads spin
 client's CPU, as it does when they share the machine, and the comparison is the one a server
 with cores of its own would see. The sets are written into the results.
 
+`--cpu-latency-qos` holds a Linux PM QoS request of 0 µs (/dev/cpu_dma_latency, root) while it
+runs: idle CPUs poll instead of halting, as on a node tuned for latency (tuned's
+latency-performance profile). The results' machine line says how idle CPUs wait either way
+(cpuidle driver and governor, a KVM guest's guest_halt_poll_ns): where an idle vCPU halts at once,
+waking it costs more than a small request computes, and a spinning thread pays off; where idle
+CPUs poll, it only takes a CPU from the client (bench/RESULTS.md, eleventh session).
+
 `--cases` and `--servers` narrow an interleaved comparison to some cases and servers: with
 fewer servers, each visit of mha-serve and the next of another lie closer in time, and short
 runs (`--runs 30 --seconds 1`) put many such pairs in one verdict.
 
 usage: python bench/compare.py [--seconds 5] [--runs 1] [--model-dir models/default]
                                [--server-cpus LIST --client-cpus LIST] [--cases 1,4] [--servers NAMES]
+                               [--cpu-latency-qos]
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import os
@@ -95,7 +105,7 @@ def server_command(name: str, model_dir: Path, port: int) -> tuple[list[str], di
     if name.startswith("mha-serve"):
         mha = [py, "-m", "service.cli", "serve", "--host", "127.0.0.1", "--grpc-port", str(port), "--http-port", "off"]
         mha += ["--metrics-port", "off", "--model-dir", str(model_dir), "--shared-memory", "system"]
-        return [*mha, "--thread-spinning"] if "spinning" in name else mha, env
+        return [*mha, *name.split()[1:]], env  # a variant's flags follow its name
     if name.startswith("floor"):
         mode = "ort" if "ORT" in name else "none"
         return [py, str(HERE / "servers" / "floor.py"), mode, str(port), str(model_dir)], env
@@ -111,6 +121,7 @@ def server_command(name: str, model_dir: Path, port: int) -> tuple[list[str], di
 SERVERS = (
     "mha-serve",
     "mha-serve --thread-spinning",  # ORT's default, which KServe and the floors keep: latency for CPU
+    "mha-serve --lone-spinning false",  # no pool spinning for a lone client: where idle CPUs wake fast
     "KServe + ORT",
     "MLServer + ORT",
     "floor: ORT in-line",
@@ -396,6 +407,9 @@ def main() -> int:
     parser.add_argument("--client-cpus", type=common.cpu_list, help="CPUs the load generator runs on")
     parser.add_argument("--cases", type=case_list, default=CASES, help=f"with --runs: cases by number, {CASE_HELP}")
     parser.add_argument("--servers", type=server_list, default=SERVERS, help=f"with --runs: {SERVER_HELP}")
+    parser.add_argument(
+        "--cpu-latency-qos", action="store_true", help="idle CPUs poll instead of halting while it runs (needs root)"
+    )
     args = parser.parse_args()
     if (args.server_cpus is None) != (args.client_cpus is None) or (args.server_cpus or set()) & (
         args.client_cpus or set()
@@ -404,10 +418,17 @@ def main() -> int:
     if args.runs == 1 and (args.cases is not CASES or args.servers is not SERVERS):
         parser.error("--cases and --servers narrow an interleaved comparison: give --runs 2 or more")
     model_dir, cpus = args.model_dir.resolve(), args.server_cpus
-    machine = f"{socket.gethostname()}: {len(os.sched_getaffinity(0))} CPUs"
+    machine = f"{socket.gethostname()}: {len(os.sched_getaffinity(0))} CPUs, {common.idle_policy()}"
+    if args.cpu_latency_qos:
+        machine += ", PM QoS 0 µs held (idle CPUs poll)"
     if cpus is not None:
         machine += f"; servers on CPUs {sorted(cpus)}, the client on {sorted(args.client_cpus)}"
         os.sched_setaffinity(0, args.client_cpus)  # this thread, and the load generator's threads it starts
+    with common.cpu_latency_qos() if args.cpu_latency_qos else contextlib.nullcontext():
+        return _run(args, model_dir, cpus, machine)
+
+
+def _run(args: argparse.Namespace, model_dir: Path, cpus: set[int] | None, machine: str) -> int:
     if args.runs > 1:
         summary = interleaved(model_dir, args.runs, args.seconds, cpus, args.cases, args.servers)
         common.write_json("compare_runs.json", {"machine": machine, "runs": args.runs, **summary})
