@@ -18,7 +18,6 @@ usage: python bench/attribution.py [--seconds 3] [--rounds 3] [--servers "mha-se
 
 from __future__ import annotations
 
-import argparse
 import collections
 import logging
 import re
@@ -26,6 +25,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import common
@@ -95,9 +95,18 @@ def sample(server: compare.Started, seconds: float) -> tuple[collections.Counter
     return parse_samples(text), result.requests, result.p50_ms
 
 
+@dataclass
+class _Tally:
+    """What the visits of one server added up to."""
+
+    samples: collections.Counter[tuple[int, str]] = field(default_factory=collections.Counter)
+    requests: int = 0
+    p50_ms: list[float] = field(default_factory=list)  # one per visit
+
+
 def measure(names: tuple[str, ...], model_dir: Path, seconds: float, rounds: int) -> dict[str, dict]:
     started: list[compare.Started] = []
-    totals = {name: (collections.Counter[tuple[int, str]](), [0], []) for name in names}
+    tallies = {name: _Tally() for name in names}
     try:
         for name in names:
             server = compare.Started(name, model_dir, None)
@@ -107,16 +116,18 @@ def measure(names: tuple[str, ...], model_dir: Path, seconds: float, rounds: int
         for r in range(rounds):
             for server in started if r % 2 == 0 else reversed(started):
                 counts, requests, p50 = sample(server, seconds)
-                total, answered, p50s = totals[server.name]
-                total.update(counts)
-                answered[0] += requests
-                p50s.append(p50)
+                tally = tallies[server.name]
+                tally.samples.update(counts)
+                tally.requests += requests
+                tally.p50_ms.append(p50)
             log.info("round %d of %d done", r + 1, rounds)
         return {
             server.name: {
-                "requests": totals[server.name][1][0],
-                "p50_ms_per_round": totals[server.name][2],
-                "cpu_us_per_request": per_request(totals[server.name][0], server.proc.pid, totals[server.name][1][0]),
+                "requests": tallies[server.name].requests,
+                "p50_ms_per_round": tallies[server.name].p50_ms,
+                "cpu_us_per_request": per_request(
+                    tallies[server.name].samples, server.proc.pid, tallies[server.name].requests
+                ),
             }
             for server in started
         }
@@ -135,19 +146,11 @@ def table(results: dict[str, dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def server_names(text: str) -> tuple[str, ...]:
-    names = tuple(dict.fromkeys(n.strip() for n in text.split(",") if n.strip()))
-    unknown = [n for n in names if n not in compare.SERVERS]
-    if not names or unknown:
-        raise argparse.ArgumentTypeError(f"unknown servers {unknown}; choose among {', '.join(compare.SERVERS)}")
-    return names
-
-
 def main() -> int:
     parser = common.parser(__doc__)
     parser.add_argument("--seconds", type=float, default=3.0)
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--servers", type=server_names, default=SERVERS)
+    parser.add_argument("--servers", type=compare.server_list, default=SERVERS, help=compare.SERVER_HELP)
     parser.add_argument("--model-dir", type=Path, default=Path("models/default"))
     args = parser.parse_args()
     if shutil.which("perf") is None:

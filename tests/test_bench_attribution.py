@@ -3,7 +3,6 @@ and turned into microseconds per request of the main thread and of the others.""
 
 from __future__ import annotations
 
-import argparse
 from types import ModuleType
 
 import pytest
@@ -59,9 +58,3 @@ def test_per_request_splits_the_main_thread_from_the_others(attribution: ModuleT
     assert us["main thread, all"] == pytest.approx(4 * tick, abs=0.1)
     assert us["other threads"] == pytest.approx(2 * tick, abs=0.1)
     assert next(iter(us)) == "Python interpreter"  # the largest first
-
-
-def test_servers_are_those_compare_starts(attribution: ModuleType) -> None:
-    assert attribution.server_names("mha-serve, KServe + ORT") == ("mha-serve", "KServe + ORT")
-    with pytest.raises(argparse.ArgumentTypeError):
-        attribution.server_names("mha-serve,Triton")
