@@ -1,10 +1,11 @@
-"""Bookkeeping after the answer: what a request leaves to metrics, statistics, traces and logs
-runs once the event loop has handed its response to gRPC, not before (bench/compare.py: a lone
-client waits for none of it). Nothing that decides an answer is deferred.
+"""Bookkeeping after the answer: what a request leaves to traces and logs (a traced call's span,
+a traced batch's report, a log line somebody reads) and a look at the serving backends after a
+batch that may have changed them run once the event loop has handed its response to gRPC, not
+before. Nothing that decides an answer is deferred. (Metrics and statistics go to the ledger,
+service/ledger.py: an append per request, applied in bulk.)
 
 The records left during one turn of the loop run together, in order, from one callback of the
-next: a request leaves three (its call's, its answer's and its batch's), and a callback of the
-loop costs more than most of them (bench/request_path.py --opcodes)."""
+next: a callback of the loop costs more than most of them (bench/request_path.py --opcodes)."""
 
 from __future__ import annotations
 

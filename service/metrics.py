@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import collections
 import itertools
-from collections.abc import Callable
+import math
+from collections.abc import Callable, Iterable, Sequence
 from functools import partial
 
+import numpy as np
 from prometheus_client import (
     GC_COLLECTOR,
     PLATFORM_COLLECTOR,
@@ -19,6 +22,7 @@ from prometheus_client import (
 from prometheus_client import disable_created_metrics as _disable_created
 
 from service.batching import BatchEvent
+from service.ledger import Ledger
 
 # 100 us to 10 s, roughly x2.5 per step: resolves a T=1 request on a GPU and a cold CPU batch alike.
 LATENCY_BUCKETS = (
@@ -45,12 +49,48 @@ BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 EVICTION_REASONS = ("idle", "budget")  # the label's fixed set
 
 
-class Metrics:
-    """Every series the service exports; names are a public interface (dashboards, alerts)."""
+CallRecord = tuple[str, str, float, str]  # (method, code name, seconds in the server, trace id or "")
 
-    def __init__(self, registry: CollectorRegistry) -> None:
+
+class _FoldFirst:
+    """The registry's first collector: every read of the registry (a scrape, a test's
+    get_sample_value) first applies what the ledger holds. It exports nothing itself."""
+
+    def __init__(self, ledger: Ledger) -> None:
+        self._ledger = ledger
+
+    def describe(self) -> list[object]:
+        return []  # no series of its own, and nothing folded at registration
+
+    def collect(self) -> list[object]:
+        self._ledger.fold()
+        return []
+
+
+def observe_many(histogram: Histogram, values: Sequence[float]) -> None:
+    """Observe `values` at once into a histogram (a child, when it has labels): each bucket's
+    count and the sum grow once, where prometheus-client's observe() takes a lock per bucket
+    and value. It reaches into the histogram's bucket values (pinned prometheus-client; the
+    exposition is tested against observe()'s)."""
+    if not values:
+        return
+    bounds = histogram._upper_bounds  # ascending, +Inf last: bucket i counts values <= bounds[i]
+    index = np.minimum(np.searchsorted(bounds, values, side="left"), len(bounds) - 1)  # NaN: +Inf's
+    counts = np.bincount(index, minlength=len(bounds))
+    histogram._sum.inc(math.fsum(values))
+    for i in np.flatnonzero(counts):
+        histogram._buckets[i].inc(int(counts[i]))
+
+
+class Metrics:
+    """Every series the service exports; names are a public interface (dashboards, alerts).
+    What requests leave is written in `ledger` and applied in bulk before each read."""
+
+    def __init__(self, registry: CollectorRegistry, ledger: Ledger | None = None) -> None:
         _disable_created()
         self.registry = registry
+        self.ledger = ledger or Ledger()
+        registry.register(_FoldFirst(self.ledger))  # type: ignore[arg-type]  # first: it folds before the rest
         for collector in (PROCESS_COLLECTOR, PLATFORM_COLLECTOR, GC_COLLECTOR):  # process_*, python_*: memory, CPU
             registry.register(collector)
         seconds = partial(Histogram, buckets=LATENCY_BUCKETS, registry=registry)
@@ -65,7 +105,6 @@ class Metrics:
         self.batch_size = Histogram(
             "mha_batch_size", "Rows (sum of B) per executed batch.", buckets=BATCH_BUCKETS, registry=registry
         )
-        self._durations: dict[str, Histogram] = {}
         self.tokens = counter("mha_tokens", "Tokens served: the sum of B*T over successful requests.")
         self.inflight = gauge("mha_inflight_requests", "Inference requests in the server now.")
         self.queue_depth = gauge("mha_queue_depth", "Requests waiting in the batching queue.")
@@ -112,23 +151,37 @@ class Metrics:
         self.queue_capacity.set(queue_capacity)
         self.queue_depth.set_function(queue_depth)
 
-    def observe_batch(self, event: BatchEvent) -> None:
-        if event.error is not None:
-            return
-        self.batch_size.observe(event.rows)
-        self.batch_formation.observe(event.formation_s)
-        self._inference_duration(event.backend).observe(event.compute_s)
+    def observe_calls(self, records: Iterable[CallRecord]) -> None:
+        """Answered calls, in bulk: counted by method and code, timed by method; a traced call's
+        trace id rides on its latency bucket (an OpenMetrics exemplar)."""
+        counted: collections.Counter[tuple[str, str]] = collections.Counter()
+        timed: collections.defaultdict[str, list[float]] = collections.defaultdict(list)
+        for method, code, seconds, trace_id in records:
+            counted[method, code] += 1
+            if trace_id:
+                self.request_duration.labels(method=method).observe(seconds, {"trace_id": trace_id})
+            else:
+                timed[method].append(seconds)
+        for (method, code), n in counted.items():
+            self.requests.labels(method=method, code=code).inc(n)
+        for method, values in timed.items():
+            observe_many(self.request_duration.labels(method=method), values)
 
-    def _inference_duration(self, backend: str) -> Histogram:
-        """The labelled child, looked up once per backend (a fixed, small set) rather than per batch."""
-        child = self._durations.get(backend)
-        if child is None:
-            child = self._durations[backend] = self.inference_duration.labels(backend=backend)
-        return child
+    def observe_batches(self, events: Sequence[BatchEvent]) -> None:
+        """Executed batches, in bulk (failed ones are counted by their requests' codes)."""
+        done = [e for e in events if e.error is None]
+        observe_many(self.batch_size, [e.rows for e in done])
+        observe_many(self.batch_formation, [e.formation_s for e in done])
+        by_backend: collections.defaultdict[str, list[float]] = collections.defaultdict(list)
+        for event in done:
+            by_backend[event.backend].append(event.compute_s)
+        for backend, values in by_backend.items():
+            observe_many(self.inference_duration.labels(backend=backend), values)
 
-    def observe_answer(self, tokens: int, queue_s: float) -> None:
+    def observe_answers(self, tokens: int, queue_s: Sequence[float]) -> None:
+        """Answered inference requests, in bulk: the tokens (B*T) they held, the time each queued."""
         self.tokens.inc(tokens)
-        self.queue_duration.observe(queue_s)
+        observe_many(self.queue_duration, queue_s)
 
     def init_fallbacks(self, chain: list[str], reasons: tuple[str, ...]) -> None:
         """Export zero-valued series for every possible fallback, so rates and alerts see them."""

@@ -21,6 +21,7 @@ from service.errors import BackendFailure, DeviceLost
 log = logging.getLogger(__name__)
 
 FallbackHook = Callable[[str, str, str], None]  # (from, to, reason)
+Clock = Callable[[], float]
 REASONS = ("error", "invalid_output")  # a bounded set: it becomes a metric label
 ProbeFn = Callable[[Backend], tuple[bool, str]]
 
@@ -64,6 +65,70 @@ class _Health:
     benched_until: float = 0.0  # time.monotonic(); 0 when serving
 
 
+class Bench:
+    """Which backends sit out a cool-down after repeated failures, and whether one may serve
+    again (its probe passes once the cool-down is over). `changes` counts benchings and returns:
+    who shows the serving backends looks again when it moves, or while one is benched (a
+    cool-down ends with the clock, not with a change)."""
+
+    def __init__(
+        self, backends: list[Backend], probe: ProbeFn, threshold: int, cooldown_s: float, clock: Clock
+    ) -> None:
+        self.health = {b.name: _Health() for b in backends}
+        self._probe, self._threshold, self._cooldown, self._clock = probe, threshold, cooldown_s, clock
+        self.changes = 0
+
+    @property
+    def any(self) -> bool:
+        return any(h.benched_until for h in self.health.values())
+
+    def in_service(self, backend: Backend) -> bool:
+        return self.health[backend.name].benched_until == 0.0
+
+    def first_healthy(self, order: list[Backend]) -> Backend:
+        now = self._clock()
+        for backend in order:
+            if self.health[backend.name].benched_until <= now:
+                return backend
+        return order[0]
+
+    def benched(self, backends: list[Backend]) -> list[str]:
+        now = self._clock()
+        return [b.name for b in backends if self.health[b.name].benched_until > now]
+
+    def available(self, backend: Backend) -> bool:
+        health = self.health[backend.name]
+        if health.benched_until == 0.0:
+            return True
+        if health.benched_until > self._clock():
+            return False
+        ok, why = self._probe(backend)
+        self.changes += 1
+        if ok:
+            log.info("backend %s passed its probe after the cool-down (%s); serving again", backend.name, why)
+            health.benched_until, health.consecutive_failures = 0.0, 0
+            return True
+        log.warning("backend %s failed its probe after the cool-down (%s); benched again", backend.name, why)
+        health.benched_until = self._clock() + self._cooldown
+        return False
+
+    def failed(self, backend: Backend) -> None:
+        health = self.health[backend.name]
+        health.consecutive_failures += 1
+        if health.consecutive_failures >= self._threshold and health.benched_until == 0.0:
+            health.benched_until = self._clock() + self._cooldown
+            self.changes += 1
+            log.warning(
+                "backend %s benched for %.0f s after %d consecutive failures",
+                backend.name,
+                self._cooldown,
+                health.consecutive_failures,
+            )
+
+    def succeeded(self, backend: Backend) -> None:
+        self.health[backend.name].consecutive_failures = 0
+
+
 class BackendChain:
     def __init__(
         self,
@@ -80,17 +145,16 @@ class BackendChain:
         self.backends = backends
         self._light = light
         self._probe = probe
-        self._threshold = failure_threshold
         self._cooldown = cooldown_s
         self._on_fallback = on_fallback
         self._clock = clock
-        self._health = {b.name: _Health() for b in backends}
+        self.bench = Bench(backends, probe, failure_threshold, cooldown_s, clock)
         self._verdicts: dict[str, tuple[float, bool]] = {}  # backend -> (when, passed): the last blame probe
 
     @property
     def active(self) -> Backend:
         """The backend the next heavy batch goes to first (every batch, without a light route)."""
-        return self._first_healthy(self.backends)
+        return self.bench.first_healthy(self.backends)
 
     def orders(self) -> list[list[Backend]]:
         """Every order a batch may try the backends in: the chain's, and the light route's."""
@@ -98,18 +162,10 @@ class BackendChain:
 
     def serving(self) -> list[Backend]:
         """The backend each order tries first now: the active one, and the light route's."""
-        return list(dict.fromkeys(self._first_healthy(order) for order in self.orders()))
-
-    def _first_healthy(self, order: list[Backend]) -> Backend:
-        now = self._clock()
-        for backend in order:
-            if self._health[backend.name].benched_until <= now:
-                return backend
-        return order[0]
+        return list(dict.fromkeys(self.bench.first_healthy(order) for order in self.orders()))
 
     def benched(self) -> list[str]:
-        now = self._clock()
-        return [b.name for b in self.backends if self._health[b.name].benched_until > now]
+        return self.bench.benched(self.backends)
 
     def run(self, x: np.ndarray, alone: bool = False) -> tuple[np.ndarray, Backend]:
         """Run on the first healthy backend; on error, on the next. Called by one batcher at a time:
@@ -117,7 +173,7 @@ class BackendChain:
         errors: list[str] = []
         previous: tuple[Backend, str] | None = None
         for backend in self.order_for(int(x.shape[0]), int(x.shape[1])):
-            if not self._available(backend):
+            if not self.bench.available(backend):
                 continue
             if previous is not None:
                 self._fallback(previous[0].name, backend.name, previous[1])
@@ -127,7 +183,7 @@ class BackendChain:
                 log.error("backend %s failed on batch %s: %s", backend.name, x.shape, exc, exc_info=True)
                 if is_sticky_device_error(backend.device, exc):
                     raise DeviceLost(f"{backend.name} on {backend.device}: {exc}") from exc
-                self._failed(backend)
+                self.bench.failed(backend)
                 errors.append(f"{backend.name}: {type(exc).__name__}: {exc}")
                 previous = (backend, "error")
                 continue
@@ -136,11 +192,11 @@ class BackendChain:
                 problem = "output holds NaN or inf for a finite input that other backends compute finitely"
             if problem:
                 log.error("backend %s returned an invalid output for batch %s: %s", backend.name, x.shape, problem)
-                self._failed(backend)
+                self.bench.failed(backend)
                 errors.append(f"{backend.name}: {problem}")
                 previous = (backend, "invalid_output")
                 continue
-            self._health[backend.name].consecutive_failures = 0
+            self.bench.succeeded(backend)
             return y, backend
         raise BackendFailure(f"every backend failed on a batch of shape {x.shape}: {errors or 'all benched'}")
 
@@ -164,7 +220,7 @@ class BackendChain:
         if not all_finite(rows):  # NaN or inf sent by the client: nothing to ask another backend
             return True
         for other in self.backends:
-            if other is backend or self._health[other.name].benched_until != 0.0:
+            if other is backend or not self.bench.in_service(other):
                 continue
             try:
                 return not bool(np.isfinite(other.run(rows)).all())
@@ -181,33 +237,6 @@ class BackendChain:
             passed = self._probe(backend)[0]
             self._verdicts[backend.name] = (now, passed)
         return passed
-
-    def _available(self, backend: Backend) -> bool:
-        health = self._health[backend.name]
-        if health.benched_until == 0.0:
-            return True
-        if health.benched_until > self._clock():
-            return False
-        ok, why = self._probe(backend)
-        if ok:
-            log.info("backend %s passed its probe after the cool-down (%s); serving again", backend.name, why)
-            health.benched_until, health.consecutive_failures = 0.0, 0
-            return True
-        log.warning("backend %s failed its probe after the cool-down (%s); benched again", backend.name, why)
-        health.benched_until = self._clock() + self._cooldown
-        return False
-
-    def _failed(self, backend: Backend) -> None:
-        health = self._health[backend.name]
-        health.consecutive_failures += 1
-        if health.consecutive_failures >= self._threshold and health.benched_until == 0.0:
-            health.benched_until = self._clock() + self._cooldown
-            log.warning(
-                "backend %s benched for %.0f s after %d consecutive failures",
-                backend.name,
-                self._cooldown,
-                health.consecutive_failures,
-            )
 
     def _fallback(self, source: str, target: str, reason: str) -> None:
         log.warning("falling back from %s to %s (%s)", source, target, reason)

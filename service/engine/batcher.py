@@ -104,7 +104,8 @@ class Batcher:
         if self._in_flight is None or self._in_flight() > 1:  # not a lone client's: others are in the server
             self._crowded_at = enqueued
         trace = self._current_trace() if self._current_trace is not None else None
-        if await self._lone.inline(1, x.shape, self._depth, idle=True):
+        settled = enqueued - self._crowded_at >= LONE_CLIENT_S  # a lone client's request
+        if await self._lone.inline(1, x.shape, self._depth, idle=True, settled=settled):
             return self._run_alone(x, enqueued, deadline, trace)
         if self._closed and self._task is not None and self._task.done():  # stopped in that turn: none would answer
             raise NotReady("the server is draining; retry on another replica")
@@ -171,9 +172,8 @@ class Batcher:
                 item.future.set_result((out, Timing(started - item.enqueued, backend)))
 
     def _run_alone(self, x: np.ndarray, enqueued: float, deadline: float | None, trace: object) -> Answer:
-        """A small request computed at once on the event loop, without the queue, a future or the
-        batcher's task (each a turn of the loop): the only request in the server or, on one core,
-        the first in line. The lone route is a lone client's only."""
+        """A small request computed at once on the event loop, without the queue, a future or the batcher's
+        task: the only request in the server or, on one core, the first in line (lone route: a lone client's)."""
         started = self.clock.now()
         if deadline is not None and deadline <= started:
             raise DeadlineExceeded(f"deadline passed after {(started - enqueued) * 1e3:.1f} ms in the queue")

@@ -29,7 +29,6 @@ from service.decode.control import SequenceControl
 from service.decode.runner import StepRunner, step_device
 from service.decode.scheduler import Decoder, StepBatcher
 from service.decode.sequences import SequenceLimits, SequenceStore
-from service.deferred import after_answer
 from service.engine.batcher import Batcher, Timing
 from service.engine.inflight import InFlight
 from service.engine.magnitude import magnitude_bound
@@ -164,7 +163,7 @@ class InferenceCore:
         y, timing = await self.loaded.batcher.submit(x, deadline)
         if not all_finite(y):  # the chain found this input to blame (see BackendChain)
             raise InvalidInput(not_finite(x))
-        after_answer(self.publish.answered, x.shape, timing.queue_s)
+        self.publish.answered(x.shape, timing.queue_s)
         return y, timing
 
     async def step(
@@ -183,7 +182,7 @@ class InferenceCore:
             if self.device.observe(exc):
                 self._set_state(State.FAILED)
             raise
-        after_answer(self.publish.answered, x.shape, stepped.queue_s)
+        self.publish.answered(x.shape, stepped.queue_s)
         return stepped.y, Timing(stepped.queue_s, self.loaded.decoder.backend), stepped.length
 
     def _check_magnitude(self, x: np.ndarray) -> None:

@@ -1,11 +1,13 @@
 """What the core makes known as it serves: every executed batch (stateless or decode steps) and
-every answered request into the metrics and the model's statistics, the active backend into
-mha_backend_info (and readiness under --require-device), fallbacks as they happen. No serving
-decisions here."""
+every answered request into the metrics and the model's statistics (written in the metrics'
+ledger, applied in bulk before they are read), the active backend into mha_backend_info (and
+readiness under --require-device), fallbacks as they happen. No serving decisions here."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 from service.backends import BackendChain
 from service.batching import BatchEvent
@@ -30,19 +32,25 @@ class Publisher:
         self.tracing = tracing or Tracing()
         self._serving_ok, self._device_lost = serving_ok, device_lost
         self._serving: list[tuple[str, str]] = []  # the backends mha_backend_info last showed as serving
+        self._health_seen = -1  # the chain's bench.changes when the serving backends were last looked at
+        self._batches = metrics.ledger.book(self._fold_batches)
+        self._answers = metrics.ledger.book(self._fold_answers)  # (tokens, rows, queue_s, wall ms)
 
     def fallback(self, source: str, target: str, reason: str) -> None:
         self.metrics.fallbacks.labels(source, target, reason).inc()
 
     def batch(self, event: BatchEvent, chain: BackendChain) -> None:
         """A stateless batch: a sticky device error in it stops the server (DeviceHealth) at once;
-        the rest is published after the batch's answers have gone (after_answer)."""
+        it is written in the ledger; the serving backends are looked at again, and its trace
+        reported, after the batch's answers have gone (after_answer), when they may have changed:
+        while a backend is benched or its health changed since the last look, not otherwise."""
         if self.device.observe(event.error):
             self._device_lost()
-        after_answer(self._published, event, chain)
+        self._batches.add(event)
+        if event.traced or chain.bench.changes != self._health_seen or chain.bench.any:
+            after_answer(self._published, event, chain)
 
     def _published(self, event: BatchEvent, chain: BackendChain) -> None:
-        self._recorded(event)
         self.backends(chain)
         if event.traced:  # tracing on, and a traced request in the batch
             preferred = chain.order_for(event.rows, max(event.seqs))[0].name
@@ -50,23 +58,35 @@ class Publisher:
             self.tracing.report_batch(event, fallback)
 
     def steps(self, event: BatchEvent) -> None:
-        """A batch of decode steps, published after its answers have gone (its lost device is
-        handled where the step fails)."""
-        after_answer(self._recorded, event)
-
-    def _recorded(self, event: BatchEvent) -> None:
-        """A batch, in the batch metrics and statistics."""
-        self.metrics.observe_batch(event)
-        self.stats.observe_batch(event)
+        """A batch of decode steps (its lost device is handled where the step fails)."""
+        self._batches.add(event)
 
     def answered(self, shape: tuple[int, ...], queue_s: float) -> None:
         """A request of `shape` (B, T, C) answered after `queue_s` in the queue: its tokens and wait."""
-        self.metrics.observe_answer(int(shape[0]) * int(shape[1]), queue_s)
-        self.stats.observe_answer(int(shape[0]), queue_s)
+        rows = int(shape[0])
+        self._answers.add((rows * int(shape[1]), rows, queue_s, time.time()))
+
+    @contextmanager
+    def statistics(self) -> Iterator[ModelStats]:
+        """The model's statistics with every record applied, held still while the caller reads."""
+        with self.metrics.ledger.folded():
+            yield self.stats
+
+    def _fold_batches(self, events: list[BatchEvent]) -> None:
+        self.metrics.observe_batches(events)
+        for event in events:
+            self.stats.observe_batch(event)
+
+    def _fold_answers(self, answers: list[tuple[int, int, float, float]]) -> None:
+        queued = [queue_s for _, _, queue_s, _ in answers]
+        self.metrics.observe_answers(sum(a[0] for a in answers), queued)
+        last_ms = int(max(a[3] for a in answers) * 1e3)
+        self.stats.observe_answers(sum(a[1] for a in answers), queued, last_ms)
 
     def backends(self, chain: BackendChain) -> None:
         """The serving backends (the active one, and the light batches' where they have their
         own), once they change: mha_backend_info, and readiness on the required device."""
+        self._health_seen = chain.bench.changes
         serving = [(b.name, b.device) for b in chain.serving()]
         if serving != self._serving:
             self._serving = serving

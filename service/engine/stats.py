@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from service.batching import BatchEvent
@@ -16,6 +16,11 @@ class Duration:
     def add(self, seconds: float, count: int = 1) -> None:
         self.count += count
         self.ns += int(seconds * 1e9)
+
+    def add_each(self, seconds: Sequence[float]) -> None:
+        """Many durations, each counted once (as add() would count them one by one)."""
+        self.count += len(seconds)
+        self.ns += sum(int(s * 1e9) for s in seconds)
 
 
 @dataclass
@@ -36,10 +41,14 @@ class ModelStats:
         self.compute_infer.add(event.compute_s)
         self.batches.setdefault(event.rows, Duration()).add(event.compute_s)
 
-    def observe_answer(self, rows: int, queue_s: float) -> None:
+    def observe_answers(self, rows: int, queue_s: Sequence[float], last_ms: int) -> None:
+        """Answered requests, in bulk: the rows they held, the time each queued, and the wall
+        clock (ms since the epoch) of the last one."""
         self.inference_count += rows
-        self.queue.add(queue_s)
-        self.last_inference_ms = int(time.time() * 1e3)
+        self.queue.add_each(queue_s)
+        self.last_inference_ms = max(self.last_inference_ms, last_ms)
 
-    def observe_request(self, ok: bool, seconds: float) -> None:
-        (self.success if ok else self.fail).add(seconds)
+    def observe_requests(self, succeeded: Sequence[float], failed: Sequence[float]) -> None:
+        """Whole requests' times in the server, in bulk."""
+        self.success.add_each(succeeded)
+        self.fail.add_each(failed)

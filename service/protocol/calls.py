@@ -18,7 +18,7 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import TracebackType
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import grpc
 
@@ -32,6 +32,8 @@ if TYPE_CHECKING:
     from service.engine.core import InferenceCore
 
 log = logging.getLogger(__name__)
+
+CallRecord = tuple[str, grpc.StatusCode, float, bool, str]  # method, code, seconds, inference, trace id or ""
 
 
 @dataclass
@@ -66,7 +68,7 @@ class Calls:
     def __init__(self, core: InferenceCore) -> None:
         self._core = core
         self.tracing = core.tracing
-        self._children: dict[tuple[str, grpc.StatusCode], tuple[Any, Any]] = {}  # method labels: a fixed set
+        self._book = core.metrics.ledger.book(self._fold)
 
     def unary(
         self, method: str, context: grpc.aio.ServicerContext, client_id: str = "", inference: bool = False
@@ -111,28 +113,32 @@ class Calls:
             log.error("%s failed: %s", call.method, exc, exc_info=exc)
 
     def closed(self, call: Call) -> None:
-        """A call ends: out of the in-flight count now; counted, timed, its span ended and its
-        line logged after its response has gone (after_answer)."""
+        """A call ends: out of the in-flight count and written in the ledger now (counted and
+        timed when the metrics or statistics are next read); its span ended and its line logged
+        after its response has gone (after_answer)."""
         elapsed = time.perf_counter() - call.started
         if call.inference:
             self._core.requests.finished()
-        after_answer(self._account, call, elapsed)
-
-    def _account(self, call: Call, elapsed: float) -> None:
-        counted, timed = self._series(call.method, call.code)
-        counted.inc()
-        if call.span is None:
-            timed.observe(elapsed)
-        else:  # a sampled call's trace id rides on its latency bucket (an OpenMetrics exemplar)
-            trace_id = call.span.trace_id
-            timed.observe(elapsed, {"trace_id": trace_id} if trace_id else None)
-            self._end_span(call)
-        if call.inference:
-            self._core.stats.observe_request(call.ok, elapsed)
+        span = call.span
+        self._book.add((call.method, call.code, elapsed, call.inference, (span.trace_id or "") if span else ""))
+        if span is not None:
+            after_answer(self._end_span, call)
         level = logging.DEBUG if call.ok else logging.INFO  # a client's mistake or leaving; faults: in failed()
         if (call.inference or not call.ok) and log.isEnabledFor(level):  # no record built that nobody reads
-            extra = {"method": call.method, "code": call.code.name, "duration_ms": round(elapsed * 1e3, 3)}
-            log.log(level, "%s %s %s", call.method, call.code.name, call.message, extra=extra)
+            after_answer(self._log, call, elapsed, level)
+
+    def _fold(self, records: list[CallRecord]) -> None:
+        """Calls, in bulk: into the metrics, and the inference requests into the statistics."""
+        self._core.metrics.observe_calls((method, code.name, s, trace) for method, code, s, _, trace in records)
+        ok = grpc.StatusCode.OK
+        succeeded = [s for _, code, s, inference, _ in records if inference and code is ok]
+        failed = [s for _, code, s, inference, _ in records if inference and code is not ok]
+        self._core.stats.observe_requests(succeeded, failed)
+
+    @staticmethod
+    def _log(call: Call, elapsed: float, level: int) -> None:
+        extra = {"method": call.method, "code": call.code.name, "duration_ms": round(elapsed * 1e3, 3)}
+        log.log(level, "%s %s %s", call.method, call.code.name, call.message, extra=extra)
 
     @staticmethod
     def _end_span(call: Call) -> None:
@@ -145,15 +151,6 @@ class Calls:
         fault = f"{call.code.name}: {call.message[:200]}" if call.code in SERVER_FAULTS else None
         call.span.end({**status, "mha.code": call.code.name}, fault)
         call.span = None
-
-    def _series(self, method: str, code: grpc.StatusCode) -> tuple[Any, Any]:
-        """The labelled counter and histogram of (method, code), looked up once."""
-        key = (method, code)
-        if key not in self._children:
-            metrics = self._core.metrics
-            counted = metrics.requests.labels(method=method, code=code.name)
-            self._children[key] = (counted, metrics.request_duration.labels(method=method))
-        return self._children[key]
 
 
 def _span_attributes(call: Call) -> dict[str, str]:

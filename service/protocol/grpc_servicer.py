@@ -90,7 +90,8 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
             identity = self.core.identity
             if request.name or request.version:
                 identity.check(request.name, request.version)
-            stats = render.model_statistics(identity.name, identity.version, self.core.stats)
+            with self.core.publish.statistics() as held:
+                stats = render.model_statistics(identity.name, identity.version, held)
             return pb.ModelStatisticsResponse(model_stats=[stats])
 
     async def SystemSharedMemoryRegister(

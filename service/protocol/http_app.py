@@ -306,7 +306,8 @@ class HttpApi:
 
     async def _model_stats(self, request: web.Request) -> web.Response:
         identity = self.core.identity
-        stats = render.model_statistics(identity.name, identity.version, self.core.stats)
+        with self.core.publish.statistics() as held:
+            stats = render.model_statistics(identity.name, identity.version, held)
         return web.json_response({"model_stats": [proto_json(stats)]})
 
     async def _shm_register(self, request: web.Request) -> web.Response:

@@ -22,7 +22,7 @@ from service.backends.chain import LightRoute
 from service.backends.ort import OrtCpuBackend, OrtCudaBackend
 from service.backends.pytorch import ServedAttention, TorchBackend
 from service.backends.selection import SelfCheck, probe_rounds, probe_shapes, speed_order, split_by_size
-from service.batching import batch_mflop
+from service.batching import BatchEvent, batch_mflop
 from service.engine.publishing import Publisher
 from service.engine.readiness import DeviceHealth
 from service.engine.stats import ModelStats
@@ -345,6 +345,41 @@ def test_chain_falls_back_benches_and_recovers(small_model_dir: Path) -> None:
     y, used = chain.run(x)
     assert used is first and chain.benched() == [] and chain.active is first
     assert relative_error(torch.from_numpy(y), ref) < 1e-5
+
+
+def test_backend_info_follows_a_backend_benched_at_run_time_and_back(small_model_dir: Path) -> None:
+    """The serving backends are looked at again only when they may have changed (a backend's
+    health changed, or one is benched): mha_backend_info still follows every change."""
+    config, weights = load_checkpoint(small_model_dir / "weights.safetensors")
+    first = Flaky("ort-cpu", OrtCpuBackend(small_model_dir / "model.onnx", threads=1))
+    clock, metrics = Clock(), Metrics(CollectorRegistry())
+    check = SelfCheck(config, weights)
+    chain = BackendChain(
+        [first, TorchBackend(config, weights)], check.passes, failure_threshold=2, cooldown_s=10, clock=clock
+    )
+    publisher = Publisher(metrics, ModelStats(), DeviceHealth("any", metrics), lambda: True, lambda: None)
+    publisher.backends(chain)
+    x = np.random.default_rng(2).standard_normal((1, 4, 32), dtype=np.float32)
+
+    def batch() -> dict[str, float | None]:
+        _, used = chain.run(x)
+        event = BatchEvent(
+            requests=1, rows=1, seqs=(4,), padded_tokens=0, formation_s=0, compute_s=0, backend=used.name
+        )
+        publisher.batch(event, chain)  # no event loop: what it leaves for after the answer runs at once
+        get = metrics.registry.get_sample_value
+        return {b: get("mha_backend_info", {"backend": b, "device": "cpu"}) for b in ("ort-cpu", "torch-cpu")}
+
+    assert batch() == {"ort-cpu": 1, "torch-cpu": 0}
+    first.broken = True
+    assert batch() == {"ort-cpu": 1, "torch-cpu": 0}  # one failure: not benched yet
+    assert batch() == {"ort-cpu": 0, "torch-cpu": 1}  # benched
+    clock.now += 11  # the cool-down ends with the clock: ort-cpu is first in line again (to be probed)
+    first.broken = False
+    assert batch() == {"ort-cpu": 1, "torch-cpu": 0}  # probed, passed, serving
+    assert batch() == {"ort-cpu": 1, "torch-cpu": 0}
+    with publisher.statistics() as stats:
+        assert stats.execution_count == 5
 
 
 def test_light_batches_take_their_own_order_and_fall_back_along_it(small_model_dir: Path) -> None:

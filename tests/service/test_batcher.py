@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import asyncio
+import copy
 import threading
 from collections.abc import Callable, Coroutine
 from concurrent.futures import ThreadPoolExecutor
@@ -401,7 +402,8 @@ def test_concurrent_clients_mixed_shapes_batch_and_stay_exact(small_model_dir: P
             t.start()
         for t in threads:
             t.join(120)
-        stats = server.core.stats
+        with server.core.publish.statistics() as held:
+            stats = copy.deepcopy(held)
     assert not failures, failures[:3]
     assert len(errors) == 3 * len(shapes) and max(errors) < 1e-5
     assert stats.inference_count == 3 * sum(b for b, _ in shapes)
@@ -585,6 +587,45 @@ def test_a_lone_clients_requests_take_the_lone_route_until_requests_share_a_batc
         await batcher.submit(_x(1, 4))  # alone for long enough: the lone route again
 
     assert _routes(scenario, replace(CFG, inline_max_mflop=1.0)) == ["lone", "batch", "batch", "lone"]
+
+
+def test_a_lone_clients_request_computes_without_first_giving_the_loop_a_turn() -> None:
+    """A lone client's small request (none has met another in the server for LONE_CLIENT_S) is
+    computed at once; any other alone in the server is computed after one turn of the loop, which
+    lets requests that have already arrived show up and share its batch."""
+    order: list[str] = []
+
+    def run(x: np.ndarray) -> tuple[np.ndarray, str]:
+        order.append("computed")
+        return x.copy(), "test"
+
+    async def submit(batcher: Batcher) -> list[str]:
+        order.clear()
+        asyncio.get_running_loop().call_soon(order.append, "a turn of the loop")
+        await batcher.submit(_x(1, 4))
+        await asyncio.sleep(0)
+        return list(order)
+
+    async def main() -> list[list[str]]:
+        in_flight, clock = [1], ManualClock()
+        with ThreadPoolExecutor(1) as pool:
+            batcher = Batcher(
+                replace(CFG, inline_max_mflop=1.0), run, pool, in_flight=lambda: in_flight[0], clock=clock
+            )
+            batcher.start()
+            seen = [await submit(batcher)]
+            in_flight[0] = 2  # two clients' requests meet in the server and share a batch
+            await asyncio.gather(*(batcher.submit(_x(1, 4, seed)) for seed in (1, 2)))
+            in_flight[0] = 1
+            seen.append(await submit(batcher))  # alone, but not for long
+            clock.advance(LONE_CLIENT_S)
+            seen.append(await submit(batcher))  # alone for long enough
+            await batcher.stop()
+        return seen
+
+    lone, alone_now, lone_again = asyncio.run(main())
+    assert lone == lone_again == ["computed", "a turn of the loop"]
+    assert alone_now == ["a turn of the loop", "computed"]
 
 
 def test_a_request_that_meets_another_in_the_server_ends_the_lone_route_for_a_while() -> None:

@@ -132,7 +132,7 @@ def test_a_lost_device_stops_the_replica(small_model_dir: Path) -> None:
         chain = server.core.loaded.chain
         broken = BrokenCuda()
         chain.backends.insert(0, broken)  # as if ort-cuda served, then broke
-        chain._health[broken.name] = _Health()
+        chain.bench.health[broken.name] = _Health()
         with MHAClient(server.url) as client:
             with pytest.raises(InferenceError) as first:
                 client.infer(np.ones((1, 3, 32), np.float32))
