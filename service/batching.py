@@ -103,22 +103,16 @@ class LoneGate:
         """Nothing queued and no request in the server but these `requests`."""
         return queued == 0 and self._in_flight is not None and self._in_flight() <= requests
 
-    async def inline(
-        self, requests: int, shape: tuple[int, ...], queued: Callable[[], int], idle: bool, settled: bool = False
-    ) -> bool:
+    async def inline(self, requests: int, shape: tuple[int, ...], queued: Callable[[], int], idle: bool) -> bool:
         """Compute a batch of `requests` and `shape` (rows, T, C) on the loop? `idle`: the request
         is not queued yet, and goes first only if no batch of this batcher is computing (one whose
-        client went away may still be) and, on one core, none waits before it. `settled`: a lone
-        client's request (none has met another in the server for a while), computed without first
-        giving the loop a turn for requests that may have arrived: none has, for a while."""
+        client went away may still be) and, on one core, none waits before it."""
         if self.one_core and batch_mflop(*shape[:3]) <= self.inline_max_mflop:
             return not idle or (not self.computing and queued() == 0)
 
         def alone() -> bool:
             return (not idle or not self.computing) and self.alone(queued(), requests)
 
-        if settled:
-            return batch_mflop(*shape[:3]) <= self.inline_max_mflop and alone()
         return await alone_and_small(shape, self.inline_max_mflop, alone)
 
 

@@ -104,8 +104,7 @@ class Batcher:
         if self._in_flight is None or self._in_flight() > 1:  # not a lone client's: others are in the server
             self._crowded_at = enqueued
         trace = self._current_trace() if self._current_trace is not None else None
-        settled = enqueued - self._crowded_at >= LONE_CLIENT_S  # a lone client's request
-        if await self._lone.inline(1, x.shape, self._depth, idle=True, settled=settled):
+        if await self._lone.inline(1, x.shape, self._depth, idle=True):
             return self._run_alone(x, enqueued, deadline, trace)
         if self._closed and self._task is not None and self._task.done():  # stopped in that turn: none would answer
             raise NotReady("the server is draining; retry on another replica")
