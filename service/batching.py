@@ -151,30 +151,42 @@ class Plan(Generic[Q]):
 
 
 def plan_batch(queue: Sequence[Q], config: BatcherConfig, now: float) -> Plan[Q]:
-    """Which requests form the next batch; dead ones are set apart and never computed."""
-    gone = [q for q in queue if q.gone]
-    expired = [q for q in queue if not q.gone and q.deadline is not None and q.deadline <= now]
-    live = [q for q in queue if not q.gone and (q.deadline is None or q.deadline > now)]
+    """Which requests form the next batch; dead ones are set apart and never computed. One pass
+    over the queue: the batch's rows, longest T and tokens are kept as requests join it."""
+    gone, expired, live = list[Q](), list[Q](), list[Q]()
+    for q in queue:
+        if q.gone:
+            gone.append(q)
+        elif q.deadline is not None and q.deadline <= now:
+            expired.append(q)
+        else:
+            live.append(q)
     if not live:
         return Plan(batch=[], rest=[], expired=expired, gone=gone)
-    batch, rest = [live[0]], list[Q]()
+    first = live[0]
+    batch, rest = [first], list[Q]()
+    size = (first.rows, first.seq, first.rows * first.seq)  # (rows, longest T, tokens) of the batch
     for item in live[1:]:
-        (batch if _fits(batch, item, config) else rest).append(item)
+        grown = _grown(size, item.rows, item.seq, config)
+        if grown is None:
+            rest.append(item)
+        else:
+            batch.append(item)
+            size = grown
     return Plan(batch=batch, rest=rest, expired=expired, gone=gone)
 
 
-def _fits(batch: Sequence[Queued], item: Queued, config: BatcherConfig) -> bool:
-    rows = sum(q.rows for q in batch) + item.rows
+def _grown(size: tuple[int, int, int], b: int, t: int, config: BatcherConfig) -> tuple[int, int, int] | None:
+    """The batch's (rows, longest T, tokens) with a (b, t) request in it; None when it does not fit."""
+    rows, longest, tokens = size[0] + b, max(size[1], t), size[2] + b * t
     if rows > config.max_batch_size:
-        return False
-    t_max = max(q.seq for q in batch)
-    if config.max_cells is not None and rows * max(t_max, item.seq) ** 2 > config.max_cells:
-        return False
-    if not config.causal:
-        return item.seq == t_max
-    padded = rows * max(t_max, item.seq)
-    tokens = sum(q.rows * q.seq for q in batch) + item.rows * item.seq
-    return (padded - tokens) / padded <= config.max_padding_ratio
+        return None
+    if config.max_cells is not None and rows * longest**2 > config.max_cells:
+        return None
+    if not config.causal:  # no padding: only equal T merge
+        return (rows, longest, tokens) if t == size[1] else None
+    padded = rows * longest
+    return (rows, longest, tokens) if (padded - tokens) / padded <= config.max_padding_ratio else None
 
 
 def form_at(queue: Sequence[Queued], config: BatcherConfig, more_may_come: bool) -> float:

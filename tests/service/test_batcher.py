@@ -94,6 +94,41 @@ def test_dead_requests_are_set_apart() -> None:
     assert plan_batch([expired, gone], CFG, now=5.0).batch == []
 
 
+def _fits_by_definition(batch: list[Req], item: Req, cfg: BatcherConfig) -> bool:
+    """The batch with `item` in it, recounted from scratch: the rules plan_batch keeps by sums."""
+    joined = [*batch, item]
+    rows, longest = sum(q.rows for q in joined), max(q.seq for q in joined)
+    tokens = sum(q.rows * q.seq for q in joined)
+    if rows > cfg.max_batch_size or (cfg.max_cells is not None and rows * longest**2 > cfg.max_cells):
+        return False
+    if not cfg.causal:
+        return all(q.seq == item.seq for q in batch)
+    return (rows * longest - tokens) / (rows * longest) <= cfg.max_padding_ratio
+
+
+@given(
+    st.lists(st.tuples(st.integers(1, 6), st.integers(1, 80), st.booleans()), max_size=12),
+    st.integers(1, 16),
+    st.sampled_from([0.0, 0.2, 0.5, 1.0]),
+    st.booleans(),
+    st.sampled_from([None, 4096, 40_000]),
+)
+def test_a_batch_is_the_oldest_live_request_and_every_later_one_that_fits_in_order(
+    specs: list[tuple[int, int, bool]], size: int, padding: float, causal: bool, cells: int | None
+) -> None:
+    cfg = BatcherConfig(max_batch_size=size, max_padding_ratio=padding, causal=causal, max_cells=cells)
+    queue = [Req(b, t, gone=gone) for b, t, gone in specs]
+    plan = plan_batch(queue, cfg, now=0)
+    live = [q for q in queue if not q.gone]
+    batch: list[Req] = live[:1]
+    for item in live[1:]:
+        if _fits_by_definition(batch, item, cfg):
+            batch.append(item)
+    assert [id(q) for q in plan.batch] == [id(q) for q in batch]
+    assert [id(q) for q in plan.rest] == [id(q) for q in live if all(q is not b for b in batch)]
+    assert plan.gone == [q for q in queue if q.gone]
+
+
 def test_when_to_form_a_batch() -> None:
     queue = [Req(1, 4, enqueued=10.0), Req(2, 4, enqueued=10.01)]
     assert form_at(queue, CFG, more_may_come=True) == pytest.approx(10.05)  # the oldest waits max_queue_delay
