@@ -223,8 +223,16 @@ class Supervisor:
         registry = CollectorRegistry(auto_describe=False)
         registry.register(self.collector)  # type: ignore[arg-type]
         metrics = MetricsServer(registry)
-        if self.settings.metrics_port is not None:
-            await metrics.start(self.settings.metrics_host or self.settings.host, self.settings.metrics_port)
+        try:
+            if self.settings.metrics_port is not None:
+                await metrics.start(self.settings.metrics_host or self.settings.host, self.settings.metrics_port)
+            return await self._supervise(stop)
+        finally:  # the hand-over sockets' folder goes however the supervisor ends (but SIGKILL)
+            await metrics.stop()
+            shutil.rmtree(self.sockets, ignore_errors=True)
+
+    async def _supervise(self, stop: asyncio.Event) -> int:
+        """Start the workers, keep them running until `stop` (0) or one cannot be (1), stop them."""
         for worker in self.workers:
             await self._spawn(worker)
         log.info("supervising %d workers on gRPC :%d", len(self.workers), self.settings.grpc_port)
@@ -238,8 +246,6 @@ class Supervisor:
         await self._stop_all()
         for task in [stopper, *watchers]:
             task.cancel()
-        await metrics.stop()
-        shutil.rmtree(self.sockets, ignore_errors=True)
         return 1 if failed else 0
 
     async def _watchdog(self, worker: Worker) -> None:

@@ -2,7 +2,14 @@
 
 from __future__ import annotations
 
-from service.app.supervisor import Silence, Worker
+import asyncio
+import socket
+from pathlib import Path
+
+import pytest
+
+from service.app.supervisor import Silence, Supervisor, Worker
+from tests.support import make_settings
 
 
 def test_a_worker_is_hung_after_three_silences_once_it_has_answered() -> None:
@@ -24,3 +31,16 @@ def test_a_slow_start_that_answers_in_time_is_judged_by_silences_from_then() -> 
     assert not silence.hung(worker, True, 99.0)
     assert not silence.hung(worker, False, 500.0) and not silence.hung(worker, False, 502.0)
     assert silence.hung(worker, False, 504.0)
+
+
+def test_the_hand_over_sockets_folder_goes_when_the_supervisor_cannot_start(tmp_path: Path) -> None:
+    """A supervisor whose metrics port is taken stops at once, and leaves no folder behind."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        settings = make_settings(tmp_path, metrics_port=taken.getsockname()[1])
+        supervisor = Supervisor(settings, ["serve"], count=2)
+        assert supervisor.sockets.is_dir()
+        with pytest.raises(OSError):
+            asyncio.run(supervisor.run())
+    assert not supervisor.sockets.exists()
