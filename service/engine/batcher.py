@@ -171,8 +171,9 @@ class Batcher:
                 item.future.set_result((out, Timing(started - item.enqueued, backend)))
 
     def _run_alone(self, x: np.ndarray, enqueued: float, deadline: float | None, trace: object) -> Answer:
-        """A small request computed at once on the event loop, without the queue, a future or the batcher's
-        task: the only request in the server or, on one core, the first in line (lone route: a lone client's)."""
+        """A small request computed at once on the event loop, without the queue, a future or the
+        batcher's task (each a turn of the loop): the only request in the server or, on one core,
+        the first in line. The lone route is a lone client's only."""
         started = self.clock.now()
         if deadline is not None and deadline <= started:
             raise DeadlineExceeded(f"deadline passed after {(started - enqueued) * 1e3:.1f} ms in the queue")

@@ -33,7 +33,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-CallRecord = tuple[str, grpc.StatusCode, float, bool, str]  # method, code, seconds, inference, trace id or ""
+ClosedCall = tuple[str, grpc.StatusCode, float, bool, str]  # method, code, seconds, inference, trace id or ""
 
 
 @dataclass
@@ -127,7 +127,7 @@ class Calls:
         if (call.inference or not call.ok) and log.isEnabledFor(level):  # no record built that nobody reads
             after_answer(self._log, call, elapsed, level)
 
-    def _fold(self, records: list[CallRecord]) -> None:
+    def _fold(self, records: list[ClosedCall]) -> None:
         """Calls, in bulk: into the metrics, and the inference requests into the statistics."""
         self._core.metrics.observe_calls((method, code.name, s, trace) for method, code, s, _, trace in records)
         ok = grpc.StatusCode.OK
