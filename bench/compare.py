@@ -37,9 +37,14 @@ CPUs poll, it only takes a CPU from the client (bench/RESULTS.md, eleventh sessi
 fewer servers, each visit of mha-serve and the next of another lie closer in time, and short
 runs (`--runs 30 --seconds 1`) put many such pairs in one verdict.
 
+`--base REV` adds mha-serve as it was at git revision REV (checked out into a temporary worktree
+and served from there: `mha-serve @REV`) to an interleaved comparison: a change's effect, before
+against after in one run, where two sets measured apart differ by more than most changes do
+(bench/RESULTS.md, twelfth session).
+
 usage: python bench/compare.py [--seconds 5] [--runs 1] [--model-dir models/default]
                                [--server-cpus LIST --client-cpus LIST] [--cases 1,4] [--servers NAMES]
-                               [--cpu-latency-qos]
+                               [--cpu-latency-qos] [--base REV]
 """
 
 from __future__ import annotations
@@ -56,6 +61,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from multiprocessing import shared_memory
 from pathlib import Path
 
@@ -99,13 +105,17 @@ def group_cpu_seconds(pgid: int) -> float:
     return sum(int(fields[11]) + int(fields[12]) for _, fields in common.group_stats(pgid)) / CLK_TCK
 
 
-def server_command(name: str, model_dir: Path, port: int) -> tuple[list[str], dict[str, str]] | None:
-    """How to start server `name` on `port`, or None when its environment is not installed."""
-    py, env = sys.executable, {"PYTHONPATH": str(ROOT)}
+def server_command(
+    name: str, model_dir: Path, port: int, checkout: Path | None = None
+) -> tuple[list[str], dict[str, str]] | None:
+    """How to start server `name` on `port`, or None when its environment is not installed.
+    `checkout`: where `mha-serve @REV`'s code is (python -P: imported from there, not from here)."""
+    py, env = sys.executable, {"PYTHONPATH": str(checkout or ROOT)}
     if name.startswith("mha-serve"):
-        mha = [py, "-m", "service.cli", "serve", "--host", "127.0.0.1", "--grpc-port", str(port), "--http-port", "off"]
-        mha += ["--metrics-port", "off", "--model-dir", str(model_dir), "--shared-memory", "system"]
-        return [*mha, *name.split()[1:]], env  # a variant's flags follow its name
+        mha = [py, "-P", "-m", "service.cli", "serve", "--host", "127.0.0.1", "--grpc-port", str(port)]
+        mha += ["--http-port", "off", "--metrics-port", "off", "--model-dir", str(model_dir)]
+        flags = [w for w in name.split()[1:] if not w.startswith("@")]  # a variant's flags follow its name
+        return [*mha, "--shared-memory", "system", *flags], env
     if name.startswith("floor"):
         mode = "ort" if "ORT" in name else "none"
         return [py, str(HERE / "servers" / "floor.py"), mode, str(port), str(model_dir)], env
@@ -269,12 +279,12 @@ def in_process_ms(model_dir: Path, backend: str, seconds: float) -> float:
 class Started:
     """A server started for the interleaved runs: its process and address."""
 
-    def __init__(self, name: str, model_dir: Path, cpus: set[int] | None) -> None:
+    def __init__(self, name: str, model_dir: Path, cpus: set[int] | None, checkout: Path | None = None) -> None:
         port = free_port()
-        command = server_command(name, model_dir, port)
+        command = server_command(name, model_dir, port, checkout)
         if command is None:
             raise LookupError(f"{name}: its environment is not installed (make bench-servers)")
-        slug = "-".join(w.strip(":-").lower() for w in name.split()[:2] if w.strip(":-+"))
+        slug = "-".join(w.strip(":-@").lower() for w in name.split()[:2] if w.strip(":-+@"))
         self.proc = spawn(*command, common.RESULTS / f"compare-{slug}.log", cpus)
         self.name, self.url = name, f"127.0.0.1:{port}"
 
@@ -306,6 +316,7 @@ def interleaved(
     cpus: set[int] | None,
     cases: list[Case] = CASES,
     names: tuple[str, ...] = SERVERS,
+    checkouts: dict[str, Path] | None = None,
 ) -> dict:
     """Every server up at once; `runs` rounds, each visiting every case on every server in turn.
     The servers start one after the other, each once the one before is ready: a server that
@@ -315,9 +326,9 @@ def interleaved(
     per_run: dict[str, dict[str, list[dict]]] = {}
     escapes: dict[str, list[str]] = {}
     try:
-        for name in names:
+        for name in (*names, *(checkouts or {})):
             try:
-                server = Started(name, model_dir, cpus)
+                server = Started(name, model_dir, cpus, (checkouts or {}).get(name))
             except LookupError as exc:
                 log.warning("%s; left out", exc)
                 continue
@@ -410,13 +421,14 @@ def main() -> int:
     parser.add_argument(
         "--cpu-latency-qos", action="store_true", help="idle CPUs poll instead of halting while it runs (needs root)"
     )
+    parser.add_argument("--base", help="with --runs: mha-serve at this git revision too (`mha-serve @REV`)")
     args = parser.parse_args()
     if (args.server_cpus is None) != (args.client_cpus is None) or (args.server_cpus or set()) & (
         args.client_cpus or set()
     ):
         parser.error("--server-cpus and --client-cpus go together, and name CPUs apart")
-    if args.runs == 1 and (args.cases is not CASES or args.servers is not SERVERS):
-        parser.error("--cases and --servers narrow an interleaved comparison: give --runs 2 or more")
+    if args.runs == 1 and (args.cases is not CASES or args.servers is not SERVERS or args.base):
+        parser.error("--cases, --servers and --base shape an interleaved comparison: give --runs 2 or more")
     model_dir, cpus = args.model_dir.resolve(), args.server_cpus
     machine = f"{socket.gethostname()}: {len(os.sched_getaffinity(0))} CPUs, {common.idle_policy()}"
     if args.cpu_latency_qos:
@@ -424,13 +436,31 @@ def main() -> int:
     if cpus is not None:
         machine += f"; servers on CPUs {sorted(cpus)}, the client on {sorted(args.client_cpus)}"
         os.sched_setaffinity(0, args.client_cpus)  # this thread, and the load generator's threads it starts
-    with common.cpu_latency_qos() if args.cpu_latency_qos else contextlib.nullcontext():
-        return _run(args, model_dir, cpus, machine)
+    with contextlib.ExitStack() as stack:
+        if args.cpu_latency_qos:
+            stack.enter_context(common.cpu_latency_qos())
+        checkouts = {f"mha-serve @{args.base}": stack.enter_context(checkout(args.base))} if args.base else {}
+        return _run(args, model_dir, cpus, machine, checkouts)
 
 
-def _run(args: argparse.Namespace, model_dir: Path, cpus: set[int] | None, machine: str) -> int:
+@contextlib.contextmanager
+def checkout(revision: str) -> Iterator[Path]:
+    """This repository at `revision`, in a temporary git worktree, removed afterwards."""
+    where = Path(tempfile.mkdtemp(prefix="mha-base-")) / "tree"
+    git = ["git", "-C", str(ROOT)]
+    subprocess.run([*git, "worktree", "add", "--detach", "--quiet", str(where), revision], check=True)
+    try:
+        yield where
+    finally:
+        subprocess.run([*git, "worktree", "remove", "--force", str(where)], check=False)
+        shutil.rmtree(where.parent, ignore_errors=True)
+
+
+def _run(
+    args: argparse.Namespace, model_dir: Path, cpus: set[int] | None, machine: str, checkouts: dict[str, Path]
+) -> int:
     if args.runs > 1:
-        summary = interleaved(model_dir, args.runs, args.seconds, cpus, args.cases, args.servers)
+        summary = interleaved(model_dir, args.runs, args.seconds, cpus, args.cases, args.servers, checkouts)
         common.write_json("compare_runs.json", {"machine": machine, "runs": args.runs, **summary})
         for other, cases in summary["mha_serve_over"].items():
             for case, ratio in cases.items():

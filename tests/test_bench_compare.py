@@ -5,6 +5,7 @@ whose ratios it reports)."""
 from __future__ import annotations
 
 import argparse
+import subprocess
 from types import ModuleType
 
 import pytest
@@ -48,3 +49,23 @@ def test_the_summary_reports_the_chosen_cases_only(compare: ModuleType) -> None:
     assert over[f"{one_client[0]}, p50_ms"] == {"median": 1.5, "runs": [2.0, 1.0]}
     assert over[f"{eight[0]}, rps"]["runs"] == [round(100 / 300, 3)] * 2
     assert set(summary["medians"]["mha-serve"]) == {one_client[0], eight[0]}
+
+
+def test_a_base_revision_is_served_from_its_own_checkout(compare: ModuleType, tmp_path) -> None:
+    """`mha-serve @REV` imports its code from the checkout (python -P: not the working tree first),
+    with mha-serve's own flags and none of the name's."""
+    command, env = compare.server_command("mha-serve @abc123", tmp_path / "model", 9000, tmp_path)
+    assert command[1:4] == ["-P", "-m", "service.cli"] and "@abc123" not in command
+    assert env["PYTHONPATH"] == str(tmp_path)
+    ours, ours_env = compare.server_command("mha-serve --lone-spinning false", tmp_path / "model", 9000)
+    assert ours_env["PYTHONPATH"] == str(ROOT) and ours[-2:] == ["--lone-spinning", "false"]
+
+
+def test_a_checkout_holds_the_revision_and_goes_afterwards(compare: ModuleType) -> None:
+    head = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True, text=True, check=True)
+    with compare.checkout("HEAD") as tree:
+        said = subprocess.run(["git", "-C", str(tree), "rev-parse", "HEAD"], capture_output=True, text=True, check=True)
+        assert said.stdout == head.stdout and (tree / "service" / "cli.py").is_file()
+    assert not tree.exists()
+    listed = subprocess.run(["git", "-C", str(ROOT), "worktree", "list"], capture_output=True, text=True, check=True)
+    assert str(tree) not in listed.stdout
