@@ -86,10 +86,10 @@ class Metrics:
     """Every series the service exports; names are a public interface (dashboards, alerts).
     What requests leave is written in `ledger` and applied in bulk before each read."""
 
-    def __init__(self, registry: CollectorRegistry, ledger: Ledger | None = None) -> None:
+    def __init__(self, registry: CollectorRegistry) -> None:
         _disable_created()
         self.registry = registry
-        self.ledger = ledger or Ledger()
+        self.ledger = Ledger()
         registry.register(_FoldFirst(self.ledger))  # type: ignore[arg-type]  # first: it folds before the rest
         for collector in (PROCESS_COLLECTOR, PLATFORM_COLLECTOR, GC_COLLECTOR):  # process_*, python_*: memory, CPU
             registry.register(collector)

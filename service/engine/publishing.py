@@ -78,10 +78,9 @@ class Publisher:
             self.stats.observe_batch(event)
 
     def _fold_answers(self, answers: list[tuple[int, int, float, float]]) -> None:
-        queued = [queue_s for _, _, queue_s, _ in answers]
-        self.metrics.observe_answers(sum(a[0] for a in answers), queued)
-        last_ms = int(max(a[3] for a in answers) * 1e3)
-        self.stats.observe_answers(sum(a[1] for a in answers), queued, last_ms)
+        tokens, rows, queued, answered_at = zip(*answers, strict=True)
+        self.metrics.observe_answers(sum(tokens), queued)
+        self.stats.observe_answers(sum(rows), queued, int(max(answered_at) * 1e3))
 
     def backends(self, chain: BackendChain) -> None:
         """The serving backends (the active one, and the light batches' where they have their
