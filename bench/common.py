@@ -94,6 +94,23 @@ def threads_outside(pgid: int, cpus: set[int]) -> list[str]:
     return outside
 
 
+PROC_STAT = Path("/proc/stat")
+
+
+def cpu_ticks(stat: Path = PROC_STAT) -> tuple[int, int]:
+    """(all ticks, steal ticks) of the machine's CPUs so far, from /proc/stat's first line: user,
+    nice, system, idle, iowait, irq, softirq and steal (guest time is counted in user already)."""
+    fields = [int(v) for v in stat.read_text().split("\n", 1)[0].split()[1:9]]
+    return sum(fields), fields[7] if len(fields) > 7 else 0
+
+
+def steal_pct(before: tuple[int, int], after: tuple[int, int]) -> float:
+    """The share of the CPUs' time between two cpu_ticks() that the hypervisor gave to others
+    (steal), in percent: on a shared VM, the measure of a spell that says how far to trust it."""
+    ticks, steal = after[0] - before[0], after[1] - before[1]
+    return round(100.0 * steal / ticks, 1) if ticks > 0 else 0.0
+
+
 CPU_DMA_LATENCY = Path("/dev/cpu_dma_latency")  # Linux PM QoS: the deepest idle wake-up latency allowed
 CPUIDLE = Path("/sys/devices/system/cpu/cpuidle")
 HALT_POLL = Path("/sys/module/haltpoll/parameters/guest_halt_poll_ns")

@@ -37,6 +37,10 @@ CPUs poll, it only takes a CPU from the client (bench/RESULTS.md, eleventh sessi
 fewer servers, each visit of mha-serve and the next of another lie closer in time, and short
 runs (`--runs 30 --seconds 1`) put many such pairs in one verdict.
 
+Every visit also records `steal_pct`: the share of the machine's CPU time the hypervisor gave to
+other guests while it ran (/proc/stat), and an interleaved comparison reports its median and
+maximum over the visits: on a shared VM the one number that says how loaded a spell was.
+
 `--base REV` adds mha-serve as it was at git revision REV (checked out into a temporary worktree
 and served from there: `mha-serve @REV`) to an interleaved comparison: a change's effect, before
 against after in one run, where two sets measured apart differ by more than most changes do
@@ -195,13 +199,14 @@ def measure(
             rows["threads outside the servers' CPUs"] = outside  # type: ignore[assignment]
         run_load(url, 1, 1.0, [64])  # warm-up
         for case, B, T, clients in CASES:
-            before = group_cpu_seconds(proc.pid)
+            before, ticks = group_cpu_seconds(proc.pid), common.cpu_ticks()
             result = run_load(url, clients, seconds, [T], batch=B)
             cpu = group_cpu_seconds(proc.pid) - before
             rows[case] = {
                 "p50_ms": round(result.p50_ms, 3),
                 "rps": round(result.throughput_rps, 1),
                 "server_cpu_ms_per_request": round(cpu / max(result.requests, 1) * 1e3, 3),
+                "steal_pct": common.steal_pct(ticks, common.cpu_ticks()),
                 "errors": result.errors,
             }
             log.info("%-20s %-26s %s", name, case, rows[case])
@@ -289,13 +294,14 @@ class Started:
         self.name, self.url = name, f"127.0.0.1:{port}"
 
     def case(self, B: int, T: int, clients: int, seconds: float) -> dict:
-        before = group_cpu_seconds(self.proc.pid)
+        before, ticks = group_cpu_seconds(self.proc.pid), common.cpu_ticks()
         result = run_load(self.url, clients, seconds, [T], batch=B)
         cpu = group_cpu_seconds(self.proc.pid) - before
         return {
             "p50_ms": result.p50_ms,
             "rps": result.throughput_rps,
             "server_cpu_ms_per_request": cpu / max(result.requests, 1) * 1e3,
+            "steal_pct": common.steal_pct(ticks, common.cpu_ticks()),
         }
 
     def stop(self) -> None:
@@ -406,7 +412,9 @@ def summarize(per_run: dict[str, dict[str, list[dict]]], cases: list[Case] = CAS
                     "median": round(statistics.median(cpu), 3),
                     "runs": [round(r, 3) for r in cpu],
                 }
-    return {"medians": medians, "mha_serve_over": ratios}
+    steal = [r.get("steal_pct", 0.0) for cases in per_run.values() for rows in cases.values() for r in rows]
+    spell = {"median": round(statistics.median(steal), 1), "max": max(steal)} if steal else {}
+    return {"medians": medians, "mha_serve_over": ratios, "steal_pct": spell}
 
 
 def main() -> int:
@@ -465,6 +473,8 @@ def _run(
         for other, cases in summary["mha_serve_over"].items():
             for case, ratio in cases.items():
                 log.info("mha-serve / %s, %s: median %.3f, runs %s", other, case, ratio["median"], ratio["runs"])
+        if spell := summary["steal_pct"]:
+            log.info("CPU time the host took (steal) during the visits: median %.1f %%, max %.1f %%", *spell.values())
         return 0
     results: dict[str, object] = {"machine": machine}
     servers: dict[str, dict] = {}

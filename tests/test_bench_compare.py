@@ -69,3 +69,28 @@ def test_a_checkout_holds_the_revision_and_goes_afterwards(compare: ModuleType) 
     assert not tree.exists()
     listed = subprocess.run(["git", "-C", str(ROOT), "worktree", "list"], capture_output=True, text=True, check=True)
     assert str(tree) not in listed.stdout
+
+
+def test_the_host_s_steal_is_read_as_proc_stat_writes_it(compare: ModuleType, tmp_path) -> None:
+    common = compare.common
+    stat = tmp_path / "stat"
+    # user nice system idle iowait irq softirq steal guest guest_nice (guest: inside user already)
+    stat.write_text("cpu  100 0 50 800 0 0 0 50 40 0\ncpu0 50 0 25 400 0 0 0 25 20 0\nintr 1 2\n")
+    before = common.cpu_ticks(stat)
+    assert before == (1000, 50)
+    stat.write_text("cpu  400 0 150 1200 0 0 0 250 90 0\ncpu0 1 1 1 1 1 1 1 1 1 1\n")
+    after = common.cpu_ticks(stat)
+    assert common.steal_pct(before, after) == 20.0  # 200 of 1,000 ticks
+    assert common.steal_pct(after, after) == 0.0  # no time passed: nothing to divide
+    ticks, steal = common.cpu_ticks()  # this machine's, as the comparison reads it
+    assert ticks > 0 and 0 <= steal <= ticks
+
+
+def test_the_summary_says_how_much_cpu_the_host_took(compare: ModuleType) -> None:
+    one_client = compare.CASES[0]
+    calm = {"p50_ms": 1.0, "rps": 100.0, "server_cpu_ms_per_request": 1.0, "steal_pct": 1.0}
+    stolen = {**calm, "steal_pct": 30.0}
+    per_run = {"mha-serve": {one_client[0]: [calm, stolen, calm]}, "floor: no compute": {one_client[0]: [calm] * 3}}
+    summary = compare.summarize(per_run, [one_client])
+    assert summary["steal_pct"] == {"median": 1.0, "max": 30.0}
+    assert summary["medians"]["mha-serve"][one_client[0]]["steal_pct"] == 1.0
