@@ -41,6 +41,11 @@ Every visit also records `steal_pct`: the share of the machine's CPU time the hy
 other guests while it ran (/proc/stat), and an interleaved comparison reports its median and
 maximum over the visits: on a shared VM the one number that says how loaded a spell was.
 
+`--max-steal PCT` measures a visit again (up to three times in all, the least stolen-from kept)
+while the host took more than PCT percent of the CPU time: the same rule for every server, so
+that a burst of the neighbours' load does not decide a run; the summary counts the visits
+measured again.
+
 `--base REV` adds mha-serve as it was at git revision REV (checked out into a temporary worktree
 and served from there: `mha-serve @REV`) to an interleaved comparison: a change's effect, before
 against after in one run, where two sets measured apart differ by more than most changes do
@@ -48,7 +53,7 @@ against after in one run, where two sets measured apart differ by more than most
 
 usage: python bench/compare.py [--seconds 5] [--runs 1] [--model-dir models/default]
                                [--server-cpus LIST --client-cpus LIST] [--cases 1,4] [--servers NAMES]
-                               [--cpu-latency-qos] [--base REV]
+                               [--cpu-latency-qos] [--base REV] [--max-steal PCT]
 """
 
 from __future__ import annotations
@@ -68,6 +73,7 @@ import time
 from collections.abc import Iterator
 from multiprocessing import shared_memory
 from pathlib import Path
+from typing import Protocol
 
 import common
 import grpc
@@ -315,6 +321,29 @@ class Started:
 Case = tuple[str, int, int, int]  # (name, B, T, clients)
 
 
+class Visited(Protocol):
+    def case(self, B: int, T: int, clients: int, seconds: float) -> dict: ...
+
+
+STEAL_TRIES = 3  # visits of one server and case, at most, when the host takes more than --max-steal
+
+
+def visit(server: Visited, case: Case, seconds: float, max_steal: float | None) -> dict:
+    """One server's measurement of one case. With `max_steal`, a visit during which the host took
+    more of the CPUs' time than that (steal, in percent) is measured again, up to STEAL_TRIES
+    times in all, whichever the server: the one kept is the least stolen from, with how many
+    `tries` were made."""
+    _, B, T, clients = case
+    kept: dict = {}
+    for tries in range(1, STEAL_TRIES + 1):
+        row = server.case(B, T, clients, seconds)
+        if not kept or row["steal_pct"] < kept["steal_pct"]:
+            kept = row
+        if max_steal is None or row["steal_pct"] <= max_steal:
+            break
+    return {**kept, "tries": tries}
+
+
 def interleaved(
     model_dir: Path,
     runs: int,
@@ -323,6 +352,7 @@ def interleaved(
     cases: list[Case] = CASES,
     names: tuple[str, ...] = SERVERS,
     checkouts: dict[str, Path] | None = None,
+    max_steal: float | None = None,
 ) -> dict:
     """Every server up at once; `runs` rounds, each visiting every case on every server in turn.
     The servers start one after the other, each once the one before is ready: a server that
@@ -345,9 +375,9 @@ def interleaved(
             run_load(server.url, 1, 1.0, [64])  # warm-up
             per_run[server.name] = {case: [] for case, *_ in cases}
         for run in range(runs):
-            for case, B, T, clients in cases:
+            for case in cases:
                 for server in started:
-                    per_run[server.name][case].append(server.case(B, T, clients, seconds))
+                    per_run[server.name][case[0]].append(visit(server, case, seconds, max_steal))
             log.info("run %d of %d done", run + 1, runs)
     finally:
         for server in started:
@@ -412,8 +442,11 @@ def summarize(per_run: dict[str, dict[str, list[dict]]], cases: list[Case] = CAS
                     "median": round(statistics.median(cpu), 3),
                     "runs": [round(r, 3) for r in cpu],
                 }
-    steal = [r.get("steal_pct", 0.0) for cases in per_run.values() for rows in cases.values() for r in rows]
+    visits = [r for cases in per_run.values() for rows in cases.values() for r in rows]
+    steal = [r.get("steal_pct", 0.0) for r in visits]
     spell = {"median": round(statistics.median(steal), 1), "max": max(steal)} if steal else {}
+    if retried := sum(r.get("tries", 1) > 1 for r in visits):
+        spell["visits measured again"] = retried
     return {"medians": medians, "mha_serve_over": ratios, "steal_pct": spell}
 
 
@@ -430,13 +463,19 @@ def main() -> int:
         "--cpu-latency-qos", action="store_true", help="idle CPUs poll instead of halting while it runs (needs root)"
     )
     parser.add_argument("--base", help="with --runs: mha-serve at this git revision too (`mha-serve @REV`)")
+    parser.add_argument(
+        "--max-steal",
+        type=float,
+        help=f"with --runs: measure a visit again (up to {STEAL_TRIES} in all) while the host took more than this "
+        "percent of the CPUs' time",
+    )
     args = parser.parse_args()
     if (args.server_cpus is None) != (args.client_cpus is None) or (args.server_cpus or set()) & (
         args.client_cpus or set()
     ):
         parser.error("--server-cpus and --client-cpus go together, and name CPUs apart")
-    if args.runs == 1 and (args.cases is not CASES or args.servers is not SERVERS or args.base):
-        parser.error("--cases, --servers and --base shape an interleaved comparison: give --runs 2 or more")
+    if args.runs == 1 and (args.cases is not CASES or args.servers is not SERVERS or args.base or args.max_steal):
+        parser.error("--cases, --servers, --base and --max-steal shape an interleaved comparison: give --runs 2 or more")
     model_dir, cpus = args.model_dir.resolve(), args.server_cpus
     machine = f"{socket.gethostname()}: {len(os.sched_getaffinity(0))} CPUs, {common.idle_policy()}"
     if args.cpu_latency_qos:
@@ -468,13 +507,15 @@ def _run(
     args: argparse.Namespace, model_dir: Path, cpus: set[int] | None, machine: str, checkouts: dict[str, Path]
 ) -> int:
     if args.runs > 1:
-        summary = interleaved(model_dir, args.runs, args.seconds, cpus, args.cases, args.servers, checkouts)
+        summary = interleaved(
+            model_dir, args.runs, args.seconds, cpus, args.cases, args.servers, checkouts, args.max_steal
+        )
         common.write_json("compare_runs.json", {"machine": machine, "runs": args.runs, **summary})
         for other, cases in summary["mha_serve_over"].items():
             for case, ratio in cases.items():
                 log.info("mha-serve / %s, %s: median %.3f, runs %s", other, case, ratio["median"], ratio["runs"])
         if spell := summary["steal_pct"]:
-            log.info("CPU time the host took (steal) during the visits: median %.1f %%, max %.1f %%", *spell.values())
+            log.info("CPU time the host took (steal) during the visits kept: %s", spell)
         return 0
     results: dict[str, object] = {"machine": machine}
     servers: dict[str, dict] = {}

@@ -94,3 +94,36 @@ def test_the_summary_says_how_much_cpu_the_host_took(compare: ModuleType) -> Non
     summary = compare.summarize(per_run, [one_client])
     assert summary["steal_pct"] == {"median": 1.0, "max": 30.0}
     assert summary["medians"]["mha-serve"][one_client[0]]["steal_pct"] == 1.0
+
+
+class _Scripted:
+    """A server whose visits find the host taking these shares of the CPUs, in turn."""
+
+    def __init__(self, steals: list[float]) -> None:
+        self.steals, self.visits = list(steals), 0
+
+    def case(self, B: int, T: int, clients: int, seconds: float) -> dict:
+        self.visits += 1
+        return {"p50_ms": float(self.visits), "steal_pct": self.steals.pop(0)}
+
+
+def test_a_visit_the_host_stole_from_is_measured_again_and_the_least_stolen_kept(compare: ModuleType) -> None:
+    case = compare.CASES[0]
+    calm = _Scripted([1.0, 50.0])
+    assert compare.visit(calm, case, 1.0, max_steal=5.0) == {"p50_ms": 1.0, "steal_pct": 1.0, "tries": 1}
+    assert calm.visits == 1
+    burst = _Scripted([30.0, 2.0, 0.0])
+    assert compare.visit(burst, case, 1.0, max_steal=5.0) == {"p50_ms": 2.0, "steal_pct": 2.0, "tries": 2}
+    stormy = _Scripted([30.0, 10.0, 20.0, 0.0])  # never under the bound: three visits, the calmest kept
+    assert compare.visit(stormy, case, 1.0, max_steal=5.0) == {"p50_ms": 2.0, "steal_pct": 10.0, "tries": 3}
+    assert stormy.visits == compare.STEAL_TRIES
+    unbounded = _Scripted([90.0])  # without --max-steal every visit counts as it came
+    assert compare.visit(unbounded, case, 1.0, max_steal=None)["steal_pct"] == 90.0
+
+
+def test_the_summary_counts_the_visits_measured_again(compare: ModuleType) -> None:
+    one_client = compare.CASES[0]
+    row = {"p50_ms": 1.0, "rps": 100.0, "server_cpu_ms_per_request": 1.0, "steal_pct": 1.0, "tries": 1}
+    again = {**row, "tries": 3}
+    summary = compare.summarize({"mha-serve": {one_client[0]: [row, again, again]}}, [one_client])
+    assert summary["steal_pct"]["visits measured again"] == 2
