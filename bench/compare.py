@@ -334,14 +334,10 @@ def visit(server: Visited, case: Case, seconds: float, max_steal: float | None) 
     times in all, whichever the server: the one kept is the least stolen from, with how many
     `tries` were made."""
     _, B, T, clients = case
-    kept: dict = {}
-    for tries in range(1, STEAL_TRIES + 1):
-        row = server.case(B, T, clients, seconds)
-        if not kept or row["steal_pct"] < kept["steal_pct"]:
-            kept = row
-        if max_steal is None or row["steal_pct"] <= max_steal:
-            break
-    return {**kept, "tries": tries}
+    rows = [server.case(B, T, clients, seconds)]
+    while max_steal is not None and rows[-1]["steal_pct"] > max_steal and len(rows) < STEAL_TRIES:
+        rows.append(server.case(B, T, clients, seconds))
+    return {**min(rows, key=lambda row: row["steal_pct"]), "tries": len(rows)}
 
 
 def interleaved(
@@ -475,7 +471,9 @@ def main() -> int:
     ):
         parser.error("--server-cpus and --client-cpus go together, and name CPUs apart")
     if args.runs == 1 and (args.cases is not CASES or args.servers is not SERVERS or args.base or args.max_steal):
-        parser.error("--cases, --servers, --base and --max-steal shape an interleaved comparison: give --runs 2 or more")
+        parser.error(
+            "--cases, --servers, --base and --max-steal shape an interleaved comparison: give --runs 2 or more"
+        )
     model_dir, cpus = args.model_dir.resolve(), args.server_cpus
     machine = f"{socket.gethostname()}: {len(os.sched_getaffinity(0))} CPUs, {common.idle_policy()}"
     if args.cpu_latency_qos:
