@@ -49,11 +49,28 @@ async def alone_and_small(shape: tuple[int, ...], inline_max_mflop: float, alone
     then no request waits for the loop while it computes, and the thread hop (a future, a wake-up
     of the worker and one of the loop: about 0.1 ms) is saved. One turn of the loop first lets
     requests that have already arrived show up; then the batch goes to the worker thread instead,
-    and they gather while it computes. Shared by the batcher and the step batcher."""
+    and they gather while it computes. A turn that would run nothing (`nothing_pending`) is not
+    taken: the request is alone as it stands. Shared by the batcher and the step batcher."""
     if batch_mflop(*shape[:3]) > inline_max_mflop or not alone():
         return False
+    if nothing_pending(asyncio.get_running_loop()):
+        return True
     await asyncio.sleep(0)
     return alone()
+
+
+def nothing_pending(loop: asyncio.AbstractEventLoop) -> bool:
+    """Would a turn of `loop` run nothing now: no callback ready, no timer due, nothing to read
+    on the files it watches (gRPC's completion queue signals a call to hand over through one)?
+    Peeks at asyncio's own loop: its ready queue, its timers and a zero-timeout poll of its
+    selector, which is level-triggered, so the next turn still sees what the peek saw. Of any
+    other loop (uvloop) nothing is known: False, and the turn is taken."""
+    ready, timers, selector = (getattr(loop, name, None) for name in ("_ready", "_scheduled", "_selector"))
+    if ready is None or timers is None or selector is None:
+        return False
+    if ready or (timers and timers[0].when() <= loop.time()):
+        return False
+    return not selector.select(0)
 
 
 P = TypeVar("P")  # what a waiting request carries

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import socket
 import threading
 from collections.abc import Callable, Coroutine
 from concurrent.futures import ThreadPoolExecutor
@@ -24,7 +25,18 @@ from model import MHAConfig
 from model.checkpoint import init_weights, load_checkpoint
 from model.reference import attention_view, relative_error
 from service.backends.pytorch import TorchBackend
-from service.batching import BatcherConfig, BatchEvent, batch_event, batch_mflop, form_at, merge, plan_batch, split
+from service.batching import (
+    BatcherConfig,
+    BatchEvent,
+    alone_and_small,
+    batch_event,
+    batch_mflop,
+    form_at,
+    merge,
+    nothing_pending,
+    plan_batch,
+    split,
+)
 from service.client.client import InferenceError, MHAClient
 from service.engine.batcher import LONE_CLIENT_S, Batcher, RunBatch
 from service.errors import DeadlineExceeded, Overloaded
@@ -645,6 +657,60 @@ def test_a_request_arriving_in_the_next_turn_of_the_loop_ends_a_lone_client_at_o
         await batcher.submit(_x(1, 4))  # alone again, but the server was crowded just now
 
     assert _routes(scenario, replace(CFG, inline_max_mflop=1.0)) == ["batch", "batch"]
+
+
+def test_a_turn_of_the_loop_is_pending_while_a_callback_a_due_timer_or_a_readable_file_waits() -> None:
+    """nothing_pending peeks at what a turn of the loop would run, and consumes none of it."""
+
+    async def main() -> list[bool]:
+        loop = asyncio.get_running_loop()
+        seen = [nothing_pending(loop)]  # idle
+        handle = loop.call_soon(lambda: None)
+        seen.append(nothing_pending(loop))  # a callback ready
+        handle.cancel()
+        await asyncio.sleep(0)  # the cancelled handle leaves the ready queue
+        later = loop.call_later(60, lambda: None)
+        seen.append(nothing_pending(loop))  # a timer, not due
+        due = loop.call_at(loop.time() - 1, lambda: None)
+        seen.append(nothing_pending(loop))  # a timer due
+        due.cancel()
+        later.cancel()
+        await asyncio.sleep(0)
+        reader, writer = socket.socketpair()
+        got = asyncio.Event()
+        loop.add_reader(reader, lambda: (reader.recv(1), got.set()))
+        seen.append(nothing_pending(loop))  # watched, nothing to read
+        writer.send(b"x")
+        seen.append(nothing_pending(loop))  # something to read: gRPC handing over a call
+        seen.append(nothing_pending(loop))  # ... still there: the peek took nothing
+        await asyncio.wait_for(got.wait(), 5)  # the loop's own turn reads it
+        loop.remove_reader(reader)
+        reader.close(), writer.close()
+        return seen
+
+    assert asyncio.run(main()) == [True, False, True, False, True, False, False]
+    assert nothing_pending(object()) is False  # type: ignore[arg-type]  # a loop it cannot see into (uvloop)
+
+
+def test_a_small_request_alone_skips_a_turn_that_would_run_nothing() -> None:
+    """The lone gate gives the loop a turn only when the turn may hand over another call."""
+
+    async def main() -> tuple[bool, object]:
+        idle = alone_and_small((1, 4, 16), 1.0, lambda: True)
+        try:
+            idle.send(None)
+        except StopIteration as stop:  # answered without suspending: no turn
+            answered = stop.value
+        else:
+            idle.close()
+            answered = "suspended"
+        asyncio.get_running_loop().call_soon(lambda: None)
+        busy = alone_and_small((1, 4, 16), 1.0, lambda: True)
+        yielded = busy.send(None)  # suspends: the loop gets its turn first
+        busy.close()
+        return answered, yielded
+
+    assert asyncio.run(main()) == (True, None)
 
 
 def test_a_request_that_meets_another_in_the_server_ends_the_lone_route_for_a_while() -> None:
