@@ -65,8 +65,9 @@ def nothing_pending(loop: asyncio.AbstractEventLoop) -> bool:
     Peeks at asyncio's own loop: its ready queue, its timers and a zero-timeout poll of its
     selector, which is level-triggered, so the next turn still sees what the peek saw. Of any
     other loop (uvloop) nothing is known: False, and the turn is taken."""
-    ready, timers, selector = (getattr(loop, name, None) for name in ("_ready", "_scheduled", "_selector"))
-    if ready is None or timers is None or selector is None:
+    try:
+        ready, timers, selector = loop._ready, loop._scheduled, loop._selector  # type: ignore[attr-defined]
+    except AttributeError:
         return False
     if ready or (timers and timers[0].when() <= loop.time()):
         return False
