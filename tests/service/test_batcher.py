@@ -26,8 +26,10 @@ from model.checkpoint import init_weights, load_checkpoint
 from model.reference import attention_view, relative_error
 from service.backends.pytorch import TorchBackend
 from service.batching import (
+    PEEK_EVERY,
     BatcherConfig,
     BatchEvent,
+    TurnPeek,
     alone_and_small,
     batch_event,
     batch_mflop,
@@ -711,6 +713,24 @@ def test_a_small_request_alone_skips_a_turn_that_would_run_nothing() -> None:
         return answered, yielded
 
     assert asyncio.run(main()) == (True, None)
+
+
+def test_the_gate_peeks_at_the_loop_while_peeks_find_it_idle_and_seldom_once_one_finds_it_busy() -> None:
+    """Under a crowd nearly every peek finds a call being handed over: the turn is taken anyway,
+    and the peek would only add its cost."""
+    answers = iter([True, True, False] + [True] * 20)
+    peeks: list[bool] = []
+
+    def check() -> bool:
+        peeks.append(next(answers))
+        return peeks[-1]
+
+    peek = TurnPeek(check)
+    assert [peek() for _ in range(3)] == [True, True, False]  # gates peek; idle: skip the turn
+    assert [peek() for _ in range(PEEK_EVERY - 1)] == [False] * (PEEK_EVERY - 1)  # busy: the turn
+    assert len(peeks) == 3  # ... without peeking
+    assert peek() is True and len(peeks) == 4  # the next peek finds the crowd gone
+    assert peek() is True and len(peeks) == 5  # ... and gates peek again each time
 
 
 def test_a_request_that_meets_another_in_the_server_ends_the_lone_route_for_a_while() -> None:
