@@ -194,6 +194,22 @@ def wait_ready(url: str, proc: subprocess.Popen[bytes], timeout: float = 180) ->
     raise TimeoutError(f"{url} did not become ready")
 
 
+def load_case(pgid: int, url: str, case: tuple[int, int, int], seconds: float) -> tuple[dict[str, float], dict]:
+    """One case (B, T, clients) against the server leading process group `pgid`: its p50, req/s,
+    server CPU per request and the host's steal meanwhile; and the load's errors by code."""
+    B, T, clients = case
+    before, ticks = group_cpu_seconds(pgid), common.cpu_ticks()
+    result = run_load(url, clients, seconds, [T], batch=B)
+    cpu = group_cpu_seconds(pgid) - before
+    row = {
+        "p50_ms": result.p50_ms,
+        "rps": result.throughput_rps,
+        "server_cpu_ms_per_request": cpu / max(result.requests, 1) * 1e3,
+        "steal_pct": common.steal_pct(ticks, common.cpu_ticks()),
+    }
+    return row, result.errors
+
+
 def measure(
     name: str, command: list[str], env: dict[str, str], url: str, seconds: float, log_path: Path, cpus: set[int] | None
 ) -> dict:
@@ -205,16 +221,8 @@ def measure(
             rows["threads outside the servers' CPUs"] = outside  # type: ignore[assignment]
         run_load(url, 1, 1.0, [64])  # warm-up
         for case, B, T, clients in CASES:
-            before, ticks = group_cpu_seconds(proc.pid), common.cpu_ticks()
-            result = run_load(url, clients, seconds, [T], batch=B)
-            cpu = group_cpu_seconds(proc.pid) - before
-            rows[case] = {
-                "p50_ms": round(result.p50_ms, 3),
-                "rps": round(result.throughput_rps, 1),
-                "server_cpu_ms_per_request": round(cpu / max(result.requests, 1) * 1e3, 3),
-                "steal_pct": common.steal_pct(ticks, common.cpu_ticks()),
-                "errors": result.errors,
-            }
+            row, errors = load_case(proc.pid, url, (B, T, clients), seconds)
+            rows[case] = {**{k: round(v, 3) for k, v in row.items()}, "errors": errors}
             log.info("%-20s %-26s %s", name, case, rows[case])
         if name == "mha-serve":
             rows["(4, 512, 128) 1 client, shared memory"] = shared_memory_case(url, seconds)
@@ -300,15 +308,7 @@ class Started:
         self.name, self.url = name, f"127.0.0.1:{port}"
 
     def case(self, B: int, T: int, clients: int, seconds: float) -> dict:
-        before, ticks = group_cpu_seconds(self.proc.pid), common.cpu_ticks()
-        result = run_load(self.url, clients, seconds, [T], batch=B)
-        cpu = group_cpu_seconds(self.proc.pid) - before
-        return {
-            "p50_ms": result.p50_ms,
-            "rps": result.throughput_rps,
-            "server_cpu_ms_per_request": cpu / max(result.requests, 1) * 1e3,
-            "steal_pct": common.steal_pct(ticks, common.cpu_ticks()),
-        }
+        return load_case(self.proc.pid, self.url, (B, T, clients), seconds)[0]
 
     def stop(self) -> None:
         os.killpg(self.proc.pid, signal.SIGTERM)

@@ -43,6 +43,21 @@ def batch_mflop(rows: int, seq: int, width: int) -> float:
     return (8 * rows * seq * width * width + 4 * rows * seq * seq * width) / 1e6
 
 
+def nothing_pending(loop: asyncio.AbstractEventLoop) -> bool:
+    """Would a turn of `loop` run nothing now: no callback ready, no timer due, nothing to read
+    on the files it watches (gRPC's completion queue signals a call to hand over through one)?
+    Peeks at asyncio's own loop: its ready queue, its timers and a zero-timeout poll of its
+    selector, which is level-triggered, so the next turn still sees what the peek saw. Of any
+    other loop (uvloop) nothing is known: False, and the turn is taken."""
+    try:
+        ready, timers, selector = loop._ready, loop._scheduled, loop._selector  # type: ignore[attr-defined]
+    except AttributeError:
+        return False
+    if ready or (timers and timers[0].when() <= loop.time()):
+        return False
+    return not selector.select(0)
+
+
 def loop_idle() -> bool:
     """nothing_pending() of the running loop."""
     return nothing_pending(asyncio.get_running_loop())
@@ -87,21 +102,6 @@ class TurnPeek:
         idle = self._check()
         self._since_busy = 0 if idle else 1
         return idle
-
-
-def nothing_pending(loop: asyncio.AbstractEventLoop) -> bool:
-    """Would a turn of `loop` run nothing now: no callback ready, no timer due, nothing to read
-    on the files it watches (gRPC's completion queue signals a call to hand over through one)?
-    Peeks at asyncio's own loop: its ready queue, its timers and a zero-timeout poll of its
-    selector, which is level-triggered, so the next turn still sees what the peek saw. Of any
-    other loop (uvloop) nothing is known: False, and the turn is taken."""
-    try:
-        ready, timers, selector = loop._ready, loop._scheduled, loop._selector  # type: ignore[attr-defined]
-    except AttributeError:
-        return False
-    if ready or (timers and timers[0].when() <= loop.time()):
-        return False
-    return not selector.select(0)
 
 
 P = TypeVar("P")  # what a waiting request carries

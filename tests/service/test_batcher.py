@@ -687,7 +687,8 @@ def test_a_turn_of_the_loop_is_pending_while_a_callback_a_due_timer_or_a_readabl
         seen.append(nothing_pending(loop))  # ... still there: the peek took nothing
         await asyncio.wait_for(got.wait(), 5)  # the loop's own turn reads it
         loop.remove_reader(reader)
-        reader.close(), writer.close()
+        reader.close()
+        writer.close()
         return seen
 
     assert asyncio.run(main()) == [True, False, True, False, True, False, False]
