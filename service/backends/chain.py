@@ -77,10 +77,11 @@ class Bench:
         self.health = {b.name: _Health() for b in backends}
         self._probe, self._threshold, self._cooldown, self._clock = probe, threshold, cooldown_s, clock
         self.changes = 0
+        self._benched = 0  # backends benched now: read after every batch, so kept, not counted
 
     @property
     def any(self) -> bool:
-        return any(h.benched_until for h in self.health.values())
+        return self._benched > 0
 
     def in_service(self, backend: Backend) -> bool:
         return self.health[backend.name].benched_until == 0.0
@@ -107,6 +108,7 @@ class Bench:
         if ok:
             log.info("backend %s passed its probe after the cool-down (%s); serving again", backend.name, why)
             health.benched_until, health.consecutive_failures = 0.0, 0
+            self._benched -= 1
             return True
         log.warning("backend %s failed its probe after the cool-down (%s); benched again", backend.name, why)
         health.benched_until = self._clock() + self._cooldown
@@ -118,6 +120,7 @@ class Bench:
         if health.consecutive_failures >= self._threshold and health.benched_until == 0.0:
             health.benched_until = self._clock() + self._cooldown
             self.changes += 1
+            self._benched += 1
             log.warning(
                 "backend %s benched for %.0f s after %d consecutive failures",
                 backend.name,

@@ -93,6 +93,7 @@ class OrtCpuBackend(Backend):
         log.debug("ORT-CPU serves %s with rewrites: %s", model_path.name, ", ".join(self.rewrites) or "none")
         self._session = _load_session(model_path, _cpu_options(threads, spinning), ["CPUExecutionProvider"], graph)
         self._input = self._session.get_inputs()[0].name
+        self._outputs = [self._session.get_outputs()[0].name]  # named: ORT lists them on every run otherwise
         self.threads = threads
         self._shrink = ort.RunOptions()
         self._shrink.add_run_config_entry("memory.enable_memory_arena_shrinkage", "cpu:0")
@@ -124,17 +125,18 @@ class OrtCpuBackend(Backend):
     def run_alone(self, x: np.ndarray) -> np.ndarray:
         if self._lone is None:
             return self.run(x)
-        return self._lone.run(None, {self._input: x}, self._options(x))[0]
+        return self._lone.run(self._outputs, {self._input: x}, self._options(x))[0]
 
     def run(self, x: np.ndarray) -> np.ndarray:
         tokens = int(x.shape[0]) * int(x.shape[1])
         if self._single is not None and tokens <= self.single_max_tokens:
-            return self._single.run(None, {self._input: x})[0]
-        return self._session.run(None, {self._input: x}, self._options(x))[0]
+            return self._single.run(self._outputs, {self._input: x})[0]
+        return self._session.run(self._outputs, {self._input: x}, self._options(x))[0]
 
     def _options(self, x: np.ndarray) -> ort.RunOptions | None:
         """A pool's run of (B, T, C): a large one hands its arena memory back afterwards."""
-        return self._shrink if int(x.shape[0]) * int(x.shape[1]) ** 2 >= SHRINK_CELLS else None
+        rows, seq = x.shape[:2]  # numpy's shapes are Python ints
+        return self._shrink if rows * seq * seq >= SHRINK_CELLS else None
 
     def _crossover(self, width: int) -> int:
         """The largest T of (1, T, C), among powers of 4, up to which one thread is chosen."""

@@ -11,7 +11,7 @@ import asyncio
 import logging
 from collections.abc import Callable
 from concurrent.futures import Executor
-from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 
@@ -38,8 +38,7 @@ RunBatch = Callable[[np.ndarray], tuple[np.ndarray, str]]  # (B, T, C) -> ((B, T
 LONE_CLIENT_S = 1.0  # no request has met another in the server for this long: a lone client's requests
 
 
-@dataclass(frozen=True)
-class Timing:
+class Timing(NamedTuple):
     """What a request learns of the batch it rode in."""
 
     queue_s: float  # enqueued -> its batch started computing

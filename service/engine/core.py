@@ -114,10 +114,10 @@ class InferenceCore:
         s = self.settings
         batcher = Batcher(
             _batching(s, model, one_core=_one_core(s, chain.active.device)),
-            run_batch=self._run_batch,
-            run_lone=partial(self._run_batch, alone=True),
+            run_batch=partial(_run_batch, chain),
+            run_lone=partial(_run_batch, chain, alone=True),
             executor=self._executor,
-            on_batch=lambda event: self.publish.batch(event, self.loaded.chain),
+            on_batch=partial(self.publish.batch, chain=chain),
             in_flight=lambda: self.requests.count,
             clock=self.clock,
             current_trace=self.tracing.current if self.tracing.enabled else None,
@@ -135,11 +135,6 @@ class InferenceCore:
             self.metrics.init_fallbacks([b.name for b in order], REASONS)
         self.publish.backends(chain)
         self._set_state(State.READY)
-
-    def _run_batch(self, x: np.ndarray, alone: bool = False) -> tuple[np.ndarray, str]:
-        """`alone`: a lone client's small request, on the event loop (the backend's fastest way)."""
-        y, backend = self.loaded.chain.run(x, alone)
-        return y, backend.name
 
     def serving_ok(self) -> bool:
         """Ready for traffic: loaded, and on the required device (--require-device) if any. The one
@@ -159,8 +154,10 @@ class InferenceCore:
     async def infer(self, x: np.ndarray, deadline: float | None) -> tuple[np.ndarray, Timing]:
         """(B, T, C) -> (B, T, C) through the queue; `deadline` is on `self.clock`."""
         self._check_ready()
-        self._check_magnitude(x)
-        y, timing = await self.loaded.batcher.submit(x, deadline)
+        loaded = self.loaded
+        if (bound := loaded.model.magnitude) is not None:
+            bound.check(x)
+        y, timing = await loaded.batcher.submit(x, deadline)
         if not all_finite(y):  # the chain found this input to blame (see BackendChain)
             raise InvalidInput(not_finite(x))
         self.publish.answered(x.shape, timing.queue_s)
@@ -212,6 +209,13 @@ class InferenceCore:
         if self._loaded is not None:
             for backend in self._loaded.chain.backends:
                 backend.close()
+
+
+def _run_batch(chain: BackendChain, x: np.ndarray, alone: bool = False) -> tuple[np.ndarray, str]:
+    """(B, T, C) through the chain; `alone`: a lone client's small request, on the event loop
+    (the backend's fastest way)."""
+    y, backend = chain.run(x, alone)
+    return y, backend.name
 
 
 def load_model(

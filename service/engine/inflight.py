@@ -9,22 +9,30 @@ import asyncio
 class InFlight:
     def __init__(self) -> None:
         self.count = 0
-        self._idle = asyncio.Event()  # set while count is 0
-        self._idle.set()
+        self._idle: list[asyncio.Future[None]] = []  # drains waiting for the count to reach 0
 
     def started(self) -> None:
         self.count += 1
-        self._idle.clear()
 
     def finished(self) -> None:
         self.count -= 1
-        if self.count == 0:
-            self._idle.set()
+        if self.count == 0 and self._idle:  # a drain waits: rare, so a request pays one test for it
+            for waiter in self._idle:
+                if not waiter.done():
+                    waiter.set_result(None)
+            self._idle.clear()
 
     async def wait_idle(self, timeout_s: float) -> bool:
         """Wait until no inference request is in the server; False if `timeout_s` passed first."""
+        if self.count == 0:
+            return True
+        waiter = asyncio.get_running_loop().create_future()
+        self._idle.append(waiter)
         try:
-            await asyncio.wait_for(self._idle.wait(), timeout_s)
+            await asyncio.wait_for(waiter, timeout_s)
         except TimeoutError:
             return False
+        finally:
+            if waiter in self._idle:
+                self._idle.remove(waiter)
         return True

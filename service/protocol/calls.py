@@ -11,7 +11,6 @@ Unary scopes abort the call with the mapped status; stream-item scopes keep the 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import contextvars
 import logging
 import time
@@ -32,11 +31,12 @@ if TYPE_CHECKING:
     from service.engine.core import InferenceCore
 
 log = logging.getLogger(__name__)
+LEFT = (asyncio.CancelledError, GeneratorExit)  # the client left, or its deadline passed
 
 ClosedCall = tuple[str, grpc.StatusCode, float, bool, str]  # method, code, seconds, inference, trace id or ""
 
 
-@dataclass
+@dataclass(slots=True)
 class Call:
     method: str
     request_id: str
@@ -123,8 +123,9 @@ class Calls:
         self._book.add((call.method, call.code, elapsed, call.inference, (span.trace_id or "") if span else ""))
         if span is not None:
             after_answer(self._end_span, call)
-        level = logging.DEBUG if call.ok else logging.INFO  # a client's mistake or leaving; faults: in failed()
-        if (call.inference or not call.ok) and log.isEnabledFor(level):  # no record built that nobody reads
+        ok = call.code is grpc.StatusCode.OK
+        level = logging.DEBUG if ok else logging.INFO  # a client's mistake or leaving; faults: in failed()
+        if (call.inference or not ok) and log.isEnabledFor(level):  # no record built that nobody reads
             after_answer(self._log, call, elapsed, level)
 
     def _fold(self, records: list[ClosedCall]) -> None:
@@ -194,17 +195,21 @@ class _Scope:
         return self.call
 
     def _exit(self, exc: BaseException | None, record: bool = True) -> None:
-        if isinstance(exc, asyncio.CancelledError | GeneratorExit):  # the client left, or its deadline passed
-            self.call.code = _ended_code(self._context)
-        elif exc is not None:
-            self._calls.failed(self.call, exc)
-        if self.call.span is not None:
-            self.call.span.detach()  # in the task that attached it; the span may end later (settle)
+        call = self.call
+        if exc is not None:
+            if isinstance(exc, LEFT):
+                call.code = _ended_code(self._context)
+            else:
+                self._calls.failed(call, exc)
+        if call.span is not None:
+            call.span.detach()  # in the task that attached it; the span may end later (settle)
         if record:
-            self._calls.closed(self.call)
+            self._calls.closed(call)
         if self._token is not None:
-            with contextlib.suppress(ValueError):  # a stream's generator closed from another task's context
+            try:  # noqa: SIM105 (contextlib.suppress: an object and two calls on every call's path)
                 request_id_var.reset(self._token)
+            except ValueError:  # a stream's generator closed from another task's context
+                pass
 
 
 class UnaryScope(_Scope):
@@ -214,7 +219,7 @@ class UnaryScope(_Scope):
         self, typ: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
         self._exit(exc)
-        if isinstance(exc, Exception):
+        if exc is not None and isinstance(exc, Exception):
             assert self._context is not None, "a unary scope has a gRPC context"
             await self._context.abort(self.call.code, self.call.message)
 
@@ -239,7 +244,7 @@ class StreamItemScope(_Scope):
     async def __aexit__(
         self, typ: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> bool:
-        self._exit(exc, record=isinstance(exc, asyncio.CancelledError | GeneratorExit))
+        self._exit(exc, record=isinstance(exc, LEFT))
         return isinstance(exc, Exception)
 
     def settle(self, delivered: bool) -> None:

@@ -3,12 +3,14 @@ never refused, and an input beyond the magnitude bound, or holding NaN or inf, n
 
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from service.arrays import ONE_PASS_MAX, all_finite
+from service.arrays import ONE_PASS_MAX, all_finite, sum_of_squares
 from service.engine.magnitude import MagnitudeBound
 from service.errors import InvalidInput
 
@@ -61,3 +63,16 @@ def test_the_shortcut_covers_the_small_requests_it_is_for() -> None:
     assert 64 * 128 <= ONE_PASS_MAX
     with pytest.raises(InvalidInput):
         MagnitudeBound(max_abs=10.0, precision="fp32").check(np.full((1, 64, 128), 10.5, np.float32))
+
+
+def test_an_overflowing_sum_of_squares_is_an_answer_not_a_fault() -> None:
+    """The one-pass sum overflows for large finite inputs; that must neither raise nor warn (a
+    RuntimeWarning per request in the logs), whatever numpy's error state is: np.vdot does not
+    check the floating-point flags (np.dot does: it would need np.errstate around it)."""
+    huge = np.full((1, 64, 128), 3e38, np.float32)
+    with warnings.catch_warnings(), np.errstate(all="raise"):
+        warnings.simplefilter("error")
+        assert sum_of_squares(huge) == np.inf
+        assert np.isnan(sum_of_squares(np.full((1, 2, 8), np.nan, np.float32)))
+        assert all_finite(huge)
+        MagnitudeBound(max_abs=1e39, precision="fp32").check(huge)  # within this bound: not refused

@@ -330,7 +330,7 @@ def test_chain_falls_back_benches_and_recovers(small_model_dir: Path) -> None:
         y, used = chain.run(x)
         assert used is second and relative_error(torch.from_numpy(y), ref) < 1e-5
     assert fallbacks == [("ort-cpu", "torch-cpu", "error")] * 2
-    assert chain.benched() == ["ort-cpu"] and chain.active is second
+    assert chain.benched() == ["ort-cpu"] and chain.active is second and chain.bench.any
 
     calls = first.calls
     chain.run(x)  # benched: not even tried
@@ -338,12 +338,12 @@ def test_chain_falls_back_benches_and_recovers(small_model_dir: Path) -> None:
 
     clock.now += 11  # cool-down over, still broken: the probe fails, benched again
     chain.run(x)
-    assert first.calls == calls + 1 and chain.benched() == ["ort-cpu"]
+    assert first.calls == calls + 1 and chain.benched() == ["ort-cpu"] and chain.bench.any
 
     first.broken = False
     clock.now += 11  # cool-down over, repaired: the probe passes and it serves again
     y, used = chain.run(x)
-    assert used is first and chain.benched() == [] and chain.active is first
+    assert used is first and chain.benched() == [] and chain.active is first and not chain.bench.any
     assert relative_error(torch.from_numpy(y), ref) < 1e-5
 
 
