@@ -13,6 +13,7 @@ import onnxruntime as ort
 
 from service.backends.base import Backend, BackendLoadError
 from service.backends.crossover import measure_crossover
+from service.cpus import YIELDING_NICE, own_threads, yield_to_others
 
 log = logging.getLogger(__name__)
 
@@ -65,6 +66,19 @@ def _cpu_options(threads: int, spinning: bool) -> ort.SessionOptions:
     return options
 
 
+def _spinning_pool(model_path: Path, threads: int, graph: bytes | None) -> ort.InferenceSession:
+    """A lone client's session, whose pool's workers keep spinning between its requests at the
+    lowest priority: they hold an otherwise idle CPU awake, and give it up at once to any other
+    thread that wants it (the client on the same machine, the event loop, gRPC's threads), rather
+    than take turns with them (bench/RESULTS.md, fourteenth session). ORT starts the workers as
+    it builds the session, on this thread: the threads new to the process since are theirs."""
+    before = own_threads()
+    session = _load_session(model_path, _cpu_options(threads, True), ["CPUExecutionProvider"], graph)
+    lowered = yield_to_others(own_threads() - before)
+    log.debug("a lone client's pool: %d spinning workers at nice %d", len(lowered), YIELDING_NICE)
+    return session
+
+
 SHRINK_CELLS = 1 << 22  # rows x T x T from which a run hands its arena memory back afterwards
 
 
@@ -113,7 +127,7 @@ class OrtCpuBackend(Backend):
         if threads > 1 and lone_spinning and spinning:
             self._lone = self._session
         elif threads > 1 and lone_spinning:
-            self._lone = _load_session(model_path, _cpu_options(threads, True), ["CPUExecutionProvider"], graph)
+            self._lone = _spinning_pool(model_path, threads, graph)
         if threads > 1 and width is not None:
             self._single = _load_session(model_path, _cpu_options(1, spinning), ["CPUExecutionProvider"], graph)
             self.single_max_tokens = self._crossover(width)

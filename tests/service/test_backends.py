@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import shutil
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +24,7 @@ from service.backends.ort import OrtCpuBackend, OrtCudaBackend
 from service.backends.pytorch import ServedAttention, TorchBackend
 from service.backends.selection import SelfCheck, probe_rounds, probe_shapes, speed_order, split_by_size
 from service.batching import BatchEvent, batch_mflop
+from service.cpus import YIELDING_NICE, own_threads
 from service.engine.publishing import Publisher
 from service.engine.readiness import DeviceHealth
 from service.engine.stats import ModelStats
@@ -58,6 +60,30 @@ def test_a_lone_clients_route_is_exact_and_only_there_when_asked(small_model_dir
     # to the single-threaded session of small batches
     spun = OrtCpuBackend(small_model_dir / "model.onnx", threads=2, spinning=True, width=32, lone_spinning=True)
     assert spun._lone is spun._session and relative_error(torch.from_numpy(spun.run_alone(x)), ref) < 1e-5
+
+
+def _nice(tid: int) -> int:
+    """A thread's nice value, field 19 of its /proc stat line (counted after the command's ")")."""
+    return int(Path(f"/proc/self/task/{tid}/stat").read_text().rsplit(")", 1)[1].split()[16])
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="threads' priorities are read from Linux's /proc")
+def test_a_lone_clients_spinning_workers_yield_their_cpus_to_every_other_thread(small_model_dir: Path) -> None:
+    """The lone pool's workers spin between requests at the lowest priority, so that they never
+    take turns with the client or the event loop; the main pool's workers and the caller keep
+    theirs."""
+    caller = _nice(threading.get_native_id())
+    if caller >= YIELDING_NICE:
+        pytest.skip(f"the tests run at nice {caller}: nothing lower to tell apart")
+    before = own_threads()
+    backend = OrtCpuBackend(small_model_dir / "model.onnx", threads=3, width=32, lone_spinning=True)
+    new = own_threads() - before
+    lowered = {tid for tid in new if _nice(tid) == YIELDING_NICE}
+    assert len(lowered) == 2, "the lone pool of three threads: the caller's and two workers"
+    assert {_nice(tid) for tid in new - lowered} <= {caller}, "the main pool's workers keep the caller's priority"
+    assert _nice(threading.get_native_id()) == caller
+    x = np.ones((1, 4, 32), np.float32)
+    assert np.array_equal(backend.run_alone(x), backend._lone.run(None, {"x": x})[0])  # type: ignore[union-attr]
 
 
 def test_a_large_run_hands_its_arena_memory_back_on_either_pool(small_model_dir: Path) -> None:
