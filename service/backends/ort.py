@@ -71,7 +71,8 @@ def _spinning_pool(model_path: Path, threads: int, graph: bytes | None) -> ort.I
     lowest priority: they hold an otherwise idle CPU awake, and give it up at once to any other
     thread that wants it (the client on the same machine, the event loop, gRPC's threads), rather
     than take turns with them (bench/RESULTS.md, fourteenth session). ORT starts the workers as
-    it builds the session, on this thread: the threads new to the process since are theirs."""
+    it builds the session, on this thread: the threads new to the process since are theirs (one
+    started elsewhere at that moment would be lowered too, which changes only its speed)."""
     before = own_threads()
     session = _load_session(model_path, _cpu_options(threads, True), ["CPUExecutionProvider"], graph)
     lowered = yield_to_others(own_threads() - before)
