@@ -90,8 +90,7 @@ def stages(running: Running, x: np.ndarray) -> dict[str, Stage]:
         return encode_infer_response(x, model, "bench", "ort-cpu")
 
     async def checks() -> Any:
-        if model.magnitude is not None:  # the input's magnitude bound, then the output's finiteness
-            model.magnitude.check(x)
+        model.check_magnitude(x)  # the input's magnitude bound, then the output's finiteness
         return all_finite(x)
 
     async def chain() -> Any:

@@ -332,15 +332,12 @@ def batch_event(
     """The report of a batch merged from `shapes` (right-padded to the longest T, as `merge` does)."""
     forming, started = times
     rows = tokens = t_max = 0
-    seqs = []
     for b, t in shapes:  # one pass: this runs for every batch, most of them one request
-        rows, tokens = rows + b, tokens + b * t
-        t_max = t if t > t_max else t_max
-        seqs.append(t)
+        rows, tokens, t_max = rows + b, tokens + b * t, max(t_max, t)
     return BatchEvent(
         requests=len(shapes),
         rows=rows,
-        seqs=tuple(seqs),
+        seqs=tuple(t for _, t in shapes),
         padded_tokens=rows * t_max - tokens,
         formation_s=started - forming,
         compute_s=now - started,

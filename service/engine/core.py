@@ -155,7 +155,7 @@ class InferenceCore:
         """(B, T, C) -> (B, T, C) through the queue; `deadline` is on `self.clock`."""
         self._check_ready()
         loaded = self.loaded
-        _check_magnitude(loaded.model, x)
+        loaded.model.check_magnitude(x)
         y, timing = await loaded.batcher.submit(x, deadline)
         if not all_finite(y):  # the chain found this input to blame (see BackendChain)
             raise InvalidInput(not_finite(x))
@@ -168,7 +168,7 @@ class InferenceCore:
         """A decode step of a live sequence: (B, t, C) new tokens -> their (B, t, C) outputs, and
         the tokens the sequence holds after the step."""
         self._check_ready()
-        _check_magnitude(self.loaded.model, x)  # the cached keys and values were checked with their own steps
+        self.loaded.model.check_magnitude(x)  # the cached keys and values were checked with their own steps
         try:
             with self.tracing.step(control.label, int(x.shape[1])) as span:
                 stepped = await self.loaded.decoder.step(control, x, deadline)
@@ -203,12 +203,6 @@ class InferenceCore:
         if self._loaded is not None:
             for backend in self._loaded.chain.backends:
                 backend.close()
-
-
-def _check_magnitude(model: ServedModel, x: np.ndarray) -> None:
-    """Refuse an input whose values could overflow the compute (MagnitudeBound)."""
-    if model.magnitude is not None:
-        model.magnitude.check(x)
 
 
 def _run_batch(chain: BackendChain, x: np.ndarray, alone: bool = False) -> tuple[np.ndarray, str]:

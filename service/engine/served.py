@@ -11,6 +11,8 @@ from export.layout import INPUT_NAME, OUTPUT_NAME, ModelFiles
 from service.errors import ModelNotFound, quote
 
 if TYPE_CHECKING:
+    import numpy as np
+
     from model import MHAConfig
     from service.backends.base import Backend
     from service.engine.magnitude import MagnitudeBound
@@ -52,6 +54,11 @@ class ServedModel:
     @property
     def version(self) -> str:
         return self.identity.version
+
+    def check_magnitude(self, x: np.ndarray) -> None:
+        """Refuse an input whose values could overflow the compute (MagnitudeBound)."""
+        if self.magnitude is not None:
+            self.magnitude.check(x)
 
     def attention_mb(self, rows: int, seq: int) -> float:
         """Memory of the attention weights of `rows` sequences of length `seq`: what large requests cost."""

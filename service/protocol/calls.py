@@ -123,7 +123,7 @@ class Calls:
         self._book.add((call.method, call.code, elapsed, call.inference, (span.trace_id or "") if span else ""))
         if span is not None:
             after_answer(self._end_span, call)
-        ok = call.code is grpc.StatusCode.OK
+        ok = call.ok
         level = logging.DEBUG if ok else logging.INFO  # a client's mistake or leaving; faults: in failed()
         if (call.inference or not ok) and log.isEnabledFor(level):  # no record built that nobody reads
             after_answer(self._log, call, elapsed, level)
@@ -219,7 +219,7 @@ class UnaryScope(_Scope):
         self, typ: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
         self._exit(exc)
-        if exc is not None and isinstance(exc, Exception):
+        if isinstance(exc, Exception):
             assert self._context is not None, "a unary scope has a gRPC context"
             await self._context.abort(self.call.code, self.call.message)
 
