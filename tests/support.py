@@ -19,11 +19,12 @@ from prometheus_client import CollectorRegistry
 from service.app.launch import ServerProcess, free_port, free_ports, server_process, wait_serving
 from service.app.server import Running, drain_and_stop, load_and_serve, start
 from service.batching import Clock
+from service.engine.core import ComputeHook
 from service.settings import Settings
 
 __all__ = ["ROOT", "ManualClock", "ServerProcess", "ServerThread", "free_port", "free_ports", "make_settings"]
 __all__ += ["server_process"]
-__all__ += ["bench_module", "held_until", "wait_serving"]
+__all__ += ["ComputeGate", "bench_module", "held_until", "wait_serving"]
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -83,9 +84,16 @@ def make_settings(model_dir: Path, **overrides: Any) -> Settings:
 class ServerThread:
     """A real grpc.aio server on 127.0.0.1, running in a thread with its own event loop."""
 
-    def __init__(self, settings: Settings, wait_ready: bool = True, clock: Clock | None = None) -> None:
+    def __init__(
+        self,
+        settings: Settings,
+        wait_ready: bool = True,
+        clock: Clock | None = None,
+        compute_hook: ComputeHook | None = None,
+    ) -> None:
         self.settings = settings
         self.clock = clock
+        self.compute_hook = compute_hook
         self._registry = CollectorRegistry()
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
@@ -101,7 +109,7 @@ class ServerThread:
 
     def __enter__(self) -> ServerThread:
         self._thread.start()
-        self.running = self.call(start(self.settings, self._registry, self.clock))
+        self.running = self.call(start(self.settings, self._registry, self.clock, self.compute_hook))
         if self._wait_ready:
             self.call(load_and_serve(self.running))
         return self
@@ -193,3 +201,28 @@ class ManualClock:
         for until, timer in self._timers:
             if until <= self.t:
                 timer.set()
+
+
+class ComputeGate:
+    """A compute_hook (ServerThread(..., compute_hook=gate)): each compute of the `held` kinds
+    ("batch", "steps") waits on the computing thread for a permit, so the test, not the machine's
+    speed, decides what is computing when; `poison` marks inputs whose compute raises, as a
+    failing backend would."""
+
+    def __init__(self, held: tuple[str, ...] = ("batch", "steps"), poison: float | None = None) -> None:
+        self.held, self.poison = held, poison
+        self.permits = threading.Semaphore(0)
+        self.waiting = threading.Semaphore(0)  # released once per compute that reached the gate
+        self.computed: list[tuple[str, int]] = []  # (kind, rows) of each compute let through
+
+    def __call__(self, kind: str, inputs: Any) -> None:
+        if kind in self.held:
+            self.waiting.release()
+            assert self.permits.acquire(timeout=60), "the test never let this compute run"
+        self.computed.append((kind, sum(int(x.shape[0]) for x in inputs)))
+        if self.poison is not None and any((x == self.poison).any() for x in inputs):
+            raise RuntimeError("injected fault: a poisoned input reached the backend")
+
+    def arrived(self, timeout_s: float = 60.0) -> None:
+        """Wait until one more compute is held at the gate."""
+        assert self.waiting.acquire(timeout=timeout_s), "no compute reached the gate"

@@ -22,7 +22,7 @@ from grpc_reflection.v1alpha import reflection
 from prometheus_client import CollectorRegistry
 
 from service.batching import Clock
-from service.engine.core import InferenceCore, State
+from service.engine.core import ComputeHook, InferenceCore, State
 from service.metrics import Metrics
 from service.metrics_http import MetricsServer
 from service.proto import grpc_service_pb2 as pb
@@ -104,16 +104,22 @@ def _credentials(settings: Settings) -> grpc.ServerCredentials | None:
     )
 
 
-async def start(settings: Settings, registry: CollectorRegistry | None = None, clock: Clock | None = None) -> Running:
+async def start(
+    settings: Settings,
+    registry: CollectorRegistry | None = None,
+    clock: Clock | None = None,
+    compute_hook: ComputeHook | None = None,
+) -> Running:
     """Bind and start serving at once (health NOT_SERVING); the model loads in the background.
 
     A worker of several (--reuse-port, as the supervisor starts them) loads first and joins the
     shared ports only once it can serve: the kernel gives a bound worker new connections, and a
     restarting worker would otherwise answer them UNAVAILABLE while the others could serve them.
-    `clock` is the batcher's (tests inject one); by default time.monotonic().
+    `clock` is the batcher's (tests inject one); by default time.monotonic(). `compute_hook`: see
+    InferenceCore (tests hold computes and inject failures with it).
     """
     metrics = Metrics(registry if registry is not None else CollectorRegistry(auto_describe=True))
-    core = InferenceCore(settings, metrics, clock, _tracing(settings))
+    core = InferenceCore(settings, metrics, clock, _tracing(settings), compute_hook)
     if settings.reuse_port:
         try:
             await core.load()

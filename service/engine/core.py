@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import enum
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import partial
@@ -24,9 +24,9 @@ from model.checkpoint import CheckpointError, load_checkpoint
 from service.arrays import all_finite, not_finite
 from service.backends import Backend, BackendChain, Selection, select_backends
 from service.backends.chain import REASONS, FallbackHook
-from service.batching import BatcherConfig, BatchEvent, Clock, MonotonicClock
+from service.batching import BatcherConfig, Clock, MonotonicClock
 from service.decode.control import SequenceControl
-from service.decode.runner import StepRunner, step_device
+from service.decode.runner import StepInput, StepRunner, step_device
 from service.decode.scheduler import Decoder, StepBatcher
 from service.decode.sequences import SequenceLimits, SequenceStore
 from service.engine.batcher import Batcher, Timing
@@ -64,11 +64,23 @@ class Loaded:
     decoder: Decoder
 
 
+# Called on the computing thread before every batch (kind "batch", its merged input) and every batch
+# of decode steps ("steps", each step's new tokens): it may block, or raise as a failing compute
+# would. None in production.
+ComputeHook = Callable[[str, Sequence[np.ndarray]], None]
+
+
 class InferenceCore:
     def __init__(
-        self, settings: Settings, metrics: Metrics, clock: Clock | None = None, tracing: Tracing | None = None
+        self,
+        settings: Settings,
+        metrics: Metrics,
+        clock: Clock | None = None,
+        tracing: Tracing | None = None,
+        compute_hook: ComputeHook | None = None,
     ) -> None:
         self.settings = settings
+        self.compute_hook = compute_hook  # tests hold computes and inject failures with it (ComputeHook)
         self.tracing = tracing or Tracing()  # off unless the app turned it on
         self.metrics = metrics
         self.clock: Clock = clock or MonotonicClock()  # the batcher's; request deadlines are converted to it
@@ -114,17 +126,16 @@ class InferenceCore:
         s = self.settings
         batcher = Batcher(
             _batching(s, model, one_core=_one_core(s, chain.active.device)),
-            run_batch=partial(_run_batch, chain),
-            run_lone=partial(_run_batch, chain, alone=True),
+            run_batch=partial(_run_batch, chain, hook=self.compute_hook),
+            run_lone=partial(_run_batch, chain, alone=True, hook=self.compute_hook),
             executor=self._executor,
             on_batch=partial(self.publish.batch, chain=chain),
             in_flight=lambda: self.requests.count,
             clock=self.clock,
             current_trace=self.tracing.current if self.tracing.enabled else None,
         )
-        decoder = _decoder(
-            s, model.config, runner, self._executor, self.clock, self.metrics, self.requests, self.publish.steps
-        )
+        run_steps = runner.run if self.compute_hook is None else partial(_hooked_steps, runner, self.compute_hook)
+        decoder = _decoder(s, model.config, run_steps, runner, self._executor, self.clock, self.metrics, self)
         if batcher.config.one_core:
             log.info("one CPU to compute on: small batches run on the event loop, without a thread hop")
         self._loaded = Loaded(model, selection, chain, batcher, decoder)
@@ -205,11 +216,20 @@ class InferenceCore:
                 backend.close()
 
 
-def _run_batch(chain: BackendChain, x: np.ndarray, alone: bool = False) -> tuple[np.ndarray, str]:
+def _run_batch(
+    chain: BackendChain, x: np.ndarray, alone: bool = False, hook: ComputeHook | None = None
+) -> tuple[np.ndarray, str]:
     """(B, T, C) through the chain; `alone`: a lone client's small request, on the event loop
     (the backend's fastest way)."""
+    if hook is not None:
+        hook("batch", [x])
     y, backend = chain.run(x, alone)
     return y, backend.name
+
+
+def _hooked_steps(runner: StepRunner, hook: ComputeHook, steps: Sequence[StepInput]) -> list[np.ndarray]:
+    hook("steps", [s.x for s in steps])
+    return runner.run(steps)
 
 
 def load_model(
@@ -326,12 +346,12 @@ def _batching(s: Settings, model: ServedModel, one_core: bool = False) -> Batche
 def _decoder(
     s: Settings,
     config: MHAConfig,
+    run_steps: Callable[[Sequence[StepInput]], list[np.ndarray]],
     runner: StepRunner,
     executor: ThreadPoolExecutor,
     clock: Clock,
     metrics: Metrics,
-    requests: InFlight,
-    on_batch: Callable[[BatchEvent], None],
+    core: InferenceCore,
 ) -> Decoder:
     """Live sequences within the settings' limits, their gauges, and the batcher of their steps."""
     limits = SequenceLimits(s.max_sequences, s.sequence_idle_timeout_s, int(s.max_sequence_state_mb * 2**20))
@@ -341,13 +361,13 @@ def _decoder(
         metrics.sequences_changed(len(store), store.state_bytes, evicted)
 
     steps = StepBatcher(
-        runner.run,
+        run_steps,
         executor,
         s.max_step_rows,
-        in_flight=lambda: requests.count,
+        in_flight=lambda: core.requests.count,
         inline_max_mflop=s.inline_max_mflop,
         one_core=_one_core(s, runner.device),
-        on_batch=on_batch,
+        on_batch=core.publish.steps,
         clock=clock,
         backend=runner.name,
     )

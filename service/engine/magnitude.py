@@ -7,7 +7,8 @@ wrong. So the bound is checked before any backend runs, for every backend and ev
 
 For an input row x (|x| its Euclidean norm r), with spectral norms a and bias norms c:
   q, k, v  |q| <= a_q r + c_q  (and alike): every partial sum of the projections too;
-  scores   |q_h . k_h| / sqrt(hs) <= |q| |k| / sqrt(hs)  (Cauchy-Schwarz, partial sums included);
+  scores   |q_h . k_h| <= |q| |k|  (Cauchy-Schwarz, partial sums included): the product before
+           its 1 / sqrt(hs) scale, as `q @ k^T / sqrt(hs)` computes it, bounds the scaled one too;
   heads    a convex combination of v rows, so the merged heads <= sqrt(nh) max |v|;
   y        <= a_o sqrt(nh) max |v| + c_o.
 Each must stay below the format's largest value over MARGIN (slack for rounding). The
@@ -58,9 +59,9 @@ def magnitude_bound(config: MHAConfig, weights: Weights, precision: str = "fp32"
     norms = {name: _norms(weights, name) for name in ("q_proj", "k_proj", "v_proj", "o_proj")}
     (a_q, c_q), (a_k, c_k), (a_v, c_v), (a_o, c_o) = norms.values()
     ceiling = LARGEST[precision] / MARGIN
-    hs, nh = config.head_size, config.n_head
-    # (a_q r + c_q)(a_k r + c_k) <= ceiling sqrt(hs): the larger root of a r^2 + b r + c = 0
-    a, b, c = a_q * a_k, a_q * c_k + a_k * c_q, c_q * c_k - ceiling * math.sqrt(hs)
+    nh = config.n_head
+    # (a_q r + c_q)(a_k r + c_k) <= ceiling: the larger root of a r^2 + b r + c = 0
+    a, b, c = a_q * a_k, a_q * c_k + a_k * c_q, c_q * c_k - ceiling
     r_scores = (-b + math.sqrt(b * b - 4 * a * c)) / (2 * a) if a > 0 else math.inf
     v_max = (ceiling - c_o) / (a_o * math.sqrt(nh)) if a_o > 0 else ceiling  # the largest |v| row allowed
     r_values = (min(v_max, ceiling) - c_v) / a_v if a_v > 0 else math.inf

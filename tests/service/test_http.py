@@ -126,10 +126,13 @@ def test_the_token_applies_and_health_stays_open(small_model_dir: Path, tmp_path
     with ServerThread(settings) as s:
         body = _infer_json(np.zeros((1, 2, 32), np.float32))
         assert _call(s.http_port, "/v2/models/mha/infer", body)[0] == 401
+        for wrong in ("t0ken-but-longer", "t0ke", "T0KEN"):  # a prefix of it, or it as a prefix
+            code, _, answer = _call(s.http_port, "/v2/models/mha/infer", body, {"Authorization": f"Bearer {wrong}"})
+            assert code == 401 and "Authorization: Bearer <token>" in json.loads(answer)["error"], (wrong, answer)
         assert _call(s.http_port, "/v2/models/mha/infer", body, {"Authorization": "Bearer t0ken"})[0] == 200
         assert _call(s.http_port, "/v2/health/ready")[0] == 200
         counted = s.registry.get_sample_value("mha_requests_total", {"method": "ModelInfer", "code": "UNAUTHENTICATED"})
-    assert counted == 1
+    assert counted == 4
 
 
 def test_draining_answers_503(small_model_dir: Path) -> None:

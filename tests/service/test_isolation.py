@@ -3,6 +3,7 @@ alone and bench nothing."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -16,7 +17,7 @@ from model.reference import attention_view, relative_error
 from service.client.client import InferenceError, MHAClient
 from service.proto import grpc_service_pb2_grpc as pb_grpc
 from service.protocol.codec import decode_infer_response, encode_infer_request
-from tests.support import ServerThread, held_until, make_settings
+from tests.support import ComputeGate, ServerThread, held_until, make_settings
 
 POISONS = {  # both backends overflow on these (checked in the tests: nothing may be benched)
     "1e20": np.random.default_rng(3).standard_normal((1, 8, 32), dtype=np.float32) * np.float32(1e20),
@@ -114,3 +115,34 @@ def test_a_request_over_the_attention_budget_is_refused_before_compute(small_mod
     assert info.value.code == grpc.StatusCode.INVALID_ARGUMENT
     assert "attention needs 1 MiB" in str(info.value) and "limit is 1 MiB per request" in str(info.value)
     assert executed == 1  # the first request only
+
+
+def test_a_batch_that_fails_fails_only_the_request_to_blame(small_model_dir: Path) -> None:
+    """A compute that raises for one request's input (as a backend fault would) fails the batch it
+    rode in; each request is then computed on its own, and only the culprit gets the error."""
+    poison = np.float32(7.25)
+    rng = np.random.default_rng(5)
+    xs = [rng.standard_normal((1, 8, 32), dtype=np.float32) for _ in range(6)]
+    xs[3][0, 4, 7] = poison
+    gate = ComputeGate(held=("batch",), poison=float(poison))
+    settings = make_settings(
+        small_model_dir, backend="torch", max_batch_size=16, max_queue_delay_ms=20, inline_max_mflop=0
+    )
+    with ServerThread(settings, compute_hook=gate) as server, MHAClient(server.url) as client:
+        blocker = client.stub.ModelInfer.future(encode_infer_request(xs[0]), timeout=60)
+        gate.arrived()  # the first request computes (held): the others queue behind it
+        futures = [client.stub.ModelInfer.future(encode_infer_request(x), timeout=60) for x in xs[1:]]
+        deadline = time.monotonic() + 30
+        while server.core.requests.count < len(answers := [blocker, *futures]):
+            assert time.monotonic() < deadline, "the requests never queued"
+            time.sleep(0.002)
+        gate.held = ()
+        gate.permits.release()
+        for i, future in enumerate(answers):
+            if i == 3:
+                with pytest.raises(grpc.RpcError) as info:
+                    future.result()
+                assert info.value.code() == grpc.StatusCode.INTERNAL, info.value
+            else:
+                assert _exact(small_model_dir, xs[i], decode_infer_response(future.result()))
+    assert ("batch", 5) in gate.computed, f"the five queued requests never shared a batch: {gate.computed}"
