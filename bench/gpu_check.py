@@ -8,9 +8,9 @@ section and the next one runs, so one failure does not lose the run of a scarce 
    step graph (step.onnx) on ORT-CUDA over its (B, past, t) grid.
 3. selection: `select_backends(auto)` picks ort-cuda; with the CUDA provider made to fail, the
    chain falls back and keeps answering within tolerance.
-4. decode: incremental decoding with the caches in device memory (StepRunner on CUDA): 256
-   one-token steps and a batch mixing past lengths against the float64 reference, and the time
-   per step on CUDA against the CPU.
+4. decode: incremental decoding through each backend's decode step (ORT-CUDA on step.onnx with
+   IOBinding and torch-CUDA, the caches in device memory; ORT-CPU and torch-CPU): 256 one-token
+   steps against the float64 reference, and the time per step of each.
 5. timings: ORT-CUDA fp32 (IOBinding on device buffers, and plain session.run from host
    arrays), torch eager fp32, torch SDPA fp32/bf16/fp16 over shapes up to (8, 4096, 1024); each
    timed the same way (synchronize, run, synchronize: ORT runs on its own stream, so CUDA events
@@ -125,7 +125,7 @@ def main() -> int:
     with results.section("selection") as entry:
         selection(entry, model_dir, config, weights)
     with results.section("decode") as entry:
-        decode(entry, config, weights)
+        decode(entry, model_dir, config, weights)
     rates: dict[str, float] = {}
     with results.section("matmul_flops") as entry:
         rates.update(fp32=matmul_rate(torch.float32), bf16=matmul_rate(torch.bfloat16))
@@ -201,34 +201,43 @@ def selection(entry: dict[str, Any], model_dir: Path, config: Any, weights: Any)
     entry["fallback"] = {"ok": report.ok, "fallbacks": fallbacks, "benched": chain.benched()}
 
 
-def decode(entry: dict[str, Any], config: Any, weights: Any, tokens: int = 256) -> None:
+def decode(entry: dict[str, Any], model_dir: Path, config: Any, weights: Any, tokens: int = 256) -> None:
     from model.reference import attention_view, relative_error
+    from service.backends.base import Step
+    from service.backends.ort import OrtCpuBackend, OrtCudaBackend
+    from service.backends.pytorch import TorchBackend
     from service.decode.control import SequenceControl
-    from service.decode.runner import StepInput, StepRunner
     from service.decode.sequences import SequenceLimits, SequenceStore
 
     x = np.random.default_rng(6).standard_normal((2, tokens, config.d_model), dtype=np.float32)
     reference = attention_view(torch.from_numpy(x), weights, config)  # (2, tokens, C), float64
-    for device in ("cuda", "cpu"):
-        runner = StepRunner(config, weights, device)
-        store = SequenceStore(config, SequenceLimits(), time.monotonic, device=device)
+    step_path = model_dir / "step.onnx"
+    backends = {
+        "ort-cuda": lambda: OrtCudaBackend(model_dir / "model.onnx", step_path=step_path),
+        "torch-cuda": lambda: TorchBackend(config, weights, device="cuda"),
+        "ort-cpu": lambda: OrtCpuBackend(model_dir / "model.onnx", threads=4, step_path=step_path),
+        "torch-cpu": lambda: TorchBackend(config, weights, device="cpu"),
+    }
+    for name, make in backends.items():
+        backend = make()
+        store = SequenceStore(config, SequenceLimits(), time.monotonic, device=backend.device)
         sequence = store.open(SequenceControl(1, start=True), 2, config.d_model)
         outputs, times = [], []
         for i in range(tokens):
             store.check_room(sequence, 1)
             start = time.perf_counter()
-            (y,) = runner.run([StepInput(sequence, x[:, i : i + 1])])  # .cpu() inside: synchronized
+            (y,) = backend.step([Step(sequence, x[:, i : i + 1])])  # y on the host: synchronized
             times.append(time.perf_counter() - start)
             sequence.length += 1
             outputs.append(y)
         error = relative_error(torch.from_numpy(np.concatenate(outputs, axis=1)), reference)
-        entry[device] = {
+        entry[name] = {
             "caches_on": str(sequence.keys.device),
             "relative_error": error,
             "ok": error < 1e-5,
             "step_p50_ms": statistics.median(times[16:]) * 1e3,
         }
-        log.info("decode on %s: %s", device, entry[device])
+        log.info("decode on %s: %s", name, entry[name])
 
 
 def timing(entry: dict[str, Any], B: int, T: int, C: int, nh: int, rates: dict[str, float], repeats: int) -> None:

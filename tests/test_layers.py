@@ -125,7 +125,7 @@ def _packages_below_the_wire() -> list[str]:
 def test_nothing_below_the_wire_imports_grpc_protobuf_or_aiohttp() -> None:
     """Importing every module of ground, backends, decode and engine, in one fresh process."""
     modules = _packages_below_the_wire()
-    assert "service.engine.core" in modules and "service.decode.runner" in modules
+    assert "service.engine.core" in modules and "service.decode.scheduler" in modules
     code = (
         "import importlib, sys\n"
         f"for m in {modules!r}: importlib.import_module(m)\n"

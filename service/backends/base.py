@@ -1,21 +1,49 @@
-"""What every backend provides."""
+"""What every backend provides: a stateless forward pass, and the decode step of live sequences."""
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
+
+if TYPE_CHECKING:
+    import torch
 
 
 class BackendLoadError(RuntimeError):
     """A backend could not be created on this machine; the message says why."""
 
 
+class KVCache(Protocol):
+    """The keys and values a live sequence holds, as a backend reads and writes them."""
+
+    @property
+    def keys(self) -> torch.Tensor: ...  # (B, nh, capacity, hs) float32, on the backend's device
+
+    @property
+    def values(self) -> torch.Tensor: ...  # (B, nh, capacity, hs)
+
+    @property
+    def length(self) -> int: ...  # tokens held: positions [0, length) of keys and values
+
+
+@dataclass(frozen=True)
+class Step:
+    """A decode step: the new tokens of one sequence, and its cache."""
+
+    cache: KVCache
+    x: np.ndarray  # (B, t, C) float32: the new tokens of each of the sequence's B rows
+
+
 class Backend(ABC):
-    """Runs (B, T, C) float32 -> (B, T, C) float32. One call at a time (the batcher sees to it)."""
+    """Runs (B, T, C) float32 -> (B, T, C) float32, and decode steps when it has a step graph or
+    module (`steps`). One call at a time (the batchers see to it)."""
 
     name: str  # "ort-cuda", "ort-cpu", "torch-cuda", "torch-cpu"
-    device: str  # "cuda:0", "cpu"
+    device: str  # "cuda:0", "cpu": where it computes, and where the caches of its steps must live
     platform: str  # Triton's platform name for ModelMetadata
 
     @abstractmethod
@@ -26,6 +54,18 @@ class Backend(ABC):
         """A small request of a lone client (nothing else in the server, and no batch shared of
         late): as `run`, unless a backend has a faster way for it (ORT-CPU: a pool that spins)."""
         return self.run(x)
+
+    @property
+    def steps(self) -> bool:
+        """Whether it computes decode steps."""
+        return False
+
+    def step(self, steps: Sequence[Step]) -> list[np.ndarray]:
+        """The outputs (B, t, C) of each step, in order; the new tokens' keys and values written
+        into each cache at [length, length + t). Nothing else changes: the caller commits the
+        length once the answer is delivered, so a step that fails or is abandoned leaves its
+        sequence as it was (a retry writes the same positions again)."""
+        raise NotImplementedError(f"{self.name} computes no decode steps")
 
     def close(self) -> None:  # noqa: B027 (optional hook)
         """Release what the backend holds."""

@@ -8,13 +8,14 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TypeVar
 
 import numpy as np
 
 from service.arrays import all_finite
-from service.backends.base import Backend
+from service.backends.base import Backend, Step
 from service.batching import batch_mflop
 from service.errors import BackendFailure, DeviceLost
 
@@ -22,6 +23,7 @@ log = logging.getLogger(__name__)
 
 FallbackHook = Callable[[str, str, str], None]  # (from, to, reason)
 Clock = Callable[[], float]
+T = TypeVar("T")  # what a backend computes: a batch's output, or the outputs of steps
 REASONS = ("error", "invalid_output")  # a bounded set: it becomes a metric label
 ProbeFn = Callable[[Backend], tuple[bool, str]]
 
@@ -142,10 +144,12 @@ class BackendChain:
         on_fallback: FallbackHook | None = None,
         clock: Callable[[], float] = time.monotonic,
         light: LightRoute | None = None,
+        step_backends: list[Backend] | None = None,
     ) -> None:
         if not backends:
             raise ValueError("a backend chain needs at least one backend")
         self.backends = backends
+        self.step_backends = step_backends or []  # decode steps' order: every one on the caches' device
         self._light = light
         self._probe = probe
         self._cooldown = cooldown_s
@@ -173,35 +177,63 @@ class BackendChain:
     def run(self, x: np.ndarray, alone: bool = False) -> tuple[np.ndarray, Backend]:
         """Run on the first healthy backend; on error, on the next. Called by one batcher at a time:
         on its worker thread, or on the event loop for a lone small batch (never both at once)."""
+
+        def problem(backend: Backend, y: np.ndarray) -> str:
+            if wrong := _output_problem(x, y):
+                return wrong
+            if not self._finite_or_input_to_blame(backend, x, y):
+                return "output holds NaN or inf for a finite input that other backends compute finitely"
+            return ""
+
+        order = self.order_for(int(x.shape[0]), int(x.shape[1]))
+        compute: Callable[[Backend], np.ndarray] = (lambda b: b.run_alone(x)) if alone else (lambda b: b.run(x))
+        return self._first_to_answer(order, compute, problem, f"a batch of shape {x.shape}")
+
+    @property
+    def steps_device(self) -> str | None:
+        """Where the caches of live sequences live: the device of the backends that compute steps."""
+        return self.step_backends[0].device if self.step_backends else None
+
+    def run_steps(self, steps: Sequence[Step]) -> tuple[list[np.ndarray], Backend]:
+        """Decode steps as `run` takes batches: on the first healthy step backend; on error or an
+        invalid output, on the next (each writes the same cache positions again)."""
+        if not self.step_backends:
+            raise BackendFailure("no backend computes decode steps for this model")
+        return self._first_to_answer(
+            self.step_backends, lambda b: b.step(steps), lambda _, ys: _steps_problem(steps, ys), f"{len(steps)} steps"
+        )
+
+    def _first_to_answer(
+        self, order: list[Backend], compute: Callable[[Backend], T], problem: Callable[[Backend, T], str], what: str
+    ) -> tuple[T, Backend]:
+        """`compute` on the first backend of `order` that is available and answers without a
+        `problem`; a failing one is counted towards its bench, and the next one tried."""
         errors: list[str] = []
         previous: tuple[Backend, str] | None = None
-        for backend in self.order_for(int(x.shape[0]), int(x.shape[1])):
+        for backend in order:
             if not self.bench.available(backend):
                 continue
             if previous is not None:
                 self._fallback(previous[0].name, backend.name, previous[1])
             try:
-                y = backend.run_alone(x) if alone else backend.run(x)
+                out = compute(backend)
             except Exception as exc:  # any backend fault: try the next one, unless the device is gone
-                log.error("backend %s failed on batch %s: %s", backend.name, x.shape, exc, exc_info=True)
+                log.error("backend %s failed on %s: %s", backend.name, what, exc, exc_info=True)
                 if is_sticky_device_error(backend.device, exc):
                     raise DeviceLost(f"{backend.name} on {backend.device}: {exc}") from exc
                 self.bench.failed(backend)
                 errors.append(f"{backend.name}: {type(exc).__name__}: {exc}")
                 previous = (backend, "error")
                 continue
-            problem = _output_problem(x, y)
-            if not problem and not self._finite_or_input_to_blame(backend, x, y):
-                problem = "output holds NaN or inf for a finite input that other backends compute finitely"
-            if problem:
-                log.error("backend %s returned an invalid output for batch %s: %s", backend.name, x.shape, problem)
+            if wrong := problem(backend, out):
+                log.error("backend %s returned an invalid output for %s: %s", backend.name, what, wrong)
                 self.bench.failed(backend)
-                errors.append(f"{backend.name}: {problem}")
+                errors.append(f"{backend.name}: {wrong}")
                 previous = (backend, "invalid_output")
                 continue
             self.bench.succeeded(backend)
-            return y, backend
-        raise BackendFailure(f"every backend failed on a batch of shape {x.shape}: {errors or 'all benched'}")
+            return out, backend
+        raise BackendFailure(f"every backend failed on {what}: {errors or 'all benched'}")
 
     def order_for(self, rows: int, seq: int) -> list[Backend]:
         """The backends a batch of `rows` sequences of `seq` tokens tries, in order."""
@@ -249,3 +281,16 @@ class BackendChain:
 
 def _output_problem(x: np.ndarray, y: np.ndarray) -> str:
     return f"output shape {y.shape} for input {x.shape}" if y.shape != x.shape else ""
+
+
+def _steps_problem(steps: Sequence[Step], ys: list[np.ndarray]) -> str:
+    """What is wrong with a backend's outputs of `steps`: a shape, or NaN or inf out of a finite
+    input (a step with NaN or inf in its input answers them: its commit refuses it, by name)."""
+    if len(ys) != len(steps):
+        return f"{len(ys)} outputs for {len(steps)} steps"
+    for step, y in zip(steps, ys, strict=True):
+        if y.shape != step.x.shape:
+            return f"output shape {y.shape} for a step of {step.x.shape}"
+        if not all_finite(y) and all_finite(step.x):
+            return "output holds NaN or inf for a finite input"
+    return ""

@@ -6,12 +6,15 @@ import logging
 import os
 import re
 import tempfile
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
 import onnxruntime as ort
+import torch
 
-from service.backends.base import Backend, BackendLoadError
+from export.layout import INPUT_NAME, OUTPUT_NAME, PAST_NAMES, PRESENT_NAMES
+from service.backends.base import Backend, BackendLoadError, Step
 from service.backends.crossover import measure_crossover
 from service.cpus import YIELDING_NICE, own_threads, yield_to_others
 
@@ -103,6 +106,7 @@ class OrtCpuBackend(Backend):
         spinning: bool = False,
         width: int | None = None,
         lone_spinning: bool = False,
+        step_path: Path | None = None,
     ) -> None:
         graph, self.rewrites = _cpu_graph(model_path)  # the same arithmetic in fewer nodes
         log.debug("ORT-CPU serves %s with rewrites: %s", model_path.name, ", ".join(self.rewrites) or "none")
@@ -136,6 +140,29 @@ class OrtCpuBackend(Backend):
                 "ORT-CPU: measured at start, batches of up to %d tokens run faster on one thread (varies with load)",
                 self.single_max_tokens,
             )
+        # Decode steps on step.onnx: a single-threaded session for steps of few tokens (the same
+        # crossover as above), the pool's for the others.
+        self._step_pool = self._step_one = None
+        if step_path is not None:
+            self._step_pool = _load_session(step_path, _cpu_options(threads, spinning), ["CPUExecutionProvider"])
+            self._step_one = (
+                _load_session(step_path, _cpu_options(1, spinning), ["CPUExecutionProvider"])
+                if threads > 1
+                else self._step_pool
+            )
+
+    @property
+    def steps(self) -> bool:
+        return self._step_pool is not None
+
+    def step(self, steps: Sequence[Step]) -> list[np.ndarray]:
+        if self._step_pool is None or self._step_one is None:
+            return super().step(steps)
+        out = []
+        for step in steps:
+            tokens = int(step.x.shape[0]) * int(step.x.shape[1])
+            out.append(_cpu_step(self._step_one if tokens <= self.single_max_tokens else self._step_pool, step))
+        return out
 
     def run_alone(self, x: np.ndarray) -> np.ndarray:
         if self._lone is None:
@@ -160,6 +187,28 @@ class OrtCpuBackend(Backend):
         return measure_crossover(
             lambda x: one.run(None, {self._input: x}), lambda x: pool.run(None, {self._input: x}), width
         )
+
+
+def _cuda_steps(
+    step_path: Path, options: ort.SessionOptions, providers: list[str | tuple[str, dict[str, object]]]
+) -> ort.InferenceSession | None:
+    """The step graph's session on the GPU, when ORT places every compute-heavy node of it there."""
+    if stray := off_device(node_placements(step_path, providers), "CUDAExecutionProvider"):
+        log.warning("ORT-CUDA computes no decode steps: it placed %s of step.onnx off the GPU", ", ".join(stray))
+        return None
+    return _load_session(step_path, options, providers)
+
+
+def _cpu_step(session: ort.InferenceSession, step: Step) -> np.ndarray:
+    """One sequence's step on step.onnx with its cache in host memory: the past read from the
+    cache (B, nh, capacity, hs) as it lies, the new keys and values written back at [P, P + t)."""
+    P, t = step.cache.length, int(step.x.shape[1])
+    keys, values = step.cache.keys.numpy(), step.cache.values.numpy()  # (B, nh, capacity, hs), views
+    feeds = {INPUT_NAME: step.x, PAST_NAMES[0]: keys[:, :, :P], PAST_NAMES[1]: values[:, :, :P]}
+    y, present_keys, present_values = session.run([OUTPUT_NAME, *PRESENT_NAMES], feeds)  # present: (B, nh, P + t, hs)
+    keys[:, :, P : P + t] = present_keys[:, :, P:]
+    values[:, :, P : P + t] = present_values[:, :, P:]
+    return y
 
 
 COMPUTE_OPS = ("Attention", "MatMul", "Gemm", "Softmax")  # where the FLOPs are: these must run on the GPU
@@ -241,21 +290,26 @@ class OrtCudaBackend(Backend):
     name = "ort-cuda"
     platform = "onnxruntime_onnx"
 
-    def __init__(self, model_path: Path, device_id: int = 0, mem_limit_mb: int = 0) -> None:
+    def __init__(
+        self, model_path: Path, device_id: int = 0, mem_limit_mb: int = 0, step_path: Path | None = None
+    ) -> None:
         if "CUDAExecutionProvider" not in ort.get_available_providers():
             raise BackendLoadError(
                 f"this onnxruntime build has no CUDA provider (available: {ort.get_available_providers()})"
             )
         if hasattr(ort, "preload_dlls"):
             ort.preload_dlls()
-        cuda = cuda_provider_options(device_id, mem_limit_mb)
+        cuda: list[str | tuple[str, dict[str, object]]] = [
+            ("CUDAExecutionProvider", cuda_provider_options(device_id, mem_limit_mb)),
+            "CPUExecutionProvider",
+        ]
         options = ort.SessionOptions()
         options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-        session = _load_session(model_path, options, [("CUDAExecutionProvider", cuda), "CPUExecutionProvider"])
+        session = _load_session(model_path, options, cuda)
         providers = session.get_providers()
         if not providers or providers[0] != "CUDAExecutionProvider":
             raise BackendLoadError(f"ONNX Runtime did not enable the CUDA provider: session providers are {providers}")
-        self.placements = node_placements(model_path, [("CUDAExecutionProvider", cuda), "CPUExecutionProvider"])
+        self.placements = node_placements(model_path, cuda)
         if stray := off_device(self.placements, "CUDAExecutionProvider"):
             raise BackendLoadError(f"ONNX Runtime placed {', '.join(stray)} off the GPU: {self.placements}")
         self.placement = describe_placements(self.placements)  # reported in the selection reason
@@ -265,6 +319,41 @@ class OrtCudaBackend(Backend):
         self._output = session.get_outputs()[0].name
         self.device = f"cuda:{device_id}"
         self._device_id = device_id
+        self._steps = _cuda_steps(step_path, options, cuda) if step_path is not None else None
+
+    @property
+    def steps(self) -> bool:
+        return self._steps is not None
+
+    def step(self, steps: Sequence[Step]) -> list[np.ndarray]:
+        if self._steps is None:
+            return super().step(steps)
+        return [self._cuda_step(self._steps, step) for step in steps]
+
+    def _cuda_step(self, session: ort.InferenceSession, step: Step) -> np.ndarray:
+        """One sequence's step with its cache in device memory (torch tensors on this device):
+        the past and the present bound in place with IOBinding; only x and y cross the bus."""
+        P, t = step.cache.length, int(step.x.shape[1])
+        keys, values = step.cache.keys, step.cache.values  # (B, nh, capacity, hs), on the device
+        B, nh, _, hs = keys.shape
+        binding = session.io_binding()
+        binding.bind_cpu_input(INPUT_NAME, np.ascontiguousarray(step.x))
+        presents = [torch.empty((B, nh, P + t, hs), device=keys.device) for _ in PRESENT_NAMES]
+        pasts = [cache.narrow(2, 0, P).contiguous() for cache in (keys, values)]  # (B, nh, P, hs), alive until run
+        for name, past in zip(PAST_NAMES, pasts, strict=True):
+            if P == 0:  # an empty past: no device pointer to bind
+                empty = ort.OrtValue.ortvalue_from_shape_and_type([B, nh, 0, hs], np.float32, "cuda", self._device_id)
+                binding.bind_ortvalue_input(name, empty)
+            else:
+                binding.bind_input(name, "cuda", self._device_id, np.float32, list(past.shape), past.data_ptr())
+        for name, present in zip(PRESENT_NAMES, presents, strict=True):
+            binding.bind_output(name, "cuda", self._device_id, np.float32, list(present.shape), present.data_ptr())
+        binding.bind_output(OUTPUT_NAME, "cpu")
+        torch.cuda.current_stream(keys.device).synchronize()  # the pasts' copies, made on torch's stream
+        session.run_with_iobinding(binding)  # returns once ORT's stream is done
+        keys.narrow(2, P, t).copy_(presents[0].narrow(2, P, t))
+        values.narrow(2, P, t).copy_(presents[1].narrow(2, P, t))
+        return binding.get_outputs()[0].numpy()
 
     def run(self, x: np.ndarray) -> np.ndarray:
         binding = self._session.io_binding()

@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import warnings
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 import numpy as np
 import torch
@@ -13,9 +13,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from model import MHAConfig, MultiHeadAttention
+from model.attention import cached_attention
 from model.checkpoint import Weights
-from service.backends.base import Backend, BackendLoadError
+from service.backends.base import Backend, BackendLoadError, KVCache, Step
 from service.backends.crossover import measure_crossover
+from service.batching import merge, split
 
 log = logging.getLogger(__name__)
 
@@ -109,6 +111,9 @@ class TorchBackend(Backend):
         self.name = prepare_device(device)
         self.dtype = PRECISIONS[precision]  # float32 in and out; computed in this dtype
         self._module = ServedAttention.from_weights(config, weights).to(device, self.dtype)
+        # decode steps in float32 whatever the precision, as the caches are kept
+        fp32 = self.dtype == torch.float32
+        self._step_module = self._module if fp32 else ServedAttention.from_weights(config, weights).to(device)
         # Small batches on one thread when that measures about as fast as the pool, as ORT-CPU's
         # (service/backends/crossover.py): rows x T up to this many tokens.
         self.single_max_tokens = 0
@@ -131,3 +136,41 @@ class TorchBackend(Backend):
     def _compute(self, x: np.ndarray) -> np.ndarray:
         xt = torch.from_numpy(x).to(self.device, self.dtype, non_blocking=True)
         return self._module(xt).float().cpu().numpy()
+
+    @property
+    def steps(self) -> bool:
+        return True
+
+    def step(self, steps: Sequence[Step]) -> list[np.ndarray]:
+        tokens = sum(int(s.x.shape[0]) * int(s.x.shape[1]) for s in steps)
+        with one_thread(tokens <= self.single_max_tokens):
+            return self._step(steps)
+
+    @torch.inference_mode()
+    def _step(self, steps: Sequence[Step]) -> list[np.ndarray]:
+        """The new tokens' projections for every sequence of the batch in one matmul, attention of
+        each sequence over its own cache (no copy of the cache, whatever the lengths), and one
+        output projection."""
+        module = self._step_module
+        x = torch.from_numpy(merge([s.x for s in steps])).to(self.device)  # (R, t_max, C), right-padded
+        q, k, v = module.project(x)  # (R, nh, t_max, hs)
+        heads = torch.zeros_like(q)  # (R, nh, t_max, hs)
+        row = 0
+        for step in steps:
+            B, t = step.x.shape[0], step.x.shape[1]
+            rows = slice(row, row + B)
+            heads[rows, :, :t] = _attend(step.cache, q[rows, :, :t], k[rows, :, :t], v[rows, :, :t])
+            row += B
+        y = module.merge(heads).cpu().numpy()  # (R, t_max, C); a no-op on the CPU
+        return split(y, [(s.x.shape[0], s.x.shape[1]) for s in steps])  # (B, t, C) each
+
+
+def _attend(cache: KVCache, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """(B, nh, t, hs) heads of the new tokens, their keys and values written into the cache."""
+    P, t = cache.length, q.shape[2]
+    cache.keys.narrow(2, P, t).copy_(k)  # [:, :, P : P + t]
+    cache.values.narrow(2, P, t).copy_(v)
+    keys, values = cache.keys.narrow(2, 0, P + t), cache.values.narrow(2, 0, P + t)  # (B, nh, P + t, hs)
+    if t == 1:  # one new token sees every key: no mask
+        return F.scaled_dot_product_attention(q, keys, values)
+    return cached_attention(q, keys, values, torch.full((q.shape[0],), P, device=q.device))

@@ -17,7 +17,7 @@ from export.layout import precision_tolerance
 from model import MHAConfig
 from model.checkpoint import Weights
 from model.reference import attention_view, relative_error
-from service.backends.base import Backend, BackendLoadError
+from service.backends.base import Backend, BackendLoadError, Step
 from service.backends.chain import LightRoute
 from service.batching import batch_mflop
 from service.settings import BACKEND_CHOICES
@@ -41,13 +41,29 @@ class Selection:
     check: SelfCheck  # what each backend passed; the chain probes benched backends with it
     candidates: list[CandidateReport] = field(default_factory=list)
     light: LightRoute | None = None  # where light batches go when another backend wins them
+    step_backends: list[Backend] = field(default_factory=list)  # decode steps' serving order, one device
 
     def summary(self) -> str:
         return "; ".join(f"{c.name}: {c.status} ({c.reason})" for c in self.candidates)
 
 
+@dataclass
+class ProbeCache:
+    """A KVCache of its own for probing a backend's decode steps."""
+
+    keys: torch.Tensor  # (B, nh, capacity, hs)
+    values: torch.Tensor
+    length: int = 0
+
+    @classmethod
+    def empty(cls, rows: int, config: MHAConfig, capacity: int, device: str) -> ProbeCache:
+        shape = (rows, config.n_head, capacity, config.head_size)  # (B, nh, capacity, hs)
+        return cls(torch.zeros(shape, device=device), torch.zeros(shape, device=device))
+
+
 class SelfCheck:
-    """A backend serves only if it matches the float64 reference on a probe input."""
+    """A backend serves only if it matches the float64 reference on a probe input, and, if it
+    computes decode steps, on a prefix and a step after it against the same reference."""
 
     def __init__(self, config: MHAConfig, weights: Weights, tolerance: float = SELF_CHECK_TOLERANCE) -> None:
         gen = torch.Generator().manual_seed(1234)
@@ -56,6 +72,7 @@ class SelfCheck:
         self.x = x.numpy()
         self.reference = attention_view(x, weights, config)
         self.tolerance = tolerance
+        self.config = config
 
     def error(self, backend: Backend) -> float:
         y = np.asarray(backend.run(self.x))
@@ -63,14 +80,33 @@ class SelfCheck:
             raise BackendLoadError(f"{backend.name} returned shape {y.shape} for input {self.x.shape}")
         return relative_error(torch.from_numpy(y), self.reference)
 
+    def step_error(self, backend: Backend) -> float:
+        """The prefix of all but the last 3 tokens as one step, then the last 3 as another."""
+        B, T, _ = self.x.shape
+        cache = ProbeCache.empty(B, self.config, T, backend.device)
+        cut = max(T - 3, 1) if T > 1 else 0
+        ys = []
+        for x in (self.x[:, :cut], self.x[:, cut:]):
+            if x.shape[1] == 0:
+                continue
+            (y,) = backend.step([Step(cache, x)])
+            if y.shape != x.shape:
+                raise BackendLoadError(f"{backend.name} returned shape {y.shape} for a step of {x.shape}")
+            ys.append(np.asarray(y))
+            cache.length += x.shape[1]
+        return relative_error(torch.from_numpy(np.concatenate(ys, axis=1)), self.reference)
+
     def passes(self, backend: Backend) -> tuple[bool, str]:
         try:
             err = self.error(backend)
+            step_err = self.step_error(backend) if backend.steps else None
         except Exception as exc:  # any failure of a backend under probe disqualifies it
             return False, f"self-check raised {type(exc).__name__}: {exc}"
-        if not math.isfinite(err) or err > self.tolerance:
-            return False, f"self-check relative error {err:.2e} > {self.tolerance:.0e}"
-        return True, f"self-check relative error {err:.2e}"
+        for what, e in (("", err), (" of decode steps", step_err)):
+            if e is not None and (not math.isfinite(e) or e > self.tolerance):
+                return False, f"self-check{what}: relative error {e:.2e} > {self.tolerance:.0e}"
+        steps = f", steps {step_err:.2e}" if step_err is not None else ""
+        return True, f"self-check relative error {err:.2e}{steps}"
 
 
 def _factories(
@@ -83,16 +119,22 @@ def _factories(
     gpu_mem_limit_mb: int = 0,
     precision: str = "fp32",
     lone_spinning: bool = False,
+    step_path: Path | None = None,
 ) -> dict[str, Callable[[], Backend]]:
     from service.backends.ort import OrtCpuBackend, OrtCudaBackend
     from service.backends.pytorch import TorchBackend
 
     factories: dict[str, Callable[[], Backend]] = {}
     if cuda:
-        factories["ort-cuda"] = lambda: OrtCudaBackend(onnx_path, mem_limit_mb=gpu_mem_limit_mb)
+        factories["ort-cuda"] = lambda: OrtCudaBackend(onnx_path, mem_limit_mb=gpu_mem_limit_mb, step_path=step_path)
         factories["torch-cuda"] = lambda: TorchBackend(config, weights, device="cuda", precision=precision)
     factories["ort-cpu"] = lambda: OrtCpuBackend(
-        onnx_path, threads=threads, spinning=spinning, width=config.d_model, lone_spinning=lone_spinning
+        onnx_path,
+        threads=threads,
+        spinning=spinning,
+        width=config.d_model,
+        lone_spinning=lone_spinning,
+        step_path=step_path,
     )
     factories["torch-cpu"] = lambda: TorchBackend(config, weights, device="cpu", threads=threads, precision=precision)
     return factories
@@ -233,6 +275,7 @@ def select_backends(
     precision: str = "fp32",
     measure: Callable[[list[Backend], MHAConfig], list[list[float]]] = measure_interleaved,
     lone_spinning: bool = False,
+    step_path: Path | None = None,
 ) -> Selection:
     """Load every wanted backend, self-check each, and order them.
 
@@ -243,7 +286,7 @@ def select_backends(
     """
     cuda = torch.cuda.is_available() if cuda is None else cuda
     factories = _factories(
-        onnx_path, config, weights, threads, cuda, spinning, gpu_mem_limit_mb, precision, lone_spinning
+        onnx_path, config, weights, threads, cuda, spinning, gpu_mem_limit_mb, precision, lone_spinning, step_path
     )
     check = SelfCheck(config, weights, tolerance=precision_tolerance(precision, config))
     reports = [CandidateReport(name=name, status="unavailable", reason="") for name in _wanted(requested, cuda)]
@@ -253,9 +296,58 @@ def select_backends(
         loaded, light = _by_speed(loaded, measure(_backends(loaded), config), config)
     else:
         _mark(loaded, "first in order" if cuda else "")
-    selection = Selection(backends=_backends(loaded), check=check, candidates=reports, light=light)
+    steps = _step_order(loaded, config, measure_steps if not cuda else None)
+    selection = Selection(_backends(loaded), check, reports, light, steps)
     log.info("backend selection: %s", selection.summary())
     return selection
+
+
+def measure_steps(
+    backends: list[Backend], config: MHAConfig, rounds: int = 7, budget_s: float = PROBE_BUDGET_S
+) -> list[float]:
+    """Per backend, the geometric mean over the probe pasts of its median time (ms) for the next
+    token of one sequence: the backends take turns step by step, as measure_interleaved's do."""
+    rng = np.random.default_rng(0)
+    pasts = list(dict.fromkeys(min(P, config.max_seq_len - 1) for P in (16, 256)))
+    medians: list[list[float]] = [[] for _ in backends]
+    for P in pasts:
+        caches = [ProbeCache.empty(1, config, P + 1, b.device) for b in backends]
+        for cache in caches:
+            cache.length = P  # the past's values do not change the work
+        x = rng.standard_normal((1, 1, config.d_model), dtype=np.float32)
+        steps = [[Step(cache, x)] for cache in caches]
+        for b, step in zip(backends, steps, strict=True):
+            b.step(step)  # warm-up
+        start = time.perf_counter()
+        for b, step in zip(backends, steps, strict=True):
+            b.step(step)
+        samples: list[list[float]] = [[] for _ in backends]
+        for r in range(probe_rounds(time.perf_counter() - start, rounds, budget_s)):
+            for k in range(len(backends)) if r % 2 == 0 else reversed(range(len(backends))):
+                start = time.perf_counter()
+                backends[k].step(steps[k])
+                samples[k].append(time.perf_counter() - start)
+        for k in range(len(backends)):
+            medians[k].append(statistics.median(samples[k]) * 1e3)
+    return [geometric_mean(m) for m in medians]
+
+
+def _step_order(
+    loaded: Candidates, config: MHAConfig, measure: Callable[[list[Backend], MHAConfig], list[float]] | None
+) -> list[Backend]:
+    """The backends that compute decode steps on the device of the first of them (the caches live
+    there: a fallback must reach them), fastest first by `measure` (None: in the chain's order)."""
+    able = [(b, r) for b, r in loaded if b.steps]
+    if not able:
+        return []
+    able = [(b, r) for b, r in able if b.device == able[0][0].device]
+    if measure is not None and len(able) > 1:
+        times = measure([b for b, _ in able], config)
+        for (_, report), ms in zip(able, times, strict=True):
+            report.reason += f", step {ms:.3f} ms"
+        able = [able[k] for k in speed_order(times)]
+    able[0][1].reason += " (serves decode steps)"
+    return [b for b, _ in able]
 
 
 Candidates = list[tuple[Backend, CandidateReport]]

@@ -1,5 +1,5 @@
-"""Batches the decode steps of different sequences: a step that finds the runner idle runs at
-once; steps that arrive while it computes run together next (no waiting for company: a step
+"""Batches the decode steps of different sequences: a step that finds none computing runs at
+once; steps that arrive while a batch computes run together next (no waiting for company: a step
 is usually one token, and its client waits for it before sending the next)."""
 
 from __future__ import annotations
@@ -17,14 +17,22 @@ import numpy as np
 from service.arrays import all_finite, not_finite
 from service.batching import BatchEvent, Clock, LoneGate, MonotonicClock, Pending, batch_event, run_each_alone
 from service.decode.control import SequenceControl
-from service.decode.runner import StepInput
+from service.decode.sequences import Sequence as LiveSequence
 from service.decode.sequences import SequenceStore
 from service.errors import DeadlineExceeded, DeviceLost, InvalidInput, StaleSequence
 
 log = logging.getLogger(__name__)
 
 
-Step = Pending[StepInput, tuple[np.ndarray, float]]  # a step waiting for the runner; (y, compute began)
+@dataclass(frozen=True)
+class StepInput:
+    sequence: LiveSequence
+    x: np.ndarray  # (B, t, C): the new tokens of each of the sequence's B rows
+
+
+Computed = tuple[np.ndarray, float, str]  # y, when its compute began, the backend that computed it
+Step = Pending[StepInput, Computed]  # a step waiting for its batch
+RunSteps = Callable[[Sequence[StepInput]], tuple[list[np.ndarray], str]]  # -> (y of each step, backend)
 
 
 @dataclass(frozen=True)
@@ -34,12 +42,13 @@ class Stepped:
     y: np.ndarray  # (B, t, C): the outputs of the step's tokens
     length: int  # tokens the sequence holds after the step
     queue_s: float  # submitted -> its batch began computing
+    backend: str  # what computed it
 
 
 class StepBatcher:
     def __init__(
         self,
-        run: Callable[[Sequence[StepInput]], list[np.ndarray]],
+        run: RunSteps,
         executor: Executor,
         max_rows: int,
         in_flight: Callable[[], int] | None = None,
@@ -47,35 +56,34 @@ class StepBatcher:
         one_core: bool = False,
         on_batch: Callable[[BatchEvent], None] | None = None,
         clock: Clock | None = None,
-        backend: str = "torch-cpu",
     ) -> None:
         self._run, self._executor, self.max_rows = run, executor, max_rows
         self._lone = LoneGate(in_flight, inline_max_mflop, one_core)
-        self._on_batch, self.backend = on_batch, backend  # each executed batch, for metrics and statistics
+        self._on_batch = on_batch  # each executed batch, for metrics and statistics
         self.clock: Clock = clock or MonotonicClock()
         self._pending: deque[Step] = deque()
         self._task: asyncio.Task[None] | None = None
         self._events: deque[BatchEvent] = deque()  # reported by the worker thread, published on the loop
 
-    async def submit(self, step: StepInput, deadline: float | None = None) -> tuple[np.ndarray, float]:
-        """y (B, t, C) of the step and its time in the queue; the sequence's length advances only
-        if the answer is taken. A step whose `deadline` (clock time) passes before it computes
-        is answered DEADLINE_EXCEEDED and never computed."""
+    async def submit(self, step: StepInput, deadline: float | None = None) -> tuple[np.ndarray, float, str]:
+        """y (B, t, C) of the step, its time in the queue and the backend that computed it; the
+        sequence's length advances only if the answer is taken. A step whose `deadline` (clock
+        time) passes before it computes is answered DEADLINE_EXCEEDED and never computed."""
         enqueued = self.clock.now()
         if await self._lone.inline(1, step.x.shape, self._depth, idle=True):
             _check_deadline(deadline, enqueued, self.clock.now())
             try:
-                (y,), started = self._compute([step], enqueued)  # the only request in the server: no future or hop
+                (y,), started, backend = self._compute([step], enqueued)  # the only request in the server
             finally:
                 self._publish()
-            return _commit(step, y), started - enqueued
+            return _commit(step, y), started - enqueued, backend
         loop = asyncio.get_running_loop()
-        future: asyncio.Future[tuple[np.ndarray, float]] = loop.create_future()
+        future: asyncio.Future[Computed] = loop.create_future()
         self._pending.append(Pending(step, step.x.shape, future, enqueued, deadline))
         if self._task is None or self._task.done():
             self._task = loop.create_task(self._drain(), name="steps")
-        y, started = await future
-        return y, started - enqueued
+        y, started, backend = await future
+        return y, started - enqueued, backend
 
     @property
     def one_core(self) -> bool:
@@ -117,10 +125,10 @@ class StepBatcher:
         steps, oldest = [p.payload for p in batch], batch[0].enqueued
         try:
             if await self._lone.inline(len(batch), _covered_shape(batch), self._depth, idle=False):
-                ys, started = self._compute(steps, oldest)  # alone and small: on the loop, as a lone small batch
+                ys, started, backend = self._compute(steps, oldest)  # alone and small: on the loop
             else:
                 compute = partial(self._compute, steps, oldest)
-                ys, started = await asyncio.get_running_loop().run_in_executor(self._executor, compute)
+                ys, started, backend = await asyncio.get_running_loop().run_in_executor(self._executor, compute)
         except Exception as exc:
             self._publish()
             if len(batch) == 1 or isinstance(exc, DeviceLost):  # a lost device fails every step alike
@@ -131,22 +139,23 @@ class StepBatcher:
             return
         self._publish()
         for item, y in zip(batch, ys, strict=True):
-            _answer(item, y, started)
+            _answer(item, y, started, backend)
 
-    def _compute(self, steps: list[StepInput], oldest: float) -> tuple[list[np.ndarray], float]:
+    def _compute(self, steps: list[StepInput], oldest: float) -> tuple[list[np.ndarray], float, str]:
         """Run the steps, reporting the batch (on a worker thread, or on the loop when alone): their
         outputs, and when the compute began."""
         shapes = [(int(s.x.shape[0]), int(s.x.shape[1])) for s in steps]
         started = self.clock.now()
         error: BaseException | None = None
+        backend = ""
         try:
-            return self._run(steps), started
+            ys, backend = self._run(steps)
+            return ys, started, backend
         except Exception as exc:
             error = exc
             raise
         finally:
             if self._on_batch is not None:
-                backend = "" if error is not None else self.backend
                 self._events.append(batch_event(shapes, (oldest, started), self.clock.now(), backend, error))
 
     def _publish(self) -> None:
@@ -155,12 +164,12 @@ class StepBatcher:
             self._on_batch(self._events.popleft())
 
 
-def _answer(item: Step, y: np.ndarray, started: float) -> None:
+def _answer(item: Step, y: np.ndarray, started: float, backend: str) -> None:
     """Commit the step and answer it; an abandoned step commits nothing."""
     if item.future.done():
         return
     try:
-        item.future.set_result((_commit(item.payload, y), started))
+        item.future.set_result((_commit(item.payload, y), started, backend))
     except InvalidInput as exc:
         item.future.set_exception(exc)
 
@@ -198,9 +207,8 @@ def _fail(item: Step, exc: BaseException) -> None:
 class Decoder:
     """Incremental decoding: live sequences and the batcher of their steps."""
 
-    def __init__(self, sequences: SequenceStore, steps: StepBatcher, backend: str = "torch-cpu") -> None:
+    def __init__(self, sequences: SequenceStore, steps: StepBatcher) -> None:
         self.sequences, self.steps = sequences, steps
-        self.backend = backend  # what computes the steps, as responses name it
         self._expiry: asyncio.Task[None] | None = None
 
     def start(self, expiry_period_s: float) -> None:
@@ -228,11 +236,11 @@ class Decoder:
         async with sequence.lock:  # this sequence's steps one at a time, in arrival order
             _check_offset(control, sequence.length, self.sequences.where)
             self.sequences.check_room(sequence, int(x.shape[1]))
-            y, queue_s = await self.steps.submit(StepInput(sequence, x), deadline)
+            y, queue_s, backend = await self.steps.submit(StepInput(sequence, x), deadline)
             self.sequences.touch(sequence)
             if control.end:
                 self.sequences.end(sequence)
-        return Stepped(y, sequence.length, queue_s)
+        return Stepped(y, sequence.length, queue_s, backend)
 
 
 def _check_offset(control: SequenceControl, held: int, where: str) -> None:

@@ -2,7 +2,7 @@
 
 A client sends a sequence's tokens a few at a time (Triton's sequence parameters); the server
 keeps the keys and values of every token so far and computes only the new ones. This module
-holds that state and its limits; `StepRunner` (service/decode/runner.py) computes steps and
+holds that state and its limits; the backends compute steps (`Backend.step`) and
 `StepBatcher` (service/decode/scheduler.py) batches the steps of different sequences.
 
 Everything here runs on the event loop's thread. A sequence's steps run one at a time, in

@@ -23,11 +23,11 @@ from model import MHAConfig
 from model.checkpoint import CheckpointError, load_checkpoint
 from service.arrays import all_finite, not_finite
 from service.backends import Backend, BackendChain, Selection, select_backends
+from service.backends.base import Step
 from service.backends.chain import REASONS, FallbackHook
 from service.batching import BatcherConfig, Clock, MonotonicClock
 from service.decode.control import SequenceControl
-from service.decode.runner import StepInput, StepRunner, step_device
-from service.decode.scheduler import Decoder, StepBatcher
+from service.decode.scheduler import Decoder, StepBatcher, StepInput
 from service.decode.sequences import SequenceLimits, SequenceStore
 from service.engine.batcher import Batcher, Timing
 from service.engine.inflight import InFlight
@@ -36,7 +36,7 @@ from service.engine.publishing import Publisher
 from service.engine.readiness import DeviceHealth
 from service.engine.served import ModelIdentity, ServedModel, Serving
 from service.engine.stats import ModelStats
-from service.errors import DeviceLost, InvalidInput, NotReady
+from service.errors import DeviceLost, FeatureOff, InvalidInput, NotReady
 from service.metrics import Metrics
 from service.settings import Settings
 from service.tracing import Tracing
@@ -119,7 +119,7 @@ class InferenceCore:
         """Load, self-check and order the backends off the event loop, then start batching."""
         try:
             load = partial(load_model, self.settings, self.identity, self.publish.fallback)
-            model, selection, chain, runner = await asyncio.get_running_loop().run_in_executor(self._executor, load)
+            model, selection, chain = await asyncio.get_running_loop().run_in_executor(self._executor, load)
         except Exception:
             self._set_state(State.FAILED)
             raise
@@ -134,8 +134,7 @@ class InferenceCore:
             clock=self.clock,
             current_trace=self.tracing.current if self.tracing.enabled else None,
         )
-        run_steps = runner.run if self.compute_hook is None else partial(_hooked_steps, runner, self.compute_hook)
-        decoder = _decoder(s, model.config, run_steps, runner, self._executor, self.clock, self.metrics, self)
+        decoder = _decoder(s, model.config, chain, self._executor, self.clock, self.metrics, self)
         if batcher.config.one_core:
             log.info("one CPU to compute on: small batches run on the event loop, without a thread hop")
         self._loaded = Loaded(model, selection, chain, batcher, decoder)
@@ -179,6 +178,11 @@ class InferenceCore:
         """A decode step of a live sequence: (B, t, C) new tokens -> their (B, t, C) outputs, and
         the tokens the sequence holds after the step."""
         self._check_ready()
+        if self.loaded.chain.steps_device is None:
+            raise FeatureOff(
+                "no backend of this server computes decode steps: its model directory has no step.onnx and "
+                "PyTorch is not among --backend's; re-export the model with `mha export`, or send whole sequences"
+            )
         self.loaded.model.check_magnitude(x)  # the cached keys and values were checked with their own steps
         try:
             with self.tracing.step(control.label, int(x.shape[1])) as span:
@@ -190,7 +194,7 @@ class InferenceCore:
                 self._set_state(State.FAILED)
             raise
         self.publish.answered(x.shape, stepped.queue_s)
-        return stepped.y, Timing(stepped.queue_s, self.loaded.decoder.backend), stepped.length
+        return stepped.y, Timing(stepped.queue_s, stepped.backend), stepped.length
 
     def _check_ready(self) -> None:
         self.device.check()
@@ -227,16 +231,21 @@ def _run_batch(
     return y, backend.name
 
 
-def _hooked_steps(runner: StepRunner, hook: ComputeHook, steps: Sequence[StepInput]) -> list[np.ndarray]:
-    hook("steps", [s.x for s in steps])
-    return runner.run(steps)
+def _run_steps(
+    chain: BackendChain, hook: ComputeHook | None, steps: Sequence[StepInput]
+) -> tuple[list[np.ndarray], str]:
+    """Decode steps through the chain's step backends, each step with its sequence's cache."""
+    if hook is not None:
+        hook("steps", [s.x for s in steps])
+    ys, backend = chain.run_steps([Step(s.sequence, s.x) for s in steps])
+    return ys, backend.name
 
 
 def load_model(
     settings: Settings, identity: ModelIdentity, on_fallback: FallbackHook
-) -> tuple[ServedModel, Selection, BackendChain, StepRunner]:
-    """Read the model directory, load and self-check the backends, and chain them; the step
-    runner for incremental decoding (blocking)."""
+) -> tuple[ServedModel, Selection, BackendChain]:
+    """Read the model directory, load and self-check the backends (decode steps included), and
+    chain them (blocking)."""
     s = settings
     files = ModelFiles(s.model_dir if s.model_dir is not None else _default_model(s))
     try:
@@ -261,6 +270,7 @@ def load_model(
         lone_spinning=_lone_spinning(s),
         gpu_mem_limit_mb=s.gpu_mem_limit_mb,
         precision=s.precision,
+        step_path=files.step if config.causal and files.step.is_file() else None,
     )
     if not selection.backends:
         raise ModelLoadError(f"no backend can serve {files.directory}: {selection.summary()}")
@@ -271,6 +281,7 @@ def load_model(
         cooldown_s=s.fallback_cooldown_s,
         on_fallback=on_fallback,
         light=selection.light,
+        step_backends=selection.step_backends,
     )
     active = chain.active
     log.info("serving %s with %s on %s", files.directory, active.name, active.device)  # the verdict: selection's
@@ -278,11 +289,14 @@ def load_model(
     served = ServedModel(
         identity, config, files, s.max_request_rows, s.max_attention_mb, weights_sha256, verified, bound
     )
-    runner = StepRunner(config, weights, step_device(active.device))  # where the sequences' caches live
-    log.info("decode steps run on %s (%s)", runner.name, runner.device)
-    if s.require_device == "cuda" and runner.device == "cpu":  # not silent: readiness covers the stateless path
-        log.warning("decode steps run on the CPU: this PyTorch build sees no CUDA device (see docs/api.md)")
-    return served, selection, chain, runner
+    steps = chain.step_backends
+    if steps:
+        log.info("decode steps run on %s (%s)", steps[0].name, steps[0].device)
+    if s.require_device == "cuda" and chain.steps_device == "cpu":  # readiness covers the stateless path
+        log.warning("decode steps run on the CPU: no backend reaches the caches on a CUDA device (see docs/api.md)")
+    elif config.causal:
+        log.warning("no backend computes decode steps: %s has no step.onnx (re-export it)", files.directory)
+    return served, selection, chain
 
 
 LONE_SPIN_CPUS = 2.0  # a lone client's spinning pool takes up to a CPU beside the event loop's
@@ -346,8 +360,7 @@ def _batching(s: Settings, model: ServedModel, one_core: bool = False) -> Batche
 def _decoder(
     s: Settings,
     config: MHAConfig,
-    run_steps: Callable[[Sequence[StepInput]], list[np.ndarray]],
-    runner: StepRunner,
+    chain: BackendChain,
     executor: ThreadPoolExecutor,
     clock: Clock,
     metrics: Metrics,
@@ -360,19 +373,19 @@ def _decoder(
     def changed(store: SequenceStore, evicted: str | None) -> None:
         metrics.sequences_changed(len(store), store.state_bytes, evicted)
 
+    device = chain.steps_device or "cpu"  # where the sequences' caches live
     steps = StepBatcher(
-        run_steps,
+        partial(_run_steps, chain, core.compute_hook),
         executor,
         s.max_step_rows,
         in_flight=lambda: core.requests.count,
         inline_max_mflop=s.inline_max_mflop,
-        one_core=_one_core(s, runner.device),
+        one_core=_one_core(s, device),
         on_batch=core.publish.steps,
         clock=clock,
-        backend=runner.name,
     )
     where = f"replica {s.replica!r} worker {s.worker_index}"  # for operators, in every NOT_FOUND and refusal
-    return Decoder(SequenceStore(config, limits, clock.now, changed, runner.device, where), steps, runner.name)
+    return Decoder(SequenceStore(config, limits, clock.now, changed, device, where), steps)
 
 
 def _verified(files: ModelFiles, config: MHAConfig, weights_sha256: str, allow_unverified: bool) -> bool:

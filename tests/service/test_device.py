@@ -14,12 +14,9 @@ import numpy as np
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from model import MHAConfig
-from model.checkpoint import load_checkpoint
-from service.backends.base import Backend
+from service.backends.base import Backend, Step
 from service.backends.chain import BackendChain, _Health, is_sticky_device_error
 from service.client.client import InferenceError, MHAClient
-from service.decode.runner import StepInput, StepRunner
 from service.errors import DeviceLost
 from service.proto import grpc_service_pb2 as pb
 from service.proto import grpc_service_pb2_grpc as pb_grpc
@@ -146,15 +143,16 @@ def test_a_lost_device_stops_the_replica(small_model_dir: Path) -> None:
         assert broken.calls == 1
 
 
-class BrokenCudaSteps(StepRunner):
+class BrokenCudaSteps(BrokenCuda):
     """Stands in for decode steps on a CUDA device that a sticky error has broken (no GPU here)."""
 
-    def __init__(self, config: MHAConfig, weights: dict) -> None:
-        super().__init__(config, weights)  # built on the CPU, then presented as the device's
-        self.device, self.name, self.calls = "cuda:0", "torch-cuda", 0
-        self._one_token = None  # as on the device: every step through _compute
+    name = "torch-cuda"
 
-    def _compute(self, steps: Sequence[StepInput]) -> list[np.ndarray]:
+    @property
+    def steps(self) -> bool:
+        return True
+
+    def step(self, steps: Sequence[Step]) -> list[np.ndarray]:
         self.calls += 1
         raise RuntimeError("CUDA error: an illegal memory access was encountered")
 
@@ -168,9 +166,10 @@ def _step(client_stub: pb_grpc.GRPCInferenceServiceStub, start: bool) -> None:
 
 def test_a_lost_device_under_the_caches_stops_the_replica(small_model_dir: Path) -> None:
     with ServerThread(make_settings(small_model_dir, backend="torch")) as server:
-        config, weights = load_checkpoint(small_model_dir / "weights.safetensors")
-        broken = BrokenCudaSteps(config, weights)
-        server.core.loaded.decoder.steps._run = broken.run  # as if the steps ran on CUDA, then it broke
+        chain = server.core.loaded.chain
+        broken = BrokenCudaSteps()
+        chain.step_backends.insert(0, broken)  # as if the steps ran on CUDA, then it broke
+        chain.bench.health[broken.name] = _Health()
         with grpc.insecure_channel(server.url) as channel:
             stub = pb_grpc.GRPCInferenceServiceStub(channel)
             with pytest.raises(grpc.RpcError) as first:

