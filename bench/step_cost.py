@@ -53,7 +53,10 @@ def main() -> int:
     if args.base:
         ours, base = visits["mha-serve"], visits[f"mha-serve @{args.base}"]
         ratios = [a["cached_step_p50_ms"] / b["cached_step_p50_ms"] for a, b in zip(ours, base, strict=True)]
-        summary["step_over_base"] = {"median": round(statistics.median(ratios), 3), "runs": [round(r, 3) for r in ratios]}
+        summary["step_over_base"] = {
+            "median": round(statistics.median(ratios), 3),
+            "runs": [round(r, 3) for r in ratios],
+        }
     common.write_json("step_cost.json", summary)
     log.info("%s", summary)
     return 0
