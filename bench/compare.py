@@ -2,9 +2,10 @@
 
 Every server serves the same model.onnx on this machine's CPU; one closed-loop gRPC client
 (service.client.loadgen: N threads, one request at a time each) drives each in turn, client and server
-sharing the cores. mha-serve runs three times: with its defaults (idle ORT threads sleep, but a
-lone client's pool spins between its requests), with --thread-spinning (every pool busy-waits,
-ORT's default, which the others keep) and with --lone-spinning false (no pool spins). The floors are the
+sharing the cores. mha-serve runs three times: with its defaults (idle ORT threads sleep; a small
+request alone in the server is computed on the event loop), with --thread-spinning (every pool
+busy-waits, ORT's default, which the others keep) and with --inline-max-mflop 0 (every batch on
+the worker thread). The floors are the
 cheapest Python gRPC servers of the same protocol: `none` returns its input (protocol and copies
 only), `ort-inline` runs ONNX Runtime on the event loop. KServe and MLServer run in their own
 virtual environments (`make bench-servers`); a server whose environment is missing is left out
@@ -141,7 +142,7 @@ def server_command(
 SERVERS = (
     "mha-serve",
     "mha-serve --thread-spinning",  # ORT's default, which KServe and the floors keep: latency for CPU
-    "mha-serve --lone-spinning false",  # no pool spinning for a lone client: where idle CPUs wake fast
+    "mha-serve --inline-max-mflop 0",  # every batch on the worker thread, none on the event loop
     "KServe + ORT",
     "MLServer + ORT",
     "floor: ORT in-line",

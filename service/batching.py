@@ -3,7 +3,7 @@
 No gRPC, no ONNX, no torch: numpy and asyncio only.
 - deciding, pure (no event loop, no clock): `plan_batch` says which queued requests form the next
   batch and which are dead; `form_at` says until when the oldest request may wait for company;
-  `alone_and_small` says whether a small batch alone in the server runs on the event loop;
+  `InlineGate` says whether a small batch alone in the server runs on the event loop;
 - moving arrays, pure: `merge` right-pads requests of different T into one batch and `split`
   slices the outputs back. Padding is exact for causal attention (position t only attends to
   positions <= t); non-causal models merge only equal T;
@@ -30,8 +30,7 @@ class BatcherConfig:
     max_padding_ratio: float = 0.25  # padded tokens / batch tokens allowed when merging T
     causal: bool = True  # merging different T is exact only for causal attention
     max_cells: int | None = None  # rows x T_max x T_max a merged batch may reach (its attention memory)
-    inline_max_mflop: float = 0.0  # batches this small run on the event loop: a thread hop costs more
-    one_core: bool = False  # the server computes on one CPU: no thread runs beside the loop
+    inline_max_mflop: float = 0.0  # batches this small, alone in the server, run on the event loop
 
 
 # Deciding ----------------------------------------------------------------------------------
@@ -41,67 +40,6 @@ def batch_mflop(rows: int, seq: int, width: int) -> float:
     """Work of one forward pass over (rows, seq, width): four projections and the two
     attention products, in millions of floating-point operations."""
     return (8 * rows * seq * width * width + 4 * rows * seq * seq * width) / 1e6
-
-
-def nothing_pending(loop: asyncio.AbstractEventLoop) -> bool:
-    """Would a turn of `loop` run nothing now: no callback ready, no timer due, nothing to read
-    on the files it watches (gRPC's completion queue signals a call to hand over through one)?
-    Peeks at asyncio's own loop: its ready queue, its timers and a zero-timeout poll of its
-    selector, which is level-triggered, so the next turn still sees what the peek saw. Of any
-    other loop (uvloop) nothing is known: False, and the turn is taken."""
-    try:
-        ready, timers, selector = loop._ready, loop._scheduled, loop._selector  # type: ignore[attr-defined]
-    except AttributeError:
-        return False
-    if ready or (timers and timers[0].when() <= loop.time()):
-        return False
-    return not selector.select(0)
-
-
-def loop_idle() -> bool:
-    """nothing_pending() of the running loop."""
-    return nothing_pending(asyncio.get_running_loop())
-
-
-async def alone_and_small(
-    shape: tuple[int, ...], inline_max_mflop: float, alone: Callable[[], bool], idle: Callable[[], bool] = loop_idle
-) -> bool:
-    """Whether to compute a batch of `shape` (rows, T, C) on the event loop's thread: at most
-    `inline_max_mflop` of work, and nothing in the server but the batch's own requests (`alone`):
-    then no request waits for the loop while it computes, and the thread hop (a future, a wake-up
-    of the worker and one of the loop: about 0.1 ms) is saved. One turn of the loop first lets
-    requests that have already arrived show up; then the batch goes to the worker thread instead,
-    and they gather while it computes. A turn that would run nothing (`idle`: nothing_pending) is
-    not taken: the request is alone as it stands. Shared by the batcher and the step batcher."""
-    if batch_mflop(*shape[:3]) > inline_max_mflop or not alone():
-        return False
-    if idle():
-        return True
-    await asyncio.sleep(0)
-    return alone()
-
-
-PEEK_EVERY = 16  # while peeks find the loop busy, one gate in this many still peeks
-
-
-class TurnPeek:
-    """`idle` for the lone gate, peeking only while peeks pay. A lone client's peeks find the loop
-    idle and save each request its turn; under a crowd nearly every peek finds a call being
-    handed over (99 % of them at 32 clients), and the turn is taken anyway. So once a peek finds
-    the loop busy, the next PEEK_EVERY - 1 gates take their turn without peeking; the one after
-    peeks again."""
-
-    def __init__(self, check: Callable[[], bool] = loop_idle) -> None:
-        self._check = check
-        self._since_busy = 0  # gates since a peek found the loop busy; 0: the last one found it idle
-
-    def __call__(self) -> bool:
-        if 0 < self._since_busy < PEEK_EVERY:
-            self._since_busy += 1
-            return False
-        idle = self._check()
-        self._since_busy = 0 if idle else 1
-        return idle
 
 
 P = TypeVar("P")  # what a waiting request carries
@@ -134,35 +72,24 @@ class Pending(Generic[P, R]):
         return self.future.done()
 
 
-class LoneGate:
-    """Is a small batch computed on the event loop, without a thread hop? When its requests are
-    alone in the server; or, on a server with one CPU (`one_core`), always: there a worker thread
-    computes in turn with the loop, never beside it, so the hop (a future, a wake-up of the worker
-    and one of the loop: about 0.1 ms) buys nothing, and a request meeting an empty queue is
-    computed at once. Shared by both batchers, each with its own queue and its own computing flag."""
+class InlineGate:
+    """The one policy for small requests when the server is idle: a batch is computed on the
+    event loop's thread, without the hop to the worker thread and back, when its requests are
+    all the server holds (`in_flight`), nothing waits in its batcher's queue, no batch of its
+    batcher is computing (one whose client left may still be), and its work is at most
+    `max_mflop`. Then no request waits for the loop while it computes. Shared by both batchers,
+    each with its own queue and computing flag."""
 
-    def __init__(self, in_flight: Callable[[], int] | None, inline_max_mflop: float, one_core: bool = False) -> None:
+    def __init__(self, in_flight: Callable[[], int] | None, max_mflop: float) -> None:
         self._in_flight = in_flight  # requests in the server, queued or not; None: unknown, assume others
-        self.inline_max_mflop = inline_max_mflop
-        self.one_core = one_core
-        self.computing = False  # a batch of this batcher is being computed (on the worker thread)
-        self._idle = TurnPeek()  # may a turn of the loop be skipped?
+        self.max_mflop = max_mflop
+        self.computing = False  # a batch of this batcher is being computed on the worker thread
 
-    def alone(self, queued: int, requests: int = 1) -> bool:
-        """Nothing queued and no request in the server but these `requests`."""
-        return queued == 0 and self._in_flight is not None and self._in_flight() <= requests
-
-    async def inline(self, requests: int, shape: tuple[int, ...], queued: Callable[[], int], idle: bool) -> bool:
-        """Compute a batch of `requests` and `shape` (rows, T, C) on the loop? `idle`: the request
-        is not queued yet, and goes first only if no batch of this batcher is computing (one whose
-        client went away may still be) and, on one core, none waits before it."""
-        if self.one_core and batch_mflop(*shape[:3]) <= self.inline_max_mflop:
-            return not idle or (not self.computing and queued() == 0)
-
-        def alone() -> bool:
-            return (not idle or not self.computing) and self.alone(queued(), requests)
-
-        return await alone_and_small(shape, self.inline_max_mflop, alone, self._idle)
+    def inline(self, requests: int, shape: tuple[int, ...], queued: int) -> bool:
+        """Compute a batch of `requests` and `shape` (rows, T, C) on the loop?"""
+        if self.computing or queued or self._in_flight is None or self._in_flight() > requests:
+            return False
+        return batch_mflop(*shape[:3]) <= self.max_mflop
 
 
 async def run_each_alone(batch: Sequence[Pending[P, R]], run: Callable[[list[Pending[P, R]]], Awaitable[None]]) -> None:

@@ -1,6 +1,5 @@
 """How many CPUs this process may use: its affinity mask (a container's cpuset), capped by the CPU
-limit of its cgroups (a container's `--cpus` or a pod's `resources.limits.cpu`, a CFS quota); and
-threads that should take a CPU only when nobody else wants it (`yield_to_others`).
+limit of its cgroups (a container's `--cpus` or a pod's `resources.limits.cpu`, a CFS quota).
 
 A pod limited to 2 CPUs on a 64-core node sees 64 CPUs in its affinity mask; sizing thread pools
 from that gives 64 threads that the quota throttles. cgroup v2 (`cpu.max`) and v1
@@ -12,13 +11,11 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from pathlib import Path
 
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 SELF_CGROUP = Path("/proc/self/cgroup")
-SELF_TASKS = Path("/proc/self/task")
-YIELDING_NICE = 19  # the lowest CFS priority: a CPU's time only while nothing else is runnable on it
 
 
 def available_cpus(cgroup_root: Path = CGROUP_ROOT, self_cgroup: Path = SELF_CGROUP) -> int:
@@ -86,25 +83,3 @@ def _v1_limit(cgroup: Path) -> float | None:
 
 def _ratio(quota: int, period: int) -> float | None:
     return quota / period if quota > 0 and period > 0 else None
-
-
-def own_threads(tasks: Path = SELF_TASKS) -> set[int]:
-    """The OS thread ids of this process; empty where /proc does not list them (not Linux)."""
-    try:
-        return {int(name) for name in os.listdir(tasks)}
-    except OSError:
-        return set()
-
-
-def yield_to_others(threads: Iterable[int], nice: int = YIELDING_NICE) -> list[int]:
-    """Lower the scheduling priority of these threads of this process to `nice` (a thread's own
-    nice value on Linux; lowering needs no privilege); the ones lowered. A thread gone meanwhile,
-    or a platform without per-thread priorities, is skipped: this only ever changes speed."""
-    lowered = []
-    for tid in sorted(threads):
-        try:
-            os.setpriority(os.PRIO_PROCESS, tid, nice)
-        except (OSError, AttributeError):
-            continue
-        lowered.append(tid)
-    return lowered

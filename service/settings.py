@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any, get_type_hints
 
 from export.layout import MANIFEST_FILE
-from service.cpus import available_cpus, cpu_budget
+from service.cpus import available_cpus
 
 BACKEND_CHOICES = ("auto", "ort-cuda", "ort-cpu", "torch")
 LOG_FORMATS = ("auto", "json", "text")
@@ -85,12 +85,6 @@ class Settings:
         0, "intra-op threads of the CPU backends; 0: the CPUs this process may use (affinity, cgroup CPU limit)", low=0
     )
     thread_spinning: bool = setting(False, "let idle intra-op threads busy-wait: a little latency for a lot of CPU")
-    lone_spinning: bool = setting(
-        True,
-        "a lone client's small requests (no request met another in the server for 1 s) run on an ORT-CPU "
-        "pool whose threads keep spinning briefly after each run: lower latency for it, up to about a core "
-        "more while it sends",
-    )
     max_batch_size: int = setting(8, "rows per executed batch; 1 turns batching off", "rows", low=1)
     max_queue_delay_ms: float = setting(2.0, "how long the first request of a batch waits for company", "ms", low=0)
     max_queue_size: int = setting(256, "requests waiting before RESOURCE_EXHAUSTED", "requests", low=1)
@@ -98,8 +92,8 @@ class Settings:
     max_request_rows: int = setting(256, "largest B in one request", "rows", low=1)
     inline_max_mflop: float = setting(
         1000.0,
-        "batches up to this much work, holding every request in the server (with one CPU: any), run on "
-        "the event loop, without a thread hop; 0: never",
+        "batches up to this much work, holding every request in the server, run on the event loop, "
+        "without a thread hop; 0: never",
         "MFLOP",
         low=0,
     )
@@ -147,11 +141,6 @@ class Settings:
     def cpus(self) -> int:
         """The CPUs this process may use (its affinity, its cgroup's limit), whatever --threads says."""
         return available_cpus()
-
-    @property
-    def cpu_budget(self) -> float:
-        """The CPU time this process may take, in CPUs: `cpus` before its cgroup limit is rounded up."""
-        return cpu_budget()
 
     @property
     def cpu_threads(self) -> int:

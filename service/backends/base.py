@@ -50,11 +50,6 @@ class Backend(ABC):
     def run(self, x: np.ndarray) -> np.ndarray:
         """(B, T, C) float32 -> (B, T, C) float32."""
 
-    def run_alone(self, x: np.ndarray) -> np.ndarray:
-        """A small request of a lone client (nothing else in the server, and no batch shared of
-        late): as `run`, unless a backend has a faster way for it (ORT-CPU: a pool that spins)."""
-        return self.run(x)
-
     @property
     def steps(self) -> bool:
         """Whether it computes decode steps."""

@@ -174,7 +174,7 @@ class BackendChain:
     def benched(self) -> list[str]:
         return self.bench.benched(self.backends)
 
-    def run(self, x: np.ndarray, alone: bool = False) -> tuple[np.ndarray, Backend]:
+    def run(self, x: np.ndarray) -> tuple[np.ndarray, Backend]:
         """Run on the first healthy backend; on error, on the next. Called by one batcher at a time:
         on its worker thread, or on the event loop for a lone small batch (never both at once)."""
 
@@ -186,8 +186,7 @@ class BackendChain:
             return ""
 
         order = self.order_for(int(x.shape[0]), int(x.shape[1]))
-        compute: Callable[[Backend], np.ndarray] = (lambda b: b.run_alone(x)) if alone else (lambda b: b.run(x))
-        return self._first_to_answer(order, compute, problem, f"a batch of shape {x.shape}")
+        return self._first_to_answer(order, lambda b: b.run(x), problem, f"a batch of shape {x.shape}")
 
     @property
     def steps_device(self) -> str | None:

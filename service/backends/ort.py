@@ -16,7 +16,6 @@ import torch
 from export.layout import INPUT_NAME, OUTPUT_NAME, PAST_NAMES, PRESENT_NAMES
 from service.backends.base import Backend, BackendLoadError, Step
 from service.backends.crossover import measure_crossover
-from service.cpus import YIELDING_NICE, own_threads, yield_to_others
 
 log = logging.getLogger(__name__)
 
@@ -69,20 +68,6 @@ def _cpu_options(threads: int, spinning: bool) -> ort.SessionOptions:
     return options
 
 
-def _spinning_pool(model_path: Path, threads: int, graph: bytes | None) -> ort.InferenceSession:
-    """A lone client's session, whose pool's workers keep spinning between its requests at the
-    lowest priority: they hold an otherwise idle CPU awake, and give it up at once to any other
-    thread that wants it (the client on the same machine, the event loop, gRPC's threads), rather
-    than take turns with them (bench/RESULTS.md, fourteenth session). ORT starts the workers as
-    it builds the session, on this thread: the threads new to the process since are theirs (one
-    started elsewhere at that moment would be lowered too, which changes only its speed)."""
-    before = own_threads()
-    session = _load_session(model_path, _cpu_options(threads, True), ["CPUExecutionProvider"], graph)
-    lowered = yield_to_others(own_threads() - before)
-    log.debug("a lone client's pool: %d spinning workers at nice %d", len(lowered), YIELDING_NICE)
-    return session
-
-
 SHRINK_CELLS = 1 << 22  # rows x T x T from which a run hands its arena memory back afterwards
 
 
@@ -105,7 +90,6 @@ class OrtCpuBackend(Backend):
         threads: int,
         spinning: bool = False,
         width: int | None = None,
-        lone_spinning: bool = False,
         step_path: Path | None = None,
     ) -> None:
         graph, self.rewrites = _cpu_graph(model_path)  # the same arithmetic in fewer nodes
@@ -121,18 +105,6 @@ class OrtCpuBackend(Backend):
         # on two threads). The crossover is measured here, per model and machine.
         self._single: ort.InferenceSession | None = None
         self.single_max_tokens = 0  # rows x T up to which the single-threaded session runs
-        # A lone client's small requests run on a pool whose threads keep spinning after a run
-        # (ORT's default: here about 50 ms of CPU, then they sleep), so the next request finds
-        # its CPUs awake: on a VM, waking an idle vCPU costs more than (1, 64, 128) computes
-        # (bench/RESULTS.md, tenth session). The batcher stops sending requests here once one has
-        # met another in the server, and the spinning ends by itself soon after. With
-        # --thread-spinning the main pool spins already: a lone client's requests go there, not to
-        # the single-threaded session, which has no pool to keep awake.
-        self._lone: ort.InferenceSession | None = None
-        if threads > 1 and lone_spinning and spinning:
-            self._lone = self._session
-        elif threads > 1 and lone_spinning:
-            self._lone = _spinning_pool(model_path, threads, graph)
         if threads > 1 and width is not None:
             self._single = _load_session(model_path, _cpu_options(1, spinning), ["CPUExecutionProvider"], graph)
             self.single_max_tokens = self._crossover(width)
@@ -163,11 +135,6 @@ class OrtCpuBackend(Backend):
             tokens = int(step.x.shape[0]) * int(step.x.shape[1])
             out.append(_cpu_step(self._step_one if tokens <= self.single_max_tokens else self._step_pool, step))
         return out
-
-    def run_alone(self, x: np.ndarray) -> np.ndarray:
-        if self._lone is None:
-            return self.run(x)
-        return self._lone.run(self._outputs, {self._input: x}, self._options(x))[0]
 
     def run(self, x: np.ndarray) -> np.ndarray:
         tokens = int(x.shape[0]) * int(x.shape[1])

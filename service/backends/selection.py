@@ -118,7 +118,6 @@ def _factories(
     spinning: bool,
     gpu_mem_limit_mb: int = 0,
     precision: str = "fp32",
-    lone_spinning: bool = False,
     step_path: Path | None = None,
 ) -> dict[str, Callable[[], Backend]]:
     from service.backends.ort import OrtCpuBackend, OrtCudaBackend
@@ -133,7 +132,6 @@ def _factories(
         threads=threads,
         spinning=spinning,
         width=config.d_model,
-        lone_spinning=lone_spinning,
         step_path=step_path,
     )
     factories["torch-cpu"] = lambda: TorchBackend(config, weights, device="cpu", threads=threads, precision=precision)
@@ -172,9 +170,7 @@ def measure_interleaved(
     backends: list[Backend], config: MHAConfig, rounds: int = 7, budget_s: float = PROBE_BUDGET_S
 ) -> list[list[float]]:
     """Per backend, the median time (ms) on each of the probe shapes: at least `rounds` runs
-    each, more (up to MAX_ROUNDS) where a round takes less than `budget_s` / `rounds`. A shape
-    of one row is timed the way a lone client's request runs (`run_alone`: ORT's lone pool),
-    the others as batches.
+    each, more (up to MAX_ROUNDS) where a round takes less than `budget_s` / `rounds`.
 
     The backends take turns run by run, in an order that alternates every round, so that a
     burst of load on a shared machine falls on all of them alike.
@@ -184,7 +180,7 @@ def measure_interleaved(
     for B, T in probe_shapes(config):
         x = rng.standard_normal((B, T, config.d_model), dtype=np.float32)
         samples: list[list[float]] = [[] for _ in backends]
-        runs = [b.run_alone if B == 1 else b.run for b in backends]
+        runs = [b.run for b in backends]
         for run in runs:
             run(x)  # warm-up: the first run allocates
         start = time.perf_counter()
@@ -274,7 +270,6 @@ def select_backends(
     gpu_mem_limit_mb: int = 0,
     precision: str = "fp32",
     measure: Callable[[list[Backend], MHAConfig], list[list[float]]] = measure_interleaved,
-    lone_spinning: bool = False,
     step_path: Path | None = None,
 ) -> Selection:
     """Load every wanted backend, self-check each, and order them.
@@ -285,9 +280,7 @@ def select_backends(
     its own (Selection.light).
     """
     cuda = torch.cuda.is_available() if cuda is None else cuda
-    factories = _factories(
-        onnx_path, config, weights, threads, cuda, spinning, gpu_mem_limit_mb, precision, lone_spinning, step_path
-    )
+    factories = _factories(onnx_path, config, weights, threads, cuda, spinning, gpu_mem_limit_mb, precision, step_path)
     check = SelfCheck(config, weights, tolerance=precision_tolerance(precision, config))
     reports = [CandidateReport(name=name, status="unavailable", reason="") for name in _wanted(requested, cuda)]
     loaded = [(backend, report) for report in reports if (backend := _load(report, factories, check)) is not None]

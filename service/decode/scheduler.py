@@ -15,7 +15,7 @@ from functools import partial
 import numpy as np
 
 from service.arrays import all_finite, not_finite
-from service.batching import BatchEvent, Clock, LoneGate, MonotonicClock, Pending, batch_event, run_each_alone
+from service.batching import BatchEvent, Clock, InlineGate, MonotonicClock, Pending, batch_event, run_each_alone
 from service.decode.control import SequenceControl
 from service.decode.sequences import Sequence as LiveSequence
 from service.decode.sequences import SequenceStore
@@ -53,12 +53,11 @@ class StepBatcher:
         max_rows: int,
         in_flight: Callable[[], int] | None = None,
         inline_max_mflop: float = 0.0,
-        one_core: bool = False,
         on_batch: Callable[[BatchEvent], None] | None = None,
         clock: Clock | None = None,
     ) -> None:
         self._run, self._executor, self.max_rows = run, executor, max_rows
-        self._lone = LoneGate(in_flight, inline_max_mflop, one_core)
+        self._gate = InlineGate(in_flight, inline_max_mflop)
         self._on_batch = on_batch  # each executed batch, for metrics and statistics
         self.clock: Clock = clock or MonotonicClock()
         self._pending: deque[Step] = deque()
@@ -70,7 +69,7 @@ class StepBatcher:
         sequence's length advances only if the answer is taken. A step whose `deadline` (clock
         time) passes before it computes is answered DEADLINE_EXCEEDED and never computed."""
         enqueued = self.clock.now()
-        if await self._lone.inline(1, step.x.shape, self._depth, idle=True):
+        if self._gate.inline(1, step.x.shape, len(self._pending)):
             _check_deadline(deadline, enqueued, self.clock.now())
             try:
                 (y,), started, backend = self._compute([step], enqueued)  # the only request in the server
@@ -85,23 +84,11 @@ class StepBatcher:
         y, started, backend = await future
         return y, started - enqueued, backend
 
-    @property
-    def one_core(self) -> bool:
-        """Small batches run on the event loop whoever is in flight (LoneGate)."""
-        return self._lone.one_core
-
-    def _depth(self) -> int:
-        return len(self._pending)
-
     async def _drain(self) -> None:
         while self._pending:
             batch = self._take()
             if batch:
-                self._lone.computing = True
-                try:
-                    await self._execute(batch)
-                finally:
-                    self._lone.computing = False
+                await self._execute(batch)
 
     def _take(self) -> list[Step]:
         """Live steps of at most max_rows rows (always at least one), oldest first."""
@@ -124,11 +111,15 @@ class StepBatcher:
     async def _execute(self, batch: list[Step]) -> None:
         steps, oldest = [p.payload for p in batch], batch[0].enqueued
         try:
-            if await self._lone.inline(len(batch), _covered_shape(batch), self._depth, idle=False):
+            if self._gate.inline(len(batch), _covered_shape(batch), len(self._pending)):
                 ys, started, backend = self._compute(steps, oldest)  # alone and small: on the loop
             else:
                 compute = partial(self._compute, steps, oldest)
-                ys, started, backend = await asyncio.get_running_loop().run_in_executor(self._executor, compute)
+                self._gate.computing = True
+                try:
+                    ys, started, backend = await asyncio.get_running_loop().run_in_executor(self._executor, compute)
+                finally:
+                    self._gate.computing = False
         except Exception as exc:
             self._publish()
             if len(batch) == 1 or isinstance(exc, DeviceLost):  # a lost device fails every step alike
@@ -195,7 +186,7 @@ def _check_deadline(deadline: float | None, enqueued: float, now: float) -> None
 
 def _covered_shape(batch: list[Step]) -> tuple[int, int, int]:
     """(rows, t, C) a batch of steps covers: its rows, its longest step and the width, the shape
-    whose work `alone_and_small` weighs."""
+    whose work `InlineGate` weighs."""
     return sum(p.rows for p in batch), max(p.seq for p in batch), int(batch[0].shape[2])
 
 

@@ -1,8 +1,8 @@
 """Dynamic batching of stateless requests: a bounded queue, batches formed within a delay.
 
-`Batcher`, on an injected `Clock`, runs each batch off the event loop (or, alone and small, on
-it) and reports one `BatchEvent` per executed batch. What it decides with and how it pads are the
-pure primitives of `service.batching`.
+`Batcher`, on an injected `Clock`, runs each batch on its worker thread (or, alone in the server
+and small, on the event loop: `InlineGate`) and reports one `BatchEvent` per executed batch. What
+it decides with and how it pads are the pure primitives of `service.batching`.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from service.batching import (
     BatcherConfig,
     BatchEvent,
     Clock,
-    LoneGate,
+    InlineGate,
     MonotonicClock,
     Pending,
     batch_event,
@@ -35,7 +35,6 @@ from service.errors import DeadlineExceeded, NotReady, Overloaded
 log = logging.getLogger(__name__)
 
 RunBatch = Callable[[np.ndarray], tuple[np.ndarray, str]]  # (B, T, C) -> ((B, T, C), backend name)
-LONE_CLIENT_S = 1.0  # no request has met another in the server for this long: a lone client's requests
 
 
 class Timing(NamedTuple):
@@ -59,16 +58,13 @@ class Batcher:
         in_flight: Callable[[], int] | None = None,
         clock: Clock | None = None,
         current_trace: Callable[[], object] | None = None,
-        run_lone: RunBatch | None = None,
     ) -> None:
         self.config = config
         self._run_batch = run_batch
-        self._run_lone = run_lone  # a lone client's small request (None: run_batch)
-        self._crowded_at = -LONE_CLIENT_S  # clock time a request last met another in the server
         self._executor = executor
         self._on_batch = on_batch
         self._in_flight = in_flight  # requests in the server, queued or not; None: assume more may come
-        self._lone = LoneGate(in_flight, config.inline_max_mflop, config.one_core)
+        self._gate = InlineGate(in_flight, config.inline_max_mflop)
         self.clock: Clock = clock or MonotonicClock()
         self._queue: list[Queued] = []
         self._wakeup = asyncio.Event()
@@ -100,13 +96,9 @@ class Batcher:
                 "retry with backoff"
             )
         enqueued = self.clock.now()
-        if self._in_flight is None or self._in_flight() > 1:  # not a lone client's: others are in the server
-            self._crowded_at = enqueued
         trace = self._current_trace() if self._current_trace is not None else None
-        if await self._lone.inline(1, x.shape, self._depth, idle=True):
+        if self._gate.inline(1, x.shape, len(self._queue)):
             return self._run_alone(x, enqueued, deadline, trace)
-        if self._closed and self._task is not None and self._task.done():  # stopped in that turn: none would answer
-            raise NotReady("the server is draining; retry on another replica")
         future: asyncio.Future[Answer] = asyncio.get_running_loop().create_future()
         self._queue.append(Pending(x, x.shape, future, enqueued, deadline, trace))
         self._wakeup.set()
@@ -124,11 +116,7 @@ class Batcher:
             self._queue = plan.rest
             self._expire(plan.expired)
             if plan.batch:
-                self._lone.computing = True
-                try:
-                    await self._execute(plan.batch, forming)
-                finally:
-                    self._lone.computing = False
+                await self._execute(plan.batch, forming)
 
     async def _wait_for_company(self) -> None:
         while self._queue and not self._closed:
@@ -138,9 +126,6 @@ class Batcher:
                 return
             self._wakeup.clear()
             await self.clock.wait(self._wakeup, until)
-
-    def _depth(self) -> int:
-        return len(self._queue)
 
     def _expire(self, expired: list[Queued]) -> None:
         now = self.clock.now()
@@ -153,10 +138,14 @@ class Batcher:
         shapes = [(i.rows, i.seq) for i in batch]
         started = self.clock.now()
         try:
-            if await self._lone.inline(len(batch), x.shape, self._depth, idle=False):
+            if self._gate.inline(len(batch), x.shape, len(self._queue)):
                 y, backend = self._run_batch(x)
             else:
-                y, backend = await asyncio.get_running_loop().run_in_executor(self._executor, self._run_batch, x)
+                self._gate.computing = True
+                try:
+                    y, backend = await asyncio.get_running_loop().run_in_executor(self._executor, self._run_batch, x)
+                finally:
+                    self._gate.computing = False
         except Exception as exc:
             self._report(shapes, (forming, started), "", exc, traced(batch))
             if len(batch) > 1:  # isolate the culprit: one request's failure never fails the others
@@ -171,17 +160,14 @@ class Batcher:
 
     def _run_alone(self, x: np.ndarray, enqueued: float, deadline: float | None, trace: object) -> Answer:
         """A small request computed at once on the event loop, without the queue, a future or the
-        batcher's task (each a turn of the loop): the only request in the server or, on one core,
-        the first in line. The lone route is a lone client's only."""
+        batcher's task (each a turn of the loop): the only request in the server."""
         started = self.clock.now()
         if deadline is not None and deadline <= started:
             raise DeadlineExceeded(f"deadline passed after {(started - enqueued) * 1e3:.1f} ms in the queue")
         shapes = [(int(x.shape[0]), int(x.shape[1]))]
         spans = ((trace, enqueued),) if trace is not None else ()
-        lone_client = started - self._crowded_at >= LONE_CLIENT_S and self._lone.alone(0)
-        run = self._run_lone if self._run_lone is not None and lone_client else self._run_batch
         try:
-            y, backend = run(x)
+            y, backend = self._run_batch(x)
         except Exception as exc:
             self._report(shapes, (started, started), "", exc, spans)
             raise

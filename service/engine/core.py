@@ -125,9 +125,8 @@ class InferenceCore:
             raise
         s = self.settings
         batcher = Batcher(
-            _batching(s, model, one_core=_one_core(s, chain.active.device)),
+            _batching(s, model),
             run_batch=partial(_run_batch, chain, hook=self.compute_hook),
-            run_lone=partial(_run_batch, chain, alone=True, hook=self.compute_hook),
             executor=self._executor,
             on_batch=partial(self.publish.batch, chain=chain),
             in_flight=lambda: self.requests.count,
@@ -135,8 +134,6 @@ class InferenceCore:
             current_trace=self.tracing.current if self.tracing.enabled else None,
         )
         decoder = _decoder(s, model.config, chain, self._executor, self.clock, self.metrics, self)
-        if batcher.config.one_core:
-            log.info("one CPU to compute on: small batches run on the event loop, without a thread hop")
         self._loaded = Loaded(model, selection, chain, batcher, decoder)
         batcher.start()
         decoder.start(expiry_period_s=min(1.0, max(s.sequence_idle_timeout_s / 4, 0.05)))
@@ -220,14 +217,11 @@ class InferenceCore:
                 backend.close()
 
 
-def _run_batch(
-    chain: BackendChain, x: np.ndarray, alone: bool = False, hook: ComputeHook | None = None
-) -> tuple[np.ndarray, str]:
-    """(B, T, C) through the chain; `alone`: a lone client's small request, on the event loop
-    (the backend's fastest way)."""
+def _run_batch(chain: BackendChain, x: np.ndarray, hook: ComputeHook | None = None) -> tuple[np.ndarray, str]:
+    """(B, T, C) through the chain."""
     if hook is not None:
         hook("batch", [x])
-    y, backend = chain.run(x, alone)
+    y, backend = chain.run(x)
     return y, backend.name
 
 
@@ -267,7 +261,6 @@ def load_model(
         requested=s.backend,
         threads=s.cpu_threads,
         spinning=s.thread_spinning,
-        lone_spinning=_lone_spinning(s),
         gpu_mem_limit_mb=s.gpu_mem_limit_mb,
         precision=s.precision,
         step_path=files.step if config.causal and files.step.is_file() else None,
@@ -299,23 +292,6 @@ def load_model(
     return served, selection, chain
 
 
-LONE_SPIN_CPUS = 2.0  # a lone client's spinning pool takes up to a CPU beside the event loop's
-
-
-def _lone_spinning(s: Settings) -> bool:
-    """--lone-spinning, where the CPU budget has room for a thread that spins beside the event
-    loop: a pod limited to 1.5 CPUs gets two threads, and a spinning one would have the quota
-    throttle the loop with it."""
-    if not s.lone_spinning:
-        return False
-    budget = s.cpu_budget  # read from the cgroup files: once
-    if budget < LONE_SPIN_CPUS:
-        if s.cpu_threads > 1:  # a pool that would have spun (--threads counts here, not the budget)
-            log.info("a lone client's pool will not spin: a budget of %.3g CPUs has no room for it", budget)
-        return False
-    return True
-
-
 def _default_model(s: Settings) -> Path:
     """No --model-dir: the default model, exported into --default-model-dir first if missing
     (after the server has bound its ports: clients see NOT_SERVING meanwhile)."""
@@ -338,13 +314,7 @@ def _serving(loaded: Loaded, s: Settings) -> Serving:
     return Serving(chain.backends, chain.active, summary, *limits)
 
 
-def _one_core(s: Settings, device: str) -> bool:
-    """Computing on the CPU with one CPU to compute on: a worker thread would take turns with the
-    event loop, never run beside it (LoneGate)."""
-    return device == "cpu" and s.cpus == 1
-
-
-def _batching(s: Settings, model: ServedModel, one_core: bool = False) -> BatcherConfig:
+def _batching(s: Settings, model: ServedModel) -> BatcherConfig:
     return BatcherConfig(
         max_batch_size=s.max_batch_size,
         max_queue_delay_s=s.max_queue_delay_ms / 1e3,
@@ -353,7 +323,6 @@ def _batching(s: Settings, model: ServedModel, one_core: bool = False) -> Batche
         causal=model.config.causal,
         max_cells=model.max_attention_cells,
         inline_max_mflop=s.inline_max_mflop,
-        one_core=one_core,
     )
 
 
@@ -380,7 +349,6 @@ def _decoder(
         s.max_step_rows,
         in_flight=lambda: core.requests.count,
         inline_max_mflop=s.inline_max_mflop,
-        one_core=_one_core(s, device),
         on_batch=core.publish.steps,
         clock=clock,
     )

@@ -54,13 +54,12 @@ def test_the_rewritten_graph_computes_what_model_onnx_computes(model_dir: Path) 
 
 
 def test_the_cpu_backend_serves_the_rewritten_graph_exactly(small_model_dir: Path) -> None:
-    backend = OrtCpuBackend(small_model_dir / "model.onnx", threads=2, width=32, lone_spinning=True)
+    backend = OrtCpuBackend(small_model_dir / "model.onnx", threads=2, width=32)
     assert backend.rewrites == BOTH
     config, weights = load_checkpoint(small_model_dir / "weights.safetensors")
     x = np.random.default_rng(2).standard_normal((2, 23, 32), dtype=np.float32)
     reference = attention_view(torch.from_numpy(x), weights, config)
-    for run in (backend.run, backend.run_alone):
-        assert relative_error(torch.from_numpy(run(x)), reference) < 1e-5
+    assert relative_error(torch.from_numpy(backend.run(x)), reference) < 1e-5
 
 
 def test_a_graph_of_another_shape_is_served_as_it_is() -> None:

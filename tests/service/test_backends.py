@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import shutil
-import threading
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +23,6 @@ from service.backends.ort import OrtCpuBackend, OrtCudaBackend
 from service.backends.pytorch import ServedAttention, TorchBackend
 from service.backends.selection import SelfCheck, probe_rounds, probe_shapes, speed_order, split_by_size
 from service.batching import BatchEvent, batch_mflop
-from service.cpus import YIELDING_NICE, own_threads
 from service.engine.publishing import Publisher
 from service.engine.readiness import DeviceHealth
 from service.engine.stats import ModelStats
@@ -40,58 +38,17 @@ def test_cpu_backends_match_reference(small_model_dir: Path) -> None:
         assert relative_error(torch.from_numpy(backend.run(x)), ref) < 1e-5, backend
 
 
-def test_a_lone_clients_route_is_exact_and_only_there_when_asked(small_model_dir: Path) -> None:
-    config, weights = load_checkpoint(small_model_dir / "weights.safetensors")
-    x = np.random.default_rng(3).standard_normal((1, 9, 32), dtype=np.float32)
-    ref = attention_view(torch.from_numpy(x), weights, config)
-    spinning = OrtCpuBackend(small_model_dir / "model.onnx", threads=2, width=32, lone_spinning=True)
-    assert spinning._lone is not None
-    assert relative_error(torch.from_numpy(spinning.run_alone(x)), ref) < 1e-5
-    # its threads keep spinning after a run (ORT's default), so that a lone client's next request
-    # finds its CPUs awake; the pool every other batch runs on never spins
-    chosen = spinning._lone.get_session_options()
-    assert chosen.get_session_config_entry("session.intra_op.allow_spinning") == "1"
-    with pytest.raises(RuntimeError, match="force_spinning_stop"):  # not stopped at the end of each run
-        chosen.get_session_config_entry("session.force_spinning_stop")
-    assert spinning._session.get_session_options().get_session_config_entry("session.intra_op.allow_spinning") == "0"
-    plain = OrtCpuBackend(small_model_dir / "model.onnx", threads=2, width=32)  # --lone-spinning off
-    assert plain._lone is None and relative_error(torch.from_numpy(plain.run_alone(x)), ref) < 1e-5
-    # --thread-spinning: the main pool spins already, and a lone client's requests go to it, not
-    # to the single-threaded session of small batches
-    spun = OrtCpuBackend(small_model_dir / "model.onnx", threads=2, spinning=True, width=32, lone_spinning=True)
-    assert spun._lone is spun._session and relative_error(torch.from_numpy(spun.run_alone(x)), ref) < 1e-5
-
-
 def _nice(tid: int) -> int:
     """A thread's nice value, field 19 of its /proc stat line (counted after the command's ")")."""
     return int(Path(f"/proc/self/task/{tid}/stat").read_text().rsplit(")", 1)[1].split()[16])
 
 
-@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="threads' priorities are read from Linux's /proc")
-def test_a_lone_clients_spinning_workers_yield_their_cpus_to_every_other_thread(small_model_dir: Path) -> None:
-    """The lone pool's workers spin between requests at the lowest priority, so that they never
-    take turns with the client or the event loop; the main pool's workers and the caller keep
-    theirs."""
-    caller = _nice(threading.get_native_id())
-    if caller >= YIELDING_NICE:
-        pytest.skip(f"the tests run at nice {caller}: nothing lower to tell apart")
-    before = own_threads()
-    backend = OrtCpuBackend(small_model_dir / "model.onnx", threads=3, width=32, lone_spinning=True)
-    new = own_threads() - before
-    lowered = {tid for tid in new if _nice(tid) == YIELDING_NICE}
-    assert len(lowered) == 2, "the lone pool of three threads: the caller's and two workers"
-    assert {_nice(tid) for tid in new - lowered} <= {caller}, "the main pool's workers keep the caller's priority"
-    assert _nice(threading.get_native_id()) == caller
-    x = np.ones((1, 4, 32), np.float32)
-    assert np.array_equal(backend.run_alone(x), backend._lone.run(None, {"x": x})[0])  # type: ignore[union-attr]
-
-
-def test_a_large_run_hands_its_arena_memory_back_on_either_pool(small_model_dir: Path) -> None:
-    """A batch of SHRINK_CELLS or more (rows x T x T) shrinks ORT's arena after its run, on the
-    main pool and on a lone client's, so that one large request leaves no gigabytes resident."""
+def test_a_large_run_hands_its_arena_memory_back(small_model_dir: Path) -> None:
+    """A batch of SHRINK_CELLS or more (rows x T x T) shrinks ORT's arena after its run, so that
+    one large request leaves no gigabytes resident."""
     from service.backends.ort import SHRINK_CELLS
 
-    backend = OrtCpuBackend(small_model_dir / "model.onnx", threads=2, width=32, lone_spinning=True)
+    backend = OrtCpuBackend(small_model_dir / "model.onnx", threads=2, width=32)
     options: list[object] = []
 
     class Recording:
@@ -102,15 +59,15 @@ def test_a_large_run_hands_its_arena_memory_back_on_either_pool(small_model_dir:
             options.append(run_options)
             return self.session.run(names, feeds, run_options)
 
-    backend._lone, backend._session = Recording(backend._lone), Recording(backend._session)  # type: ignore[assignment]
+    backend._session = Recording(backend._session)  # type: ignore[assignment]
     rng = np.random.default_rng(5)
     small = rng.standard_normal((1, 4, 32), dtype=np.float32)
     large = rng.standard_normal((SHRINK_CELLS // 64**2, 64, 32), dtype=np.float32)  # (1024, 64, 32)
     assert large.shape[0] * large.shape[1] > backend.single_max_tokens  # the main pool's, not the single thread's
-    backend.run_alone(small)
-    backend.run_alone(large)
+    backend.run(small)  # one thread's session: not recorded
     backend.run(large)
-    assert options == [None, backend._shrink, backend._shrink]
+    backend.run(large)
+    assert options == [backend._shrink, backend._shrink]
 
 
 @pytest.mark.parametrize(("causal", "bias"), [(True, True), (True, False), (False, True), (False, False)])
@@ -409,7 +366,7 @@ def test_backend_info_follows_a_backend_benched_at_run_time_and_back(small_model
 
 
 def test_light_batches_take_their_own_order_and_fall_back_along_it(small_model_dir: Path) -> None:
-    """A lone client's small request goes to the backend that wins light shapes (ORT here), a
+    """A small request goes to the backend that wins light shapes (ORT here), a
     heavy batch to the other's order; a failing light backend falls back to the next, exactly."""
     config, weights = load_checkpoint(small_model_dir / "weights.safetensors")
     ort = Flaky("ort-cpu", OrtCpuBackend(small_model_dir / "model.onnx", threads=1))
@@ -419,7 +376,7 @@ def test_light_batches_take_their_own_order_and_fall_back_along_it(small_model_d
     rng = np.random.default_rng(4)
     for shape, expected in (((1, 8, 32), ort), ((1, 9, 32), torch_cpu), ((3, 40, 32), torch_cpu)):
         x = rng.standard_normal(shape, dtype=np.float32)
-        y, used = chain.run(x, alone=True)
+        y, used = chain.run(x)
         assert used is expected, shape
         assert relative_error(torch.from_numpy(y), attention_view(torch.from_numpy(x), weights, config)) < 1e-5
     assert chain.active is torch_cpu and chain.serving() == [torch_cpu, ort]  # both serve: mha_backend_info

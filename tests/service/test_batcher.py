@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import copy
-import socket
 import threading
 from collections.abc import Callable, Coroutine
 from concurrent.futures import ThreadPoolExecutor
@@ -26,21 +25,17 @@ from model.checkpoint import init_weights, load_checkpoint
 from model.reference import attention_view, relative_error
 from service.backends.pytorch import TorchBackend
 from service.batching import (
-    PEEK_EVERY,
     BatcherConfig,
     BatchEvent,
-    TurnPeek,
-    alone_and_small,
     batch_event,
     batch_mflop,
     form_at,
     merge,
-    nothing_pending,
     plan_batch,
     split,
 )
 from service.client.client import InferenceError, MHAClient
-from service.engine.batcher import LONE_CLIENT_S, Batcher, RunBatch
+from service.engine.batcher import Batcher
 from service.errors import DeadlineExceeded, Overloaded
 from tests.support import ManualClock, ServerThread, held_until, make_settings
 
@@ -546,210 +541,6 @@ def test_after_a_failed_batch_only_the_requests_still_awaited_run_again() -> Non
         return ran
 
     assert asyncio.run(scenario()) == [0, 3]
-
-
-def test_on_one_core_a_small_request_is_computed_at_once_on_the_event_loop_whoever_is_in_flight() -> None:
-    """With one CPU a worker thread only takes turns with the loop: a small request meeting an
-    empty queue is computed on the loop at once (no waiting for company: the clock never moves),
-    however many others the server holds; a large one still goes to the worker, so that the loop
-    keeps answering while it computes."""
-    config = replace(CFG, inline_max_mflop=1.0, one_core=True)  # (1, 4, 16): 0.009 MFLOP; (1, 512, 16): 17.8
-
-    async def scenario(batcher: Batcher, run: Gated, clock: ManualClock) -> None:
-        y, timing = await asyncio.wait_for(batcher.submit(_x(1, 4)), 10)
-        assert timing.queue_s == 0 and y.shape == (1, 4, 16)
-        large = asyncio.ensure_future(batcher.submit(_x(1, 512)))
-        await _until(lambda: batcher.depth == 1)  # queued, waiting for company
-        clock.advance(1.0)
-        await asyncio.wait_for(large, 10)
-
-    events, run = _with_batcher(scenario, config, in_flight=99)
-    assert run.threads == [True, False]
-    assert [e.requests for e in events] == [1, 1]
-
-
-def test_on_one_core_requests_arriving_while_a_large_batch_computes_wait_their_turn() -> None:
-    """First come, first computed: small requests that arrive while a large batch is on the worker
-    queue behind it (they do not jump ahead on the loop), and then run together, on the loop."""
-    config = replace(CFG, inline_max_mflop=1.0, one_core=True)
-    run = Gated(open_=False)
-
-    async def scenario(batcher: Batcher, gated: Gated, clock: ManualClock) -> None:
-        large = asyncio.ensure_future(batcher.submit(_x(1, 512)))
-        await _until(lambda: batcher.depth == 1)
-        clock.advance(1.0)  # past the queue delay: it goes alone
-        await _entered(gated)  # on the worker, held at the gate
-        small = [asyncio.ensure_future(batcher.submit(_x(1, 4, seed))) for seed in (1, 2)]
-        await _until(lambda: batcher.depth == 2)
-        gated.gate.set()
-        await asyncio.wait_for(large, 10)
-        clock.advance(1.0)  # past the queue delay: the two go together
-        await asyncio.wait_for(asyncio.gather(*small), 10)
-
-    events, _ = _with_batcher(scenario, config, run, in_flight=99)
-    assert run.batches == [(1, 512, 16), (2, 4, 16)]
-    assert run.threads == [False, True]
-    assert [e.requests for e in events] == [1, 2]
-
-
-LoneScenario = Callable[[Batcher, list[int], ManualClock], Coroutine[Any, Any, None]]
-
-
-def _routes(scenario: LoneScenario, config: BatcherConfig) -> list[str]:
-    """The route ("lone" or "batch") each computed batch took, in order, in `scenario` (given the
-    batcher, the in-flight count it reads and its clock)."""
-    routes: list[str] = []
-    backend = TorchBackend(CONFIG, WEIGHTS)
-
-    def route(name: str) -> RunBatch:
-        def run(x: np.ndarray) -> tuple[np.ndarray, str]:
-            routes.append(name)
-            return backend.run(x), "torch-cpu"
-
-        return run
-
-    async def main() -> None:
-        in_flight, clock = [1], ManualClock()
-        with ThreadPoolExecutor(1) as pool:
-            lone = route("lone")
-            batcher = Batcher(config, route("batch"), pool, in_flight=lambda: in_flight[0], clock=clock, run_lone=lone)
-            batcher.start()
-            await scenario(batcher, in_flight, clock)
-            await batcher.stop()
-
-    asyncio.run(main())
-    return routes
-
-
-def test_a_lone_clients_requests_take_the_lone_route_until_requests_share_a_batch() -> None:
-    """The lone route (a pool that spins, on ORT-CPU) is for a client alone in the server: once
-    a batch holds several requests it is not taken for LONE_CLIENT_S on the batcher's clock."""
-
-    async def scenario(batcher: Batcher, in_flight: list[int], clock: ManualClock) -> None:
-        await batcher.submit(_x(1, 4))  # alone: the lone route
-        in_flight[0] = 2  # two clients: their requests share a batch
-        pair = [asyncio.ensure_future(batcher.submit(_x(1, 4, seed))) for seed in (1, 2)]
-        await asyncio.gather(*pair)  # both in flight and queued: no more may come, so at once
-        in_flight[0] = 1
-        await batcher.submit(_x(1, 4))  # alone again, but a batch was shared just now
-        clock.advance(LONE_CLIENT_S)
-        await batcher.submit(_x(1, 4))  # alone for long enough: the lone route again
-
-    assert _routes(scenario, replace(CFG, inline_max_mflop=1.0)) == ["lone", "batch", "batch", "lone"]
-
-
-def test_a_request_arriving_in_the_next_turn_of_the_loop_ends_a_lone_client_at_once() -> None:
-    """grpc.aio hands the server one call per turn of the loop: a request alone in the server
-    gives the loop one turn before it computes, and a call that arrives in that turn is seen. A
-    request computed without that turn would find every later one alone too, and a crowded
-    server would keep taking the lone route (its pool spinning beside the loop; bench/RESULTS.md,
-    twelfth session: 8 clients at 0.64x the req/s)."""
-
-    async def scenario(batcher: Batcher, in_flight: list[int], clock: ManualClock) -> None:
-        def arrive() -> None:  # the next call, handed over in the next turn
-            in_flight[0] = 2
-            second.append(asyncio.ensure_future(batcher.submit(_x(1, 4, 1))))
-
-        second: list[asyncio.Future[object]] = []
-        asyncio.get_running_loop().call_soon(arrive)
-        first = batcher.submit(_x(1, 4))
-        await first
-        await second[0]
-        in_flight[0] = 1
-        await batcher.submit(_x(1, 4))  # alone again, but the server was crowded just now
-
-    assert _routes(scenario, replace(CFG, inline_max_mflop=1.0)) == ["batch", "batch"]
-
-
-def test_a_turn_of_the_loop_is_pending_while_a_callback_a_due_timer_or_a_readable_file_waits() -> None:
-    """nothing_pending peeks at what a turn of the loop would run, and consumes none of it."""
-
-    async def main() -> list[bool]:
-        loop = asyncio.get_running_loop()
-        seen = [nothing_pending(loop)]  # idle
-        handle = loop.call_soon(lambda: None)
-        seen.append(nothing_pending(loop))  # a callback ready
-        handle.cancel()
-        await asyncio.sleep(0)  # the cancelled handle leaves the ready queue
-        later = loop.call_later(60, lambda: None)
-        seen.append(nothing_pending(loop))  # a timer, not due
-        due = loop.call_at(loop.time() - 1, lambda: None)
-        seen.append(nothing_pending(loop))  # a timer due
-        due.cancel()
-        later.cancel()
-        await asyncio.sleep(0)
-        reader, writer = socket.socketpair()
-        got = asyncio.Event()
-        loop.add_reader(reader, lambda: (reader.recv(1), got.set()))
-        seen.append(nothing_pending(loop))  # watched, nothing to read
-        writer.send(b"x")
-        seen.append(nothing_pending(loop))  # something to read: gRPC handing over a call
-        seen.append(nothing_pending(loop))  # ... still there: the peek took nothing
-        await asyncio.wait_for(got.wait(), 5)  # the loop's own turn reads it
-        loop.remove_reader(reader)
-        reader.close()
-        writer.close()
-        return seen
-
-    assert asyncio.run(main()) == [True, False, True, False, True, False, False]
-    assert nothing_pending(object()) is False  # type: ignore[arg-type]  # a loop it cannot see into (uvloop)
-
-
-def test_a_small_request_alone_skips_a_turn_that_would_run_nothing() -> None:
-    """The lone gate gives the loop a turn only when the turn may hand over another call."""
-
-    async def main() -> tuple[bool, object]:
-        idle = alone_and_small((1, 4, 16), 1.0, lambda: True)
-        try:
-            idle.send(None)
-        except StopIteration as stop:  # answered without suspending: no turn
-            answered = stop.value
-        else:
-            idle.close()
-            answered = "suspended"
-        asyncio.get_running_loop().call_soon(lambda: None)
-        busy = alone_and_small((1, 4, 16), 1.0, lambda: True)
-        yielded = busy.send(None)  # suspends: the loop gets its turn first
-        busy.close()
-        return answered, yielded
-
-    assert asyncio.run(main()) == (True, None)
-
-
-def test_the_gate_peeks_at_the_loop_while_peeks_find_it_idle_and_seldom_once_one_finds_it_busy() -> None:
-    """Under a crowd nearly every peek finds a call being handed over: the turn is taken anyway,
-    and the peek would only add its cost."""
-    answers = iter([True, True, False] + [True] * 20)
-    peeks: list[bool] = []
-
-    def check() -> bool:
-        peeks.append(next(answers))
-        return peeks[-1]
-
-    peek = TurnPeek(check)
-    assert [peek() for _ in range(3)] == [True, True, False]  # gates peek; idle: skip the turn
-    assert [peek() for _ in range(PEEK_EVERY - 1)] == [False] * (PEEK_EVERY - 1)  # busy: the turn
-    assert len(peeks) == 3  # ... without peeking
-    assert peek() is True and len(peeks) == 4  # the next peek finds the crowd gone
-    assert peek() is True and len(peeks) == 5  # ... and gates peek again each time
-
-
-def test_a_request_that_meets_another_in_the_server_ends_the_lone_route_for_a_while() -> None:
-    """Two clients whose requests never share a batch (batching off here; on one CPU they are
-    computed one by one) are not a lone client: once a request finds another in the server, the
-    lone route (a pool that spins between runs) is not taken for LONE_CLIENT_S."""
-
-    async def scenario(batcher: Batcher, in_flight: list[int], clock: ManualClock) -> None:
-        await batcher.submit(_x(1, 4))  # alone: the lone route
-        in_flight[0] = 2
-        await batcher.submit(_x(1, 4))  # another client's request is in the server meanwhile
-        in_flight[0] = 1
-        await batcher.submit(_x(1, 4))  # alone again, but not a lone client's: no batch was shared
-        clock.advance(LONE_CLIENT_S)
-        await batcher.submit(_x(1, 4))  # alone for long enough
-
-    config = replace(CFG, inline_max_mflop=1.0, max_batch_size=1)
-    assert _routes(scenario, config) == ["lone", "batch", "batch", "lone"]
 
 
 @given(st.lists(st.tuples(st.integers(1, 8), st.integers(1, 64)), min_size=1, max_size=5))

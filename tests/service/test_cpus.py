@@ -5,12 +5,11 @@ from __future__ import annotations
 
 import math
 import os
-import threading
 from pathlib import Path
 
 import pytest
 
-from service.cpus import YIELDING_NICE, available_cpus, cgroup_cpu_limit, cpu_budget, own_threads, yield_to_others
+from service.cpus import available_cpus, cgroup_cpu_limit, cpu_budget
 
 
 def _write(path: Path, **files: str) -> None:
@@ -71,28 +70,3 @@ def test_the_cpu_budget_is_the_limit_unrounded(tmp_path: Path) -> None:
     assert available_cpus(tmp_path / "root", membership) == math.ceil(limit)
     _write(tmp_path / "root" / "pod", cpu__max="max 100000\n")
     assert cpu_budget(tmp_path / "root", membership) == affinity
-
-
-@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="threads' priorities are read from Linux's /proc")
-def test_a_thread_yields_its_cpu_alone_and_a_thread_gone_is_skipped() -> None:
-    def nice(tid: int) -> int:
-        return int(Path(f"/proc/self/task/{tid}/stat").read_text().rsplit(")", 1)[1].split()[16])
-
-    release, gone = threading.Event(), threading.Thread(target=lambda: None)
-    waiting = threading.Thread(target=release.wait)
-    waiting.start()
-    gone.start()
-    gone.join()
-    try:
-        assert waiting.native_id in own_threads() and threading.get_native_id() in own_threads()
-        mine = nice(threading.get_native_id())
-        assert gone.native_id is not None and waiting.native_id is not None
-        assert yield_to_others([waiting.native_id, gone.native_id]) == [waiting.native_id]
-        assert nice(waiting.native_id) == YIELDING_NICE and nice(threading.get_native_id()) == mine
-    finally:
-        release.set()
-        waiting.join()
-
-
-def test_without_proc_no_thread_is_known(tmp_path: Path) -> None:
-    assert own_threads(tmp_path / "absent") == set()

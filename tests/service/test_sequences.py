@@ -519,18 +519,6 @@ def test_small_steps_alone_in_the_server_are_computed_on_the_event_loop(small_mo
     asyncio.run(two_sequences(in_flight=2, inline_max_mflop=1.5 * batch_mflop(1, 2, C)))  # each small, not both
     assert on_main == [True, False, False]
 
-    async def on_one_core(in_flight: int) -> None:  # one CPU: a worker would only take turns with the loop
-        with ThreadPoolExecutor(1) as pool:
-            store = SequenceStore(config, SequenceLimits(), ManualClock().now)
-            batcher = StepBatcher(spy, pool, 8, in_flight=lambda: in_flight, inline_max_mflop=16, one_core=True)
-            sequence = store.open(SequenceControl(1, start=True), 1, C)
-            store.check_room(sequence, 2)
-            await batcher.submit(StepInput(sequence, np.ones((1, 2, C), np.float32)))
-
-    on_main.clear()
-    asyncio.run(on_one_core(in_flight=5))  # others in the server, but one core: on the loop
-    assert on_main == [True]
-
 
 def test_a_client_moved_between_replicas_and_back_never_gets_a_wrong_answer(
     server: ServerThread, small_model_dir: Path

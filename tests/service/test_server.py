@@ -14,7 +14,6 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from model.checkpoint import load_checkpoint
 from model.reference import attention_view, relative_error
-from service.backends.ort import OrtCpuBackend
 from service.cli import verify_server
 from service.client.client import InferenceError, MHAClient
 from service.proto import grpc_service_pb2 as pb
@@ -283,41 +282,3 @@ def test_a_drain_answers_what_is_in_flight_and_refuses_what_comes_after(small_mo
         y = answers[i]
         assert isinstance(y, np.ndarray), y
         assert relative_error(torch.from_numpy(y.copy()), attention_view(torch.from_numpy(x), weights, config)) < 1e-5
-
-
-@pytest.mark.parametrize(("cpus", "budget", "spins"), [(2, 1.5, False), (1, 1.0, False), (2, 2.0, True)])
-def test_a_lone_clients_pool_spins_only_where_the_cpu_budget_has_room(
-    small_model_dir: Path, monkeypatch: pytest.MonkeyPatch, cpus: int, budget: float, spins: bool
-) -> None:
-    """A pod limited to 1.5 CPUs gets two threads, but a thread spinning beside the event loop
-    would exceed its quota: its lone clients' requests then run on the pool that never spins. So
-    too with one CPU and two threads asked for (make_settings' --threads 2)."""
-    monkeypatch.setattr("service.settings.available_cpus", lambda: cpus)
-    monkeypatch.setattr("service.settings.cpu_budget", lambda: budget)
-    with ServerThread(make_settings(small_model_dir, backend="ort-cpu")) as server:
-        assert server.running is not None
-        (ort_cpu,) = server.running.core.loaded.chain.backends
-        assert isinstance(ort_cpu, OrtCpuBackend)
-        assert (ort_cpu._lone is not None) == spins
-        x = np.random.default_rng(7).standard_normal((1, 5, 32)).astype(np.float32)
-        with MHAClient(server.url) as client:
-            y = client.infer(x)
-    assert relative_error(torch.from_numpy(y.copy()), _reference(small_model_dir, x)) < 1e-5
-
-
-@pytest.mark.parametrize("cpus", [1, 2])
-def test_a_server_with_one_cpu_computes_small_batches_on_its_event_loop(
-    small_model_dir: Path, monkeypatch: pytest.MonkeyPatch, cpus: int
-) -> None:
-    """The CPUs come from the affinity mask and the cgroup's limit (a pod's `limits.cpu: 1`), not
-    from --threads; both batchers take the one-core route exactly when there is one, and the
-    answers are what they are on two."""
-    monkeypatch.setattr("service.settings.available_cpus", lambda: cpus)
-    with ServerThread(make_settings(small_model_dir, backend="torch")) as server:
-        assert server.running is not None
-        loaded = server.running.core.loaded
-        assert (loaded.batcher.config.one_core, loaded.decoder.steps.one_core) == (cpus == 1, cpus == 1)
-        x = np.random.default_rng(cpus).standard_normal((2, 5, 32)).astype(np.float32)
-        with MHAClient(server.url) as client:
-            y = client.infer(x)
-    assert relative_error(torch.from_numpy(y.copy()), _reference(small_model_dir, x)) < 1e-5
