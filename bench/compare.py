@@ -2,10 +2,9 @@
 
 Every server serves the same model.onnx on this machine's CPU; one closed-loop gRPC client
 (service.client.loadgen: N threads, one request at a time each) drives each in turn, client and server
-sharing the cores. mha-serve runs three times: with its defaults (idle ORT threads sleep; a small
-request alone in the server is computed on the event loop), with --thread-spinning (every pool
-busy-waits, ORT's default, which the others keep) and with --inline-max-mflop 0 (every batch on
-the worker thread). The floors are the
+sharing the cores. mha-serve runs three times: with its defaults (idle ORT threads sleep; the
+backend chosen by measurement at start), with --thread-spinning (every pool busy-waits, ORT's
+default, which the others keep) and with --backend ort-cpu (the same backend as the others). The floors are the
 cheapest Python gRPC servers of the same protocol: `none` returns its input (protocol and copies
 only), `ort-inline` runs ONNX Runtime on the event loop. KServe and MLServer run in their own
 virtual environments (`make bench-servers`); a server whose environment is missing is left out
@@ -32,7 +31,7 @@ runs: idle CPUs poll instead of halting, as on a node tuned for latency (tuned's
 latency-performance profile). The results' machine line says how idle CPUs wait either way
 (cpuidle driver and governor, a KVM guest's guest_halt_poll_ns): where an idle vCPU halts at once,
 waking it costs more than a small request computes, and a spinning thread pays off; where idle
-CPUs poll, it only takes a CPU from the client (bench/RESULTS.md, eleventh session).
+CPUs poll, it only takes a CPU from the client (docs/benchmarks.md).
 
 `--cases` and `--servers` narrow an interleaved comparison to some cases and servers: with
 fewer servers, each visit of mha-serve and the next of another lie closer in time, and short
@@ -50,7 +49,7 @@ measured again.
 `--base REV` adds mha-serve as it was at git revision REV (checked out into a temporary worktree
 and served from there: `mha-serve @REV`) to an interleaved comparison: a change's effect, before
 against after in one run, where two sets measured apart differ by more than most changes do
-(bench/RESULTS.md, twelfth session).
+(docs/benchmarks.md).
 
 usage: python bench/compare.py [--seconds 5] [--runs 1] [--model-dir models/default]
                                [--server-cpus LIST --client-cpus LIST] [--cases 1,4] [--servers NAMES]
@@ -142,7 +141,7 @@ def server_command(
 SERVERS = (
     "mha-serve",
     "mha-serve --thread-spinning",  # ORT's default, which KServe and the floors keep: latency for CPU
-    "mha-serve --inline-max-mflop 0",  # every batch on the worker thread, none on the event loop
+    "mha-serve --backend ort-cpu",  # the backend pinned: what the start-up measurement chose aside
     "KServe + ORT",
     "MLServer + ORT",
     "floor: ORT in-line",

@@ -1,9 +1,9 @@
-"""Batching primitives shared by the stateless batcher (engine/) and the step scheduler (decode/).
+"""Batching primitives of the batch engine (service/batch_engine.py), for both of its uses.
 
 No gRPC, no ONNX, no torch: numpy and asyncio only.
-- deciding, pure (no event loop, no clock): `plan_batch` says which queued requests form the next
-  batch and which are dead; `form_at` says until when the oldest request may wait for company;
-  `InlineGate` says whether a small batch alone in the server runs on the event loop;
+- deciding, pure (no event loop, no clock): `plan_batch` (stateless requests) and `plan_steps`
+  (decode steps) say which queued requests form the next batch and which are dead; `form_at`
+  says until when the oldest request may wait for company;
 - moving arrays, pure: `merge` right-pads requests of different T into one batch and `split`
   slices the outputs back. Padding is exact for causal attention (position t only attends to
   positions <= t); non-causal models merge only equal T;
@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Generic, Protocol, TypeVar
 
@@ -30,7 +30,6 @@ class BatcherConfig:
     max_padding_ratio: float = 0.25  # padded tokens / batch tokens allowed when merging T
     causal: bool = True  # merging different T is exact only for causal attention
     max_cells: int | None = None  # rows x T_max x T_max a merged batch may reach (its attention memory)
-    inline_max_mflop: float = 0.0  # batches this small, alone in the server, run on the event loop
 
 
 # Deciding ----------------------------------------------------------------------------------
@@ -48,8 +47,7 @@ R = TypeVar("R")  # what its caller awaits
 
 @dataclass(eq=False)
 class Pending(Generic[P, R]):
-    """A request waiting in a batcher: what it carries and the future its caller awaits. Both
-    batchers queue these (engine/batcher.py and decode/scheduler.py)."""
+    """A request waiting in the batch engine: what it carries and the future its caller awaits."""
 
     payload: P
     shape: tuple[int, ...]  # (B, T, C) of its tensor
@@ -70,34 +68,6 @@ class Pending(Generic[P, R]):
     def gone(self) -> bool:
         """Answered already, or nobody waits for it any more (cancelled)."""
         return self.future.done()
-
-
-class InlineGate:
-    """The one policy for small requests when the server is idle: a batch is computed on the
-    event loop's thread, without the hop to the worker thread and back, when its requests are
-    all the server holds (`in_flight`), nothing waits in its batcher's queue, no batch of its
-    batcher is computing (one whose client left may still be), and its work is at most
-    `max_mflop`. Then no request waits for the loop while it computes. Shared by both batchers,
-    each with its own queue and computing flag."""
-
-    def __init__(self, in_flight: Callable[[], int] | None, max_mflop: float) -> None:
-        self._in_flight = in_flight  # requests in the server, queued or not; None: unknown, assume others
-        self.max_mflop = max_mflop
-        self.computing = False  # a batch of this batcher is being computed on the worker thread
-
-    def inline(self, requests: int, shape: tuple[int, ...], queued: int) -> bool:
-        """Compute a batch of `requests` and `shape` (rows, T, C) on the loop?"""
-        if self.computing or queued or self._in_flight is None or self._in_flight() > requests:
-            return False
-        return batch_mflop(*shape[:3]) <= self.max_mflop
-
-
-async def run_each_alone(batch: Sequence[Pending[P, R]], run: Callable[[list[Pending[P, R]]], Awaitable[None]]) -> None:
-    """After a batch failed: each request still awaited, once more on its own, so that one
-    request's failure never fails another's (a cancelled one is not computed again)."""
-    for item in batch:
-        if not item.gone:
-            await run([item])
 
 
 class Queued(Protocol):
@@ -126,9 +96,8 @@ class Plan(Generic[Q]):
     gone: list[Q] = field(default_factory=list)  # nobody waits for them: drop
 
 
-def plan_batch(queue: Sequence[Q], config: BatcherConfig, now: float) -> Plan[Q]:
-    """Which requests form the next batch; dead ones are set apart and never computed. One pass
-    over the queue: the batch's rows, longest T and tokens are kept as requests join it."""
+def _sorted(queue: Sequence[Q], now: float) -> tuple[list[Q], list[Q], list[Q]]:
+    """(live, expired, gone) of a queue, each in FIFO order."""
     gone, expired, live = list[Q](), list[Q](), list[Q]()
     for q in queue:
         if q.gone:
@@ -137,6 +106,26 @@ def plan_batch(queue: Sequence[Q], config: BatcherConfig, now: float) -> Plan[Q]
             expired.append(q)
         else:
             live.append(q)
+    return live, expired, gone
+
+
+def plan_steps(queue: Sequence[Q], max_rows: int, now: float) -> Plan[Q]:
+    """Decode steps: the oldest live ones, in FIFO order, up to `max_rows` rows (always at least
+    one); their sequences' past lengths may differ, so no padding rule applies."""
+    live, expired, gone = _sorted(queue, now)
+    batch, rows = list[Q](), 0
+    for item in live:
+        if batch and rows + item.rows > max_rows:
+            break
+        batch.append(item)
+        rows += item.rows
+    return Plan(batch=batch, rest=live[len(batch) :], expired=expired, gone=gone)
+
+
+def plan_batch(queue: Sequence[Q], config: BatcherConfig, now: float) -> Plan[Q]:
+    """Which requests form the next batch; dead ones are set apart and never computed. One pass
+    over the queue: the batch's rows, longest T and tokens are kept as requests join it."""
+    live, expired, gone = _sorted(queue, now)
     if not live:
         return Plan(batch=[], rest=[], expired=expired, gone=gone)
     first = live[0]

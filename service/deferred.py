@@ -5,7 +5,7 @@ before. Nothing that decides an answer is deferred. (Metrics and statistics go t
 service/ledger.py: an append per request, applied in bulk.)
 
 The records left during one turn of the loop run together, in order, from one callback of the
-next: a callback of the loop costs more than most of them (bench/request_path.py --opcodes)."""
+next: a callback of the loop costs more than most of them (bench/request_path.py)."""
 
 from __future__ import annotations
 

@@ -90,13 +90,6 @@ class Settings:
     max_queue_size: int = setting(256, "requests waiting before RESOURCE_EXHAUSTED", "requests", low=1)
     max_padding_ratio: float = setting(0.25, "padded share of a batch's tokens when merging T", low=0, high=1)
     max_request_rows: int = setting(256, "largest B in one request", "rows", low=1)
-    inline_max_mflop: float = setting(
-        1000.0,
-        "batches up to this much work, holding every request in the server, run on the event loop, "
-        "without a thread hop; 0: never",
-        "MFLOP",
-        low=0,
-    )
     max_sequences: int = setting(256, "live sequences (incremental decoding) kept at most", "sequences", low=1)
     max_step_rows: int = setting(
         64, "rows of decode steps computed together (a step is usually one token)", "rows", low=1

@@ -24,7 +24,7 @@ from service.settings import Settings
 
 __all__ = ["ROOT", "ManualClock", "ServerProcess", "ServerThread", "free_port", "free_ports", "make_settings"]
 __all__ += ["server_process"]
-__all__ += ["ComputeGate", "bench_module", "held_until", "wait_serving"]
+__all__ += ["ComputeGate", "bench_module", "wait_serving"]
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -37,33 +37,6 @@ def bench_module(name: str) -> ModuleType:
     sys.modules[spec.name] = module  # as an import would: dataclasses and pickling look it up there
     spec.loader.exec_module(module)
     return module
-
-
-def _on_event_loop() -> bool:
-    try:
-        asyncio.get_running_loop()
-    except RuntimeError:
-        return False
-    return True
-
-
-def held_until(run: Callable[[Any], Any], ready: Callable[[], bool], timeout_s: float = 30.0) -> Callable[[Any], Any]:
-    """`run`, whose first call on a worker thread waits there until `ready()`: requests gather
-    behind a compute, as on a busy server, whatever the machine's speed. Tests about batches
-    forming use it instead of hoping that clients are faster than the compute. A call on the event
-    loop's thread (a request that found itself alone, computed in-line) is never held: it would
-    hold the loop that queues the others."""
-    first = threading.Event()
-
-    def held(arg: Any) -> Any:
-        if not first.is_set() and not _on_event_loop():
-            first.set()
-            deadline = time.monotonic() + timeout_s
-            while not ready() and time.monotonic() < deadline:
-                time.sleep(0.001)
-        return run(arg)
-
-    return held
 
 
 def make_settings(model_dir: Path, **overrides: Any) -> Settings:
@@ -206,19 +179,29 @@ class ManualClock:
 class ComputeGate:
     """A compute_hook (ServerThread(..., compute_hook=gate)): each compute of the `held` kinds
     ("batch", "steps") waits on the computing thread for a permit, so the test, not the machine's
-    speed, decides what is computing when; `poison` marks inputs whose compute raises, as a
-    failing backend would."""
+    speed, decides what is computing when; `hold_next(ready)` holds the next compute until
+    `ready()` (requests gather behind it, as on a busy server); `poison` marks inputs whose
+    compute raises, as a failing backend would."""
 
     def __init__(self, held: tuple[str, ...] = ("batch", "steps"), poison: float | None = None) -> None:
         self.held, self.poison = held, poison
         self.permits = threading.Semaphore(0)
         self.waiting = threading.Semaphore(0)  # released once per compute that reached the gate
         self.computed: list[tuple[str, int]] = []  # (kind, rows) of each compute let through
+        self._ready: Callable[[], bool] | None = None
+
+    def hold_next(self, ready: Callable[[], bool]) -> None:
+        self._ready = ready
 
     def __call__(self, kind: str, inputs: Any) -> None:
         if kind in self.held:
             self.waiting.release()
             assert self.permits.acquire(timeout=60), "the test never let this compute run"
+        if (ready := self._ready) is not None:
+            self._ready = None
+            deadline = time.monotonic() + 30
+            while not ready() and time.monotonic() < deadline:
+                time.sleep(0.001)
         self.computed.append((kind, sum(int(x.shape[0]) for x in inputs)))
         if self.poison is not None and any((x == self.poison).any() for x in inputs):
             raise RuntimeError("injected fault: a poisoned input reached the backend")

@@ -57,8 +57,8 @@ def test_a_base_revision_is_served_from_its_own_checkout(compare: ModuleType, tm
     command, env = compare.server_command("mha-serve @abc123", tmp_path / "model", 9000, tmp_path)
     assert command[1:4] == ["-P", "-m", "service.cli"] and "@abc123" not in command
     assert env["PYTHONPATH"] == str(tmp_path)
-    ours, ours_env = compare.server_command("mha-serve --inline-max-mflop 0", tmp_path / "model", 9000)
-    assert ours_env["PYTHONPATH"] == str(ROOT) and ours[-2:] == ["--inline-max-mflop", "0"]
+    ours, ours_env = compare.server_command("mha-serve --backend ort-cpu", tmp_path / "model", 9000)
+    assert ours_env["PYTHONPATH"] == str(ROOT) and ours[-2:] == ["--backend", "ort-cpu"]
 
 
 def test_a_checkout_holds_the_revision_and_goes_afterwards(compare: ModuleType) -> None:

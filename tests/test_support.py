@@ -2,30 +2,34 @@
 
 from __future__ import annotations
 
-import asyncio
 import threading
 
-from tests.support import held_until
+import numpy as np
+
+from tests.support import ComputeGate
 
 
-def test_held_until_holds_the_first_worker_call_and_never_the_event_loop() -> None:
-    asked: list[str] = []
-    ran: list[int] = []
-
-    def ready() -> bool:
-        asked.append(threading.current_thread().name)
-        return True
-
-    held = held_until(ran.append, ready, timeout_s=5.0)
-
-    async def lone_request_computed_in_line() -> None:
-        held(1)  # a request alone in the server, computed on the loop: holding it would hold the loop
-
-    asyncio.run(lone_request_computed_in_line())
-    assert asked == [] and ran == [1]
-    worker = threading.Thread(target=held, args=(2,), name="infer_0")
+def test_a_gate_holds_the_next_compute_until_ready_and_only_that_one() -> None:
+    gate = ComputeGate(held=())
+    release = threading.Event()
+    gate.hold_next(release.is_set)
+    x = [np.zeros((2, 3, 4), np.float32)]
+    worker = threading.Thread(target=gate, args=("batch", x))
     worker.start()
-    worker.join()
-    held(3)
-    assert asked == ["infer_0"], "only the first call off the loop waits for ready()"
-    assert ran == [1, 2, 3]
+    worker.join(0.2)
+    assert worker.is_alive() and gate.computed == [], "the held compute went on before it was ready"
+    release.set()
+    worker.join(10)
+    gate("steps", x)  # the next is not held
+    assert gate.computed == [("batch", 2), ("steps", 2)]
+
+
+def test_a_gate_raises_for_a_poisoned_input_only() -> None:
+    gate = ComputeGate(held=(), poison=7.0)
+    gate("batch", [np.zeros((1, 2, 4), np.float32)])
+    try:
+        gate("batch", [np.full((1, 2, 4), 7.0, np.float32)])
+    except RuntimeError as exc:
+        assert "poisoned" in str(exc)
+    else:
+        raise AssertionError("a poisoned input computed")

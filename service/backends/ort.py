@@ -100,9 +100,9 @@ class OrtCpuBackend(Backend):
         self.threads = threads
         self._shrink = ort.RunOptions()
         self._shrink.add_run_config_entry("memory.enable_memory_arena_shrinkage", "cpu:0")
-        # Small batches run on a second, single-threaded session when that measures faster: waking
-        # the pool costs more than it saves on a few tokens ((1, 64, 128): 0.16 ms alone, 0.20 ms
-        # on two threads). The crossover is measured here, per model and machine.
+        # Small batches run on a second, single-threaded session when that measures faster (waking
+        # the pool can cost more than it saves on a few tokens): the crossover is measured here,
+        # per model and machine.
         self._single: ort.InferenceSession | None = None
         self.single_max_tokens = 0  # rows x T up to which the single-threaded session runs
         if threads > 1 and width is not None:

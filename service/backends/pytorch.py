@@ -55,8 +55,8 @@ def one_thread(wanted: bool) -> Iterator[None]:
 class ServedAttention(nn.Module):
     """MultiHeadAttention as PyTorch serves it: the same arithmetic in fewer kernels. The three
     projections of x are one linear against [Wq; Wk; Wv] (each output column is the same dot
-    product as before), attention is SDPA's, then o_proj. A small request pays each kernel's
-    dispatch: (1, 64, 128) on one thread took 276 us against the module's 358 (bench/RESULTS.md)."""
+    product as before), attention is SDPA's, then o_proj: a small request pays each kernel's
+    dispatch, so fewer kernels answer it sooner (docs/operations.md)."""
 
     qkv_weight: torch.Tensor  # (3C, C), a buffer: moves with .to()
     qkv_bias: torch.Tensor | None  # (3C,)

@@ -242,9 +242,9 @@ def split_by_size(
     every shape: a single order serves all.
 
     The light side ends only where another backend is clearly faster (`margin`): the probe runs
-    back to back with warm caches, which flatters PyTorch's many small dispatches; in a server,
-    between a lone client's requests, (1, 64, 128) cost PyTorch 0.51 ms against ORT's 0.30 ms
-    where the probe had them level, and a 0.8 margin flipped that shape in one start of six."""
+    back to back with warm caches, which flatters PyTorch's many small dispatches: between a
+    lone client's requests in a server, PyTorch pays more for them than the probe shows
+    (docs/operations.md)."""
     winners = [speed_order([t[s] for t in times_ms], margin)[0] for s in range(len(works_mflop))]
     light = 1
     while light < len(winners) and winners[light] == winners[0]:

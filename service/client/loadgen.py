@@ -56,7 +56,7 @@ def input_pool(seq_lens: Sequence[int], batch: int, d_model: int, seed: int = 0)
     """The inputs of a run, drawn before its clock starts and shared by its clients: VARIANTS
     (batch, T, d_model) float32 arrays for each T. Drawing them per request cost the generator
     0.13 ms of CPU per (1, 64, 128) request (4 ms per (4, 512, 128)), on the CPUs the server
-    under test needs too (bench/RESULTS.md); the values do not change the server's work."""
+    under test needs too (docs/benchmarks.md); the values do not change the server's work."""
     rng = np.random.default_rng(seed)
     return {
         T: [rng.standard_normal((batch, T, d_model), dtype=np.float32) for _ in range(VARIANTS)]

@@ -25,11 +25,12 @@ from service.arrays import all_finite, not_finite
 from service.backends import Backend, BackendChain, Selection, select_backends
 from service.backends.base import Step
 from service.backends.chain import REASONS, FallbackHook
+from service.batch_engine import Timing
 from service.batching import BatcherConfig, Clock, MonotonicClock
 from service.decode.control import SequenceControl
 from service.decode.scheduler import Decoder, StepBatcher, StepInput
 from service.decode.sequences import SequenceLimits, SequenceStore
-from service.engine.batcher import Batcher, Timing
+from service.engine.batcher import Batcher
 from service.engine.inflight import InFlight
 from service.engine.magnitude import magnitude_bound
 from service.engine.publishing import Publisher
@@ -209,7 +210,7 @@ class InferenceCore:
 
     async def close(self) -> None:
         if self._loaded is not None:
-            self._loaded.decoder.close()
+            await self._loaded.decoder.close()
             await self._loaded.batcher.stop()
         self._executor.shutdown(wait=True)
         if self._loaded is not None:
@@ -322,7 +323,6 @@ def _batching(s: Settings, model: ServedModel) -> BatcherConfig:
         max_padding_ratio=s.max_padding_ratio,
         causal=model.config.causal,
         max_cells=model.max_attention_cells,
-        inline_max_mflop=s.inline_max_mflop,
     )
 
 
@@ -347,9 +347,9 @@ def _decoder(
         partial(_run_steps, chain, core.compute_hook),
         executor,
         s.max_step_rows,
+        max_queue_size=s.max_queue_size,
         in_flight=lambda: core.requests.count,
-        inline_max_mflop=s.inline_max_mflop,
-        on_batch=core.publish.steps,
+        on_batch=partial(core.publish.batch, chain=chain),
         clock=clock,
     )
     where = f"replica {s.replica!r} worker {s.worker_index}"  # for operators, in every NOT_FOUND and refusal

@@ -40,10 +40,11 @@ class Publisher:
         self.metrics.fallbacks.labels(source, target, reason).inc()
 
     def batch(self, event: BatchEvent, chain: BackendChain) -> None:
-        """A stateless batch: a sticky device error in it stops the server (DeviceHealth) at once;
-        it is written in the ledger; the serving backends are looked at again, and its trace
-        reported, after the batch's answers have gone (after_answer), when they may have changed:
-        while a backend is benched or its health changed since the last look, not otherwise."""
+        """A batch, of stateless requests or decode steps: a sticky device error in it stops the
+        server (DeviceHealth) at once; it is written in the ledger; the serving backends are
+        looked at again, and its trace reported, after the batch's answers have gone
+        (after_answer), when they may have changed: while a backend is benched or its health
+        changed since the last look, not otherwise."""
         if self.device.observe(event.error):
             self._device_lost()
         self._batches.add(event)
@@ -56,10 +57,6 @@ class Publisher:
             preferred = chain.order_for(event.rows, max(event.seqs))[0].name
             fallback = f"{preferred} -> {event.backend}" if event.backend and event.backend != preferred else ""
             self.tracing.report_batch(event, fallback)
-
-    def steps(self, event: BatchEvent) -> None:
-        """A batch of decode steps (its lost device is handled where the step fails)."""
-        self._batches.add(event)
 
     def answered(self, shape: tuple[int, ...], queue_s: float) -> None:
         """A request of `shape` (B, T, C) answered after `queue_s` in the queue: its tokens and wait."""

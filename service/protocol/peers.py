@@ -12,8 +12,8 @@ handed to it (service/protocol/regions.py), so every connection sees one set of 
 
 The hand-over is one frame each way on a pooled stream connection, not a gRPC call: the request
 as the client serialized it, its mha-sequence-id header and its remaining time; the answer's
-status code and the serialized response (or the error message). A gRPC call over the same socket
-cost a handed-over step 1.67x a local one; these frames about 1.28x (bench/scaleout.py).
+status code and the serialized response (or the error message): cheaper than a gRPC call over
+the same socket (docs/benchmarks.md, bench/scaleout.py).
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ import copy
 import threading
 from collections.abc import Callable, Coroutine
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +28,6 @@ from service.batching import (
     BatcherConfig,
     BatchEvent,
     batch_event,
-    batch_mflop,
     form_at,
     merge,
     plan_batch,
@@ -37,7 +36,7 @@ from service.batching import (
 from service.client.client import InferenceError, MHAClient
 from service.engine.batcher import Batcher
 from service.errors import DeadlineExceeded, Overloaded
-from tests.support import ManualClock, ServerThread, held_until, make_settings
+from tests.support import ComputeGate, ManualClock, ServerThread, make_settings
 
 CONFIG = MHAConfig(d_model=16, n_head=2, max_seq_len=64)
 WEIGHTS = init_weights(CONFIG, seed=9)
@@ -230,82 +229,14 @@ def test_a_lone_client_pays_no_delay() -> None:
     assert [e.requests for e in events] == [1]
 
 
-def test_only_a_small_batch_of_a_lone_request_is_computed_on_the_event_loop() -> None:
-    assert batch_mflop(1, 4, 16) == pytest.approx((8 * 4 * 256 + 4 * 16 * 16) / 1e6)
-    config = replace(CFG, inline_max_mflop=1.0)  # (1, 4, 16) is 0.009 MFLOP, (1, 512, 16) 17.8
-
-    async def scenario(batcher: Batcher, run: Gated, clock: ManualClock) -> None:
-        await batcher.submit(_x(1, 4))
-        await batcher.submit(_x(1, 512))
-
-    _, lone = _with_batcher(scenario, config, in_flight=1)
-    assert lone.threads == [True, False]
-    _, off = _with_batcher(scenario, CFG, in_flight=1)  # inline_max_mflop 0: never
-    assert off.threads == [False, False]
-
-    async def crowded(batcher: Batcher, run: Gated, clock: ManualClock) -> None:
-        first = asyncio.ensure_future(batcher.submit(_x(1, 4)))
-        await _until(lambda: clock.waiting == 1)
-        clock.advance(CFG.max_queue_delay_s)
-        await first
-
-    _, others = _with_batcher(crowded, config, in_flight=5)  # others in the server: the worker thread
-    assert others.threads == [False]
-
-
-def test_a_small_batch_of_every_request_in_the_server_is_computed_on_the_event_loop() -> None:
-    """Requests that share a batch and are all the server holds: nothing else waits for the loop,
-    so the batch computes there without the thread hop; with one more request in the server, or
-    too much work, it goes to the worker thread."""
-    config = replace(CFG, inline_max_mflop=1.0)  # (2, 6, 16) is 0.03 MFLOP, (2, 512, 16) 35.7
-
-    def pair(T: int) -> Scenario:
-        async def scenario(batcher: Batcher, run: Gated, clock: ManualClock) -> None:
-            first = asyncio.ensure_future(batcher.submit(_x(1, 4)))
-            await _until(lambda: batcher.depth == 1)  # others in the server: it queues
-            second = asyncio.ensure_future(batcher.submit(_x(1, T)))  # with it, both form a batch
-            await _until(lambda: (batcher.depth == 2 and clock.waiting == 1) or batcher.depth == 0)
-            clock.advance(CFG.max_queue_delay_s)  # formed at once when they are all in the server, else now
-            await asyncio.gather(first, second)
-
-        return scenario
-
-    _, both = _with_batcher(pair(6), config, in_flight=2)
-    assert both.batches == [(2, 6, 16)] and both.threads == [True]
-    _, more = _with_batcher(pair(6), config, in_flight=3)  # a third request: the worker thread
-    assert more.threads == [False]
-    _, large = _with_batcher(pair(512), replace(config, max_padding_ratio=1.0), in_flight=2)
-    assert large.batches == [(2, 512, 16)] and large.threads == [False]
-
-
-def test_a_lone_request_never_computes_beside_a_batch_still_on_the_worker() -> None:
-    """The batch's own client went away (in flight 1), but its compute has not ended: the next
-    small request queues behind it instead of running a second compute on the event loop."""
-    config = replace(CFG, inline_max_mflop=1.0)
-
-    async def scenario(batcher: Batcher, run: Gated, clock: ManualClock) -> None:
-        big = asyncio.ensure_future(batcher.submit(_x(1, 512)))  # too large for the loop: the worker
-        await _entered(run)
-        small = asyncio.ensure_future(batcher.submit(_x(1, 4)))
-        await _until(lambda: batcher.depth == 1)
-        assert len(run.batches) == 1
-        run.gate.set()
-        await asyncio.gather(big, small)
-
-    _, run = _with_batcher(scenario, config, run=Gated(open_=False), in_flight=1)
-    assert run.batches == [(1, 512, 16), (1, 4, 16)]
-
-
 def test_a_lone_request_past_its_deadline_is_never_computed() -> None:
-    config = replace(CFG, inline_max_mflop=1.0)
-
     async def scenario(batcher: Batcher, run: Gated, clock: ManualClock) -> None:
         with pytest.raises(DeadlineExceeded, match="deadline passed"):
             await batcher.submit(_x(1, 4), deadline=clock.now())
         assert (await batcher.submit(_x(1, 4), deadline=clock.now() + 1))[0].shape == (1, 4, 16)
 
-    events, run = _with_batcher(scenario, config, in_flight=1)
-    assert run.batches == [(1, 4, 16)] and run.threads == [True]
+    events, run = _with_batcher(scenario, CFG, in_flight=1)
+    assert run.batches == [(1, 4, 16)] and run.threads == [False]  # on the worker thread
     assert [(e.requests, e.rows, e.seqs, e.formation_s) for e in events] == [(1, 1, (4,), 0.0)]
 
 
@@ -416,16 +347,16 @@ def test_concurrent_clients_mixed_shapes_batch_and_stay_exact(small_model_dir: P
         max_queue_delay_ms=20,
         max_padding_ratio=0.75,
         backend="torch",
-        inline_max_mflop=0,
     )
     config, weights = load_checkpoint(small_model_dir / "weights.safetensors")
     shapes = [(1 + i % 3, [5, 8, 13, 16, 31, 32, 61, 64][i % 8]) for i in range(24)]
     errors: list[float] = []
     failures: list[BaseException] = []
     barrier = threading.Barrier(len(shapes))
-    with ServerThread(settings) as server:
+    gate = ComputeGate(held=())
+    with ServerThread(settings, compute_hook=gate) as server:
         batcher = server.core.loaded.batcher
-        batcher._run_batch = held_until(batcher._run_batch, lambda: batcher.depth >= 8)
+        gate.hold_next(lambda: batcher.depth >= 8)  # the first compute waits until others queue
 
         def one(i: int) -> None:
             B, T = shapes[i]
@@ -461,15 +392,13 @@ def _requests_total(registry: CollectorRegistry, code: str) -> float:
 
 
 def test_tiny_queue_under_load_answers_resource_exhausted_only(small_model_dir: Path) -> None:
-    settings = make_settings(
-        small_model_dir, max_batch_size=1, max_queue_size=1, max_queue_delay_ms=0, backend="torch", inline_max_mflop=0
-    )  # every batch on the worker thread, so that the queue fills while it computes
+    settings = make_settings(small_model_dir, max_batch_size=1, max_queue_size=1, max_queue_delay_ms=0, backend="torch")
     codes: list[str] = []
     lock = threading.Lock()
-    with ServerThread(settings) as server:
-        batcher = server.core.loaded.batcher  # the first compute lasts until the full queue refused someone
-        refused = lambda: _requests_total(server.registry, "RESOURCE_EXHAUSTED") >= 1  # noqa: E731
-        batcher._run_batch = held_until(batcher._run_batch, refused)
+    gate = ComputeGate(held=())
+    with ServerThread(settings, compute_hook=gate) as server:
+        # the first compute lasts until the full queue refused someone
+        gate.hold_next(lambda: _requests_total(server.registry, "RESOURCE_EXHAUSTED") >= 1)
 
         def one(i: int) -> None:
             x = np.random.default_rng(i).standard_normal((4, 64, 32), dtype=np.float32)
@@ -521,26 +450,21 @@ def test_the_servers_deadline_path_answers_deadline_exceeded(small_model_dir: Pa
 
 
 def test_after_a_failed_batch_only_the_requests_still_awaited_run_again() -> None:
-    """Both batchers isolate a failed batch's culprit the same way (service.batching.run_each_alone):
-    a request whose caller is gone (cancelled) is not computed again."""
-    import asyncio
+    """A request whose caller left while its batch computed is not computed again on its own."""
 
-    from service.batching import Pending, run_each_alone
+    async def scenario(batcher: Batcher, run: Gated, clock: ManualClock) -> None:
+        xs = [_x(1, 4, 0), _x(1, 4, 1), np.full((1, 4, 16), 7.0, np.float32), _x(1, 4, 3)]
+        tasks = [asyncio.ensure_future(batcher.submit(x)) for x in xs]
+        await _entered(run)  # the batch of four computes
+        tasks[1].cancel()
+        await _until(lambda: tasks[1].done())
+        run.gate.set()
+        results = await asyncio.gather(*tasks, return_exceptions=True)
+        assert isinstance(results[1], asyncio.CancelledError) and isinstance(results[2], RuntimeError)
 
-    async def scenario() -> list[int]:
-        loop = asyncio.get_running_loop()
-        batch = [Pending(i, (1, 1, 4), loop.create_future()) for i in range(4)]
-        batch[1].future.cancel()
-        batch[2].future.set_result(None)  # answered already
-        ran: list[int] = []
-
-        async def run(one: list[Pending[int, None]]) -> None:
-            ran.extend(p.payload for p in one)
-
-        await run_each_alone(batch, run)
-        return ran
-
-    assert asyncio.run(scenario()) == [0, 3]
+    gated = Gated(open_=False, poison=7.0)
+    _, run = _with_batcher(scenario, BatcherConfig(max_batch_size=4), run=gated, in_flight=4)
+    assert run.batches == [(4, 4, 16), (1, 4, 16), (1, 4, 16), (1, 4, 16)]  # the three still awaited
 
 
 @given(st.lists(st.tuples(st.integers(1, 8), st.integers(1, 64)), min_size=1, max_size=5))

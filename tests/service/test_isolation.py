@@ -17,7 +17,7 @@ from model.reference import attention_view, relative_error
 from service.client.client import InferenceError, MHAClient
 from service.proto import grpc_service_pb2_grpc as pb_grpc
 from service.protocol.codec import decode_infer_response, encode_infer_request
-from tests.support import ComputeGate, ServerThread, held_until, make_settings
+from tests.support import ComputeGate, ServerThread, make_settings
 
 POISONS = {  # both backends overflow on these (checked in the tests: nothing may be benched)
     "1e20": np.random.default_rng(3).standard_normal((1, 8, 32), dtype=np.float32) * np.float32(1e20),
@@ -31,6 +31,9 @@ NON_FINITE = {  # the server looks at the input only once the output shows them 
 }
 
 
+GATE = ComputeGate(held=())  # the module's servers' compute hook: holds a compute when a test asks
+
+
 def _exact(model_dir: Path, x: np.ndarray, y: np.ndarray) -> bool:
     config, weights = load_checkpoint(model_dir / "weights.safetensors")
     return relative_error(torch.from_numpy(y.copy()), attention_view(torch.from_numpy(x), weights, config)) < 1e-5
@@ -38,10 +41,8 @@ def _exact(model_dir: Path, x: np.ndarray, y: np.ndarray) -> bool:
 
 @pytest.fixture(scope="module", params=["auto", "torch"], ids=["two-backends", "one-backend"])
 def server(request: pytest.FixtureRequest, small_model_dir: Path) -> Iterator[ServerThread]:
-    settings = make_settings(  # batches on the worker thread, so that they form (see the stream test)
-        small_model_dir, backend=request.param, max_batch_size=16, max_queue_delay_ms=20, inline_max_mflop=0
-    )
-    with ServerThread(settings) as s:
+    settings = make_settings(small_model_dir, backend=request.param, max_batch_size=16, max_queue_delay_ms=20)
+    with ServerThread(settings, compute_hook=GATE) as s:
         yield s
 
 
@@ -86,7 +87,7 @@ def test_innocent_requests_sharing_a_batch_with_a_poison_are_answered(
     xs = [poisons[i % 2] if i % 3 == 0 else rng.standard_normal((1, 8, 32), dtype=np.float32) for i in range(45)]
     requests = [encode_infer_request(x, request_id=str(i)) for i, x in enumerate(xs)]
     batcher = server.core.loaded.batcher
-    batcher._run_batch = held_until(batcher._run_batch, lambda: batcher.depth >= 8)  # the stream queues up
+    GATE.hold_next(lambda: batcher.depth >= 8)  # the first compute waits: the stream queues up
     with grpc.insecure_channel(server.url) as channel:
         responses = list(pb_grpc.GRPCInferenceServiceStub(channel).ModelStreamInfer(iter(requests), timeout=60))
     assert len(responses) == 45
@@ -125,9 +126,7 @@ def test_a_batch_that_fails_fails_only_the_request_to_blame(small_model_dir: Pat
     xs = [rng.standard_normal((1, 8, 32), dtype=np.float32) for _ in range(6)]
     xs[3][0, 4, 7] = poison
     gate = ComputeGate(held=("batch",), poison=float(poison))
-    settings = make_settings(
-        small_model_dir, backend="torch", max_batch_size=16, max_queue_delay_ms=20, inline_max_mflop=0
-    )
+    settings = make_settings(small_model_dir, backend="torch", max_batch_size=16, max_queue_delay_ms=20)
     with ServerThread(settings, compute_hook=gate) as server, MHAClient(server.url) as client:
         blocker = client.stub.ModelInfer.future(encode_infer_request(xs[0]), timeout=60)
         gate.arrived()  # the first request computes (held): the others queue behind it

@@ -24,21 +24,23 @@ from service.backends.base import Backend, Step
 from service.backends.ort import OrtCpuBackend
 from service.backends.pytorch import ServedAttention, TorchBackend
 from service.decode.control import SequenceControl
-from service.decode.scheduler import StepInput
 from service.decode.sequences import SequenceLimits, SequenceStore
 from service.errors import InvalidInput, Overloaded, SequenceNotFound
 from service.proto import grpc_service_pb2 as pb
 from service.proto import grpc_service_pb2_grpc as pb_grpc
 from service.protocol.codec import decode_infer_response, encode_infer_request
-from tests.support import ManualClock, ServerThread, held_until, make_settings
+from tests.support import ComputeGate, ManualClock, ServerThread, make_settings
 
 C = 32  # the small model: 4 heads, max_seq_len 64
+GATE = ComputeGate(held=())  # the module server's compute hook: holds a compute when a test asks
 
 
 @pytest.fixture(scope="module")
 def server(small_model_dir: Path) -> Iterator[ServerThread]:
-    settings = make_settings(small_model_dir, backend="ort-cpu", max_sequences=16, inline_max_mflop=0)
-    with ServerThread(settings) as s:  # steps on the worker thread, so that concurrent steps share batches
+    settings = make_settings(small_model_dir, backend="ort-cpu", max_sequences=16)
+    with ServerThread(
+        settings, compute_hook=GATE
+    ) as s:  # steps on the worker thread, so that concurrent steps share batches
         yield s
 
 
@@ -103,7 +105,7 @@ def test_eight_concurrent_sequences_are_exact_step_by_step(server: ServerThread,
 
     before = batches()
     steps = server.core.loaded.decoder.steps  # the first compute waits until other steps queue behind it
-    steps._run = held_until(steps._run, lambda: len(steps._pending) >= 2)
+    GATE.hold_next(lambda: steps.depth >= 2)
     threads = [threading.Thread(target=run, args=(plan, i)) for i, plan in enumerate(plans)]
     for t in threads:
         t.start()
@@ -462,6 +464,7 @@ def test_a_failed_step_leaves_its_sequence_as_it_was(small_model_dir: Path) -> N
         with ThreadPoolExecutor(1) as pool:
             clock = ManualClock()
             decoder = Decoder(SequenceStore(config, SequenceLimits(), clock.now), StepBatcher(flaky, pool, 8))
+            decoder.start(expiry_period_s=60)
             await decoder.step(SequenceControl(1, start=True), x[:, :3])
             with pytest.raises(RuntimeError, match="device lost"):
                 await decoder.step(SequenceControl(1), x[:, 3:])
@@ -470,54 +473,9 @@ def test_a_failed_step_leaves_its_sequence_as_it_was(small_model_dir: Path) -> N
             assert stepped.length == 5
             reference = attention_view(torch.from_numpy(x), weights, config)[:, 3:]
             assert relative_error(torch.from_numpy(stepped.y.copy()), reference) < 1e-5
+            await decoder.close()
 
     asyncio.run(scenario())
-
-
-def test_small_steps_alone_in_the_server_are_computed_on_the_event_loop(small_model_dir: Path) -> None:
-    import asyncio
-    from concurrent.futures import ThreadPoolExecutor
-
-    from service.batching import batch_mflop
-    from service.decode.scheduler import StepBatcher
-
-    config, _ = load_checkpoint(small_model_dir / "weights.safetensors")
-    run = _run_on(_backend(small_model_dir, "torch-cpu"))
-    on_main: list[bool] = []
-
-    def spy(steps):  # type: ignore[no-untyped-def]
-        on_main.append(threading.current_thread() is threading.main_thread())
-        return run(steps)
-
-    async def scenario(in_flight: int, inline_max_mflop: float) -> None:
-        with ThreadPoolExecutor(1) as pool:
-            store = SequenceStore(config, SequenceLimits(), ManualClock().now)
-            batcher = StepBatcher(spy, pool, 8, in_flight=lambda: in_flight, inline_max_mflop=inline_max_mflop)
-            sequence = store.open(SequenceControl(1, start=True), 1, C)
-            store.check_room(sequence, 2)
-            await batcher.submit(StepInput(sequence, np.ones((1, 2, C), np.float32)))
-
-    asyncio.run(scenario(in_flight=1, inline_max_mflop=16))  # alone and small: on the loop
-    asyncio.run(scenario(in_flight=3, inline_max_mflop=16))  # others in the server: the worker thread
-    asyncio.run(scenario(in_flight=1, inline_max_mflop=0))  # turned off
-    assert on_main == [True, False, False]
-
-    async def two_sequences(in_flight: int, inline_max_mflop: float = 16) -> None:  # a batch of two steps
-        with ThreadPoolExecutor(1) as pool:
-            store = SequenceStore(config, SequenceLimits(), ManualClock().now)
-            batcher = StepBatcher(spy, pool, 8, in_flight=lambda: in_flight, inline_max_mflop=inline_max_mflop)
-            steps = []
-            for sid in (1, 2):
-                sequence = store.open(SequenceControl(sid, start=True), 1, C)
-                store.check_room(sequence, 2)
-                steps.append(StepInput(sequence, np.ones((1, 2, C), np.float32)))
-            await asyncio.gather(*(batcher.submit(step) for step in steps))
-
-    on_main.clear()
-    asyncio.run(two_sequences(in_flight=2))  # the batch is every request in the server: on the loop
-    asyncio.run(two_sequences(in_flight=3))  # one more in the server: the worker thread
-    asyncio.run(two_sequences(in_flight=2, inline_max_mflop=1.5 * batch_mflop(1, 2, C)))  # each small, not both
-    assert on_main == [True, False, False]
 
 
 def test_a_client_moved_between_replicas_and_back_never_gets_a_wrong_answer(

@@ -19,7 +19,7 @@ from service.client.client import InferenceError, MHAClient
 from service.proto import grpc_service_pb2 as pb
 from service.proto import grpc_service_pb2_grpc as pb_grpc
 from service.protocol.codec import encode_infer_request
-from tests.support import ServerThread, make_settings
+from tests.support import ComputeGate, ServerThread, make_settings
 
 
 @pytest.fixture(scope="module")
@@ -239,16 +239,13 @@ def test_a_drain_answers_what_is_in_flight_and_refuses_what_comes_after(small_mo
     4 requests (one computing, three queued) are answered exactly after it began, a new one is
     refused UNAVAILABLE, and the server stops once they are answered."""
     import threading
-    from dataclasses import replace
 
     from service.app.server import drain_and_stop
 
-    settings = replace(make_settings(small_model_dir, backend="torch", max_batch_size=1), inline_max_mflop=0)
-    permits = threading.Semaphore(0)
-    with ServerThread(settings) as server:
-        batcher = server.core.loaded.batcher
-        run = batcher._run_batch
-        batcher._run_batch = lambda x: (permits.acquire(timeout=60), run(x))[1]
+    settings = make_settings(small_model_dir, backend="torch", max_batch_size=1)
+    gate = ComputeGate(held=("batch",))
+    permits = gate.permits
+    with ServerThread(settings, compute_hook=gate) as server:
         xs = [np.random.default_rng(i).standard_normal((1, 5, 32), dtype=np.float32) for i in range(4)]
         answers: dict[int, object] = {}
 

@@ -37,7 +37,7 @@ def test_a_step_cancelled_while_its_batch_computes_commits_nothing(small_model_d
     config, weights = load_checkpoint(small_model_dir / "weights.safetensors")
     tokens = {s: np.random.default_rng(i).standard_normal((1, 4, 32), dtype=np.float32) for i, s in enumerate("abc")}
     gate = ComputeGate(held=())
-    settings = make_settings(small_model_dir, backend="torch", inline_max_mflop=0, max_step_rows=8)
+    settings = make_settings(small_model_dir, backend="torch", max_step_rows=8)
     with ServerThread(settings, compute_hook=gate) as server, MHAClient(server.url) as client:
         for s in "abc":  # two tokens of each sequence held by the server
             assert client.step(s, tokens[s][:, :2], 0, start=True).length == 2

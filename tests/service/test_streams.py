@@ -4,10 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import threading
 import time
 from collections.abc import AsyncIterator, Iterator
-from dataclasses import replace
 from pathlib import Path
 
 import grpc
@@ -17,7 +15,7 @@ import pytest
 from service.proto import grpc_service_pb2_grpc as pb_grpc
 from service.protocol.codec import encode_infer_request
 from service.protocol.grpc_streams import answer_concurrently
-from tests.support import ServerThread, make_settings
+from tests.support import ComputeGate, ServerThread, make_settings
 
 # answer_concurrently on its own -----------------------------------------------------------------
 
@@ -89,25 +87,19 @@ N = 60
 X = np.random.default_rng(0).standard_normal((1, 8, 128), dtype=np.float32)
 
 
-class Gate:
-    """Stands between the batcher and the backend: each compute waits for a permit, so the test,
-    not the machine's speed, decides how much is computed before the client leaves."""
-
-    def __init__(self, server: ServerThread) -> None:
-        self.permits, self.computed = threading.Semaphore(0), 0
-        batcher = server.core.loaded.batcher
-        self._run, batcher._run_batch = batcher._run_batch, self.run
-
-    def run(self, x: np.ndarray) -> tuple[np.ndarray, str]:
-        assert self.permits.acquire(timeout=60), "the test never let this compute run"
-        self.computed += 1
-        return self._run(x)
+def _gate(server: ServerThread) -> ComputeGate:
+    """The server's compute hook, from now on holding each compute until the test gives a permit:
+    the test, not the machine's speed, decides how much is computed before the client leaves."""
+    gate = server.compute_hook
+    assert isinstance(gate, ComputeGate)
+    gate.held = ("batch",)
+    return gate
 
 
 @pytest.fixture
 def server(default_model_dir: Path) -> Iterator[ServerThread]:
     settings = make_settings(default_model_dir, backend="torch", max_batch_size=1, max_queue_delay_ms=0)
-    with ServerThread(replace(settings, inline_max_mflop=0)) as s:  # every compute on the worker thread
+    with ServerThread(settings, compute_hook=ComputeGate(held=())) as s:
         yield s
 
 
@@ -132,7 +124,7 @@ def _stream_counts(server: ServerThread) -> dict[str, float]:
 def test_a_cancelled_stream_stops_computing_and_is_counted_cancelled(
     server: ServerThread, caplog: pytest.LogCaptureFixture
 ) -> None:
-    gate = Gate(server)
+    gate = _gate(server)
     with grpc.insecure_channel(server.url) as channel:
         call = pb_grpc.GRPCInferenceServiceStub(channel).ModelStreamInfer(_requests(), timeout=120)
         gate.permits.release()  # one compute, one answer
@@ -145,15 +137,17 @@ def test_a_cancelled_stream_stops_computing_and_is_counted_cancelled(
     gate.permits.release(N)  # ... then anything may compute: only what the server still wants does
     _settle(server)
     counts = _stream_counts(server)
-    assert gate.computed <= 2, f"{gate.computed} of {N} requests computed (the answered one, the one computing)"
-    assert counts["CANCELLED"] >= 1 and counts["OK"] <= gate.computed, counts
+    assert len(gate.computed) <= 2, (
+        f"{len(gate.computed)} of {N} requests computed (the answered one, the one computing)"
+    )
+    assert counts["CANCELLED"] >= 1 and counts["OK"] <= len(gate.computed), counts
     assert counts["INTERNAL"] == counts["UNKNOWN"] == 0
     errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
     assert errors == [], errors  # a client that leaves is no server fault: no ERROR, no traceback
 
 
 def test_an_expired_stream_stops_computing_and_is_counted_deadline_exceeded(server: ServerThread) -> None:
-    gate = Gate(server)
+    gate = _gate(server)
     with grpc.insecure_channel(server.url) as channel:
         call = pb_grpc.GRPCInferenceServiceStub(channel).ModelStreamInfer(_requests(), timeout=0.3)
         with pytest.raises(grpc.RpcError) as info:
@@ -162,9 +156,9 @@ def test_an_expired_stream_stops_computing_and_is_counted_deadline_exceeded(serv
     gate.permits.release(N)
     _settle(server)
     counts = _stream_counts(server)
-    assert gate.computed <= 1, f"{gate.computed} of {N} requests computed after the deadline"
+    assert len(gate.computed) <= 1, f"{len(gate.computed)} of {N} requests computed after the deadline"
     assert counts["DEADLINE_EXCEEDED"] >= 1 and counts["CANCELLED"] == 0, counts
-    assert counts["OK"] <= gate.computed  # the one held at the gate may finish before the stream ends
+    assert counts["OK"] <= len(gate.computed)  # the one held at the gate may finish before the stream ends
 
 
 def test_a_stream_closed_under_its_generator_is_cancelled_not_a_fault(
@@ -221,16 +215,16 @@ def test_answers_computed_but_never_written_count_cancelled_not_ok(
     """The client reads one answer and leaves while the server has computed them all: what gRPC
     never wrote (flow control holds it back) is CANCELLED, and OK counts only what was written."""
     x = np.random.default_rng(1).standard_normal((1, 1024, 128), dtype=np.float32)  # 512 KiB answers
-    gate = Gate(server)
+    gate = _gate(server)
     gate.permits.release(N)
     with grpc.insecure_channel(server.url) as channel:
         requests = (encode_infer_request(x, request_id=str(i)) for i in range(N))
         call = pb_grpc.GRPCInferenceServiceStub(channel).ModelStreamInfer(requests, timeout=120)
         assert not next(call).error_message
         deadline = time.monotonic() + 60
-        while gate.computed < N and time.monotonic() < deadline:
+        while len(gate.computed) < N and time.monotonic() < deadline:
             time.sleep(0.01)
-        assert gate.computed == N
+        assert len(gate.computed) == N
         call.cancel()
     _settle(server)
     counts = _stream_counts(server)

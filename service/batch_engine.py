@@ -1,0 +1,169 @@
+"""The one batching engine, for stateless requests and decode steps alike.
+
+A bounded queue in front of a worker thread: requests wait as `Pending`, a batch is formed (when,
+and of which requests, is passed in: `form_at` and `plan`), computed off the event loop
+(`compute`, given the batch's payloads), reported once (`on_batch`, a `BatchEvent`) and answered
+request by request (`deliver` turns an output into the caller's answer: a decode step commits
+there). One deadline path, one message; requests nobody waits for any more are never computed;
+a failed batch is computed again request by request, so that one request's failure never fails
+another's, unless the device itself is lost (every request fails alike).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable, Sequence
+from concurrent.futures import Executor
+from typing import Any, Generic, NamedTuple, TypeVar
+
+from service.batching import BatchEvent, Clock, MonotonicClock, Pending, Plan, batch_event, traced
+from service.errors import DeadlineExceeded, DeviceLost, NotReady, Overloaded
+
+log = logging.getLogger(__name__)
+
+P = TypeVar("P")  # what a request carries: x (B, T, C), or a decode step
+A = TypeVar("A")  # what its caller gets: y (B, T, C), or a step's y once committed
+
+
+class Timing(NamedTuple):
+    """What a request learns of the batch it rode in."""
+
+    queue_s: float  # enqueued -> its batch started computing
+    backend: str
+
+
+Item = Pending[Any, tuple[Any, Timing]]
+Planner = Callable[[Sequence[Item], float], Plan[Item]]  # (queue, now) -> the next batch
+FormAt = Callable[[Sequence[Item], bool], float]  # (queue, more may come) -> clock time to form at
+Compute = Callable[[list[Any]], tuple[list[Any], str]]  # payloads -> (an output each, backend); worker thread
+
+
+class BatchEngine(Generic[P, A]):
+    def __init__(
+        self,
+        plan: Planner,
+        form_at: FormAt,
+        compute: Compute,
+        executor: Executor,
+        max_queue_size: int,
+        deliver: Callable[[P, Any], A] | None = None,
+        on_batch: Callable[[BatchEvent], None] | None = None,
+        in_flight: Callable[[], int] | None = None,
+        clock: Clock | None = None,
+        current_trace: Callable[[], object] | None = None,
+    ) -> None:
+        self._plan, self._form_at, self._compute, self._executor = plan, form_at, compute, executor
+        self.max_queue_size = max_queue_size
+        self._deliver = deliver  # None: the output is the answer
+        self._on_batch = on_batch
+        self._in_flight = in_flight  # requests in the server, queued or not; None: assume more may come
+        self.clock: Clock = clock or MonotonicClock()
+        self._current_trace = current_trace  # the calling request's span (tracing on), for the batch's
+        self._queue: list[Item] = []
+        self._wakeup = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+        self._closed = False
+
+    @property
+    def depth(self) -> int:
+        return len(self._queue)
+
+    def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self._loop(), name="batch-engine")
+
+    async def stop(self) -> None:
+        """Stop taking requests, finish what is queued, then end the loop."""
+        self._closed = True
+        self._wakeup.set()
+        if self._task is not None:
+            await self._task
+
+    async def submit(self, payload: P, shape: tuple[int, ...], deadline: float | None = None) -> tuple[A, Timing]:
+        """Queue `payload` of `shape` (B, T, C); resolve to its answer and Timing. Raises Overloaded
+        at once when the queue is full, NotReady once stopping."""
+        if self._closed or self._task is None:
+            raise NotReady("the server is draining; retry on another replica")
+        if len(self._queue) >= self.max_queue_size:
+            raise Overloaded(
+                f"queue full: {len(self._queue)} requests waiting (max_queue_size {self.max_queue_size}); "
+                "retry with backoff"
+            )
+        trace = self._current_trace() if self._current_trace is not None else None
+        future: asyncio.Future[tuple[A, Timing]] = asyncio.get_running_loop().create_future()
+        self._queue.append(Pending(payload, shape, future, self.clock.now(), deadline, trace))
+        self._wakeup.set()
+        return await future
+
+    async def _loop(self) -> None:
+        while self._queue or not self._closed:
+            if not self._queue:
+                self._wakeup.clear()
+                await self._wakeup.wait()
+                continue
+            forming = self.clock.now()
+            await self._wait_for_company()
+            plan = self._plan(self._queue, self.clock.now())
+            self._queue = plan.rest
+            self._expire(plan.expired)
+            if plan.batch:
+                await self._execute(plan.batch, forming)
+
+    async def _wait_for_company(self) -> None:
+        while self._queue and not self._closed:
+            more_may_come = self._in_flight is None or self._in_flight() > len(self._queue)
+            until = self._form_at(self._queue, more_may_come)
+            if until <= self.clock.now():
+                return
+            self._wakeup.clear()
+            await self.clock.wait(self._wakeup, until)
+
+    def _expire(self, expired: Sequence[Item]) -> None:
+        now = self.clock.now()
+        for item in expired:
+            waited_ms = (now - item.enqueued) * 1e3
+            item.future.set_exception(DeadlineExceeded(f"deadline passed after {waited_ms:.1f} ms in the queue"))
+
+    async def _execute(self, batch: list[Item], forming: float) -> None:
+        shapes = [(item.rows, item.seq) for item in batch]
+        started = self.clock.now()
+        payloads = [item.payload for item in batch]
+        try:
+            outputs, backend = await asyncio.get_running_loop().run_in_executor(self._executor, self._compute, payloads)
+        except Exception as exc:
+            self._report(shapes, (forming, started), "", exc, batch)
+            if len(batch) > 1 and not isinstance(exc, DeviceLost):  # isolate the culprit
+                for item in batch:
+                    if not item.gone:
+                        await self._execute([item], self.clock.now())
+                return
+            for item in batch:  # alone, or a lost device: every request fails alike
+                if not item.gone:
+                    item.future.set_exception(exc)
+            return
+        self._report(shapes, (forming, started), backend, None, batch)
+        for item, output in zip(batch, outputs, strict=True):
+            self._answer(item, output, Timing(started - item.enqueued, backend))
+
+    def _answer(self, item: Item, output: Any, timing: Timing) -> None:
+        """Answer `item`, if its caller still waits: an abandoned request is never delivered (a
+        decode step commits nothing); a delivery that raises fails that request alone."""
+        if item.gone:
+            return
+        try:
+            answer = self._deliver(item.payload, output) if self._deliver is not None else output
+        except Exception as exc:  # the output says the request was the client's mistake
+            item.future.set_exception(exc)
+            return
+        item.future.set_result((answer, timing))
+
+    def _report(
+        self,
+        shapes: list[tuple[int, int]],
+        times: tuple[float, float],
+        backend: str,
+        error: BaseException | None,
+        batch: list[Item],
+    ) -> None:
+        if self._on_batch is not None:
+            self._on_batch(batch_event(shapes, times, self.clock.now(), backend, error, traced(batch)))
