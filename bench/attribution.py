@@ -7,7 +7,7 @@ samples of the event loop's thread (the process's main thread: it decodes, check
 lone request with ORT's pool, encodes and keeps the books) are grouped by the library they fell
 in and reported as microseconds per request; the other threads (ORT's pool, gRPC's poller and
 event engine) as one sum. Timing alone says how much slower a server is; this says in which
-library the difference lies (bench/RESULTS.md, eleventh session: in the Python interpreter).
+library the difference lies (docs/benchmarks.md).
 
 Needs `perf` (Debian's linux-perf) and permission to sample the servers. Not a test.
 Writes bench/results/attribution.json and prints a table.

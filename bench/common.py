@@ -119,7 +119,7 @@ HALT_POLL = Path("/sys/module/haltpoll/parameters/guest_halt_poll_ns")
 def idle_policy(cpuidle: Path = CPUIDLE, halt_poll: Path = HALT_POLL) -> str:
     """How this machine's idle CPUs wait, for the results' machine line: the cpuidle driver and
     governor, and a KVM guest's halt-polling window. With guest_halt_poll_ns 0 an idle vCPU halts
-    at once, and waking it costs more than a small request computes (bench/RESULTS.md)."""
+    at once, and waking it costs more than a small request computes (docs/benchmarks.md)."""
     said = []
     for name in ("current_driver", "current_governor"):
         with contextlib.suppress(OSError):

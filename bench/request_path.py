@@ -7,12 +7,12 @@ answer_infer, core.infer, the batcher, the codec, the checks, one turn of the lo
 in a row, in R rounds that alternate the stages' order; the median of the rounds' means is
 reported, in microseconds of the loop thread's CPU (the compute of a lone small request runs on
 it). Warm caches flatter every stage against a server between two requests (there the same work
-costs about twice as much: bench/RESULTS.md), so compare stages and versions, not absolute times.
+costs about twice as much: docs/benchmarks.md), so compare stages and versions, not absolute times.
 
 Without --compute (the default) the backend chain answers with a copy of its input: what is left
 is the per-request work the no-compute floor (bench/servers/floor.py none) does not do. Not a test.
 
-Times on a shared VM move by half between spells (bench/RESULTS.md); `--opcodes` counts instead
+Times on a shared VM move by half between spells (docs/benchmarks.md); `--opcodes` counts instead
 the Python opcodes one whole call executes (sys.settrace), by file: the same on every run of
 the same code, so two versions compare exactly, though C work (protobuf, numpy, locks) is not in it.
 

@@ -1,7 +1,7 @@
 """model.onnx as ONNX Runtime's CPU provider serves it: the same arithmetic in fewer nodes.
 
 A small request costs a few microseconds per node, whatever the node computes ((1, 64, 128) on
-one thread: 160 us for model.onnx's 21 nodes, 134 us for the 6 left here; bench/RESULTS.md).
+one thread: 160 us for model.onnx's 21 nodes, 134 us for the 6 left here; docs/operations.md).
 Two rewrites of what onnx_export writes, both exact:
 
 - the three projections of x (MatMul, and Add of the bias) as one MatMul against [Wq Wk Wv], one
