@@ -22,7 +22,7 @@ from service.errors import BackendFailure, DeviceLost
 log = logging.getLogger(__name__)
 
 FallbackHook = Callable[[str, str, str], None]  # (from, to, reason)
-Clock = Callable[[], float]
+Now = Callable[[], float]  # time.monotonic, or a test's
 T = TypeVar("T")  # what a backend computes: a batch's output, or the outputs of steps
 REASONS = ("error", "invalid_output")  # a bounded set: it becomes a metric label
 ProbeFn = Callable[[Backend], tuple[bool, str]]
@@ -73,9 +73,7 @@ class Bench:
     who shows the serving backends looks again when it moves, or while one is benched (a
     cool-down ends with the clock, not with a change)."""
 
-    def __init__(
-        self, backends: list[Backend], probe: ProbeFn, threshold: int, cooldown_s: float, clock: Clock
-    ) -> None:
+    def __init__(self, backends: list[Backend], probe: ProbeFn, threshold: int, cooldown_s: float, clock: Now) -> None:
         self.health = {b.name: _Health() for b in backends}
         self._probe, self._threshold, self._cooldown, self._clock = probe, threshold, cooldown_s, clock
         self.changes = 0

@@ -140,9 +140,9 @@ class OrtCpuBackend(Backend):
         tokens = int(x.shape[0]) * int(x.shape[1])
         if self._single is not None and tokens <= self.single_max_tokens:
             return self._single.run(self._outputs, {self._input: x})[0]
-        return self._session.run(self._outputs, {self._input: x}, self._options(x))[0]
+        return self._session.run(self._outputs, {self._input: x}, self.run_options(x))[0]
 
-    def _options(self, x: np.ndarray) -> ort.RunOptions | None:
+    def run_options(self, x: np.ndarray) -> ort.RunOptions | None:
         """A pool's run of (B, T, C): a large one hands its arena memory back afterwards."""
         rows, seq = x.shape[:2]  # numpy's shapes are Python ints
         return self._shrink if rows * seq * seq >= SHRINK_CELLS else None

@@ -164,13 +164,17 @@ MARGIN = 0.8  # a challenger must take at most this share of the incumbent's tim
 
 PROBE_BUDGET_S = 0.2  # per shape: light shapes get more rounds, so a noisy moment cannot flip their verdict
 MAX_ROUNDS = 41
+PROBE_GAP_S = 0.001  # idle time before each timed run: a server's backend meets a request after a gap, not warm
 
 
 def measure_interleaved(
     backends: list[Backend], config: MHAConfig, rounds: int = 7, budget_s: float = PROBE_BUDGET_S
 ) -> list[list[float]]:
     """Per backend, the median time (ms) on each of the probe shapes: at least `rounds` runs
-    each, more (up to MAX_ROUNDS) where a round takes less than `budget_s` / `rounds`.
+    each, more (up to MAX_ROUNDS) where a round takes less than `budget_s` / `rounds`. Each timed
+    run follows PROBE_GAP_S of idleness, as a request in a server follows the gap since the last:
+    back to back, with every cache warm, the probe flatters PyTorch's many small dispatches
+    (docs/benchmarks.md).
 
     The backends take turns run by run, in an order that alternates every round, so that a
     burst of load on a shared machine falls on all of them alike.
@@ -190,6 +194,7 @@ def measure_interleaved(
         for r in range(probe_rounds(one_round, rounds, budget_s)):
             order = range(len(backends)) if r % 2 == 0 else reversed(range(len(backends)))
             for k in order:
+                time.sleep(PROBE_GAP_S)
                 start = time.perf_counter()
                 runs[k](x)
                 samples[k].append(time.perf_counter() - start)

@@ -127,8 +127,8 @@ class MHAClient:
         parameters[SEQUENCE_OFFSET].int64_param = offset
         header = ((SEQUENCE_HEADER, str(sequence_id)),)
         response: pb.ModelInferResponse = self._call("ModelInfer", request, timeout, header)  # type: ignore[assignment]
-        said = response.parameters
-        length, replica, worker = said[SEQUENCE_LENGTH].int64_param, said["replica"].string_param, said["worker"]
+        params = response.parameters
+        length, replica, worker = params[SEQUENCE_LENGTH].int64_param, params["replica"].string_param, params["worker"]
         return StepAnswer(decode_infer_response(response), int(length), replica, int(worker.int64_param))
 
     def sequence(self, sequence_id: int | str) -> ClientSequence:

@@ -18,8 +18,7 @@ from service.arrays import all_finite, not_finite
 from service.batch_engine import BatchEngine, Item, Timing
 from service.batching import BatchEvent, Clock, Plan, plan_steps
 from service.decode.control import SequenceControl
-from service.decode.sequences import Sequence as LiveSequence
-from service.decode.sequences import SequenceStore
+from service.decode.sequences import LiveSequence, SequenceStore
 from service.errors import InvalidInput, StaleSequence
 
 log = logging.getLogger(__name__)
@@ -127,7 +126,7 @@ class Decoder:
             raise InvalidInput(not_finite(x))  # (any other step's NaN or inf is found in its output)
         sequence = self.sequences.open(control, int(x.shape[0]), int(x.shape[2]))
         async with sequence.lock:  # this sequence's steps one at a time, in arrival order
-            _check_offset(control, sequence.length, self.sequences.where)
+            _check_offset(control, sequence.length, self.sequences.process_label)
             self.sequences.check_room(sequence, int(x.shape[1]))
             y, timing = await self.steps.submit(StepInput(sequence, x), deadline)
             self.sequences.touch(sequence)

@@ -37,7 +37,7 @@ class SequenceLimits:
 
 
 @dataclass(eq=False)
-class Sequence:
+class LiveSequence:
     """One live sequence: `rows` sequences of the client's batch, stepped together.
 
     keys and values are (rows, nh, capacity, hs); the first `length` positions are the tokens
@@ -79,12 +79,12 @@ class SequenceStore:
         now: Callable[[], float],
         on_change: Callable[[SequenceStore, str | None], None] | None = None,
         device: str = "cpu",
-        where: str = "this server",
+        process_label: str = "this server",
     ) -> None:
         self.config, self.limits, self.now = config, limits, now
-        self.device = device  # where the caches live: the step runner's device
-        self.where = where  # this process, as messages name it for operators (replica and worker)
-        self._live: OrderedDict[SequenceId, Sequence] = OrderedDict()  # least recently used first
+        self.device = device  # where the caches live: the step backends' device
+        self.process_label = process_label  # this process, as messages name it for operators (replica and worker)
+        self._live: OrderedDict[SequenceId, LiveSequence] = OrderedDict()  # least recently used first
         self._gone: OrderedDict[SequenceId, str] = OrderedDict()  # id -> what became of it
         self._on_change = on_change  # (store, eviction reason or None): metrics
         self.state_bytes = 0
@@ -92,7 +92,7 @@ class SequenceStore:
     def __len__(self) -> int:
         return len(self._live)
 
-    def open(self, control: SequenceControl, rows: int, width: int) -> Sequence:
+    def open(self, control: SequenceControl, rows: int, width: int) -> LiveSequence:
         """The sequence a step belongs to: a new one on start, else the live one with its checks."""
         if not self.config.causal:
             raise InvalidInput("this model is not causal: it cannot be decoded incrementally; send whole sequences")
@@ -105,21 +105,21 @@ class SequenceStore:
         if sequence is None:
             what = self._gone.get(control.id, "is not known")
             raise SequenceNotFound(
-                f"sequence {control.label()} {what} on {self.where}; start it again with sequence_start and its "
-                "whole prefix"
+                f"sequence {control.label()} {what} on {self.process_label}; start it again with sequence_start "
+                "and its whole prefix"
             )
         if rows != sequence.rows:
             raise InvalidInput(f"sequence {control.label()} has B = {sequence.rows} rows; this step sends B = {rows}")
         self._live.move_to_end(control.id)
         return sequence
 
-    def check_room(self, sequence: Sequence, new_tokens: int) -> None:
+    def check_room(self, sequence: LiveSequence, new_tokens: int) -> None:
         """Refuse a step that would grow `sequence` past max_seq_len; grow its cache if needed,
         evicting idle sequences (least recently used first) when the byte budget requires."""
         if not sequence.live:
             raise SequenceNotFound(
-                f"sequence {quote(str(sequence.id), 48)} {self._gone.get(sequence.id, 'ended')} on {self.where} "
-                "while this step waited; start it again with sequence_start and its whole prefix"
+                f"sequence {quote(str(sequence.id), 48)} {self._gone.get(sequence.id, 'ended')} on "
+                f"{self.process_label} while this step waited; start it again with sequence_start and its whole prefix"
             )
         need = sequence.length + new_tokens
         if need > self.config.max_seq_len:
@@ -130,10 +130,10 @@ class SequenceStore:
         if need > sequence.capacity:
             self._grow(sequence, need)
 
-    def touch(self, sequence: Sequence) -> None:
+    def touch(self, sequence: LiveSequence) -> None:
         sequence.last_used = self.now()
 
-    def end(self, sequence: Sequence) -> None:
+    def end(self, sequence: LiveSequence) -> None:
         self._drop(sequence, "ended (sequence_end)", None)
 
     def expire_idle(self) -> None:
@@ -146,21 +146,21 @@ class SequenceStore:
         for sequence in list(self._live.values()):
             self._drop(sequence, "was dropped at shutdown", None)
 
-    def _begin(self, sequence_id: SequenceId, rows: int) -> Sequence:
+    def _begin(self, sequence_id: SequenceId, rows: int) -> LiveSequence:
         old = self._live.get(sequence_id)
         if old is not None:
             self._drop(old, "was restarted (sequence_start)", None)
         capacity = min(16, self.config.max_seq_len)
         self._evict_for(count=1, nbytes=self._cache_bytes(rows, capacity))
         cache = (_cache(rows, self.config, capacity, self.device), _cache(rows, self.config, capacity, self.device))
-        sequence = Sequence(sequence_id, rows, *cache, last_used=self.now())
+        sequence = LiveSequence(sequence_id, rows, *cache, last_used=self.now())
         self._live[sequence_id] = sequence
         self._gone.pop(sequence_id, None)
         self.state_bytes += sequence.nbytes
         self._changed(None)
         return sequence
 
-    def _grow(self, sequence: Sequence, need: int) -> None:
+    def _grow(self, sequence: LiveSequence, need: int) -> None:
         capacity = sequence.capacity
         while capacity < need:
             capacity = min(2 * capacity, self.config.max_seq_len)
@@ -178,7 +178,7 @@ class SequenceStore:
         """Keys and values of `positions` tokens of `rows` rows, float32."""
         return 2 * rows * self.config.d_model * positions * 4
 
-    def _evict_for(self, count: int, nbytes: int, keep: Sequence | None = None) -> None:
+    def _evict_for(self, count: int, nbytes: int, keep: LiveSequence | None = None) -> None:
         """Make room for `count` more sequences and `nbytes` more state by evicting idle ones,
         least recently used first; RESOURCE_EXHAUSTED when the busy ones alone are too many."""
 
@@ -198,7 +198,7 @@ class SequenceStore:
                 "every sequence is stepping; retry with backoff"
             )
 
-    def _drop(self, sequence: Sequence, what: str, reason: str | None) -> None:
+    def _drop(self, sequence: LiveSequence, what: str, reason: str | None) -> None:
         if self._live.get(sequence.id) is sequence:
             del self._live[sequence.id]
             self.state_bytes -= sequence.nbytes

@@ -98,7 +98,7 @@ class InferenceCore:
         self.publish = Publisher(
             metrics, self.stats, self.device, self.serving_ok, lambda: self._set_state(State.FAILED), self.tracing
         )
-        self.home: dict[str, int | str] = {"replica": settings.replica, "worker": settings.worker_index}
+        self.placement: dict[str, int | str] = {"replica": settings.replica, "worker": settings.worker_index}
 
     @property
     def loaded(self) -> Loaded:

@@ -57,7 +57,7 @@ async def answer_infer(
         y, timing = await core.infer(x, deadline)
         return encode_infer_response(y, model, request.id, timing.backend, target, regions)
     y, timing, length = await core.step(control, x, deadline)
-    extra: dict[str, int | str] = {SEQUENCE_LENGTH: length, **core.home}  # and where the sequence lives
+    extra: dict[str, int | str] = {SEQUENCE_LENGTH: length, **core.placement}  # and where the sequence lives
     return encode_infer_response(y, model, request.id, timing.backend, target, regions, extra)
 
 
@@ -81,7 +81,7 @@ async def _step_with_regions(
     response = await peers.forward(worker, plain, sequence_header, timeout)
     if target is None:
         return response
-    said = parameter_values(response.parameters)  # the owner's sequence_length, replica and worker
-    backend = str(said.pop("backend", ""))
-    extra = {key: value for key, value in said.items() if isinstance(value, int | str)}
+    answered = parameter_values(response.parameters)  # the owner's sequence_length, replica and worker
+    backend = str(answered.pop("backend", ""))
+    extra = {key: value for key, value in answered.items() if isinstance(value, int | str)}
     return encode_infer_response(decode_infer_response(response), model, request.id, backend, target, regions, extra)

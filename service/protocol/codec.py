@@ -142,11 +142,11 @@ def check_sequence_header(control: SequenceControl | None, header: str | None) -
     hold its sequence, so it is refused."""
     if header is None:
         return
-    said = None if control is None else str(control.id)
-    if header != said:
+    in_parameters = None if control is None else str(control.id)
+    if header != in_parameters:
         raise InvalidInput(
             f"the {SEQUENCE_HEADER} header {quote(header)} disagrees with the request's sequence_id "
-            f"{quote(said) if said is not None else '(none)'}: send the same id in both, or neither"
+            f"{quote(in_parameters) if in_parameters is not None else '(none)'}: send the same id in both, or neither"
         )
 
 

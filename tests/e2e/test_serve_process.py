@@ -151,7 +151,7 @@ def _wait_log(server: ServerProcess, text: str, timeout_s: float = 30) -> None:
 def test_sigterm_drains_in_flight_requests(default_model_dir: Path, tmp_path: Path) -> None:
     """The process: SIGTERM, the late request refused, everything that arrived answered exactly,
     exit 0 within the grace. (Which requests are still computing at the signal depends on the
-    machine; tests/service/test_server.py holds computes at a gate to drain a known set.)"""
+    machine; tests/service/app/test_server.py holds computes at a gate to drain a known set.)"""
     grace = 15.0
     args = [
         "--model-dir",

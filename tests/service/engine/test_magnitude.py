@@ -25,7 +25,7 @@ from model.checkpoint import Weights, init_weights, load_checkpoint
 from model.reference import attention_view, relative_error
 from service.client.client import InferenceError, MHAClient
 from service.engine.magnitude import magnitude_bound
-from tests.support import ServerThread, make_settings
+from tests.support import ComputeGate, ServerThread, make_settings
 
 TOLERANCE = 1e-4  # float32 against float64, at every scale the server accepts
 LARGEST = {"fp32": float(np.finfo(np.float32).max), "fp16": 65504.0, "bf16": float(torch.finfo(torch.bfloat16).max)}
@@ -176,18 +176,15 @@ def test_the_values_that_broke_pytorch_are_refused_and_the_largest_accepted_are_
 def test_an_overflowing_input_cannot_make_the_server_check_itself(small_model_dir: Path) -> None:
     """With one backend, an output that overflowed used to be judged by re-running the whole
     self-check, batch after batch, as often as a client liked; such inputs are now refused first."""
-    with ServerThread(make_settings(small_model_dir, backend="ort-cpu")) as server:
-        chain = server.core.loaded.chain
-        probes: list[str] = []
-        probe = chain._probe
-        chain._probe = lambda backend: probes.append(backend.name) or probe(backend)
+    gate = ComputeGate(held=())
+    with ServerThread(make_settings(small_model_dir, backend="ort-cpu"), compute_hook=gate) as server:
         x = (np.random.default_rng(0).standard_normal((1, 4, 32)) * 1e20).astype(np.float32)
         with MHAClient(server.url) as client:
             for _ in range(5):
                 with pytest.raises(InferenceError) as info:
                     client.infer(x)
                 assert info.value.code == grpc.StatusCode.INVALID_ARGUMENT
-    assert probes == []
+    assert gate.computed == []  # refused before any compute: no output to judge, no probe to run
 
 
 def test_worst_case_inputs_are_refused_near_overflow_and_exact_at_the_bound(

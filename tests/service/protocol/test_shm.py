@@ -24,7 +24,7 @@ from service.proto import grpc_service_pb2 as pb
 from service.proto import grpc_service_pb2_grpc as pb_grpc
 from service.protocol.codec import encode_infer_request, encode_infer_response, output_placement
 from service.protocol.shm import Placement, SystemRegions
-from tests.service.test_codec import SPEC
+from tests.service.protocol.test_codec import SPEC
 from tests.support import ServerThread, make_settings
 
 C = 32
