@@ -31,12 +31,23 @@ class Timing(NamedTuple):
 
     queue_s: float  # enqueued -> its batch started computing
     backend: str
+    compute: tuple[float, float, float] = (0.0, 0.0, 0.0)  # its batch's (input, inference, output) seconds
+
+
+class Computed(NamedTuple):
+    """What a compute returns: an output per request, the backend, and the time it spent making
+    the batch's input and slicing its outputs (the rest of the compute is the inference)."""
+
+    outputs: list[Any]
+    backend: str
+    input_s: float = 0.0
+    output_s: float = 0.0
 
 
 Item = Pending[Any, tuple[Any, Timing]]
 Planner = Callable[[Sequence[Item], float], Plan[Item]]  # (queue, now) -> the next batch
 FormAt = Callable[[Sequence[Item], bool], float]  # (queue, more may come) -> clock time to form at
-Compute = Callable[[list[Any]], tuple[list[Any], str]]  # payloads -> (an output each, backend); worker thread
+Compute = Callable[[list[Any]], Computed]  # payloads -> an output each, and more; on the worker thread
 
 
 class BatchEngine(Generic[P, A]):
@@ -129,7 +140,7 @@ class BatchEngine(Generic[P, A]):
         started = self.clock.now()
         payloads = [item.payload for item in batch]
         try:
-            outputs, backend = await asyncio.get_running_loop().run_in_executor(self._executor, self._compute, payloads)
+            computed = await asyncio.get_running_loop().run_in_executor(self._executor, self._compute, payloads)
         except Exception as exc:
             self._report(shapes, (forming, started), "", exc, batch)
             if len(batch) > 1 and not isinstance(exc, DeviceLost):  # isolate the culprit
@@ -141,9 +152,10 @@ class BatchEngine(Generic[P, A]):
                 if not item.gone:
                     item.future.set_exception(exc)
             return
-        self._report(shapes, (forming, started), backend, None, batch)
-        for item, output in zip(batch, outputs, strict=True):
-            self._answer(item, output, Timing(started - item.enqueued, backend))
+        event = self._report(shapes, (forming, started), computed.backend, None, batch, computed)
+        phases = (event.input_s, event.infer_s, event.output_s)
+        for item, output in zip(batch, computed.outputs, strict=True):
+            self._answer(item, output, Timing(started - item.enqueued, computed.backend, phases))
 
     def _answer(self, item: Item, output: Any, timing: Timing) -> None:
         """Answer `item`, if its caller still waits: an abandoned request is never delivered (a
@@ -164,6 +176,10 @@ class BatchEngine(Generic[P, A]):
         backend: str,
         error: BaseException | None,
         batch: list[Item],
-    ) -> None:
+        computed: Computed | None = None,
+    ) -> BatchEvent:
+        phases = (computed.input_s, computed.output_s) if computed is not None else (0.0, 0.0)
+        event = batch_event(shapes, times, self.clock.now(), backend, error, traced(batch), phases)
         if self._on_batch is not None:
-            self._on_batch(batch_event(shapes, times, self.clock.now(), backend, error, traced(batch)))
+            self._on_batch(event)
+        return event

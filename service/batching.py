@@ -216,20 +216,24 @@ class MonotonicClock:
 
 @dataclass(slots=True)
 class BatchEvent:
-    """One executed batch, for metrics and statistics. Built once per batch and never changed (not
-    frozen: a frozen dataclass sets each field through object.__setattr__, 5x the cost, on the
-    path of every request)."""
+    """One executed batch, for metrics and statistics. Built once per batch and never changed."""
 
     requests: int
     rows: int
     seqs: tuple[int, ...]  # T of each request, in batch order
     padded_tokens: int
     formation_s: float  # the batcher began forming it -> it began computing
-    compute_s: float
+    compute_s: float  # the whole compute: its input, its inference and its output
     backend: str  # "" when it failed
     error: BaseException | None = None
     ended: float = 0.0  # clock time the compute ended (the event's `now`)
     traced: tuple[tuple[Any, float], ...] = ()  # (span, enqueued) of each traced request: tracing's
+    input_s: float = 0.0  # of compute_s: the batch's input made (merged, padded)
+    output_s: float = 0.0  # of compute_s: its outputs sliced back per request
+
+    @property
+    def infer_s(self) -> float:
+        return max(0.0, self.compute_s - self.input_s - self.output_s)
 
 
 def traced(batch: Sequence[Pending[Any, Any]]) -> tuple[tuple[Any, float], ...]:
@@ -244,6 +248,7 @@ def batch_event(
     backend: str,
     error: BaseException | None,
     traced: tuple[tuple[Any, float], ...] = (),
+    phases: tuple[float, float] = (0.0, 0.0),  # (input_s, output_s) within the compute
 ) -> BatchEvent:
     """The report of a batch merged from `shapes` (right-padded to the longest T, as `merge` does)."""
     forming, started = times
@@ -261,4 +266,6 @@ def batch_event(
         error=error,
         ended=now,
         traced=traced,
+        input_s=phases[0],
+        output_s=phases[1],
     )

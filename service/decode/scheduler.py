@@ -15,7 +15,7 @@ from functools import partial
 import numpy as np
 
 from service.arrays import all_finite, not_finite
-from service.batch_engine import BatchEngine, Item, Timing
+from service.batch_engine import BatchEngine, Computed, Item, Timing
 from service.batching import BatchEvent, Clock, Plan, plan_steps
 from service.decode.control import SequenceControl
 from service.decode.sequences import LiveSequence, SequenceStore
@@ -39,8 +39,7 @@ class Stepped:
 
     y: np.ndarray  # (B, t, C): the outputs of the step's tokens
     length: int  # tokens the sequence holds after the step
-    queue_s: float  # submitted -> its batch began computing
-    backend: str  # what computed it
+    timing: Timing  # its time in the queue, the backend that computed it, its batch's compute
 
 
 class StepBatcher(BatchEngine[StepInput, np.ndarray]):
@@ -58,7 +57,7 @@ class StepBatcher(BatchEngine[StepInput, np.ndarray]):
         super().__init__(
             plan=partial(_plan, max_rows),
             form_at=_at_once,
-            compute=run,
+            compute=partial(_computed, run),
             executor=executor,
             max_queue_size=max_queue_size,
             deliver=_commit,
@@ -72,6 +71,11 @@ class StepBatcher(BatchEngine[StepInput, np.ndarray]):
         answer is taken. A step whose `deadline` (clock time) passes before it computes is
         answered DEADLINE_EXCEEDED and never computed."""
         return await super().submit(step, step.x.shape, deadline)
+
+
+def _computed(run: RunSteps, steps: list[StepInput]) -> Computed:
+    ys, backend = run(steps)  # the backend reads and writes the caches itself: all of it is inference
+    return Computed(ys, backend)
 
 
 def _plan(max_rows: int, queue: Sequence[Item], now: float) -> Plan[Item]:
@@ -132,7 +136,7 @@ class Decoder:
             self.sequences.touch(sequence)
             if control.end:
                 self.sequences.end(sequence)
-        return Stepped(y, sequence.length, timing.queue_s, timing.backend)
+        return Stepped(y, sequence.length, timing)
 
 
 def _check_offset(control: SequenceControl, held: int, where: str) -> None:

@@ -5,13 +5,14 @@ of `service.batching`; queueing, deadlines, failure isolation and reports are th
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Executor
 from functools import partial
 
 import numpy as np
 
-from service.batch_engine import BatchEngine, Item, Timing
+from service.batch_engine import BatchEngine, Computed, Item, Timing
 from service.batching import BatcherConfig, BatchEvent, Clock, Plan, form_at, merge, plan_batch, split
 
 __all__ = ["Answer", "Batcher", "RunBatch", "Timing"]
@@ -57,7 +58,12 @@ def _form_at(config: BatcherConfig, queue: Sequence[Item], more_may_come: bool) 
     return form_at(queue, config, more_may_come)
 
 
-def _compute(run_batch: RunBatch, xs: list[np.ndarray]) -> tuple[list[np.ndarray], str]:
+def _compute(run_batch: RunBatch, xs: list[np.ndarray]) -> Computed:
     """The requests' (B_i, T_i, C) as one right-padded batch through `run_batch`; an output each."""
-    y, backend = run_batch(merge(xs))  # (sum B, T_max, C)
-    return split(y, [(int(x.shape[0]), int(x.shape[1])) for x in xs]), backend
+    began = time.perf_counter()
+    batch = merge(xs)  # (sum B, T_max, C)
+    merged = time.perf_counter()
+    y, backend = run_batch(batch)
+    ran = time.perf_counter()
+    outputs = split(y, [(int(x.shape[0]), int(x.shape[1])) for x in xs])
+    return Computed(outputs, backend, merged - began, time.perf_counter() - ran)

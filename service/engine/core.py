@@ -167,7 +167,7 @@ class InferenceCore:
         y, timing = await loaded.batcher.submit(x, deadline)
         if not all_finite(y):  # the chain found this input to blame (see BackendChain)
             raise InvalidInput(not_finite(x))
-        self.publish.answered(x.shape, timing.queue_s)
+        self.publish.answered(x.shape, timing)
         return y, timing
 
     async def step(
@@ -191,8 +191,8 @@ class InferenceCore:
             if self.device.observe(exc):
                 self._set_state(State.FAILED)
             raise
-        self.publish.answered(x.shape, stepped.queue_s)
-        return stepped.y, Timing(stepped.queue_s, stepped.backend), stepped.length
+        self.publish.answered(x.shape, stepped.timing)
+        return stepped.y, stepped.timing, stepped.length
 
     def _check_ready(self) -> None:
         self.device.check()

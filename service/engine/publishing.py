@@ -10,6 +10,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 from service.backends import BackendChain
+from service.batch_engine import Timing
 from service.batching import BatchEvent
 from service.deferred import after_answer
 from service.engine.readiness import DeviceHealth
@@ -34,7 +35,7 @@ class Publisher:
         self._serving: list[tuple[str, str]] = []  # the backends mha_backend_info last showed as serving
         self._health_seen = -1  # the chain's bench.changes when the serving backends were last looked at
         self._batches = metrics.ledger.book(self._fold_batches)
-        self._answers = metrics.ledger.book(self._fold_answers)  # (tokens, rows, queue_s, wall ms)
+        self._answers = metrics.ledger.book(self._fold_answers)  # (tokens, rows, Timing, wall s)
 
     def fallback(self, source: str, target: str, reason: str) -> None:
         self.metrics.fallbacks.labels(source, target, reason).inc()
@@ -58,10 +59,10 @@ class Publisher:
             fallback = f"{preferred} -> {event.backend}" if event.backend and event.backend != preferred else ""
             self.tracing.report_batch(event, fallback)
 
-    def answered(self, shape: tuple[int, ...], queue_s: float) -> None:
-        """A request of `shape` (B, T, C) answered after `queue_s` in the queue: its tokens and wait."""
+    def answered(self, shape: tuple[int, ...], timing: Timing) -> None:
+        """A request of `shape` (B, T, C) answered: its tokens, its wait and its batch's compute."""
         rows = int(shape[0])
-        self._answers.add((rows * int(shape[1]), rows, queue_s, time.time()))
+        self._answers.add((rows * int(shape[1]), rows, timing, time.time()))
 
     @contextmanager
     def statistics(self) -> Iterator[ModelStats]:
@@ -74,10 +75,11 @@ class Publisher:
         for event in events:
             self.stats.observe_batch(event)
 
-    def _fold_answers(self, answers: list[tuple[int, int, float, float]]) -> None:
-        tokens, rows, queued, answered_at = zip(*answers, strict=True)
+    def _fold_answers(self, answers: list[tuple[int, int, Timing, float]]) -> None:
+        tokens, rows, timings, answered_at = zip(*answers, strict=True)
+        queued = [t.queue_s for t in timings]
         self.metrics.observe_answers(sum(tokens), queued)
-        self.stats.observe_answers(sum(rows), queued, int(max(answered_at) * 1e3))
+        self.stats.observe_answers(sum(rows), timings, int(max(answered_at) * 1e3))
 
     def backends(self, chain: BackendChain) -> None:
         """The serving backends (the active one, and the light batches' where they have their

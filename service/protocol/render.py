@@ -100,11 +100,18 @@ def model_statistics(name: str, version: str, stats: ModelStats) -> pb.ModelStat
             success=_duration(stats.success),
             fail=_duration(stats.fail),
             queue=_duration(stats.queue),
-            compute_infer=_duration(stats.compute_infer),
+            compute_input=_duration(stats.compute.input),
+            compute_infer=_duration(stats.compute.infer),
+            compute_output=_duration(stats.compute.output),
         ),
         batch_stats=[
-            pb.InferBatchStatistics(batch_size=rows, compute_infer=_duration(d))
-            for rows, d in sorted(stats.batches.items())
+            pb.InferBatchStatistics(
+                batch_size=rows,
+                compute_input=_duration(p.input),
+                compute_infer=_duration(p.infer),
+                compute_output=_duration(p.output),
+            )
+            for rows, p in sorted(stats.batches.items())
         ],
     )
 

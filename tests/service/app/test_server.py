@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import grpc
@@ -165,7 +166,34 @@ def test_statistics_count_rows_and_executions(client: MHAClient) -> None:
     assert after.execution_count - before.execution_count == 1
     assert after.inference_stats.success.count - before.inference_stats.success.count == 1
     assert after.inference_stats.compute_infer.ns > before.inference_stats.compute_infer.ns
-    assert after.last_inference >= before.last_inference > 0
+    assert after.last_inference >= before.last_inference and after.last_inference > 0
+
+
+def test_statistics_hold_tritons_invariants_for_requests_and_steps(small_model_dir: Path) -> None:
+    """As perf_analyzer reads them: compute_input, compute_infer and compute_output counted once per
+    successful request, as many as queue and success; each batch size's three counts equal, and
+    their sum the executions; inference_count the rows. Stateless requests batched together, and
+    decode steps, both count."""
+    gate = ComputeGate(held=())
+    settings = make_settings(small_model_dir, backend="torch", max_batch_size=8, max_queue_delay_ms=20)
+    with ServerThread(settings, compute_hook=gate) as server, MHAClient(server.url) as client:
+        gate.hold_next(lambda: server.core.loaded.batcher.depth >= 3)  # the first batch waits: 3 more queue
+        xs = [np.random.default_rng(i).standard_normal((1 + i % 2, 5, 32), dtype=np.float32) for i in range(4)]
+        with ThreadPoolExecutor(4) as pool:
+            list(pool.map(client.infer, xs))
+        sequence = client.sequence("stats")
+        for i in range(3):
+            sequence.send(xs[0][:1, i : i + 1])
+        stats = client.statistics()
+    inference = stats.inference_stats
+    answered = 4 + 3
+    assert inference.success.count == inference.queue.count == answered
+    assert inference.compute_input.count == inference.compute_infer.count == inference.compute_output.count == answered
+    assert inference.compute_infer.ns > 0 and inference.fail.count == 0
+    assert stats.inference_count == sum(x.shape[0] for x in xs) + 3
+    per_size = [(b.compute_input.count, b.compute_infer.count, b.compute_output.count) for b in stats.batch_stats]
+    assert all(a == b == c for a, b, c in per_size)
+    assert sum(a for a, _, _ in per_size) == stats.execution_count < answered  # some requests shared a batch
 
 
 def test_streaming_keeps_going_after_an_error(stub: pb_grpc.GRPCInferenceServiceStub, small_model_dir: Path) -> None:

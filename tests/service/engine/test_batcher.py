@@ -383,7 +383,7 @@ def test_concurrent_clients_mixed_shapes_batch_and_stay_exact(small_model_dir: P
     assert len(errors) == 3 * len(shapes) and max(errors) < 1e-5
     assert stats.inference_count == 3 * sum(b for b, _ in shapes)
     assert 0 < stats.execution_count < 3 * len(shapes)  # requests shared batches
-    assert sum(d.count for d in stats.batches.values()) == stats.execution_count
+    assert sum(p.infer.count for p in stats.batches.values()) == stats.execution_count
     assert max(stats.batches) <= 16 and max(stats.batches) > 3  # more rows than any one request
 
 
