@@ -51,6 +51,9 @@ class Settings:
     )
     model_name: str = setting("mha", "model name clients address")
     model_version: str = setting("1", "model version clients may address")
+    sequence_model_name: str = setting(
+        "", "the model's entry for sequences (sequence batching: each request a step); empty: <model-name>_sequence"
+    )
     host: str = setting("0.0.0.0", "address to bind")
     grpc_port: int = setting(8001, "gRPC port; 0 picks a free one", low=0, high=65535)
     http_port: int | None = setting(8000, "HTTP/REST port (KServe v2); 0 picks one; off: none", low=0, high=65535)

@@ -152,7 +152,10 @@ class TorchBackend(Backend):
         each sequence over its own cache (no copy of the cache, whatever the lengths), and one
         output projection."""
         module = self._step_module
-        x = torch.from_numpy(merge([s.x for s in steps])).to(self.device)  # (R, t_max, C), right-padded
+        merged = merge([s.x for s in steps])  # (R, t_max, C), right-padded
+        if not merged.flags.writeable:  # a view of a request's bytes, as `run` meets it
+            merged = merged.copy()
+        x = torch.from_numpy(merged).to(self.device)
         q, k, v = module.project(x)  # (R, nh, t_max, hs)
         heads = torch.zeros_like(q)  # (R, nh, t_max, hs)
         row = 0

@@ -85,7 +85,7 @@ class InferenceCore:
         self.tracing = tracing or Tracing()  # off unless the app turned it on
         self.metrics = metrics
         self.clock: Clock = clock or MonotonicClock()  # the batcher's; request deadlines are converted to it
-        self.identity = ModelIdentity(settings.model_name, settings.model_version)  # known before loading
+        self.identity = _identity(settings)  # known before loading
         self.state = State.LOADING
         self.stats = ModelStats()
         self.requests = InFlight()  # inference requests in the server (the batchers wait only for these)
@@ -216,6 +216,10 @@ class InferenceCore:
         if self._loaded is not None:
             for backend in self._loaded.chain.backends:
                 backend.close()
+
+
+def _identity(s: Settings) -> ModelIdentity:
+    return ModelIdentity(s.model_name, s.model_version, s.sequence_model_name or f"{s.model_name}_sequence")
 
 
 def _run_batch(chain: BackendChain, x: np.ndarray, hook: ComputeHook | None = None) -> tuple[np.ndarray, str]:

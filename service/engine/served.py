@@ -20,18 +20,33 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class ModelIdentity:
+    """The two model entries this server serves, as Triton lays out one scheduler per model: `name`
+    (stateless requests, dynamic batching; it also takes a sequence's steps, for the clients that
+    always sent them there) and `sequence_name` (sequence batching: every request a step). One set
+    of weights, one engine, one version."""
+
     name: str
     version: str
+    sequence_name: str = ""
 
-    def check(self, name: str, version: str) -> None:
-        """A request's (name, version); an empty version means the latest, which is ours."""
-        if name != self.name:
-            raise ModelNotFound(f"unknown model {quote(name)}; this server serves {self.name!r}")
+    @property
+    def names(self) -> tuple[str, ...]:
+        return (self.name, self.sequence_name) if self.sequence_name else (self.name,)
+
+    def check(self, name: str, version: str) -> str:
+        """A request's (name, version): the entry it names; an empty version means the latest, ours."""
+        if name not in self.names:
+            served = " and ".join(repr(n) for n in self.names)
+            raise ModelNotFound(f"unknown model {quote(name)}; this server serves {served}")
         if version not in ("", self.version):
             raise ModelNotFound(
-                f"unknown version {quote(version)} of model {self.name!r}; "
+                f"unknown version {quote(version)} of model {name!r}; "
                 f"available: [{self.version!r}] (or empty for latest)"
             )
+        return name
+
+    def is_sequence_model(self, name: str) -> bool:
+        return bool(self.sequence_name) and name == self.sequence_name
 
 
 @dataclass(frozen=True)

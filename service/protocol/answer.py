@@ -5,6 +5,7 @@ encode (into the reply or into shared memory)."""
 from __future__ import annotations
 
 from service.engine.core import InferenceCore
+from service.errors import InvalidInput
 from service.proto import grpc_service_pb2 as pb
 from service.protocol.codec import (
     SEQUENCE_LENGTH,
@@ -35,8 +36,13 @@ async def answer_infer(
     mha-sequence-id header, if it carries one; `peers`, the other workers (None: there are none).
     With peers, a request naming a shared memory region is answered by the worker that keeps the
     regions, and a step of a sequence this worker does not own by the sequence's owner."""
-    core.identity.check(request.model_name, request.model_version)  # the one check of an inference's model
+    entry = core.identity.check(request.model_name, request.model_version)  # the one check of an inference's model
     control = sequence_control(request)
+    if control is None and core.identity.is_sequence_model(entry):
+        raise InvalidInput(
+            f"model {entry!r} takes the steps of sequences: send sequence_id (with sequence_start on the first "
+            f"step), or send whole sequences to model {core.identity.name!r}"
+        )
     check_sequence_header(control, sequence_header)
     if (own_timeout := request_timeout_s(request)) is not None:  # the sooner of the call's and the request's
         own = core.clock.now() + own_timeout

@@ -76,23 +76,21 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
 
     async def ModelMetadata(self, request: pb.ModelMetadataRequest, context: Context) -> pb.ModelMetadataResponse:
         async with self.calls.unary("ModelMetadata", context):
-            self.core.identity.check(request.name, request.version)
-            loaded = self.core.loaded
-            return render.model_metadata(loaded.model)
+            name = self.core.identity.check(request.name, request.version)
+            return render.model_metadata(self.core.loaded.model, name)
 
     async def ModelConfig(self, request: pb.ModelConfigRequest, context: Context) -> pb.ModelConfigResponse:
         async with self.calls.unary("ModelConfig", context):
-            self.core.identity.check(request.name, request.version)
-            return pb.ModelConfigResponse(config=render.model_config(self.core.loaded.model, self.core.serving()))
+            name = self.core.identity.check(request.name, request.version)
+            return pb.ModelConfigResponse(config=render.model_config(self.core.loaded.model, self.core.serving(), name))
 
     async def ModelStatistics(self, request: pb.ModelStatisticsRequest, context: Context) -> pb.ModelStatisticsResponse:
         async with self.calls.unary("ModelStatistics", context):
             identity = self.core.identity
-            if request.name or request.version:
-                identity.check(request.name, request.version)
+            names = [identity.check(request.name, request.version)] if request.name else list(identity.names)
             with self.core.publish.statistics() as held:
-                stats = render.model_statistics(identity.name, identity.version, held)
-            return pb.ModelStatisticsResponse(model_stats=[stats])
+                stats = [render.model_statistics(name, identity.version, held) for name in names]
+            return pb.ModelStatisticsResponse(model_stats=stats)
 
     async def SystemSharedMemoryRegister(
         self, request: pb.SystemSharedMemoryRegisterRequest, context: Context

@@ -292,22 +292,22 @@ class HttpApi:
         return web.json_response(proto_json(render.server_metadata(self.core.active_backend())))
 
     async def _model_metadata(self, request: web.Request) -> web.Response:
-        loaded = self.core.loaded
-        return web.json_response(proto_json(render.model_metadata(loaded.model)))
+        name = request.match_info["name"]
+        return web.json_response(proto_json(render.model_metadata(self.core.loaded.model, name)))
 
     async def _model_ready(self, request: web.Request) -> web.Response:
         if not self.core.serving_ok():
             raise NotReady(self.core.readiness())
-        return web.json_response({"name": self.core.identity.name, "ready": True})
+        return web.json_response({"name": request.match_info["name"], "ready": True})
 
     async def _model_config(self, request: web.Request) -> web.Response:
-        config = render.model_config(self.core.loaded.model, self.core.serving())
+        config = render.model_config(self.core.loaded.model, self.core.serving(), request.match_info["name"])
         return web.json_response(proto_json(config))
 
     async def _model_stats(self, request: web.Request) -> web.Response:
-        identity = self.core.identity
+        name, version = request.match_info["name"], self.core.identity.version
         with self.core.publish.statistics() as held:
-            stats = render.model_statistics(identity.name, identity.version, held)
+            stats = render.model_statistics(name, version, held)
         return web.json_response({"model_stats": [proto_json(stats)]})
 
     async def _shm_register(self, request: web.Request) -> web.Response:

@@ -35,11 +35,12 @@ def server_metadata(active: Backend | None) -> pb.ServerMetadataResponse:
     return pb.ServerMetadataResponse(name=SERVER_NAME, version=server_version(), extensions=extensions)
 
 
-def model_metadata(model: ServedModel) -> pb.ModelMetadataResponse:
+def model_metadata(model: ServedModel, name: str) -> pb.ModelMetadataResponse:
+    """The entry `name` (the stateless model or the sequence model): the same tensors."""
     shape = [-1, -1, model.config.d_model]  # (B, T, C)
     tensor = pb.ModelMetadataResponse.TensorMetadata
     return pb.ModelMetadataResponse(
-        name=model.name,
+        name=name,
         versions=[model.version],
         platform=MODEL_PLATFORM,
         inputs=[tensor(name=model.input_name, datatype=DATATYPE, shape=shape)],
@@ -50,22 +51,25 @@ def model_metadata(model: ServedModel) -> pb.ModelMetadataResponse:
 MODEL_PLATFORM = "onnxruntime_onnx"  # stable from one start to the next: the directory's model.onnx
 
 
-def model_config(model: ServedModel, serving: Serving) -> pb.ModelConfig:
+def model_config(model: ServedModel, serving: Serving, name: str) -> pb.ModelConfig:
+    """The entry `name`'s config, with the one scheduler it has, as Triton's schema allows: dynamic
+    batching for the stateless model, sequence batching for the sequence model."""
     active, dims = serving.active, [-1, model.config.d_model]  # per row: (T, C)
     groups = pb.ModelInstanceGroup
     kind = groups.KIND_GPU if active.device.startswith("cuda") else groups.KIND_CPU
     config = pb.ModelConfig(
-        name=model.name,
+        name=name,
         platform=MODEL_PLATFORM,  # the model's format; what computes it is parameters["backend"]
         max_batch_size=model.max_request_rows,  # as Triton: the largest B a request may carry
         input=[pb.ModelInput(name=model.input_name, data_type=pb.TYPE_FP32, dims=dims)],
         output=[pb.ModelOutput(name=model.output_name, data_type=pb.TYPE_FP32, dims=dims)],
         instance_group=[groups(kind=kind, count=1)],
     )
-    if serving.max_batch_size > 1:
+    sequence_model = model.identity.is_sequence_model(name)
+    if serving.max_batch_size > 1 and not sequence_model:
         config.dynamic_batching.max_queue_delay_microseconds = int(serving.max_queue_delay_ms * 1000)
         config.dynamic_batching.preferred_batch_size.append(serving.max_batch_size)
-    if serving.max_sequences and model.config.causal:
+    if serving.max_sequences and model.config.causal and sequence_model:
         sequences = config.sequence_batching
         sequences.max_sequence_idle_microseconds = int(serving.sequence_idle_timeout_s * 1e6)
         sequences.oldest.max_candidate_sequences = serving.max_sequences

@@ -39,7 +39,7 @@ def run_sequence(url, index, C, out):
             held = 0 if start else held
             if i % 5 == 4:  # some steps as unary calls, between the stream's, as docs/api.md writes them
                 result = client.infer(
-                    "mha",
+                    MODEL,
                     step_input(x),
                     sequence_id=sequence_id,
                     sequence_start=start,
@@ -49,7 +49,7 @@ def run_sequence(url, index, C, out):
                 )
             else:
                 client.async_stream_infer(
-                    "mha", step_input(x), sequence_id=sequence_id, sequence_start=start, sequence_end=end
+                    MODEL, step_input(x), sequence_id=sequence_id, sequence_start=start, sequence_end=end
                 )
                 result, error = answers.get(timeout=60)
                 if error is not None:
@@ -60,7 +60,7 @@ def run_sequence(url, index, C, out):
     finally:
         client.stop_stream()
     try:  # the sequence ended with its last step: one more step is refused
-        client.infer("mha", step_input(np.zeros((B, 1, C), np.float32)), sequence_id=sequence_id)
+        client.infer(MODEL, step_input(np.zeros((B, 1, C), np.float32)), sequence_id=sequence_id)
         after_end = None
     except grpcclient.InferenceServerException as exc:
         after_end = {"status": exc.status(), "message": exc.message()}
@@ -68,9 +68,10 @@ def run_sequence(url, index, C, out):
 
 
 url, out_path = sys.argv[1:3]
+MODEL = "mha_sequence"  # the sequence model: its config has sequence_batching, as a Triton tool reads it
 meta = grpcclient.InferenceServerClient(url).get_model_metadata("mha", as_json=True)
 C = int(meta["inputs"][0]["shape"][-1])
-config = grpcclient.InferenceServerClient(url).get_model_config("mha", as_json=True)
+config = grpcclient.InferenceServerClient(url).get_model_config(MODEL, as_json=True)
 results = {}
 threads = [threading.Thread(target=run_sequence, args=(url, i, C, results)) for i in range(8)]
 for t in threads:

@@ -20,7 +20,7 @@ from service.protocol.codec import (
 )
 
 SPEC = ServedModel(
-    ModelIdentity("mha", "1"),
+    ModelIdentity("mha", "1", "mha_sequence"),
     MHAConfig(d_model=8, n_head=2, max_seq_len=16),
     ModelFiles(Path("m")),
     4,
@@ -114,7 +114,7 @@ def test_structural_mistakes() -> None:
 
 def test_unknown_model_and_version() -> None:
     """The one identity check every model-scoped call makes (answer_infer for inferences)."""
-    with pytest.raises(ModelNotFound, match="unknown model 'gpt'; this server serves 'mha'"):
+    with pytest.raises(ModelNotFound, match="unknown model 'gpt'; this server serves 'mha' and 'mha_sequence'"):
         SPEC.identity.check("gpt", "")
     with pytest.raises(ModelNotFound, match="unknown version '7' of model 'mha'"):
         SPEC.identity.check("mha", "7")

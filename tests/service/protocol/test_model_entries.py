@@ -1,0 +1,74 @@
+"""Two model entries, one engine, as Triton lays out one scheduler per model: `mha` (stateless,
+dynamic batching) and `mha_sequence` (sequence batching). Each config says only what its entry
+schedules, so Triton's tools benchmark `mha` statelessly and `mha_sequence` with sequences."""
+
+from __future__ import annotations
+
+import json
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import numpy as np
+import pytest
+import torch
+
+from model.checkpoint import load_checkpoint
+from model.reference import attention_view, relative_error
+from service.client.client import InferenceError, MHAClient
+from service.proto import grpc_service_pb2 as pb
+from tests.support import ServerThread, make_settings
+
+
+@pytest.fixture(scope="module")
+def server(small_model_dir: Path) -> Iterator[ServerThread]:
+    with ServerThread(make_settings(small_model_dir, backend="torch", http_port=0)) as s:
+        yield s
+
+
+def _http(server: ServerThread, path: str) -> dict:
+    with urllib.request.urlopen(f"http://127.0.0.1:{server.http_port}{path}", timeout=10) as response:
+        return json.loads(response.read())
+
+
+def test_each_entry_has_the_one_scheduler_it_uses(server: ServerThread) -> None:
+    with MHAClient(server.url) as stateless, MHAClient(server.url, model="mha_sequence") as sequences:
+        plain, stepped = stateless.model_config(), sequences.model_config()
+        assert (plain.name, stepped.name) == ("mha", "mha_sequence")
+        assert plain.HasField("dynamic_batching") and not plain.HasField("sequence_batching")
+        assert stepped.HasField("sequence_batching") and not stepped.HasField("dynamic_batching")
+        assert stepped.sequence_batching.oldest.max_candidate_sequences == server.core.settings.max_sequences
+        assert sequences.model_metadata().name == "mha_sequence"
+    assert "sequence_batching" not in _http(server, "/v2/models/mha/config")
+    assert "dynamic_batching" not in _http(server, "/v2/models/mha_sequence/config")
+    assert _http(server, "/v2/models/mha_sequence/ready") == {"name": "mha_sequence", "ready": True}
+
+
+def test_the_sequence_entry_takes_steps_and_names_the_stateless_one_otherwise(
+    server: ServerThread, small_model_dir: Path
+) -> None:
+    config, weights = load_checkpoint(small_model_dir / "weights.safetensors")
+    x = np.random.default_rng(4).standard_normal((1, 5, 32), dtype=np.float32)
+    with MHAClient(server.url, model="mha_sequence") as client:
+        with pytest.raises(InferenceError) as info:
+            client.infer(x)
+        assert info.value.code == grpc.StatusCode.INVALID_ARGUMENT
+        assert "send sequence_id" in str(info.value) and "'mha'" in str(info.value)
+        sequence = client.sequence("entries")
+        ys = [sequence.send(x[:, :3]), sequence.send(x[:, 3:4]), sequence.send(x[:, 4:], end=True)]
+    reference = attention_view(torch.from_numpy(x), weights, config)
+    assert relative_error(torch.from_numpy(np.concatenate(ys, axis=1)), reference) < 1e-5
+    with MHAClient(server.url) as client:  # the stateless entry still takes steps: clients that always sent them there
+        step = client.step("compat", x, 0, start=True, end=True)
+    assert relative_error(torch.from_numpy(step.y.copy()), reference) < 1e-5
+
+
+def test_statistics_name_every_entry_and_an_unknown_model_names_both(server: ServerThread) -> None:
+    with MHAClient(server.url) as client, MHAClient(server.url, model="gpt") as unknown:
+        response = client.stub.ModelStatistics(pb.ModelStatisticsRequest(), timeout=10)
+        assert [s.name for s in response.model_stats] == ["mha", "mha_sequence"]
+        with pytest.raises(InferenceError) as info:
+            unknown.model_config()
+    assert info.value.code == grpc.StatusCode.NOT_FOUND
+    assert "this server serves 'mha' and 'mha_sequence'" in str(info.value)
