@@ -132,6 +132,22 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
                 raise RegionNotFound(f"no CUDA shared memory region named {quote(request.name)} is registered")
             return pb.CudaSharedMemoryStatusResponse()
 
+    async def RepositoryIndex(self, request: pb.RepositoryIndexRequest, context: Context) -> pb.RepositoryIndexResponse:
+        async with self.calls.unary("RepositoryIndex", context):
+            return render.repository_index(self.core.identity, self.core.readiness(), request.ready)
+
+    async def RepositoryModelLoad(
+        self, request: pb.RepositoryModelLoadRequest, context: Context
+    ) -> pb.RepositoryModelLoadResponse:
+        async with self.calls.unary("RepositoryModelLoad", context):
+            raise FeatureOff(render.MODEL_CONTROL_OFF)
+
+    async def RepositoryModelUnload(
+        self, request: pb.RepositoryModelUnloadRequest, context: Context
+    ) -> pb.RepositoryModelUnloadResponse:
+        async with self.calls.unary("RepositoryModelUnload", context):
+            raise FeatureOff(render.MODEL_CONTROL_OFF)
+
     async def ModelInfer(self, request: pb.ModelInferRequest, context: Context) -> pb.ModelInferResponse:
         async with self.calls.unary("ModelInfer", context, request.id, inference=True):
             return await self._infer(request, context)

@@ -22,7 +22,7 @@ from google.protobuf.descriptor import Descriptor, FieldDescriptor
 from google.protobuf.message import Message
 
 from service.engine.core import InferenceCore
-from service.errors import ClientGone, InvalidInput, NotReady, TooLarge, quote
+from service.errors import ClientGone, FeatureOff, InvalidInput, NotReady, TooLarge, quote
 from service.proto import grpc_service_pb2 as pb
 from service.protocol import render
 from service.protocol.answer import answer_infer
@@ -260,6 +260,9 @@ class HttpApi:
             app.router.add_get(path + "/status", self._guard("SystemSharedMemoryStatus", self._shm_status))
             app.router.add_post(path + "/unregister", self._guard("SystemSharedMemoryUnregister", self._shm_unregister))
         app.router.add_post(region + "/register", self._guard("SystemSharedMemoryRegister", self._shm_register))
+        app.router.add_post("/v2/repository/index", self._guard("RepositoryIndex", self._repository_index))
+        for verb, method in (("load", "RepositoryModelLoad"), ("unload", "RepositoryModelUnload")):
+            app.router.add_post(f"/v2/repository/models/{{model}}/{verb}", self._guard(method, self._model_control))
         return app
 
     def _guard(self, method: str, handler: Handler, inference: bool = False) -> Handler:
@@ -309,6 +312,17 @@ class HttpApi:
         with self.core.publish.statistics() as held:
             stats = render.model_statistics(name, version, held)
         return web.json_response({"model_stats": [proto_json(stats)]})
+
+    async def _repository_index(self, request: web.Request) -> web.Response:
+        doc = _object(_parse_json(await request.read() or b"{}", "the index request"), "the index request")
+        ready = doc.get("ready", False)
+        if not isinstance(ready, bool):
+            raise InvalidInput('"ready" must be a JSON boolean (true or false)')
+        index = render.repository_index(self.core.identity, self.core.readiness(), ready)
+        return web.json_response([proto_json(model) for model in index.models])
+
+    async def _model_control(self, request: web.Request) -> web.Response:
+        raise FeatureOff(render.MODEL_CONTROL_OFF)
 
     async def _shm_register(self, request: web.Request) -> web.Response:
         doc = _object(_parse_json(await request.read() or b"{}", "the registration"), "the registration")

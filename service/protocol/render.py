@@ -11,7 +11,7 @@ from importlib.metadata import PackageNotFoundError, version
 import grpc
 
 from service.backends.base import Backend
-from service.engine.served import ServedModel, Serving
+from service.engine.served import ModelIdentity, ServedModel, Serving
 from service.engine.stats import Duration, ModelStats
 from service.proto import grpc_service_pb2 as pb
 from service.protocol.codec import DATATYPE
@@ -118,6 +118,21 @@ def model_statistics(name: str, version: str, stats: ModelStats) -> pb.ModelStat
             for rows, p in sorted(stats.batches.items())
         ],
     )
+
+
+MODEL_CONTROL_OFF = (
+    "model control is off: this server serves the models it started with (--model-control-mode none); "
+    "restart it with another model directory to change them"
+)
+
+
+def repository_index(identity: ModelIdentity, not_ready: str, ready_only: bool) -> pb.RepositoryIndexResponse:
+    """Every model entry this server serves, READY once the model is loaded and self-checked
+    (`not_ready`: why not, "" when it is), or only the ready ones (`ready_only`)."""
+    state = "UNAVAILABLE" if not_ready else "READY"
+    index = pb.RepositoryIndexResponse.ModelIndex
+    models = [index(name=name, version=identity.version, state=state, reason=not_ready) for name in identity.names]
+    return pb.RepositoryIndexResponse(models=[] if ready_only and not_ready else models)
 
 
 def stream_error(request: pb.ModelInferRequest, code: grpc.StatusCode, message: str) -> pb.ModelStreamInferResponse:

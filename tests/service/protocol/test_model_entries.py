@@ -5,6 +5,7 @@ schedules, so Triton's tools benchmark `mha` statelessly and `mha_sequence` with
 from __future__ import annotations
 
 import json
+import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -72,3 +73,34 @@ def test_statistics_name_every_entry_and_an_unknown_model_names_both(server: Ser
             unknown.model_config()
     assert info.value.code == grpc.StatusCode.NOT_FOUND
     assert "this server serves 'mha' and 'mha_sequence'" in str(info.value)
+
+
+def test_the_repository_index_lists_both_entries_and_load_is_refused(server: ServerThread) -> None:
+    with MHAClient(server.url) as client:
+        index = client.stub.RepositoryIndex(pb.RepositoryIndexRequest(ready=True), timeout=10)
+        assert [(m.name, m.version, m.state, m.reason) for m in index.models] == [
+            ("mha", "1", "READY", ""),
+            ("mha_sequence", "1", "READY", ""),
+        ]
+        with pytest.raises(grpc.RpcError) as info:
+            client.stub.RepositoryModelLoad(pb.RepositoryModelLoadRequest(model_name="mha"), timeout=10)
+    assert info.value.code() == grpc.StatusCode.UNIMPLEMENTED and "model control is off" in info.value.details()
+    request = urllib.request.Request(f"http://127.0.0.1:{server.http_port}/v2/repository/index", data=b"{}")
+    with urllib.request.urlopen(request, timeout=10) as response:
+        assert json.loads(response.read()) == [
+            {"name": "mha", "version": "1", "state": "READY", "reason": ""},
+            {"name": "mha_sequence", "version": "1", "state": "READY", "reason": ""},
+        ]
+    unload = urllib.request.Request(f"http://127.0.0.1:{server.http_port}/v2/repository/models/mha/unload", data=b"")
+    with pytest.raises(urllib.error.HTTPError) as refused:
+        urllib.request.urlopen(unload, timeout=10)
+    assert refused.value.code == 501 and "model control is off" in json.loads(refused.value.read())["error"]
+
+
+def test_a_loading_server_indexes_its_entries_unavailable(small_model_dir: Path) -> None:
+    settings = make_settings(small_model_dir, backend="torch")
+    with ServerThread(settings, wait_ready=False) as server, MHAClient(server.url) as client:
+        index = client.stub.RepositoryIndex(pb.RepositoryIndexRequest(), timeout=10)
+        ready = client.stub.RepositoryIndex(pb.RepositoryIndexRequest(ready=True), timeout=10)
+    assert {m.state for m in index.models} == {"UNAVAILABLE"} and all(m.reason for m in index.models)
+    assert list(ready.models) == []
