@@ -5,6 +5,9 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 TRITON_VENV := .venv-triton
 TRITON_STAMP := $(TRITON_VENV)/.installed
+PERF_VENV := .venv-perf
+PERF_STAMP := $(PERF_VENV)/.installed
+LIBB64 := .tools/libb64/usr/lib/x86_64-linux-gnu/libb64.so.0d
 MODEL_DIR ?= models/default
 ARGS ?=
 
@@ -13,7 +16,7 @@ ARGS ?=
 PROMETHEUS := .tools/prometheus/usr/bin/prometheus
 NGINX := .tools/nginx/usr/sbin/nginx
 
-install: $(STAMP) $(TRITON_STAMP) $(PROMETHEUS) $(NGINX)
+install: $(STAMP) $(TRITON_STAMP) $(PERF_STAMP) $(LIBB64) $(PROMETHEUS) $(NGINX)
 
 # Prometheus and promtool from Debian's package, unpacked (no service starts): the tests run both.
 $(PROMETHEUS):
@@ -29,6 +32,19 @@ $(NGINX):
 	cd .tools/deb && (apt-get download nginx || (apt-get update -q && apt-get download nginx))
 	dpkg -x .tools/deb/nginx_*.deb .tools/nginx
 	test -x $@
+
+# Triton's perf_analyzer (tritonclient 2.40.0's wheel, its own venv) and Debian's libb64, which it
+# needs: the tests drive the server with it in every mode.
+$(PERF_STAMP): constraints-perf.txt
+	test -x $(PERF_VENV)/bin/python || $(PYTHON) -m venv $(PERF_VENV)
+	$(PERF_VENV)/bin/python -m pip install -q -r constraints-perf.txt
+	touch $@
+
+$(LIBB64):
+	mkdir -p .tools/deb
+	cd .tools/deb && (apt-get download libb64-0d || (apt-get update -q && apt-get download libb64-0d))
+	dpkg -x .tools/deb/libb64-0d_*.deb .tools/libb64
+	test -f $@
 
 $(STAMP): pyproject.toml constraints.txt
 	@echo "installing into $(VENV) (pinned by constraints.txt; the first time takes a few minutes)"
@@ -77,4 +93,4 @@ bench-servers: .venv-kserve/.installed .venv-mlserver/.installed
 	touch $@
 
 clean:
-	rm -rf $(VENV) $(TRITON_VENV) .venv-kserve .venv-mlserver models .tools
+	rm -rf $(VENV) $(TRITON_VENV) $(PERF_VENV) .venv-kserve .venv-mlserver models .tools

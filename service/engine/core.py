@@ -287,14 +287,18 @@ def load_model(
     served = ServedModel(
         identity, config, files, s.max_request_rows, s.max_attention_mb, weights_sha256, verified, bound
     )
-    steps = chain.step_backends
-    if steps:
-        log.info("decode steps run on %s (%s)", steps[0].name, steps[0].device)
-    if s.require_device == "cuda" and chain.steps_device == "cpu":  # readiness covers the stateless path
+    _log_steps(chain, config, s, files)
+    return served, selection, chain
+
+
+def _log_steps(chain: BackendChain, config: MHAConfig, s: Settings, files: ModelFiles) -> None:
+    """Say which backend computes decode steps, or why none does."""
+    if (steps := chain.step_backends) and steps[0].device == "cpu" and s.require_device == "cuda":
         log.warning("decode steps run on the CPU: no backend reaches the caches on a CUDA device (see docs/api.md)")
+    elif steps:
+        log.info("decode steps run on %s (%s)", steps[0].name, steps[0].device)
     elif config.causal:
         log.warning("no backend computes decode steps: %s has no step.onnx (re-export it)", files.directory)
-    return served, selection, chain
 
 
 def _default_model(s: Settings) -> Path:

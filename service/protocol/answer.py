@@ -64,7 +64,9 @@ async def answer_infer(
         return encode_infer_response(y, model, request.id, timing.backend, target, regions)
     y, timing, length = await core.step(control, x, deadline)
     extra: dict[str, int | str] = {SEQUENCE_LENGTH: length, **core.placement}  # and where the sequence lives
-    return encode_infer_response(y, model, request.id, timing.backend, target, regions, extra)
+    response = encode_infer_response(y, model, request.id, timing.backend, target, regions, extra)
+    response.model_name = entry  # the entry the step was sent to: mha or mha_sequence
+    return response
 
 
 async def _step_with_regions(

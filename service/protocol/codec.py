@@ -311,7 +311,8 @@ def encode_infer_response(
     extra: dict[str, int | str] | None = None,
 ) -> pb.ModelInferResponse:
     """The reply: y in raw_output_contents, or written to `target` in shared memory (then the
-    output carries the placement's parameters and no contents); `extra` response parameters
+    output carries the placement's parameters, and its contents entry is empty: Triton's clients
+    read one entry per output); `extra` response parameters
     (a step's sequence_length and where the sequence lives)."""
     response = pb.ModelInferResponse(model_name=model.name, model_version=model.version, id=request_id)
     out = response.outputs.add(name=model.output_name, datatype=DATATYPE, shape=list(y.shape))
@@ -329,7 +330,13 @@ def encode_infer_response(
     out.parameters[SHM_REGION].string_param = target.region
     out.parameters[SHM_SIZE].int64_param = y.nbytes
     out.parameters[SHM_OFFSET].int64_param = target.offset
+    response.raw_output_contents.append(b"")  # as Triton does: a contents entry for every output, here empty
     return response
+
+
+def in_shared_memory(output: pb.ModelInferResponse.InferOutputTensor) -> bool:
+    """Whether a reply's output was written to a shared memory region instead of the reply."""
+    return SHM_REGION in output.parameters
 
 
 def encode_infer_request(
@@ -345,8 +352,8 @@ def encode_infer_request(
 
 def decode_infer_response(response: pb.ModelInferResponse) -> np.ndarray:
     """The client side: the first output as a float32 array."""
-    if not response.outputs or not response.raw_output_contents:
-        raise ValueError("response carries no output")
+    if not response.outputs or not response.raw_output_contents or not response.raw_output_contents[0]:
+        raise ValueError("response carries no output (or it went to shared memory)")
     out = response.outputs[0]
     if out.datatype != DATATYPE:
         raise ValueError(f"output datatype {out.datatype!r}; expected {DATATYPE!r}")

@@ -28,7 +28,7 @@ from service.protocol import render
 from service.protocol.answer import answer_infer
 from service.protocol.auth import HTTP_HOW, BearerToken
 from service.protocol.calls import Call, Calls
-from service.protocol.codec import SEQUENCE_HEADER, parameter_values
+from service.protocol.codec import SEQUENCE_HEADER, in_shared_memory, parameter_values
 from service.protocol.http_wire import route_errors
 from service.protocol.peers import WorkerPeers
 from service.protocol.regions import RegionDirectory
@@ -215,8 +215,8 @@ def from_infer_response(response: pb.ModelInferResponse, binary: bool) -> web.Re
         "parameters": parameter_values(response.parameters),
         "outputs": [tensor],
     }
-    if not response.raw_output_contents:  # written to shared memory: the placement, no data
-        tensor["parameters"] = parameter_values(out.parameters)
+    if in_shared_memory(out):  # the placement, and no data: binary_data_size 0, which Triton's C++
+        tensor["parameters"] = {**parameter_values(out.parameters), "binary_data_size": 0}  # client reads
         return web.json_response(doc)
     raw = response.raw_output_contents[0]
     if not binary:

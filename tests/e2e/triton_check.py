@@ -40,10 +40,11 @@ def _output_facts(result, module):
     if module is grpcclient:
         output = result.get_output("y")
         region = output.parameters["shared_memory_region"].string_param
-        return {"region": region, "data_in_reply": len(result.get_response().raw_output_contents) > 0}
+        return {"region": region, "data_in_reply": any(result.get_response().raw_output_contents)}
     output = result.get_output("y")
     region = output.get("parameters", {}).get("shared_memory_region")
-    return {"region": region, "data_in_reply": "data" in output or "binary_data_size" in output.get("parameters", {})}
+    binary = output.get("parameters", {}).get("binary_data_size", 0)
+    return {"region": region, "data_in_reply": "data" in output or binary > 0}
 
 
 def shared_memory_round_trip(client, module, C, rng):
