@@ -7,6 +7,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
+import grpc
 import numpy as np
 import pytest
 import torch
@@ -18,7 +19,7 @@ from service.backends.chain import BackendChain
 from service.backends.ort import OrtCpuBackend
 from service.backends.pytorch import TorchBackend
 from service.backends.selection import ProbeCache, SelfCheck, select_backends
-from service.client.client import MHAClient
+from service.client.client import InferenceError, MHAClient
 from service.proto import grpc_service_pb2 as pb
 from service.protocol.codec import SEQUENCE_OFFSET, decode_infer_response, encode_infer_request
 from tests.support import ServerThread, make_settings
@@ -111,3 +112,25 @@ def test_selection_orders_the_step_backends_on_one_device(small_model_dir: Path)
     assert "serves decode steps" in selection.summary() and "step " in selection.summary()
     without = select_backends(small_model_dir / "model.onnx", config, weights, requested="ort-cpu", cuda=False)
     assert without.step_backends == []  # no step graph given: ORT computes no steps
+
+
+def test_the_log_names_the_step_backend_or_why_there_is_none(
+    small_model_dir: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    with caplog.at_level("INFO"), ServerThread(make_settings(small_model_dir, backend="ort-cpu")):
+        pass
+    messages = [r.getMessage() for r in caplog.records]
+    assert "decode steps run on ort-cpu (cpu)" in messages
+    assert not any("no backend computes decode steps" in m for m in messages)
+    bare = tmp_path / "no-step-graph"  # a model directory exported before step.onnx existed
+    bare.mkdir()
+    for name in ("model.onnx", "weights.safetensors", "manifest.json"):
+        (bare / name).write_bytes((small_model_dir / name).read_bytes())
+    caplog.clear()
+    settings = make_settings(bare, backend="ort-cpu", allow_unverified=True)
+    with caplog.at_level("INFO"), ServerThread(settings) as server, MHAClient(server.url) as client:
+        refused = pytest.raises(InferenceError)
+        with refused as info:
+            client.step("s", np.ones((1, 1, 32), np.float32), 0, start=True)
+    assert info.value.code == grpc.StatusCode.UNIMPLEMENTED and "no step.onnx" in str(info.value)
+    assert any("no backend computes decode steps" in r.getMessage() for r in caplog.records)
