@@ -91,6 +91,13 @@ class Settings:
     max_batch_size: int = setting(8, "rows per executed batch; 1 turns batching off", "rows", low=1)
     max_queue_delay_ms: float = setting(2.0, "how long the first request of a batch waits for company", "ms", low=0)
     max_queue_size: int = setting(256, "requests waiting before RESOURCE_EXHAUSTED", "requests", low=1)
+    stream_window: int = setting(
+        32,
+        "requests one gRPC stream may have read and not yet had written back; past it the server stops "
+        "reading the stream and gRPC's flow control holds the client",
+        "requests",
+        low=1,
+    )
     max_padding_ratio: float = setting(0.25, "padded share of a batch's tokens when merging T", low=0, high=1)
     max_request_rows: int = setting(256, "largest B in one request", "rows", low=1)
     max_sequences: int = setting(256, "live sequences (incremental decoding) kept at most", "sequences", low=1)

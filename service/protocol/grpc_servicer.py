@@ -9,7 +9,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
+from functools import partial
 from typing import TypeAlias
 
 import grpc
@@ -158,15 +159,21 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         stream goes on; a message that is not a request, or draining, ends it with a status.
         Answers are written here (not yielded) so that each one's delivery is known: an answer
         that could not be written counts CANCELLED, and a client that left is no server error."""
-        draining = (self.core.draining, NotReady("the server is draining for shutdown; reconnect to another replica"))
         async with self.calls.stream("ModelStreamInfer", context):
-            answers = answer_concurrently(
-                request_iterator, lambda r: self._stream_one(r, context), draining, _settle_stream_item
-            )
+            answers = self._stream_answers(request_iterator, context)
             async with contextlib.aclosing(answers):  # closed here, not whenever it is collected
                 async for response, _ in answers:
                     if not await _written(context, response):
                         return
+
+    def _stream_answers(
+        self, requests: AsyncIterator[pb.ModelInferRequest], context: Context
+    ) -> AsyncGenerator[tuple[pb.ModelStreamInferResponse, StreamItemScope], None]:
+        """The stream's answers as they complete; reading stops while --stream-window requests are
+        read and not yet written, and once the server drains."""
+        draining = (self.core.draining, NotReady("the server is draining for shutdown; reconnect to another replica"))
+        one = partial(self._stream_one, context=context)
+        return answer_concurrently(requests, one, draining, _settle_stream_item, self.core.settings.stream_window)
 
     async def _stream_one(
         self, request: pb.ModelInferRequest, context: Context

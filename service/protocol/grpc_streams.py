@@ -17,6 +17,7 @@ async def answer_concurrently(
     answer: Callable[[Req], Awaitable[Resp]],
     stop: tuple[asyncio.Event, Exception] | None = None,
     settle: Callable[[Resp, bool], None] | None = None,
+    window: int | None = None,
 ) -> AsyncGenerator[Resp, None]:
     """Answer each request on its own task and yield the answers as they complete.
 
@@ -30,16 +31,28 @@ async def answer_concurrently(
     `settle(answer, delivered)` is called once for every answer computed: delivered is True
     once the consumer came back for the next one (gRPC has written it), False for an answer
     the consumer never took, or took but never came back from (its write did not complete).
+
+    `window`: at most this many requests read and not yet delivered (computing, or answered and
+    waiting to be written). Past it, reading stops until an answer is delivered, so a client
+    that sends and never reads is held by gRPC's flow control instead of filling the server.
     """
     answers: asyncio.Queue[object] = asyncio.Queue()
     tasks: set[asyncio.Task[None]] = set()
+    room = asyncio.Semaphore(window) if window is not None else None
 
     async def one(request: Req) -> None:
         await answers.put(await answer(request))
 
     async def read() -> None:
+        iterator = aiter(requests)
         try:
-            async for request in requests:
+            while True:
+                if room is not None:
+                    await room.acquire()
+                try:
+                    request = await anext(iterator)
+                except StopAsyncIteration:
+                    break
                 task = asyncio.create_task(one(request))
                 tasks.add(task)
                 task.add_done_callback(tasks.discard)
@@ -59,6 +72,8 @@ async def answer_concurrently(
             in_hand.append(cast(Resp, item))
             yield in_hand[0]
             settled(in_hand.pop(), True)
+            if room is not None:
+                room.release()
         if stop is not None and reader.cancelled():
             raise stop[1]
         await reader  # raises what ended the reading, if anything did
