@@ -91,6 +91,11 @@ class Settings:
     max_batch_size: int = setting(8, "rows per executed batch; 1 turns batching off", "rows", low=1)
     max_queue_delay_ms: float = setting(2.0, "how long the first request of a batch waits for company", "ms", low=0)
     max_queue_size: int = setting(256, "requests waiting before RESOURCE_EXHAUSTED", "requests", low=1)
+    require_sequence_offset: bool = setting(
+        False,
+        "refuse a step of a live sequence that does not say sequence_offset (FAILED_PRECONDITION): turn on "
+        "where several replicas serve, so that a stale state can never answer",
+    )
     stream_window: int = setting(
         32,
         "requests one gRPC stream may have read and not yet had written back; past it the server stops "

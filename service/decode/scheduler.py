@@ -100,8 +100,9 @@ def _commit(step: StepInput, y: np.ndarray) -> np.ndarray:
 class Decoder:
     """Incremental decoding: live sequences and the batcher of their steps."""
 
-    def __init__(self, sequences: SequenceStore, steps: StepBatcher) -> None:
+    def __init__(self, sequences: SequenceStore, steps: StepBatcher, require_offset: bool = False) -> None:
         self.sequences, self.steps = sequences, steps
+        self.require_offset = require_offset  # --require-sequence-offset
         self._expiry: asyncio.Task[None] | None = None
 
     def start(self, expiry_period_s: float) -> None:
@@ -128,6 +129,13 @@ class Decoder:
         holds after them, and the step's time in the queue."""
         if control.start and not all_finite(x):  # a start would drop the sequence's state: refused first
             raise InvalidInput(not_finite(x))  # (any other step's NaN or inf is found in its output)
+        if self.require_offset and not control.start and control.offset is None:
+            raise StaleSequence(
+                f"sequence {control.label()}: this server requires sequence_offset on every step after the first "
+                "(--require-sequence-offset: several replicas serve, and a step without it could be computed "
+                "against a state that is not yours); send the number of tokens sent before this step as the "
+                "request parameter sequence_offset"
+            )
         sequence = self.sequences.open(control, int(x.shape[0]), int(x.shape[2]))
         async with sequence.lock:  # this sequence's steps one at a time, in arrival order
             _check_offset(control, sequence.length, self.sequences.process_label)

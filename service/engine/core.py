@@ -361,7 +361,8 @@ def _decoder(
         clock=clock,
     )
     where = f"replica {s.replica!r} worker {s.worker_index}"  # for operators, in every NOT_FOUND and refusal
-    return Decoder(SequenceStore(config, limits, clock.now, changed, device, where), steps)
+    store = SequenceStore(config, limits, clock.now, changed, device, where)
+    return Decoder(store, steps, require_offset=s.require_sequence_offset)
 
 
 def _verified(files: ModelFiles, config: MHAConfig, weights_sha256: str, allow_unverified: bool) -> bool:

@@ -408,3 +408,17 @@ def test_the_documented_dev_steps_build_and_load_the_image_the_dev_overlay_runs(
         if line.startswith("kubectl port-forward"):
             assert re.search(r"port-forward [^&]*&\s*(#|$)", line), line
     assert "8000:8000" in steps, "the HTTP port is forwarded too"
+
+
+@pytest.mark.parametrize("overlay", ["cpu-ingress-nginx", "cpu-gateway-api", "cpu-istio", "cpu-keda"])
+def test_multi_replica_overlays_require_the_sequence_offset(overlay: str) -> None:
+    """Where a balancer spreads sequences over several replicas, a step without sequence_offset is
+    refused (--require-sequence-offset), so that a state left on a pod can never answer it."""
+    assert by_kind(overlay, "ConfigMap", "mha-serve-config")["data"]["MHA_REQUIRE_SEQUENCE_OFFSET"] == "true"
+    assert "MHA_REQUIRE_SEQUENCE_OFFSET" not in by_kind("cpu", "ConfigMap", "mha-serve-config")["data"]
+
+
+def test_the_kserve_runtime_requires_the_sequence_offset() -> None:
+    runtime = yaml.safe_load((DEPLOY / "kserve" / "servingruntime.yaml").read_text())
+    env = {e["name"]: e.get("value") for e in runtime["spec"]["containers"][0]["env"]}
+    assert env["MHA_REQUIRE_SEQUENCE_OFFSET"] == "true"

@@ -501,3 +501,25 @@ def test_a_client_moved_between_replicas_and_back_never_gets_a_wrong_answer(
             assert relative_error(torch.from_numpy(y.copy()), tail) < 1e-5, i
             assert sequence.length == whole.shape[1]
         assert sequence.restarts == 2
+
+
+def test_require_sequence_offset_refuses_a_step_that_does_not_say_it(small_model_dir: Path) -> None:
+    x = np.random.default_rng(9).standard_normal((1, 3, C), dtype=np.float32)
+    settings = make_settings(small_model_dir, backend="torch", require_sequence_offset=True)
+    with ServerThread(settings) as server, grpc.insecure_channel(server.url) as channel:
+        stub = pb_grpc.GRPCInferenceServiceStub(channel)
+
+        def step(x: np.ndarray, start: bool, offset: int | None) -> pb.ModelInferResponse:
+            request = encode_infer_request(x)
+            request.parameters["sequence_id"].string_param = "strict"
+            request.parameters["sequence_start"].bool_param = start
+            if offset is not None:
+                request.parameters["sequence_offset"].int64_param = offset
+            return stub.ModelInfer(request, timeout=10)
+
+        step(x[:, :1], start=True, offset=None)  # a start needs no offset: it holds nothing yet
+        with pytest.raises(grpc.RpcError) as info:
+            step(x[:, 1:2], start=False, offset=None)
+        assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert "send the number of tokens sent before this step" in info.value.details()
+        assert step(x[:, 1:2], start=False, offset=1).parameters["sequence_length"].int64_param == 2
