@@ -87,7 +87,7 @@ class InferenceCore:
         self.clock: Clock = clock or MonotonicClock()  # the batcher's; request deadlines are converted to it
         self.identity = _identity(settings)  # known before loading
         self.state = State.LOADING
-        self.stats = ModelStats()
+        self.stats = ModelStats()  # the stateless model's
         self.requests = InFlight()  # inference requests in the server (the batchers wait only for these)
         self.draining = asyncio.Event()  # set once draining began: open streams stop reading
         self._loaded: Loaded | None = None
@@ -95,9 +95,8 @@ class InferenceCore:
         metrics.inflight.set_function(lambda: self.requests.count)
         metrics.ready.set_function(lambda: 1 if self.serving_ok() else 0)  # the one readiness, as every signal
         self.device = DeviceHealth(settings.require_device, metrics)  # the server's health follows serving_ok()
-        self.publish = Publisher(
-            metrics, self.stats, self.device, self.serving_ok, lambda: self._set_state(State.FAILED), self.tracing
-        )
+        failed = partial(self._set_state, State.FAILED)
+        self.publish = Publisher(metrics, self.stats, self.device, self.serving_ok, failed, self.tracing)
         self.placement: dict[str, int | str] = {"replica": settings.replica, "worker": settings.worker_index}
 
     @property
@@ -191,7 +190,7 @@ class InferenceCore:
             if self.device.observe(exc):
                 self._set_state(State.FAILED)
             raise
-        self.publish.answered(x.shape, stepped.timing)
+        self.publish.answered(x.shape, stepped.timing, steps=True)
         return stepped.y, stepped.timing, stepped.length
 
     def _check_ready(self) -> None:
@@ -357,7 +356,7 @@ def _decoder(
         s.max_step_rows,
         max_queue_size=s.max_queue_size,
         in_flight=lambda: core.requests.count,
-        on_batch=partial(core.publish.batch, chain=chain),
+        on_batch=partial(core.publish.batch, chain=chain, steps=True),
         clock=clock,
     )
     where = f"replica {s.replica!r} worker {s.worker_index}"  # for operators, in every NOT_FOUND and refusal

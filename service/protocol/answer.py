@@ -7,6 +7,7 @@ from __future__ import annotations
 from service.engine.core import InferenceCore
 from service.errors import InvalidInput
 from service.proto import grpc_service_pb2 as pb
+from service.protocol.calls import Call
 from service.protocol.codec import (
     SEQUENCE_LENGTH,
     check_sequence_header,
@@ -31,6 +32,7 @@ async def answer_infer(
     deadline: float | None,
     sequence_header: str | None = None,
     peers: WorkerPeers | None = None,
+    call: Call | None = None,
 ) -> pb.ModelInferResponse:
     """`deadline` is on the core's clock (None: none); `sequence_header` is the request's
     mha-sequence-id header, if it carries one; `peers`, the other workers (None: there are none).
@@ -38,6 +40,8 @@ async def answer_infer(
     regions, and a step of a sequence this worker does not own by the sequence's owner."""
     entry = core.identity.check(request.model_name, request.model_version)  # the one check of an inference's model
     control = sequence_control(request)
+    if call is not None:
+        call.step = control is not None  # counted in the sequence model's statistics
     if control is None and core.identity.is_sequence_model(entry):
         raise InvalidInput(
             f"model {entry!r} takes the steps of sequences: send sequence_id (with sequence_start on the first "

@@ -33,7 +33,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 LEFT = (asyncio.CancelledError, GeneratorExit)  # the client left, or its deadline passed
 
-ClosedCall = tuple[str, grpc.StatusCode, float, bool, str]  # method, code, seconds, inference, trace id or ""
+ClosedCall = tuple[str, grpc.StatusCode, float, bool, str, bool]  # method, code, s, inference, trace id, step
 
 
 @dataclass(slots=True)
@@ -41,6 +41,7 @@ class Call:
     method: str
     request_id: str
     inference: bool  # counted in flight and in the model's statistics
+    step: bool = False  # an inference that was a decode step: the sequence model's statistics
     started: float = field(default_factory=time.perf_counter)
     code: grpc.StatusCode = grpc.StatusCode.OK
     message: str = ""  # what a failed call answered
@@ -120,7 +121,8 @@ class Calls:
         if call.inference:
             self._core.requests.finished()
         span = call.span
-        self._book.add((call.method, call.code, elapsed, call.inference, (span.trace_id or "") if span else ""))
+        trace = (span.trace_id or "") if span else ""
+        self._book.add((call.method, call.code, elapsed, call.inference, trace, call.step))
         if span is not None:
             after_answer(self._end_span, call)
         ok = call.ok
@@ -130,11 +132,13 @@ class Calls:
 
     def _fold(self, records: list[ClosedCall]) -> None:
         """Calls, in bulk: into the metrics, and the inference requests into the statistics."""
-        self._core.metrics.observe_calls((method, code.name, s, trace) for method, code, s, _, trace in records)
+        self._core.metrics.observe_calls((method, code.name, s, trace) for method, code, s, _, trace, _ in records)
         ok = grpc.StatusCode.OK
-        succeeded = [s for _, code, s, inference, _ in records if inference and code is ok]
-        failed = [s for _, code, s, inference, _ in records if inference and code is not ok]
-        self._core.stats.observe_requests(succeeded, failed)
+        for steps, stats in ((False, self._core.stats), (True, self._core.publish.step_stats)):
+            inferences = [(code, s) for _, code, s, inference, _, step in records if inference and step is steps]
+            stats.observe_requests(
+                [s for code, s in inferences if code is ok], [s for c, s in inferences if c is not ok]
+            )
 
     @staticmethod
     def _log(call: Call, elapsed: float, level: int) -> None:

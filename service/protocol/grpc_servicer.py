@@ -22,7 +22,7 @@ from service.proto import grpc_service_pb2 as pb
 from service.proto import grpc_service_pb2_grpc as pb_grpc
 from service.protocol import render
 from service.protocol.answer import answer_infer
-from service.protocol.calls import Calls, StreamItemScope
+from service.protocol.calls import Call, Calls, StreamItemScope
 from service.protocol.codec import SEQUENCE_HEADER
 from service.protocol.grpc_streams import answer_concurrently
 from service.protocol.peers import WorkerPeers
@@ -89,8 +89,10 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         async with self.calls.unary("ModelStatistics", context):
             identity = self.core.identity
             names = [identity.check(request.name, request.version)] if request.name else list(identity.names)
-            with self.core.publish.statistics() as held:
-                stats = [render.model_statistics(name, identity.version, held) for name in names]
+            stats = []
+            for name in names:
+                with self.core.publish.statistics(steps=identity.is_sequence_model(name)) as held:
+                    stats.append(render.model_statistics(name, identity.version, held))
             return pb.ModelStatisticsResponse(model_stats=stats)
 
     async def SystemSharedMemoryRegister(
@@ -150,8 +152,8 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
             raise FeatureOff(render.MODEL_CONTROL_OFF)
 
     async def ModelInfer(self, request: pb.ModelInferRequest, context: Context) -> pb.ModelInferResponse:
-        async with self.calls.unary("ModelInfer", context, request.id, inference=True):
-            return await self._infer(request, context)
+        async with self.calls.unary("ModelInfer", context, request.id, inference=True) as call:
+            return await self._infer(request, context, call)
 
     async def ModelStreamInfer(self, request_iterator: AsyncIterator[pb.ModelInferRequest], context: Context) -> None:
         """Requests of one stream are served concurrently (so they can share batches); each
@@ -180,12 +182,12 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
     ) -> tuple[pb.ModelStreamInferResponse, StreamItemScope]:
         scope = self.calls.stream_item("ModelStreamInfer", context, request.id)
         async with scope as call:
-            return pb.ModelStreamInferResponse(infer_response=await self._infer(request, context)), scope
+            return pb.ModelStreamInferResponse(infer_response=await self._infer(request, context, call)), scope
         return render.stream_error(request, call.code, call.message), scope
 
-    async def _infer(self, request: pb.ModelInferRequest, context: Context) -> pb.ModelInferResponse:
-        deadline = _deadline(context, self.core.clock)
-        return await answer_infer(self.core, self.regions, request, deadline, _sequence_header(context), self.peers)
+    async def _infer(self, request: pb.ModelInferRequest, context: Context, call: Call) -> pb.ModelInferResponse:
+        deadline, header = _deadline(context, self.core.clock), _sequence_header(context)
+        return await answer_infer(self.core, self.regions, request, deadline, header, self.peers, call)
 
 
 def _settle_stream_item(answered: tuple[pb.ModelStreamInferResponse, StreamItemScope], delivered: bool) -> None:

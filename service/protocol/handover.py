@@ -18,7 +18,7 @@ from service.engine.core import InferenceCore
 from service.proto import grpc_service_pb2 as pb
 from service.protocol import render
 from service.protocol.answer import answer_infer
-from service.protocol.calls import Calls
+from service.protocol.calls import Call, Calls
 from service.protocol.peers import (
     FORWARDED_METHOD,
     INFER,
@@ -64,16 +64,16 @@ class Handover:
                 request = REQUESTS[kind].FromString(body)
             except DecodeError as exc:
                 raise RuntimeError(f"a peer sent a frame that is not a {REQUESTS[kind].__name__}") from exc
-            response = await self._respond(kind, request, header, seconds)
+            response = await self._respond(kind, request, header, seconds, call)
             return answer_frame(grpc.StatusCode.OK, response.SerializeToString())
         return answer_frame(call.code, call.message.encode())
 
-    async def _respond(self, kind: int, request: Any, header: str | None, seconds: float | None) -> Message:
+    async def _respond(self, kind: int, request: Any, header: str | None, seconds: float | None, call: Call) -> Message:
         """What this worker answers, as if the call had reached it: requests naming a sequence
         this worker does not own go on to their owner (the region keeper's hand-overs do)."""
         if kind == INFER:
             deadline = None if seconds is None else self.core.clock.now() + seconds
-            return await answer_infer(self.core, self.regions, request, deadline, header, self.peers)
+            return await answer_infer(self.core, self.regions, request, deadline, header, self.peers, call)
         if kind == REGISTER:
             self.regions.register(request.name, request.key, request.offset, request.byte_size)
             return pb.SystemSharedMemoryRegisterResponse()

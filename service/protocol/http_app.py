@@ -37,6 +37,7 @@ from service.protocol.status import http_status
 from service.settings import Settings
 
 HEADER_LENGTH = "Inference-Header-Content-Length"
+CALL_KEY = web.RequestKey("mha.call", Call)  # the call scope of the request, for its handler
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
@@ -271,6 +272,7 @@ class HttpApi:
 
         async def handle(request: web.Request) -> web.StreamResponse:
             async with self.calls.in_band(method, None, inference=inference, headers=request.headers) as call:
+                request[CALL_KEY] = call  # the handler's call (an inference marks whether it was a step)
                 self._authorize(request)
                 if not inference:
                     name = request.match_info.get("name", self.core.identity.name)
@@ -309,7 +311,7 @@ class HttpApi:
 
     async def _model_stats(self, request: web.Request) -> web.Response:
         name, version = request.match_info["name"], self.core.identity.version
-        with self.core.publish.statistics() as held:
+        with self.core.publish.statistics(steps=self.core.identity.is_sequence_model(name)) as held:
             stats = render.model_statistics(name, version, held)
         return web.json_response({"model_stats": [proto_json(stats)]})
 
@@ -354,7 +356,7 @@ class HttpApi:
         name, version = request.match_info["name"], request.match_info.get("version", "")
         proto, binary = to_infer_request(body, int(header) if header else None, name, version)
         header = request.headers.get(SEQUENCE_HEADER)
-        answer = await answer_infer(self.core, self.regions, proto, None, header, self.peers)
+        answer = await answer_infer(self.core, self.regions, proto, None, header, self.peers, request[CALL_KEY])
         return from_infer_response(answer, binary)
 
 

@@ -172,8 +172,8 @@ def test_statistics_count_rows_and_executions(client: MHAClient) -> None:
 def test_statistics_hold_tritons_invariants_for_requests_and_steps(small_model_dir: Path) -> None:
     """As perf_analyzer reads them: compute_input, compute_infer and compute_output counted once per
     successful request, as many as queue and success; each batch size's three counts equal, and
-    their sum the executions; inference_count the rows. Stateless requests batched together, and
-    decode steps, both count."""
+    their sum the executions; inference_count the rows. Stateless requests count under `mha`,
+    decode steps under `mha_sequence`."""
     gate = ComputeGate(held=())
     settings = make_settings(small_model_dir, backend="torch", max_batch_size=8, max_queue_delay_ms=20)
     with ServerThread(settings, compute_hook=gate) as server, MHAClient(server.url) as client:
@@ -185,15 +185,18 @@ def test_statistics_hold_tritons_invariants_for_requests_and_steps(small_model_d
         for i in range(3):
             sequence.send(xs[0][:1, i : i + 1])
         stats = client.statistics()
-    inference = stats.inference_stats
-    answered = 4 + 3
-    assert inference.success.count == inference.queue.count == answered
-    assert inference.compute_input.count == inference.compute_infer.count == inference.compute_output.count == answered
-    assert inference.compute_infer.ns > 0 and inference.fail.count == 0
-    assert stats.inference_count == sum(x.shape[0] for x in xs) + 3
-    per_size = [(b.compute_input.count, b.compute_infer.count, b.compute_output.count) for b in stats.batch_stats]
-    assert all(a == b == c for a, b, c in per_size)
-    assert sum(a for a, _, _ in per_size) == stats.execution_count < answered  # some requests shared a batch
+        with MHAClient(server.url, model="mha_sequence") as steps_client:
+            steps = steps_client.statistics()
+    for entry, answered, rows in ((stats, 4, sum(x.shape[0] for x in xs)), (steps, 3, 3)):
+        inference = entry.inference_stats
+        assert inference.success.count == inference.queue.count == answered, entry.name
+        assert inference.compute_input.count == inference.compute_infer.count == inference.compute_output.count
+        assert inference.compute_infer.count == answered and inference.compute_infer.ns > 0
+        assert inference.fail.count == 0 and entry.inference_count == rows
+        per_size = [(b.compute_input.count, b.compute_infer.count, b.compute_output.count) for b in entry.batch_stats]
+        assert all(a == b == c for a, b, c in per_size)
+        assert sum(a for a, _, _ in per_size) == entry.execution_count
+    assert stats.execution_count < 4  # some stateless requests shared a batch
 
 
 def test_streaming_keeps_going_after_an_error(stub: pb_grpc.GRPCInferenceServiceStub, small_model_dir: Path) -> None:
