@@ -1,1 +1,1 @@
-"""Incremental decoding: live sequences, their steps, the step runner."""
+"""Incremental decoding: live sequences and their caches, and the batcher of their steps."""

@@ -1,5 +1,5 @@
-"""Inference requests in the server, queued or computing: what the batchers ask ("is this
-request alone?") and what a drain waits out."""
+"""Inference requests in the server, queued or computing: what the batch engine asks (may more
+requests come to share a batch?) and what a drain waits out."""
 
 from __future__ import annotations
 
