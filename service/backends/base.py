@@ -5,7 +5,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Generic, Protocol, TypeVar
 
 import numpy as np
 
@@ -30,11 +30,14 @@ class KVCache(Protocol):
     def length(self) -> int: ...  # tokens held: positions [0, length) of keys and values
 
 
+K = TypeVar("K", bound=KVCache)  # the cache's type: the decoding layer's live sequence, a probe's
+
+
 @dataclass(frozen=True)
-class Step:
+class Step(Generic[K]):
     """A decode step: the new tokens of one sequence, and its cache."""
 
-    cache: KVCache
+    cache: K
     x: np.ndarray  # (B, t, C) float32: the new tokens of each of the sequence's B rows
 
 

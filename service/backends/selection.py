@@ -6,8 +6,9 @@ import logging
 import math
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -183,24 +184,32 @@ def measure_interleaved(
     medians: list[list[float]] = [[] for _ in backends]
     for B, T in probe_shapes(config):
         x = rng.standard_normal((B, T, config.d_model), dtype=np.float32)
-        samples: list[list[float]] = [[] for _ in backends]
-        runs = [b.run for b in backends]
-        for run in runs:
-            run(x)  # warm-up: the first run allocates
-        start = time.perf_counter()
-        for run in runs:
-            run(x)  # a second: what one round costs
-        one_round = time.perf_counter() - start
-        for r in range(probe_rounds(one_round, rounds, budget_s)):
-            order = range(len(backends)) if r % 2 == 0 else reversed(range(len(backends)))
-            for k in order:
-                time.sleep(PROBE_GAP_S)
-                start = time.perf_counter()
-                runs[k](x)
-                samples[k].append(time.perf_counter() - start)
-        for k in range(len(backends)):
-            medians[k].append(statistics.median(samples[k]) * 1e3)
+        runs = [partial(b.run, x) for b in backends]
+        for k, ms in enumerate(interleaved_medians(runs, rounds, budget_s, PROBE_GAP_S)):
+            medians[k].append(ms)
     return medians
+
+
+def interleaved_medians(
+    runs: Sequence[Callable[[], object]], rounds: int, budget_s: float, gap_s: float
+) -> list[float]:
+    """The median time (ms) of each of `runs`, taking turns run by run in an order that alternates
+    every round: one warm-up each (the first run allocates), then probe_rounds of them, each timed
+    run after `gap_s` of idleness."""
+    for run in runs:
+        run()
+    start = time.perf_counter()
+    for run in runs:
+        run()  # a second: what one round costs
+    samples: list[list[float]] = [[] for _ in runs]
+    for r in range(probe_rounds(time.perf_counter() - start, rounds, budget_s)):
+        for k in range(len(runs)) if r % 2 == 0 else reversed(range(len(runs))):
+            if gap_s:
+                time.sleep(gap_s)
+            start = time.perf_counter()
+            runs[k]()
+            samples[k].append(time.perf_counter() - start)
+    return [statistics.median(s) * 1e3 for s in samples]
 
 
 def probe_rounds(one_round_s: float, least: int, budget_s: float) -> int:
@@ -313,20 +322,9 @@ def measure_steps(
         for cache in caches:
             cache.length = P  # the past's values do not change the work
         x = rng.standard_normal((1, 1, config.d_model), dtype=np.float32)
-        steps = [[Step(cache, x)] for cache in caches]
-        for b, step in zip(backends, steps, strict=True):
-            b.step(step)  # warm-up
-        start = time.perf_counter()
-        for b, step in zip(backends, steps, strict=True):
-            b.step(step)
-        samples: list[list[float]] = [[] for _ in backends]
-        for r in range(probe_rounds(time.perf_counter() - start, rounds, budget_s)):
-            for k in range(len(backends)) if r % 2 == 0 else reversed(range(len(backends))):
-                start = time.perf_counter()
-                backends[k].step(steps[k])
-                samples[k].append(time.perf_counter() - start)
-        for k in range(len(backends)):
-            medians[k].append(statistics.median(samples[k]) * 1e3)
+        runs = [partial(b.step, [Step(cache, x)]) for b, cache in zip(backends, caches, strict=True)]
+        for k, ms in enumerate(interleaved_medians(runs, rounds, budget_s, gap_s=0.0)):
+            medians[k].append(ms)
     return [geometric_mean(m) for m in medians]
 
 

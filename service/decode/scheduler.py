@@ -15,6 +15,7 @@ from functools import partial
 import numpy as np
 
 from service.arrays import all_finite, not_finite
+from service.backends.base import Step
 from service.batch_engine import BatchEngine, Computed, Item, Timing
 from service.batching import BatchEvent, Clock, Plan, plan_steps
 from service.decode.control import SequenceControl
@@ -24,10 +25,7 @@ from service.errors import InvalidInput, StaleSequence
 log = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True)
-class StepInput:
-    sequence: LiveSequence
-    x: np.ndarray  # (B, t, C): the new tokens of each of the sequence's B rows
+StepInput = Step[LiveSequence]  # a step of a live sequence: its cache is the sequence
 
 
 RunSteps = Callable[[Sequence[StepInput]], tuple[list[np.ndarray], str]]  # -> (y of each step, backend)
@@ -93,7 +91,7 @@ def _commit(step: StepInput, y: np.ndarray) -> np.ndarray:
     stateless path), so they are found here, and named, without a pass over every input."""
     if not all_finite(y):
         raise InvalidInput(f"{not_finite(step.x)}; the step was not added to the sequence")
-    step.sequence.length += step.x.shape[1]
+    step.cache.length += step.x.shape[1]
     return y
 
 

@@ -23,7 +23,6 @@ from model import MHAConfig
 from model.checkpoint import CheckpointError, load_checkpoint
 from service.arrays import all_finite, not_finite
 from service.backends import Backend, BackendChain, Selection, select_backends
-from service.backends.base import Step
 from service.backends.chain import REASONS, FallbackHook
 from service.batch_engine import Timing
 from service.batching import BatcherConfig, Clock, MonotonicClock
@@ -235,7 +234,7 @@ def _run_steps(
     """Decode steps through the chain's step backends, each step with its sequence's cache."""
     if hook is not None:
         hook("steps", [s.x for s in steps])
-    ys, backend = chain.run_steps([Step(s.sequence, s.x) for s in steps])
+    ys, backend = chain.run_steps(steps)
     return ys, backend.name
 
 

@@ -134,7 +134,8 @@ class Calls:
         """Calls, in bulk: into the metrics, and the inference requests into the statistics."""
         self._core.metrics.observe_calls((method, code.name, s, trace) for method, code, s, _, trace, _ in records)
         ok = grpc.StatusCode.OK
-        for steps, stats in ((False, self._core.stats), (True, self._core.publish.step_stats)):
+        publish = self._core.publish
+        for steps, stats in ((False, publish.stats), (True, publish.step_stats)):
             inferences = [(code, s) for _, code, s, inference, _, step in records if inference and step is steps]
             stats.observe_requests(
                 [s for code, s in inferences if code is ok], [s for c, s in inferences if c is not ok]

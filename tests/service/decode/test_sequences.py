@@ -273,7 +273,7 @@ def _run_on(backend: Backend):  # type: ignore[no-untyped-def]
     """What the engine hands the step batcher: steps -> (outputs, the backend's name)."""
 
     def run(steps):  # type: ignore[no-untyped-def]
-        return backend.step([Step(s.sequence, s.x) for s in steps]), backend.name
+        return backend.step(steps), backend.name
 
     return run
 
