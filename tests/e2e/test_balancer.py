@@ -78,9 +78,9 @@ def test_one_tritonclient_channel_reaches_every_replica(replicas: list[ServerPro
 class Driven:
     """A sequence driven through the balancer, each step on a new channel, checked step by step."""
 
-    def __init__(self, url: str, sequence_id: str, weights: dict, config: object, seed: int) -> None:
-        self.url, self.weights, self.config = url, weights, config
-        self.sequence = ClientSequence(MHAClient(url), sequence_id)
+    def __init__(self, url: str, sequence_id: str, weights: dict, config: object, seed: int, entry: str) -> None:
+        self.url, self.weights, self.config, self.entry = url, weights, config, entry
+        self.sequence = ClientSequence(MHAClient(url, model=entry), sequence_id)
         self.whole = np.zeros((1, 0, C), np.float32)
         self.rng = np.random.default_rng(seed)
         self.errors: list[float] = []
@@ -90,7 +90,7 @@ class Driven:
         x = self.rng.standard_normal((1, t, C), dtype=np.float32)
         self.whole = np.concatenate([self.whole, x], axis=1)  # (1, P + t, C)
         self.sequence.client.close()
-        self.sequence.client = MHAClient(self.url)  # a new channel: a new connection to the balancer
+        self.sequence.client = MHAClient(self.url, model=self.entry)  # a new channel: a new connection to the balancer
         y = self.sequence.send(x)
         reference = attention_view(torch.from_numpy(self.whole), self.weights, self.config)[:, -t:]
         self.errors.append(relative_error(torch.from_numpy(y.copy()), reference))
@@ -102,7 +102,8 @@ class Driven:
 
 def _sequences(balancer: Balancer, model_dir: Path, prefix: str) -> list[Driven]:
     config, weights = load_checkpoint(model_dir / "weights.safetensors")
-    return [Driven(balancer.url, f"{prefix}-{i}", weights, config, seed=i) for i in range(8)]
+    entries = ("mha_sequence", "mha")  # the sequence entry, and the stateless one that takes steps too
+    return [Driven(balancer.url, f"{prefix}-{i}", weights, config, i, entries[i % 2]) for i in range(8)]
 
 
 def test_eight_concurrent_sequences_stay_exact_with_a_new_channel_per_step(

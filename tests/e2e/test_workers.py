@@ -109,34 +109,38 @@ def _ready_workers(server: ServerProcess) -> int:
     return sum(samples.get(("mha_ready", (("worker", str(i)),)), 0.0) == 1.0 for i in range(2))
 
 
-def _grpc_step(url: str, sequence_id: str, x: np.ndarray, offset: int) -> tuple[np.ndarray, dict]:
+def _grpc_step(url: str, sequence_id: str, x: np.ndarray, offset: int, entry: str = "mha") -> tuple[np.ndarray, dict]:
     """A step on a channel of its own: a new connection, which the kernel gives to either worker."""
     with MHAClient(url) as client:
-        request = encode_infer_request(x)
+        request = encode_infer_request(x, entry)
         request.parameters["sequence_id"].string_param = sequence_id
         request.parameters["sequence_start"].bool_param = offset == 0
         request.parameters["sequence_offset"].int64_param = offset
         response = client.stub.ModelInfer(request, metadata=(("mha-sequence-id", sequence_id),), timeout=30)
+    assert response.model_name == entry
     return decode_infer_response(response), parameter_values(response.parameters)
 
 
-def _http_step(port: int, sequence_id: str, x: np.ndarray, offset: int, timeout_us: int = 0) -> tuple[np.ndarray, dict]:
+def _http_step(
+    port: int, sequence_id: str, x: np.ndarray, offset: int, timeout_us: int = 0, entry: str = "mha"
+) -> tuple[np.ndarray, dict]:
     """A step as curl or urllib sends it: a new connection each time."""
     parameters = {"sequence_id": sequence_id, "sequence_start": offset == 0, "sequence_offset": offset}
     parameters |= {"timeout": timeout_us} if timeout_us else {}
     tensor = {"name": "x", "datatype": "FP32", "shape": list(x.shape), "data": x.ravel().tolist()}
     body = json.dumps({"inputs": [tensor], "parameters": parameters}).encode()
     headers = {"Content-Type": "application/json", "mha-sequence-id": sequence_id}
-    request = urllib.request.Request(f"http://127.0.0.1:{port}/v2/models/mha/infer", body, headers)
+    request = urllib.request.Request(f"http://127.0.0.1:{port}/v2/models/{entry}/infer", body, headers)
     with urllib.request.urlopen(request, timeout=30) as response:
         doc = json.loads(response.read())
+    assert doc["model_name"] == entry
     return np.array(doc["outputs"][0]["data"], np.float32).reshape(x.shape), doc["parameters"]
 
 
 def test_every_connection_reaches_a_sequences_state_with_two_workers(small_model_dir: Path, tmp_path: Path) -> None:
     """The issue's scenario: a prefix of 8 tokens and 24 one-token steps, each step on a new
     connection (gRPC and HTTP), with --workers 2: every step exact, none refused, and the steps
-    that reached the other worker were handed to the owner."""
+    that reached the other worker were handed to the owner; on both model entries."""
     server = ServerProcess(["--model-dir", str(small_model_dir), "--backend", "torch", "--workers", "2"])
     server.start(tmp_path / "server.log")
     try:
@@ -145,16 +149,16 @@ def test_every_connection_reaches_a_sequences_state_with_two_workers(small_model
         rng = np.random.default_rng(5)
         for protocol in ("grpc", "http"):
             for n in range(3):
-                sequence_id = f"{protocol}-{n}"
+                sequence_id, entry = f"{protocol}-{n}", ("mha_sequence", "mha")[n % 2]
                 whole = np.zeros((1, 0, 32), np.float32)
                 for t in [8] + [1] * 24:
                     x = rng.standard_normal((1, t, 32), dtype=np.float32)
                     offset = whole.shape[1]
                     whole = np.concatenate([whole, x], axis=1)  # (1, P + t, 32)
                     if protocol == "grpc":
-                        y, said = _grpc_step(server.url, sequence_id, x, offset)
+                        y, said = _grpc_step(server.url, sequence_id, x, offset, entry)
                     else:
-                        y, said = _http_step(server.http_port, sequence_id, x, offset)
+                        y, said = _http_step(server.http_port, sequence_id, x, offset, entry=entry)
                     reference = attention_view(torch.from_numpy(whole), weights, config)[:, -t:]
                     assert relative_error(torch.from_numpy(y.copy()), reference) < 1e-5, (sequence_id, offset)
                     assert said["sequence_length"] == whole.shape[1]

@@ -115,20 +115,23 @@ def test_a_batch_of_eight_is_one_span_linked_from_eight_request_spans(
     assert len({c.trace_id for c in calls}) == 8  # eight traces (no traceparent: each its own root)
 
 
-def test_decode_steps_are_spans_with_their_sequence(receiver: OtlpReceiver, small_model_dir: Path) -> None:
+@pytest.mark.parametrize("entry", ["mha_sequence", "mha"])
+def test_decode_steps_are_spans_with_their_sequence(receiver: OtlpReceiver, small_model_dir: Path, entry: str) -> None:
     settings = make_settings(small_model_dir, backend="torch", otlp_endpoint=receiver.endpoint)
     with ServerThread(settings) as server:
-        with MHAClient(server.url) as client:
-            sequence = client.sequence("traced-seq")
+        with MHAClient(server.url, model=entry) as client:
+            sequence = client.sequence(f"traced-seq-{entry}")
             sequence.send(np.ones((1, 3, 32), np.float32))
             sequence.send(np.ones((1, 1, 32), np.float32), end=True)
         _flush(server)
-    steps = sorted(receiver.named("decode step"), key=lambda s: s.start_ns)
+    steps = sorted(
+        (s for s in receiver.named("decode step") if entry in s.attributes["mha.sequence_id"]), key=lambda s: s.start_ns
+    )
     assert [(s.attributes["mha.step.tokens"], s.attributes["mha.sequence.tokens_held"]) for s in steps] == [
         (3, 3),
         (1, 4),
     ]
-    assert all("traced-seq" in s.attributes["mha.sequence_id"] for s in steps)
+    assert all(f"traced-seq-{entry}" in s.attributes["mha.sequence_id"] for s in steps)
     calls = {c.span_id: c for c in receiver.named("ModelInfer")}
     assert all(s.parent_span_id in calls for s in steps)  # each inside its call's span
 

@@ -104,3 +104,25 @@ def test_a_loading_server_indexes_its_entries_unavailable(small_model_dir: Path)
         ready = client.stub.RepositoryIndex(pb.RepositoryIndexRequest(ready=True), timeout=10)
     assert {m.state for m in index.models} == {"UNAVAILABLE"} and all(m.reason for m in index.models)
     assert list(ready.models) == []
+
+
+def _count(server: ServerThread, name: str, labels: dict[str, str] | None = None) -> float:
+    return server.registry.get_sample_value(name, labels or {}) or 0.0
+
+
+def test_the_sequence_entrys_steps_and_refusals_are_in_the_metrics(server: ServerThread) -> None:
+    ok, refused = ({"method": "ModelInfer", "code": code} for code in ("OK", "INVALID_ARGUMENT"))
+    before = {key: _count(server, "mha_requests_total", labels) for key, labels in (("ok", ok), ("no", refused))}
+    tokens = _count(server, "mha_tokens_total")
+    x = np.ones((1, 3, 32), np.float32)
+    with MHAClient(server.url, model="mha_sequence") as client:
+        sequence = client.sequence("metered")
+        sequence.send(x)
+        assert _count(server, "mha_sequences_active") == 1
+        sequence.send(x[:, :1], end=True)
+        with pytest.raises(InferenceError):
+            client.infer(x)  # no sequence_id: refused
+    assert _count(server, "mha_requests_total", ok) == before["ok"] + 2
+    assert _count(server, "mha_requests_total", refused) == before["no"] + 1
+    assert _count(server, "mha_tokens_total") == tokens + 4
+    assert _count(server, "mha_sequences_active") == 0

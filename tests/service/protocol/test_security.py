@@ -122,6 +122,12 @@ def test_bearer_token(small_model_dir: Path, tmp_path: Path) -> None:
         with MHAClient(s.url, token="s3cret-token") as client:
             assert client.infer(X).shape == X.shape
             assert len(list(client.stream_infer([X, X]))) == 2
+        with MHAClient(s.url, model="mha_sequence", token="s3cret-token") as client:
+            assert client.step("authorized", X, 0, start=True, end=True).y.shape == X.shape
+        for token in (None, "wrong", "s3cret-token-but-longer"):
+            with MHAClient(s.url, model="mha_sequence", token=token) as client, pytest.raises(InferenceError) as info:
+                client.step("intruder", X, 0, start=True, timeout=5)
+            assert info.value.code == grpc.StatusCode.UNAUTHENTICATED
         for token in (None, "wrong", "s3cret-token-but-longer"):
             with MHAClient(s.url, token=token) as client, pytest.raises(InferenceError) as info:
                 client.infer(X, timeout=5)
