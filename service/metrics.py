@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import collections
 import itertools
-import math
 from collections.abc import Callable, Iterable, Sequence
 from functools import partial
+from typing import Protocol
 
-import numpy as np
 from prometheus_client import (
     GC_COLLECTOR,
     PLATFORM_COLLECTOR,
@@ -17,7 +16,6 @@ from prometheus_client import (
     Counter,
     Gauge,
     Histogram,
-    Info,
 )
 from prometheus_client import disable_created_metrics as _disable_created
 
@@ -47,6 +45,7 @@ BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 
 
 EVICTION_REASONS = ("idle", "budget")  # the label's fixed set
+MODEL_LABELS = ("name", "version", "d_model", "n_head", "max_seq_len", "causal", "weights_sha256", "verified")
 
 
 CallRecord = tuple[str, str, float, str]  # (method, code name, seconds in the server, trace id or "")
@@ -54,47 +53,62 @@ CallRecord = tuple[str, str, float, str]  # (method, code name, seconds in the s
 
 class _FoldFirst:
     """The registry's first collector: every read of the registry (a scrape, a test's
-    get_sample_value) first applies what the ledger holds. It exports nothing itself."""
+    get_sample_value) first applies what the ledger holds and sets the gauges that follow the
+    server's state. It exports nothing itself."""
 
-    def __init__(self, ledger: Ledger) -> None:
-        self._ledger = ledger
+    def __init__(self, metrics: Metrics) -> None:
+        self._metrics = metrics
 
     def describe(self) -> list[object]:
         return []  # no series of its own, and nothing folded at registration
 
     def collect(self) -> list[object]:
-        self._ledger.fold()
+        self._metrics.refresh()
         return []
 
 
-def observe_many(histogram: Histogram, values: Sequence[float]) -> None:
-    """Observe `values` at once into a histogram (a child, when it has labels): each bucket's
-    count and the sum grow once, where prometheus-client's observe() takes a lock per bucket
-    and value. It reaches into the histogram's bucket values (pinned prometheus-client; the
-    exposition is tested against observe()'s)."""
-    if not values:
-        return
-    bounds = histogram._upper_bounds  # ascending, +Inf last: bucket i counts values <= bounds[i]
-    index = np.minimum(np.searchsorted(bounds, values, side="left"), len(bounds) - 1)  # NaN: +Inf's
-    counts = np.bincount(index, minlength=len(bounds))
-    histogram._sum.inc(math.fsum(values))
-    for i in np.flatnonzero(counts):
-        histogram._buckets[i].inc(int(counts[i]))
+def observe_all(histogram: Histogram, values: Sequence[float]) -> None:
+    """Observe `values` into a histogram (a child, when it has labels)."""
+    for value in values:
+        histogram.observe(value)
+
+
+class _Labelled(Protocol):
+    def labels(self, *values: str, **labels: str) -> Gauge: ...
+
+
+class _WorkerGauge:
+    """A labelled gauge of one worker: its `worker` label added to every child."""
+
+    def __init__(self, gauge: Gauge, worker: str) -> None:
+        self._gauge, self._worker = gauge, worker
+
+    def labels(self, *values: str, **labels: str) -> Gauge:
+        if values:
+            return self._gauge.labels(*values, self._worker)
+        return self._gauge.labels(**labels, worker=self._worker)
 
 
 class Metrics:
     """Every series the service exports; names are a public interface (dashboards, alerts).
-    What requests leave is written in `ledger` and applied in bulk before each read."""
+    What requests leave is written in `ledger` and applied in bulk before each read (`refresh`).
 
-    def __init__(self, registry: CollectorRegistry) -> None:
+    A worker of several (`worker` set) writes prometheus-client's multiprocess files (the
+    supervisor sets PROMETHEUS_MULTIPROC_DIR for it and merges them): its gauges carry a `worker`
+    label and leave the merge when it dies; counters and histograms add up over every worker that
+    ever ran. Nobody reads a worker's registry then, so it refreshes on a timer (server.py)."""
+
+    def __init__(self, registry: CollectorRegistry, worker: int | None = None) -> None:
         _disable_created()
         self.registry = registry
         self.ledger = Ledger()
-        registry.register(_FoldFirst(self.ledger))  # type: ignore[arg-type]  # first: it folds before the rest
+        self._followed: list[tuple[Gauge, Callable[[], float]]] = []
+        registry.register(_FoldFirst(self))  # type: ignore[arg-type]  # first: it folds before the rest
         for collector in (PROCESS_COLLECTOR, PLATFORM_COLLECTOR, GC_COLLECTOR):  # process_*, python_*: memory, CPU
             registry.register(collector)
         seconds = partial(Histogram, buckets=LATENCY_BUCKETS, registry=registry)
-        counter, gauge = partial(Counter, registry=registry), partial(Gauge, registry=registry)
+        counter = partial(Counter, registry=registry)
+        self._worker = None if worker is None else str(worker)
         self.requests = counter(
             "mha_requests", "Requests answered, by RPC method and final gRPC code.", ["method", "code"]
         )
@@ -106,6 +120,7 @@ class Metrics:
             "mha_batch_size", "Rows (sum of B) per executed batch.", buckets=BATCH_BUCKETS, registry=registry
         )
         self.tokens = counter("mha_tokens", "Tokens served: the sum of B*T over successful requests.")
+        gauge, labelled = self._gauge, self._labelled_gauge
         self.inflight = gauge("mha_inflight_requests", "Inference requests in the server now.")
         self.queue_depth = gauge("mha_queue_depth", "Requests waiting in the batching queue.")
         self.queue_capacity = gauge("mha_queue_capacity", "Requests the queue holds before RESOURCE_EXHAUSTED.")
@@ -114,14 +129,14 @@ class Metrics:
             "Batches sent on to the next backend, by from, to and reason.",
             ["from", "to", "reason"],
         )
-        self.backend_info = gauge(
+        self.backend_info = labelled(
             "mha_backend_info",
             "1 for each backend serving now (light and heavy batches may have their own), 0 for fallbacks.",
             ["backend", "device"],
         )
-        self.model_info = Info("mha_model", "The model being served.", registry=registry)
+        self.model_info = labelled("mha_model_info", "The model being served (1).", list(MODEL_LABELS))
         self.ready = gauge("mha_ready", "1 when the model is loaded, self-checked and serving.")
-        self.device_required = gauge(
+        self.device_required = labelled(
             "mha_device_required", "1 for the device this server must serve on (--require-device).", ["device"]
         )
         self.sequences_active = gauge("mha_sequences_active", "Live sequences whose keys and values are kept.")
@@ -136,6 +151,28 @@ class Metrics:
         for reason in EVICTION_REASONS:
             self.sequence_evictions.labels(reason)
 
+    def _gauge(self, name: str, documentation: str) -> Gauge:
+        if self._worker is None:
+            return Gauge(name, documentation, registry=self.registry)
+        gauge = Gauge(name, documentation, ["worker"], registry=self.registry, multiprocess_mode="livemax")
+        return gauge.labels(worker=self._worker)
+
+    def _labelled_gauge(self, name: str, documentation: str, labels: list[str]) -> _Labelled:
+        if self._worker is None:
+            return Gauge(name, documentation, labels, registry=self.registry)
+        gauge = Gauge(name, documentation, [*labels, "worker"], registry=self.registry, multiprocess_mode="livemax")
+        return _WorkerGauge(gauge, self._worker)
+
+    def follow(self, gauge: Gauge, value: Callable[[], float]) -> None:
+        """Set `gauge` to `value()` whenever the metrics are read (or refreshed)."""
+        self._followed.append((gauge, value))
+
+    def refresh(self) -> None:
+        """Apply what the ledger holds, and set the gauges that follow the server's state."""
+        self.ledger.fold()
+        for gauge, value in self._followed:
+            gauge.set(value())
+
     def sequence_limits(self, sequences: int, state_bytes: int) -> None:
         self.sequences_capacity.set(sequences)
         self.sequence_state_budget.set(state_bytes)
@@ -147,9 +184,9 @@ class Metrics:
             self.sequence_evictions.labels(evicted).inc()
 
     def loaded(self, model_labels: dict[str, str], queue_capacity: int, queue_depth: Callable[[], int]) -> None:
-        self.model_info.info(model_labels)
+        self.model_info.labels(**{key: model_labels[key] for key in MODEL_LABELS}).set(1)
         self.queue_capacity.set(queue_capacity)
-        self.queue_depth.set_function(queue_depth)
+        self.follow(self.queue_depth, queue_depth)
 
     def observe_calls(self, records: Iterable[CallRecord]) -> None:
         """Answered calls, in bulk: counted by method and code, timed by method; a traced call's
@@ -165,23 +202,23 @@ class Metrics:
         for (method, code), n in counted.items():
             self.requests.labels(method=method, code=code).inc(n)
         for method, values in timed.items():
-            observe_many(self.request_duration.labels(method=method), values)
+            observe_all(self.request_duration.labels(method=method), values)
 
     def observe_batches(self, events: Sequence[BatchEvent]) -> None:
         """Executed batches, in bulk (failed ones are counted by their requests' codes)."""
         done = [e for e in events if e.error is None]
-        observe_many(self.batch_size, [e.rows for e in done])
-        observe_many(self.batch_formation, [e.formation_s for e in done])
+        observe_all(self.batch_size, [e.rows for e in done])
+        observe_all(self.batch_formation, [e.formation_s for e in done])
         by_backend: collections.defaultdict[str, list[float]] = collections.defaultdict(list)
         for event in done:
             by_backend[event.backend].append(event.compute_s)
         for backend, values in by_backend.items():
-            observe_many(self.inference_duration.labels(backend=backend), values)
+            observe_all(self.inference_duration.labels(backend=backend), values)
 
     def observe_answers(self, tokens: int, queue_s: Sequence[float]) -> None:
         """Answered inference requests, in bulk: the tokens (B*T) they held, the time each queued."""
         self.tokens.inc(tokens)
-        observe_many(self.queue_duration, queue_s)
+        observe_all(self.queue_duration, queue_s)
 
     def init_fallbacks(self, chain: list[str], reasons: tuple[str, ...]) -> None:
         """Export zero-valued series for every possible fallback, so rates and alerts see them."""

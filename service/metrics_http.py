@@ -1,89 +1,59 @@
-"""/metrics over HTTP on the server's event loop: no thread per connection, one path, bounded.
-
-prometheus-client's own server starts a thread per connection (a thousand idle connections
-made a thousand threads). Here each connection is a coroutine that must send its request head
-within `READ_TIMEOUT_S`, gets one answer and is closed.
+"""/metrics over HTTP: prometheus-client's aiohttp handler, on the server's event loop (no thread
+per connection), one path. A connection that sends nothing, or keeps one open between scrapes,
+is closed after `IDLE_S`; a request head is bounded by aiohttp's line and header limits.
 """
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
-import logging
-
+from aiohttp import web
+from aiohttp.typedefs import Handler
 from prometheus_client import CollectorRegistry
-from prometheus_client.exposition import choose_encoder
+from prometheus_client.aiohttp import make_aiohttp_handler
 
-log = logging.getLogger(__name__)
+IDLE_S = 5.0  # a connection idle this long is closed
+MAX_LINE = 4096  # bytes of the request line and of each header
+MAX_HEADERS = 32
 
-READ_TIMEOUT_S = 5.0
-MAX_HEAD_BYTES = 8192
+
+@web.middleware
+async def _plain_errors(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """404 and 405 in words that name the one thing this port serves."""
+    try:
+        return await handler(request)
+    except web.HTTPNotFound:
+        return web.Response(status=404, text="not found: this port serves GET /metrics only\n")
+    except web.HTTPMethodNotAllowed:
+        return web.Response(status=405, text="only GET /metrics is served\n", headers={"Allow": "GET, HEAD"})
 
 
 class MetricsServer:
     def __init__(self, registry: CollectorRegistry) -> None:
-        self._registry = registry
-        self._server: asyncio.Server | None = None
+        app = web.Application(middlewares=[_plain_errors])
+        app.router.add_get("/metrics", make_aiohttp_handler(registry, disable_compression=True))
+        self._runner = web.AppRunner(
+            app,
+            access_log=None,
+            handle_signals=False,
+            keepalive_timeout=IDLE_S,
+            max_line_size=MAX_LINE,
+            max_field_size=MAX_LINE,
+            max_headers=MAX_HEADERS,
+        )
+        self._site: web.TCPSite | None = None
 
     async def start(self, host: str, port: int) -> int:
         """Listen; returns the port (useful with port 0)."""
-        self._server = await asyncio.start_server(self._serve, host, port, limit=MAX_HEAD_BYTES)
+        await self._runner.setup()
+        self._site = web.TCPSite(self._runner, host, port)
+        await self._site.start()
         return self.address[1]
 
     @property
     def address(self) -> tuple[str, int]:
         """(host, port) the server listens on."""
-        assert self._server is not None, "not started"
-        host, port = self._server.sockets[0].getsockname()[:2]
+        assert self._site is not None, "not started"
+        host, port = self._runner.addresses[0][:2]
         return str(host), int(port)
 
     async def stop(self) -> None:
-        if self._server is not None:
-            self._server.close()
-            await self._server.wait_closed()
-
-    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        try:
-            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), READ_TIMEOUT_S)
-            # off the event loop: a registry's collectors may block (the supervisor's scrape its workers)
-            writer.write(await asyncio.to_thread(self._answer, head))
-            await asyncio.wait_for(writer.drain(), READ_TIMEOUT_S)
-        except (TimeoutError, asyncio.IncompleteReadError, asyncio.LimitOverrunError, ConnectionError):
-            pass  # idle, oversized or gone: close it
-        finally:
-            writer.close()
-            with contextlib.suppress(ConnectionError, TimeoutError):
-                await asyncio.wait_for(writer.wait_closed(), READ_TIMEOUT_S)
-
-    def _answer(self, head: bytes) -> bytes:
-        request_line, *headers = head.split(b"\r\n")
-        parts = request_line.split()
-        if len(parts) != 3 or parts[0] not in (b"GET", b"HEAD"):
-            return _response(405, b"text/plain; charset=utf-8", b"only GET /metrics is served\n")
-        path = parts[1].split(b"?", 1)[0]
-        if path != b"/metrics":
-            return _response(404, b"text/plain; charset=utf-8", b"not found: this port serves GET /metrics only\n")
-        # prometheus-client's own negotiation: OpenMetrics (with exemplars: trace ids) when asked for
-        encoder, content_type = choose_encoder(_header(headers, b"accept"))
-        body = encoder(self._registry)
-        return _response(200, content_type.encode(), b"" if parts[0] == b"HEAD" else body, len(body))
-
-
-def _header(headers: list[bytes], wanted: bytes) -> str:
-    """A request header's value ("" when absent), its name matched in any case."""
-    for line in headers:
-        name, _, value = line.partition(b":")
-        if name.strip().lower() == wanted:
-            return value.strip().decode("latin-1")
-    return ""
-
-
-def _response(status: int, content_type: bytes, body: bytes, length: int | None = None) -> bytes:
-    reason = {200: b"OK", 404: b"Not Found", 405: b"Method Not Allowed"}[status]
-    head = b"HTTP/1.1 %d %s\r\nContent-Type: %s\r\nContent-Length: %d\r\nConnection: close\r\n\r\n" % (
-        status,
-        reason,
-        content_type,
-        len(body) if length is None else length,
-    )
-    return head + body
+        await self._runner.cleanup()

@@ -42,6 +42,7 @@ log = logging.getLogger(__name__)
 
 INFERENCE_SERVICE = pb.DESCRIPTOR.services_by_name["GRPCInferenceService"].full_name  # inference.GRPCInferenceService
 HEALTH_SERVICES = ("", INFERENCE_SERVICE)
+METRICS_REFRESH_S = 0.25  # a worker of several: how often its metrics reach its multiprocess files
 
 
 class StartupError(RuntimeError):
@@ -118,7 +119,8 @@ async def start(
     `clock` is the batcher's (tests inject one); by default time.monotonic(). `compute_hook`: see
     InferenceCore (tests hold computes and inject failures with it).
     """
-    metrics = Metrics(registry if registry is not None else CollectorRegistry(auto_describe=True))
+    worker = settings.worker_index if settings.worker_peers > 1 else None  # one of several: multiprocess metrics
+    metrics = Metrics(registry if registry is not None else CollectorRegistry(auto_describe=True), worker)
     core = InferenceCore(settings, metrics, clock, _tracing(settings), compute_hook)
     if settings.reuse_port:
         try:
@@ -146,6 +148,8 @@ async def start(
         await _start_http(running, settings, HttpApi(core, calls, token, regions, peers))
     await server.start()
     running.tasks.add(asyncio.get_running_loop().create_task(_not_serving_when_lost(running)))
+    if worker is not None:  # the supervisor reads this worker's files, never its registry
+        running.tasks.add(asyncio.get_running_loop().create_task(_refresh_metrics(metrics)))
     tls = "TLS" if credentials else "plaintext"
     log.debug(  # a person reads "ready" (or the one line that says why not)
         "listening: gRPC %s:%d (%s), HTTP :%s, metrics :%s",
@@ -218,6 +222,13 @@ async def _start_metrics(running: Running, settings: Settings, metrics: Metrics)
         running.metrics_port = await running.metrics_server.start(host, settings.metrics_port)
     except OSError as exc:
         raise StartupError(f"--metrics-port {settings.metrics_port} on {host}: {exc.strerror}", 1) from exc
+
+
+async def _refresh_metrics(metrics: Metrics) -> None:
+    """A worker's series, written to its multiprocess files every METRICS_REFRESH_S."""
+    while True:
+        await asyncio.sleep(METRICS_REFRESH_S)
+        metrics.refresh()
 
 
 async def _start_http(running: Running, settings: Settings, api: HttpApi) -> None:
@@ -395,6 +406,7 @@ async def drain_and_stop(running: Running, grace_s: float, announce: bool = True
         await running.health_server.stop(0)
     for task in running.tasks:
         task.cancel()
+    running.core.metrics.refresh()  # a worker's last requests reach its files before it exits
     running.core.tracing.shutdown()  # the last spans, flushed
     log.log(logging.INFO if announce else logging.DEBUG, "stopped")
 

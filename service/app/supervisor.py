@@ -2,9 +2,12 @@
 under one supervisor, gunicorn's pre-fork model without the fork.
 
 The supervisor starts the workers, restarts one that dies (logged and counted), forwards SIGTERM
-and waits for every worker's drain. It serves the one /metrics endpoint: each worker exports on a
-loopback port of its own, and the supervisor sums counters and histograms across workers and
-labels gauges with the worker's index. Each worker batches only the requests of its own
+and waits for every worker's drain. It serves the one /metrics endpoint, through
+prometheus-client's multiprocess mode: each worker writes its series to files in a private
+directory; counters and histograms add up over every worker that ever ran (a dead worker's stay
+counted), gauges carry the worker's index and leave with their worker. Each worker's process
+series (memory, CPU) are read from /proc by prometheus-client's process collector, labelled by
+worker. A worker's own loopback metrics port is what the watchdog asks. Each worker batches only the requests of its own
 connections; each sequence has one owner worker, to which the other workers hand its steps over
 a Unix-domain socket in a private directory (service/protocol/peers.py).
 """
@@ -26,9 +29,9 @@ from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 
-from prometheus_client import CollectorRegistry
+from prometheus_client import CollectorRegistry, Counter, ProcessCollector
 from prometheus_client.core import Metric
-from prometheus_client.parser import text_string_to_metric_families
+from prometheus_client.multiprocess import MultiProcessCollector, mark_process_dead
 
 from service.app.launch import free_ports, serve_command
 from service.cpus import available_cpus
@@ -37,11 +40,13 @@ from service.settings import Settings
 
 log = logging.getLogger(__name__)
 
-SUMMED = {"counter", "histogram", "summary"}  # across workers; gauges and infos get a worker label
+MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"  # where prometheus-client in a worker writes its series
+
 MAX_RESTARTS = 5  # within RESTART_WINDOW_S: beyond it, the supervisor gives up and exits 1
 RESTART_WINDOW_S = 60.0
 PR_SET_PDEATHSIG = 1  # prctl(2)
 WATCHDOG_PERIOD_S = 2.0  # how often each worker's own metrics port is asked whether it still answers
+STARTING_POLL_S = 0.1  # how often a worker not yet answering is asked
 WATCHDOG_MISSES = 3  # unanswered in a row (after it first answered): hung, killed, and so replaced
 WORKER_START_S = 300.0  # never answered this long after its start (loading a model on a GPU included): hung
 
@@ -76,76 +81,24 @@ class Silence:
         return False
 
 
-Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]  # (sample name, labels) -> value
+class WorkerProcesses:
+    """Each live worker's process_* series (memory, CPU, open files), labelled by worker: a
+    prometheus-client collector over the library's own ProcessCollector."""
 
-
-class WorkersCollector:
-    """The workers' /metrics, merged: a custom prometheus-client collector.
-
-    Counters and histograms never go down: a worker's values are kept from its last scrape, so a
-    scrape that misses it (restarting, busy) still counts what it had counted, and when it is
-    replaced its last values are carried over and added to its successor's, which start at 0.
-    """
-
-    def __init__(self, workers: Sequence[Worker], restarts: dict[int, int]) -> None:
-        self._workers, self._restarts = workers, restarts
-        self._last: dict[int, list[Metric]] = {}  # each worker's last successful scrape
-        self._carried: dict[str, tuple[Metric, Samples]] = {}  # summed values of workers' earlier lives
-
-    def retire(self, index: int) -> None:
-        """Worker `index` died: what it counted stays counted."""
-        for family in self._last.pop(index, []):
-            if family.type in SUMMED:
-                _, values = self._carried.setdefault(family.name, (_header(family), {}))
-                self._merge(values, family, index)
+    def __init__(self, workers: Sequence[Worker]) -> None:
+        self._workers = workers
 
     def collect(self) -> Iterator[Metric]:
-        headers: dict[str, Metric] = {}
-        values: dict[str, Samples] = {}
+        families: dict[str, Metric] = {}
         for worker in self._workers:
-            scraped = self._scrape(worker)
-            if scraped is not None:
-                self._last[worker.index] = scraped
-                worker.answered = True  # alive and answering: the watchdog counts silences from now
-            families = (
-                scraped if scraped is not None else [f for f in self._last.get(worker.index, []) if f.type in SUMMED]
-            )
-            for family in families:
-                headers.setdefault(family.name, _header(family))
-                self._merge(values.setdefault(family.name, {}), family, worker.index)
-        for name, (header, carried) in self._carried.items():
-            headers.setdefault(name, header)
-            merged = values.setdefault(name, {})
-            for key, value in carried.items():
-                merged[key] = merged.get(key, 0.0) + value
-        for name, header in headers.items():
-            for (sample, labels), value in values[name].items():
-                header.add_sample(sample, dict(labels), value)
-            yield header
-        restarts = Metric("mha_worker_restarts", "Workers restarted after they died, by worker.", "counter")
-        for index, count in sorted(self._restarts.items()):
-            restarts.add_sample("mha_worker_restarts_total", {"worker": str(index)}, float(count))
-        yield restarts
-
-    @staticmethod
-    def _scrape(worker: Worker) -> list[Metric] | None:
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{worker.metrics_port}/metrics", timeout=5) as response:
-                return list(text_string_to_metric_families(response.read().decode()))
-        except OSError:
-            return None  # starting, restarting or gone: its last values stand in for its counters
-
-    @staticmethod
-    def _merge(values: Samples, family: Metric, index: int) -> None:
-        """Counters and histograms add up (bucket order kept); gauges stay apart, by worker."""
-        for sample in family.samples:
-            labels = sample.labels if family.type in SUMMED else {**sample.labels, "worker": str(index)}
-            key = (sample.name, tuple(labels.items()))
-            values[key] = values.get(key, 0.0) + sample.value
-
-
-def _header(family: Metric) -> Metric:
-    return Metric(family.name, family.documentation, family.type)
+            process = worker.process
+            if process is None or process.returncode is not None:
+                continue
+            for family in ProcessCollector(pid=partial(int, process.pid), registry=None).collect():
+                merged = families.setdefault(family.name, Metric(family.name, family.documentation, family.type))
+                for sample in family.samples:
+                    merged.add_sample(sample.name, {**sample.labels, "worker": str(worker.index)}, sample.value)
+        yield from families.values()
 
 
 class Supervisor:
@@ -154,8 +107,15 @@ class Supervisor:
         self._argv = list(argv)  # `mha serve` arguments, without --workers
         promised = frozenset(p for p in (settings.grpc_port, settings.http_port, settings.metrics_port) if p)
         self.workers = [Worker(i, port) for i, port in enumerate(free_ports(count, avoid=promised))]
-        self.restarts: dict[int, int] = {i: 0 for i in range(count)}
-        self.collector = WorkersCollector(self.workers, self.restarts)
+        self.metrics_dir = Path(tempfile.mkdtemp(prefix="mha-metrics-"))  # the workers' multiprocess files
+        self.registry = CollectorRegistry(auto_describe=False)
+        MultiProcessCollector(self.registry, str(self.metrics_dir))
+        self.registry.register(WorkerProcesses(self.workers))  # type: ignore[arg-type]
+        self.restarts = Counter(
+            "mha_worker_restarts", "Workers restarted after they died, by worker.", ["worker"], registry=self.registry
+        )
+        for worker in self.workers:
+            self.restarts.labels(str(worker.index))
         self.gpus = list(gpus)  # with --workers auto on a GPU host: worker i computes on GPU gpus[i]
         self._stopping = False
         self.sockets = Path(tempfile.mkdtemp(prefix="mha-workers-"))  # 0700: the workers' hand-over sockets
@@ -180,7 +140,7 @@ class Supervisor:
 
     def environment(self, worker: Worker) -> dict[str, str]:
         """A worker's environment: one GPU of its own where the workers are one per GPU."""
-        env = {**os.environ, "MHA_LOG_LEVEL": self.settings.log_level}
+        env = {**os.environ, "MHA_LOG_LEVEL": self.settings.log_level, MULTIPROC_ENV: str(self.metrics_dir)}
         if len(self.gpus) == len(self.workers):
             env["CUDA_VISIBLE_DEVICES"] = str(self.gpus[worker.index])  # its GPU is its cuda:0
         return env
@@ -208,8 +168,8 @@ class Supervisor:
                     "worker %d died %d times within %.0f s; giving up", worker.index, MAX_RESTARTS, RESTART_WINDOW_S
                 )
                 raise RuntimeError(f"worker {worker.index} keeps dying (last exit code {code})")
-            self.restarts[worker.index] += 1
-            self.collector.retire(worker.index)
+            self.restarts.labels(str(worker.index)).inc()
+            mark_process_dead(worker.process.pid, str(self.metrics_dir))  # its gauges leave; counters stay
             log.error(
                 "worker %d (pid %d) died with exit code %s; restarting it", worker.index, worker.process.pid, code
             )
@@ -220,16 +180,15 @@ class Supervisor:
         stop = asyncio.Event()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
-        registry = CollectorRegistry(auto_describe=False)
-        registry.register(self.collector)  # type: ignore[arg-type]
-        metrics = MetricsServer(registry)
+        metrics = MetricsServer(self.registry)
         try:
             if self.settings.metrics_port is not None:
                 await metrics.start(self.settings.metrics_host or self.settings.host, self.settings.metrics_port)
             return await self._supervise(stop)
-        finally:  # the hand-over sockets' folder goes however the supervisor ends (but SIGKILL)
+        finally:  # the hand-over sockets' and metrics' folders go however the supervisor ends (but SIGKILL)
             await metrics.stop()
             shutil.rmtree(self.sockets, ignore_errors=True)
+            shutil.rmtree(self.metrics_dir, ignore_errors=True)
 
     async def _supervise(self, stop: asyncio.Event) -> int:
         """Start the workers, keep them running until `stop` (0) or one cannot be (1), stop them."""
@@ -253,9 +212,11 @@ class Supervisor:
         replaces it, as KServe's multiprocess server does with its children."""
         silence = Silence()
         while True:
-            await asyncio.sleep(WATCHDOG_PERIOD_S)
+            await asyncio.sleep(WATCHDOG_PERIOD_S if worker.answered else STARTING_POLL_S)
             ok = await asyncio.to_thread(_answers, worker.metrics_port, WATCHDOG_PERIOD_S)
             process = worker.process
+            if ok and not worker.answered:
+                log.info("worker %d answers; the watchdog watches it from now", worker.index)
             if silence.hung(worker, ok, time.monotonic()) and process is not None and process.returncode is None:
                 how = (
                     f"silent for {silence.misses * WATCHDOG_PERIOD_S:.0f} s"

@@ -91,8 +91,8 @@ class InferenceCore:
         self.draining = asyncio.Event()  # set once draining began: open streams stop reading
         self._loaded: Loaded | None = None
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="infer")
-        metrics.inflight.set_function(lambda: self.requests.count)
-        metrics.ready.set_function(lambda: 1 if self.serving_ok() else 0)  # the one readiness, as every signal
+        metrics.follow(metrics.inflight, lambda: self.requests.count)
+        metrics.follow(metrics.ready, lambda: 1 if self.serving_ok() else 0)  # the one readiness, as every signal
         self.device = DeviceHealth(settings.require_device, metrics)  # the server's health follows serving_ok()
         failed = partial(self._set_state, State.FAILED)
         self.publish = Publisher(metrics, self.stats, self.device, self.serving_ok, failed, self.tracing)

@@ -69,11 +69,14 @@ def test_two_workers_share_the_port_add_up_restart_and_drain(small_model_dir: Pa
         for _ in range(40):  # a channel each: the kernel spreads connections over the workers
             with MHAClient(server.url) as client:
                 client.infer(x)
+        _until(lambda: _ok(_samples(server.metrics_port)) == 40)  # each worker writes its series within 0.25 s
         per_worker = [_ok(_samples(port)) for _, port in started.values()]
         total = _samples(server.metrics_port)
         assert all(n > 0 for n in per_worker) and sum(per_worker) == 40 == _ok(total)
         assert total[("mha_request_duration_seconds_count", (("method", "ModelInfer"),))] == 40  # histograms add up
         assert {total[("mha_ready", (("worker", str(i)),))] for i in range(2)} == {1.0}  # gauges by worker
+        memory = {dict(k[1])["worker"] for k in total if k[0] == "process_resident_memory_bytes"}
+        assert memory == {"0", "1"}  # each worker's process, as the dashboard's memory panel shows it
         ready = [line for line in server.log().splitlines() if " ready: serving" in line]
         assert len(ready) == 2 and all("metrics: the supervisor's port" in line for line in ready), ready
         assert not any(f":{port}" in line for line in ready for _, port in started.values())  # no private port
@@ -93,7 +96,7 @@ def test_two_workers_share_the_port_add_up_restart_and_drain(small_model_dir: Pa
         for _ in range(10):
             with MHAClient(server.url) as client:
                 assert client.infer(x).shape == x.shape
-        assert _ok(_samples(server.metrics_port)) == 50  # the dead worker's 40-share still counted
+        _until(lambda: _ok(_samples(server.metrics_port)) == 50)  # the dead worker's 40-share still counted
 
         pids = [int(pid) for _, pid, _ in STARTED.findall(server.log())]
         assert server.terminate(timeout=60) == 0
@@ -285,7 +288,7 @@ def test_a_hung_worker_is_found_and_replaced(small_model_dir: Path, tmp_path: Pa
     server = ServerProcess(["--model-dir", str(small_model_dir), "--backend", "torch", "--workers", "2"])
     server.start(tmp_path / "server.log")
     try:
-        _until(lambda: _ready_workers(server) == 2)
+        _until(lambda: server.log().count("the watchdog watches it from now") == 2)
         pid = int(STARTED.findall(server.log())[0][1])
         os.kill(pid, signal.SIGSTOP)
         _until(lambda: "silent for" in server.log(), timeout_s=60)

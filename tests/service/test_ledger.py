@@ -6,13 +6,11 @@ from __future__ import annotations
 import threading
 
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
-from prometheus_client import CollectorRegistry, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, generate_latest
 
 from service.batching import BatchEvent
 from service.ledger import Ledger
-from service.metrics import LATENCY_BUCKETS, Metrics, observe_many
+from service.metrics import Metrics
 
 
 def test_records_wait_until_a_fold_then_apply_in_order_book_by_book() -> None:
@@ -80,30 +78,6 @@ def test_folds_on_another_thread_lose_and_repeat_nothing() -> None:
 def test_a_bound_below_one_is_refused() -> None:
     with pytest.raises(ValueError, match="at least 1 record"):
         Ledger(bound=0)
-
-
-durations = st.one_of(
-    st.sampled_from(LATENCY_BUCKETS),  # on a bound: counted in that bucket (le means <=)
-    st.floats(min_value=0.0, max_value=30.0, allow_nan=False),
-)
-
-
-@settings(max_examples=200, deadline=None)
-@given(st.lists(durations, max_size=60))
-def test_observing_many_at_once_exposes_what_observing_each_does(values: list[float]) -> None:
-    one_by_one, at_once = CollectorRegistry(), CollectorRegistry()
-    each = Histogram("d_seconds", "d", ["method"], buckets=LATENCY_BUCKETS, registry=one_by_one)
-    many = Histogram("d_seconds", "d", ["method"], buckets=LATENCY_BUCKETS, registry=at_once)
-    child = each.labels(method="m")
-    for v in values:
-        child.observe(v)
-    observe_many(many.labels(method="m"), values)
-    expected, got = _samples(one_by_one), _samples(at_once)
-    assert {k: v for k, v in got.items() if k[0] != "d_seconds_sum"} == {
-        k: v for k, v in expected.items() if k[0] != "d_seconds_sum"
-    }
-    sums = [(got[k], expected[k]) for k in got if k[0] == "d_seconds_sum"]
-    assert all(g == pytest.approx(e, rel=1e-12, abs=1e-12) for g, e in sums)
 
 
 def _samples(registry: CollectorRegistry) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:

@@ -17,6 +17,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from service.client.client import InferenceError, MHAClient
+from service.metrics_http import IDLE_S
 from tests.support import ROOT, ServerThread, make_settings
 
 PROMTOOL = ROOT / ".tools" / "prometheus" / "usr" / "bin" / "promtool"
@@ -183,6 +184,11 @@ def test_the_metrics_port_serves_metrics_only_without_a_thread_per_connection(sm
         try:
             assert "mha_requests" in scrape(server.metrics_port)  # served while 200 connections idle
             assert threading.active_count() <= threads + 2
+            trickle = idle[0]
+            trickle.sendall(b"GET /metr")  # a head that never ends, and connections that send nothing:
+            for s in (trickle, idle[1]):  # closed by the server after IDLE_S, not held
+                s.settimeout(IDLE_S * 4)
+                assert s.recv(100) == b""
         finally:
             for s in idle:
                 s.close()
