@@ -34,7 +34,7 @@ import numpy as np
 from service.app.launch import ServerProcess, free_port
 from service.proto import grpc_service_pb2 as pb
 from service.proto import grpc_service_pb2_grpc as pb_grpc
-from service.protocol.codec import decode_infer_response, encode_infer_request
+from service.protocol.grpc_codec import decode_infer_response, encode_infer_request
 
 log = logging.getLogger("bench")
 

@@ -42,8 +42,9 @@ from service.arrays import all_finite
 from service.proto import grpc_service_pb2 as pb
 from service.protocol.answer import answer_infer
 from service.protocol.calls import Calls
-from service.protocol.codec import decode_infer_request, encode_infer_request, encode_infer_response
+from service.protocol.grpc_codec import encode_infer_request, request_from_proto, response_to_proto
 from service.protocol.grpc_servicer import InferenceServicer
+from service.protocol.inference import answered, decode_input
 from service.settings import Settings
 
 log = logging.getLogger("bench")
@@ -74,8 +75,10 @@ def stages(running: Running, x: np.ndarray) -> dict[str, Stage]:
     async def whole() -> Any:
         return await servicer.ModelInfer(request, context)  # type: ignore[arg-type]
 
+    neutral = request_from_proto(request)
+
     async def answer() -> Any:
-        return await answer_infer(core, regions, request, None)
+        return await answer_infer(core, regions, request_from_proto(request), None)
 
     async def infer() -> Any:
         return await core.infer(x, None)
@@ -84,10 +87,10 @@ def stages(running: Running, x: np.ndarray) -> dict[str, Stage]:
         return await batcher.submit(x, None)
 
     async def decode() -> Any:
-        return decode_infer_request(request, model, regions)
+        return decode_input(request_from_proto(request), model, regions)
 
     async def encode() -> pb.ModelInferResponse:
-        return encode_infer_response(x, model, "bench", "ort-cpu")
+        return response_to_proto(answered(neutral, model, x, "ort-cpu"))
 
     async def checks() -> Any:
         model.check_magnitude(x)  # the input's magnitude bound, then the output's finiteness
@@ -104,8 +107,8 @@ def stages(running: Running, x: np.ndarray) -> dict[str, Stage]:
         "answer_infer (protocol)": answer,
         "core.infer (engine)": infer,
         "batcher.submit": submit,
-        "decode_infer_request": decode,
-        "encode_infer_response": encode,
+        "request_from_proto + decode_input": decode,
+        "answered + response_to_proto": encode,
         "input and output checks": checks,
         "backend chain": chain,
         "one turn of the event loop": turn,

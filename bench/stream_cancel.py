@@ -23,7 +23,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from service.app.launch import ServerProcess
 from service.proto import grpc_service_pb2_grpc as pb_grpc
-from service.protocol.codec import encode_infer_request
+from service.protocol.grpc_codec import encode_infer_request
 
 log = logging.getLogger("bench")
 C = 128

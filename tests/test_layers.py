@@ -138,7 +138,8 @@ def test_nothing_below_the_wire_imports_grpc_protobuf_or_aiohttp() -> None:
 
 CASES = [
     ("service.client.client", {"torch", "onnx", "onnxruntime", "export.verify"}),  # a client needs no model code
-    ("service.protocol.codec", {"torch", "onnx", "onnxruntime"}),
+    ("service.protocol.grpc_codec", {"torch", "onnx", "onnxruntime"}),
+    ("service.protocol.inference", {"torch", "onnx", "onnxruntime", "grpc", "aiohttp"}),  # no protocol
     ("export.layout", {"torch", "onnx", "onnxruntime", "grpc"}),
     ("model", {"grpc", "onnxruntime", "service"}),  # the model knows no server
     ("service.engine.batcher", {"grpc", "torch", "onnxruntime"}),  # the batcher knows no gRPC

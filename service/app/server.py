@@ -24,7 +24,6 @@ from prometheus_client import CollectorRegistry
 from service.batching import Clock
 from service.engine.core import ComputeHook, InferenceCore, State
 from service.metrics import Metrics
-from service.metrics_http import MetricsServer
 from service.proto import grpc_service_pb2 as pb
 from service.protocol.auth import BearerToken, BearerTokenInterceptor, read_token
 from service.protocol.calls import Calls
@@ -33,6 +32,7 @@ from service.protocol.grpc_servicer import InferenceServicer
 from service.protocol.handover import Handover
 from service.protocol.http_app import HttpApi, ssl_context
 from service.protocol.http_wire import JsonErrorsRunner
+from service.protocol.metrics_http import MetricsServer
 from service.protocol.peers import WorkerPeers, socket_path
 from service.protocol.shm import SystemRegions
 from service.settings import Settings

@@ -35,7 +35,7 @@ from prometheus_client.multiprocess import MultiProcessCollector, mark_process_d
 
 from service.app.launch import free_ports, serve_command
 from service.cpus import available_cpus
-from service.metrics_http import MetricsServer
+from service.protocol.metrics_http import MetricsServer
 from service.settings import Settings
 
 log = logging.getLogger(__name__)

@@ -11,13 +11,8 @@ import numpy as np
 
 from service.proto import grpc_service_pb2 as pb
 from service.proto import grpc_service_pb2_grpc as pb_grpc
-from service.protocol.codec import (
-    SEQUENCE_HEADER,
-    SEQUENCE_LENGTH,
-    SEQUENCE_OFFSET,
-    decode_infer_response,
-    encode_infer_request,
-)
+from service.protocol.grpc_codec import decode_infer_response, encode_infer_request
+from service.protocol.inference import SEQUENCE_HEADER, SEQUENCE_LENGTH, SEQUENCE_OFFSET
 
 log = logging.getLogger(__name__)
 

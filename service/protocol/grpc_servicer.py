@@ -23,8 +23,9 @@ from service.proto import grpc_service_pb2_grpc as pb_grpc
 from service.protocol import render
 from service.protocol.answer import answer_infer
 from service.protocol.calls import Call, Calls, StreamItemScope
-from service.protocol.codec import SEQUENCE_HEADER
+from service.protocol.grpc_codec import request_from_proto, response_to_proto
 from service.protocol.grpc_streams import answer_concurrently
+from service.protocol.inference import SEQUENCE_HEADER
 from service.protocol.peers import WorkerPeers
 from service.protocol.regions import RegionDirectory
 from service.protocol.shm import SystemRegions
@@ -187,7 +188,9 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
 
     async def _infer(self, request: pb.ModelInferRequest, context: Context, call: Call) -> pb.ModelInferResponse:
         deadline, header = _deadline(context, self.core.clock), _sequence_header(context)
-        return await answer_infer(self.core, self.regions, request, deadline, header, self.peers, call)
+        inference = request_from_proto(request)
+        answer = await answer_infer(self.core, self.regions, inference, deadline, header, self.peers, call)
+        return response_to_proto(answer)
 
 
 def _settle_stream_item(answered: tuple[pb.ModelStreamInferResponse, StreamItemScope], delivered: bool) -> None:

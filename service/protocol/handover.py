@@ -19,6 +19,7 @@ from service.proto import grpc_service_pb2 as pb
 from service.protocol import render
 from service.protocol.answer import answer_infer
 from service.protocol.calls import Call, Calls
+from service.protocol.grpc_codec import request_from_proto, response_to_proto
 from service.protocol.peers import (
     FORWARDED_METHOD,
     INFER,
@@ -73,7 +74,9 @@ class Handover:
         this worker does not own go on to their owner (the region keeper's hand-overs do)."""
         if kind == INFER:
             deadline = None if seconds is None else self.core.clock.now() + seconds
-            return await answer_infer(self.core, self.regions, request, deadline, header, self.peers, call)
+            inference = request_from_proto(request)
+            answer = await answer_infer(self.core, self.regions, inference, deadline, header, self.peers, call)
+            return response_to_proto(answer)
         if kind == REGISTER:
             self.regions.register(request.name, request.key, request.offset, request.byte_size)
             return pb.SystemSharedMemoryRegisterResponse()

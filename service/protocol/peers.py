@@ -11,7 +11,7 @@ status and message come back as they are. System shared memory regions are kept 
 handed to it (service/protocol/regions.py), so every connection sees one set of regions.
 
 The hand-over is one frame each way on a pooled stream connection, not a gRPC call: the request
-as the client serialized it, its mha-sequence-id header and its remaining time; the answer's
+as gRPC's message, its mha-sequence-id header and its remaining time; the answer's
 status code and the serialized response (or the error message): cheaper than a gRPC call over
 the same socket (docs/benchmarks.md, bench/scaleout.py).
 """
@@ -31,6 +31,8 @@ from google.protobuf.message import Message
 from service.decode.control import SequenceId
 from service.errors import DeadlineExceeded, NotReady, Relayed
 from service.proto import grpc_service_pb2 as pb
+from service.protocol.grpc_codec import request_to_proto, response_from_proto
+from service.protocol.inference import InferRequest, InferResponse
 
 log = logging.getLogger(__name__)
 
@@ -90,11 +92,11 @@ class WorkerPeers:
         return None if self.index == REGION_KEEPER else REGION_KEEPER
 
     async def forward(
-        self, worker: int, request: pb.ModelInferRequest, header: str | None, timeout: float | None
-    ) -> pb.ModelInferResponse:
-        """The owner's answer to `request`."""
-        answer = await self.call(worker, INFER, request, header, timeout)
-        return pb.ModelInferResponse.FromString(answer)
+        self, worker: int, request: InferRequest, header: str | None, timeout: float | None
+    ) -> InferResponse:
+        """`worker`'s answer to `request` (handed over as gRPC's message)."""
+        answer = await self.call(worker, INFER, request_to_proto(request), header, timeout)
+        return response_from_proto(pb.ModelInferResponse.FromString(answer))
 
     async def call(
         self, worker: int, kind: int, request: Message, header: str | None = None, timeout: float | None = 30.0

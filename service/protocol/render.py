@@ -14,7 +14,7 @@ from service.backends.base import Backend
 from service.engine.served import ModelIdentity, ServedModel, Serving
 from service.engine.stats import Duration, ModelStats
 from service.proto import grpc_service_pb2 as pb
-from service.protocol.codec import DATATYPE
+from service.protocol.inference import DATATYPE
 from service.protocol.shm import Region
 
 SERVER_NAME = "mha-serve"

@@ -116,7 +116,7 @@ def test_the_validation_refuses_a_misspelled_field() -> None:
 
 
 def test_every_balancer_hashes_on_the_header_clients_send() -> None:
-    from service.protocol.codec import SEQUENCE_HEADER
+    from service.protocol.inference import SEQUENCE_HEADER
 
     ingress = [d for d in render("cpu-ingress-nginx") if d["kind"] == "Ingress"]
     assert len(ingress) == 2

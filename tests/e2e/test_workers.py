@@ -25,7 +25,7 @@ from model.reference import attention_view, relative_error
 from service.client.client import InferenceError, MHAClient
 from service.proto import grpc_service_pb2 as pb
 from service.proto import grpc_service_pb2_grpc as pb_grpc
-from service.protocol.codec import decode_infer_response, encode_infer_request, parameter_values
+from service.protocol.grpc_codec import decode_infer_response, encode_infer_request, parameter_values
 from service.protocol.peers import FORWARDED_METHOD, owner_of
 from tests.support import ServerProcess
 

@@ -17,7 +17,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from service.client.client import InferenceError, MHAClient
-from service.metrics_http import IDLE_S
+from service.protocol.metrics_http import IDLE_S
 from tests.support import ROOT, ServerThread, make_settings
 
 PROMTOOL = ROOT / ".tools" / "prometheus" / "usr" / "bin" / "promtool"

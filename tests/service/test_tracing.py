@@ -16,7 +16,7 @@ import pytest
 
 from service.client.client import MHAClient
 from service.proto import grpc_service_pb2_grpc as pb_grpc
-from service.protocol.codec import encode_infer_request
+from service.protocol.grpc_codec import encode_infer_request
 from tests.otlp_receiver import OtlpReceiver, ReceivedSpan
 from tests.support import ROOT, ServerThread, make_settings
 

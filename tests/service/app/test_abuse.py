@@ -14,7 +14,7 @@ import pytest
 
 from service.app.server import drain_and_stop
 from service.proto import grpc_service_pb2 as pb
-from service.protocol.codec import encode_infer_request
+from service.protocol.grpc_codec import encode_infer_request
 from tests.support import ServerThread, make_settings
 
 INFER = "/inference.GRPCInferenceService/ModelInfer"

@@ -19,7 +19,7 @@ from service.cli import verify_server
 from service.client.client import InferenceError, MHAClient
 from service.proto import grpc_service_pb2 as pb
 from service.proto import grpc_service_pb2_grpc as pb_grpc
-from service.protocol.codec import encode_infer_request
+from service.protocol.grpc_codec import encode_infer_request
 from tests.support import ComputeGate, ServerThread, make_settings
 
 

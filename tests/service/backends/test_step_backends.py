@@ -21,7 +21,8 @@ from service.backends.pytorch import TorchBackend
 from service.backends.selection import ProbeCache, SelfCheck, select_backends
 from service.client.client import InferenceError, MHAClient
 from service.proto import grpc_service_pb2 as pb
-from service.protocol.codec import SEQUENCE_OFFSET, decode_infer_response, encode_infer_request
+from service.protocol.grpc_codec import decode_infer_response, encode_infer_request
+from service.protocol.inference import SEQUENCE_OFFSET
 from tests.support import ServerThread, make_settings
 
 

@@ -28,7 +28,7 @@ from service.decode.sequences import SequenceLimits, SequenceStore
 from service.errors import InvalidInput, Overloaded, SequenceNotFound
 from service.proto import grpc_service_pb2 as pb
 from service.proto import grpc_service_pb2_grpc as pb_grpc
-from service.protocol.codec import decode_infer_response, encode_infer_request
+from service.protocol.grpc_codec import decode_infer_response, encode_infer_request
 from tests.support import ComputeGate, ManualClock, ServerThread, make_settings
 
 C = 32  # the small model: 4 heads, max_seq_len 64
@@ -170,7 +170,7 @@ def test_every_bad_step_answers_its_status(stub) -> None:
         "end-unknown": (_step(x, 405, end=True), grpc.StatusCode.NOT_FOUND, "is not known"),
         "other-B": (_step(np.ones((2, 1, C), np.float32), 500), grpc.StatusCode.INVALID_ARGUMENT, "B = 1 rows"),
         "too-long": (_step(np.ones((1, 63, C), np.float32), 500), grpc.StatusCode.INVALID_ARGUMENT, "max_seq_len 64"),
-        "double-id": (bad_id, grpc.StatusCode.INVALID_ARGUMENT, "int64_param or a string_param"),
+        "double-id": (bad_id, grpc.StatusCode.INVALID_ARGUMENT, "an integer or a string, got a number"),
         "empty-id": (empty, grpc.StatusCode.INVALID_ARGUMENT, "1 to 128 characters"),
         "negative-id": (negative, grpc.StatusCode.INVALID_ARGUMENT, "expected an integer >= 1"),
         "flag-only": (flag_only, grpc.StatusCode.INVALID_ARGUMENT, "need a sequence_id"),
@@ -242,7 +242,7 @@ def test_bad_offsets_and_headers_are_refused(stub) -> None:
     cases = {
         "offset-without-id": (no_id, (), "need a sequence_id"),
         "negative-offset": (negative, (), "expected a token count >= 0"),
-        "string-offset": (typed, (), "must be an int64_param token count"),
+        "string-offset": (typed, (), "must be an integer token count, got a string"),
         "start-at-3": (_at(_step(x, "other", start=True), 3), (), "a sequence starts at offset 0"),
         "header-differs": (_step(x, "headed"), (("mha-sequence-id", "other"),), "disagrees with the request's"),
         "header-alone": (encode_infer_request(x), (("mha-sequence-id", "headed"),), "sequence_id (none)"),

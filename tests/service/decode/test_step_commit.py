@@ -15,7 +15,8 @@ import torch
 from model.checkpoint import load_checkpoint
 from model.reference import attention_view, relative_error
 from service.client.client import MHAClient
-from service.protocol.codec import SEQUENCE_HEADER, SEQUENCE_LENGTH, SEQUENCE_OFFSET, encode_infer_request
+from service.protocol.grpc_codec import encode_infer_request
+from service.protocol.inference import SEQUENCE_HEADER, SEQUENCE_LENGTH, SEQUENCE_OFFSET
 from tests.support import ComputeGate, ServerThread, make_settings
 
 

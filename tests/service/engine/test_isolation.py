@@ -16,7 +16,7 @@ from model.checkpoint import load_checkpoint
 from model.reference import attention_view, relative_error
 from service.client.client import InferenceError, MHAClient
 from service.proto import grpc_service_pb2_grpc as pb_grpc
-from service.protocol.codec import decode_infer_response, encode_infer_request
+from service.protocol.grpc_codec import decode_infer_response, encode_infer_request
 from tests.support import ComputeGate, ServerThread, make_settings
 
 POISONS = {  # both backends overflow on these (checked in the tests: nothing may be benched)

@@ -1,7 +1,10 @@
-"""The codec: round trips and every request check, as pure functions."""
+"""The codecs and the neutral request: round trips and every request check, as pure functions.
+A gRPC message and an HTTP body decode into the same InferRequest, and each protocol's
+refusals name what its client wrote."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import numpy as np
@@ -12,12 +15,15 @@ from model import MHAConfig
 from service.engine.served import ModelIdentity, ServedModel
 from service.errors import InvalidInput, ModelNotFound
 from service.proto import grpc_service_pb2 as pb
-from service.protocol.codec import (
-    decode_infer_request,
+from service.protocol.grpc_codec import (
     decode_infer_response,
     encode_infer_request,
-    encode_infer_response,
+    request_from_proto,
+    request_to_proto,
+    response_to_proto,
 )
+from service.protocol.http_codec import request_from_json
+from service.protocol.inference import answered, decode_input, sequence_control
 
 SPEC = ServedModel(
     ModelIdentity("mha", "1", "mha_sequence"),
@@ -30,6 +36,10 @@ SPEC = ServedModel(
 )
 
 
+def decode_infer_request(request: pb.ModelInferRequest, model: ServedModel) -> np.ndarray:
+    return decode_input(request_from_proto(request), model)
+
+
 def _x(*shape: int) -> np.ndarray:
     return np.random.default_rng(0).standard_normal(shape, dtype=np.float32)
 
@@ -40,7 +50,7 @@ def test_raw_round_trip_without_copy() -> None:
     decoded = decode_infer_request(request, SPEC)
     assert np.array_equal(decoded, x)
     assert not decoded.flags.writeable  # a view of the request bytes, not a copy
-    response = encode_infer_response(decoded, SPEC, "abc", "torch-cpu")
+    response = response_to_proto(answered(request_from_proto(request), SPEC, decoded, "torch-cpu"))
     assert response.id == "abc" and response.model_version == "1"
     assert response.parameters["backend"].string_param == "torch-cpu"
     assert len(response.raw_output_contents) == 1 and not response.outputs[0].HasField("contents")
@@ -129,3 +139,46 @@ def test_attention_memory_budget_per_request() -> None:
     assert decode_infer_request(encode_infer_request(_x(2, 16, 8)), tight).shape == (2, 16, 8)
     with pytest.raises(InvalidInput, match=r"attention needs 0 MiB \(B x 2 heads x T x T x 4 bytes\)"):
         decode_infer_request(encode_infer_request(_x(4, 16, 8)), tight)
+
+
+def test_a_json_body_and_a_grpc_message_decode_to_the_same_request() -> None:
+    x = _x(1, 3, 8)
+    message = encode_infer_request(x, request_id="same")
+    message.parameters["sequence_id"].string_param = "s"
+    message.parameters["sequence_start"].bool_param = True
+    message.parameters["sequence_offset"].int64_param = 0
+    parameters = {"sequence_id": "s", "sequence_start": True, "sequence_offset": 0}
+    tensor = {"name": "x", "datatype": "FP32", "shape": [1, 3, 8], "parameters": {"binary_data_size": x.nbytes}}
+    head = json.dumps({"id": "same", "inputs": [tensor], "parameters": parameters}).encode()
+    binary, _ = request_from_json(head + x.tobytes(), len(head), "mha", "")
+    typed = {"name": "x", "datatype": "FP32", "shape": [1, 3, 8], "data": x.tolist()}
+    listed, _ = request_from_json(
+        json.dumps({"id": "same", "inputs": [typed], "parameters": parameters}).encode(), None, "mha", ""
+    )
+    from_grpc = request_from_proto(message)
+    for request in (binary, listed, from_grpc):
+        assert np.array_equal(decode_input(request, SPEC), x)
+        assert sequence_control(request) == sequence_control(from_grpc)
+        assert request.parameters == from_grpc.parameters
+    again = request_from_proto(request_to_proto(listed))  # as a worker hands it over
+    assert np.array_equal(decode_input(again, SPEC), x) and again.parameters == from_grpc.parameters
+
+
+def test_each_protocol_names_its_own_fields_in_a_refusal() -> None:
+    short = _request([1, 4, 8], nbytes=100)
+    with pytest.raises(InvalidInput, match=r"^raw_input_contents holds 100 bytes"):
+        decode_infer_request(short, SPEC)
+    tensor = {"name": "x", "datatype": "FP32", "shape": [1, 4, 8], "parameters": {"binary_data_size": 100}}
+    head = json.dumps({"inputs": [tensor]}).encode()
+    request, _ = request_from_json(head + bytes(100), len(head), "mha", "")
+    with pytest.raises(InvalidInput, match=r"^binary data \(binary_data_size\) holds 100 bytes"):
+        decode_input(request, SPEC)
+    listed, _ = request_from_json(
+        json.dumps({"inputs": [{**tensor, "parameters": {}, "data": [1.0] * 5}]}).encode(), None, "mha", ""
+    )
+    with pytest.raises(InvalidInput, match=r"^data holds 5 values"):
+        decode_input(listed, SPEC)
+    both = {**tensor, "parameters": {"binary_data_size": 128}, "data": [0.0] * 32}
+    head = json.dumps({"inputs": [both]}).encode()
+    with pytest.raises(InvalidInput, match="both binary_data_size and data"):
+        request_from_json(head + bytes(128), len(head), "mha", "")

@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 from model.checkpoint import load_checkpoint
 from model.reference import attention_view, relative_error
 from service.proto import grpc_service_pb2 as pb
-from service.protocol.codec import encode_infer_request
+from service.protocol.grpc_codec import encode_infer_request
 from tests.service.protocol.test_fuzz import CLIENT_MISTAKES, INFER, MALFORMED
 from tests.support import ServerThread, make_settings
 

@@ -72,8 +72,27 @@ BAD = {
     "object-sequence-id": (_with(parameters={"sequence_id": {"a": 1}}), 400, "is a JSON object; expected a string"),
     "array-parameter": (_with(parameters={"priority": [1]}), 400, "is a JSON array; expected a string"),
     "element-count": (_with(tensor={"data": [1.0] * 31}), 400, "data holds 31 values; shape [1, 1, 32] needs 32"),
-    "flag-not-a-bool": (_with(parameters={"sequence_start": 1}), 400, "must be a JSON boolean (true or false)"),
-    "sequence-id-a-number": (_with(parameters={"sequence_id": 1.5}), 400, "a JSON integer or a JSON string"),
+    "flag-not-a-bool": (
+        _with(parameters={"sequence_start": 1}),
+        400,
+        "must be a boolean (true or false), got an integer",
+    ),
+    "sequence-id-a-number": (
+        _with(parameters={"sequence_id": 1.5}),
+        400,
+        "must be an integer or a string, got a number",
+    ),
+    "no-data": (
+        json.dumps({"inputs": [{"name": "x", "shape": [1, 1, 32], "datatype": "FP32"}]}).encode(),
+        400,
+        "carries no data; expected binary data (binary_data_size) or data",
+    ),
+    "binary-too-short": (
+        b'{"inputs": [{"name": "x", "shape": [1, 1, 32], "datatype": "FP32", "parameters": {"binary_data_size": 8}}]}',
+        400,
+        "does not fit the 0 bytes sent",
+    ),
+    "timeout-a-string": (_with(parameters={"timeout": "1s"}), 400, "'timeout' must be an integer microsecond count"),
 }
 GRPC_WORDS = re.compile(r"_param\b|_contents\b|\bcontents\.")  # each protocol names its own fields
 

@@ -22,7 +22,8 @@ from model.reference import attention_view, relative_error
 from service.errors import FeatureOff, InvalidInput, Overloaded, RegionExists, RegionNotFound
 from service.proto import grpc_service_pb2 as pb
 from service.proto import grpc_service_pb2_grpc as pb_grpc
-from service.protocol.codec import encode_infer_request, encode_infer_response, output_placement
+from service.protocol.grpc_codec import encode_infer_request, request_from_proto
+from service.protocol.inference import answered, output_placement
 from service.protocol.shm import Placement, SystemRegions
 from tests.service.protocol.test_codec import SPEC
 from tests.support import ServerThread, make_settings
@@ -205,7 +206,7 @@ def _bad_requests(region: str, nbytes: int) -> dict[str, tuple[pb.ModelInferRequ
     cases["output-too-small"] = (small_out, grpc.StatusCode.INVALID_ARGUMENT, "too small")
     text_size = _shm_request(shape, region)
     text_size.inputs[0].parameters["shared_memory_byte_size"].string_param = "512"
-    cases["size-as-text"] = (text_size, grpc.StatusCode.INVALID_ARGUMENT, "must be an int64_param")
+    cases["size-as-text"] = (text_size, grpc.StatusCode.INVALID_ARGUMENT, "must be an integer byte count")
     negative = _shm_request(shape, region)
     negative.inputs[0].parameters["shared_memory_offset"].int64_param = -8
     cases["negative-offset"] = (negative, grpc.StatusCode.INVALID_ARGUMENT, "expected a byte count >= 0")
@@ -329,11 +330,12 @@ def test_a_region_unregistered_while_its_request_computes_is_not_found(tmp_path:
     regions = SystemRegions(True, 4, tmp_path)
     regions.register("out", "/out", 0, x.nbytes)
     request = _shm_request(x.shape, "in", out=("out", 0))
-    target = output_placement(request, x.shape, regions)
+    neutral = request_from_proto(request)
+    target = output_placement(neutral, x.shape, regions)
     assert target == Placement("out", x.nbytes, 0)
     regions.unregister("out")  # meanwhile, the client unregisters it
     with pytest.raises(RegionNotFound, match="'out'"):
-        encode_infer_response(x, SPEC, "r", "torch", target, regions)
+        answered(neutral, SPEC, x, "torch", target, regions)
     assert (tmp_path / "out").read_bytes() == bytes(x.nbytes)
 
 

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from service.proto import grpc_service_pb2_grpc as pb_grpc
-from service.protocol.codec import encode_infer_request
+from service.protocol.grpc_codec import encode_infer_request
 from service.protocol.grpc_streams import answer_concurrently
 from tests.support import ComputeGate, ServerThread, make_settings
 
