@@ -253,7 +253,11 @@ def timing(entry: dict[str, Any], B: int, T: int, C: int, nh: int, rates: dict[s
     export_onnx(cfg, w, path)  # no parity grid here: section 2 checks the served model
     x = torch.randn(B, T, C, device="cuda")
     backend = OrtCudaBackend(path)
-    session = backend._session
+    import onnxruntime as ort
+
+    session = ort.InferenceSession(
+        str(path), providers=["CUDAExecutionProvider"]
+    )  # the raw session, beside the backend
     binding = session.io_binding()
     y = torch.empty_like(x)
     binding.bind_input(INPUT_NAME, "cuda", 0, np.float32, list(x.shape), x.data_ptr())

@@ -31,7 +31,7 @@ from service.protocol.grpc_handlers import generic_handler
 from service.protocol.grpc_servicer import InferenceServicer
 from service.protocol.handover import Handover
 from service.protocol.http_app import HttpApi, ssl_context
-from service.protocol.http_wire import JsonErrorsRunner
+from service.protocol.http_wire import quiet_client_mistakes
 from service.protocol.metrics_http import MetricsServer
 from service.protocol.peers import WorkerPeers, socket_path
 from service.protocol.shm import SystemRegions
@@ -232,7 +232,8 @@ async def _refresh_metrics(metrics: Metrics) -> None:
 
 
 async def _start_http(running: Running, settings: Settings, api: HttpApi) -> None:
-    running.http_runner = JsonErrorsRunner(api.app(), access_log=None, handle_signals=False)
+    quiet_client_mistakes()
+    running.http_runner = web.AppRunner(api.app(), access_log=None, handle_signals=False)
     await running.http_runner.setup()
     site = web.TCPSite(
         running.http_runner,

@@ -79,26 +79,30 @@ class Bench:
         self.changes = 0
         self._benched = 0  # backends benched now: read after every batch, so kept, not counted
 
+    def _of(self, backend: Backend) -> _Health:
+        """A backend's health; one the chain gained after it was built starts healthy."""
+        return self.health.setdefault(backend.name, _Health())
+
     @property
     def any(self) -> bool:
         return self._benched > 0
 
     def in_service(self, backend: Backend) -> bool:
-        return self.health[backend.name].benched_until == 0.0
+        return self._of(backend).benched_until == 0.0
 
     def first_healthy(self, order: list[Backend]) -> Backend:
         now = self._clock()
         for backend in order:
-            if self.health[backend.name].benched_until <= now:
+            if self._of(backend).benched_until <= now:
                 return backend
         return order[0]
 
     def benched(self, backends: list[Backend]) -> list[str]:
         now = self._clock()
-        return [b.name for b in backends if self.health[b.name].benched_until > now]
+        return [b.name for b in backends if self._of(b).benched_until > now]
 
     def available(self, backend: Backend) -> bool:
-        health = self.health[backend.name]
+        health = self._of(backend)
         if health.benched_until == 0.0:
             return True
         if health.benched_until > self._clock():
@@ -115,7 +119,7 @@ class Bench:
         return False
 
     def failed(self, backend: Backend) -> None:
-        health = self.health[backend.name]
+        health = self._of(backend)
         health.consecutive_failures += 1
         if health.consecutive_failures >= self._threshold and health.benched_until == 0.0:
             health.benched_until = self._clock() + self._cooldown
@@ -129,7 +133,7 @@ class Bench:
             )
 
     def succeeded(self, backend: Backend) -> None:
-        self.health[backend.name].consecutive_failures = 0
+        self._of(backend).consecutive_failures = 0
 
 
 class BackendChain:

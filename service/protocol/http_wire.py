@@ -1,8 +1,8 @@
-"""What the HTTP server answers before a request reaches a route: aiohttp's own refusals (a
-request line or header too long, a malformed message), an unknown path, a method a path does not
-take. Each answers the documented `{"error": "..."}` JSON with a message that says what was wrong
-and what is expected, and is logged at INFO on one line: a client's mistake, not a server fault.
-A fault of the server (500) keeps its traceback in the log, and answers JSON too.
+"""What the HTTP server answers before a request reaches a route: an unknown path or a method a
+path does not take answers the documented `{"error": "..."}` JSON with a message that says what
+was wrong and what is expected; a request aiohttp cannot read (a request line or header too
+long, a malformed message) gets aiohttp's own 400. Each is logged at INFO on one line: a
+client's mistake, not a server fault.
 """
 
 from __future__ import annotations
@@ -11,8 +11,7 @@ import logging
 from typing import Any
 
 from aiohttp import web
-from aiohttp.web_protocol import RequestHandler
-from aiohttp.web_request import BaseRequest
+from aiohttp.http_exceptions import HttpProcessingError
 
 from service.errors import quote
 
@@ -43,40 +42,26 @@ def _refused(status: int, message: str, headers: dict[str, str] | None = None) -
     return web.json_response({"error": message}, status=status, headers=headers)
 
 
-class _Connection(RequestHandler):
-    """One HTTP connection whose aiohttp-level refusals answer JSON, logged without a trace."""
+class ClientMistakes(logging.Filter):
+    """aiohttp answers a request it cannot read (a request line or header too long, a malformed
+    message) with its own 400 and logs it at ERROR with a traceback. It is a client's mistake:
+    this filter on aiohttp's server logger makes it one INFO line, without the trace."""
 
-    def handle_error(
-        self, request: BaseRequest, status: int = 500, exc: BaseException | None = None, message: str | None = None
-    ) -> web.StreamResponse:
-        if status >= 500:
-            super().handle_error(request, status, exc, message)  # a server fault: logged with its trace
-            text = "internal server error; the server's log has the details"
-        else:
-            reason = getattr(exc, "message", None) or message or type(exc).__name__
-            text = f"the request could not be read as HTTP/1.1: {quote(str(reason), 160)}"
-            log.info("HTTP %d: %s", status, text)
-            if request.writer.output_size > 0:
-                raise ConnectionError("a response was already under way: the connection is closed")
-        response = web.json_response({"error": text}, status=status)
-        response.force_close()
-        return response
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        if isinstance(exc, HttpProcessingError) and 400 <= (exc.code or 500) < 500:
+            record.levelno, record.levelname = logging.INFO, logging.getLevelName(logging.INFO)
+            record.msg = "HTTP %d: the request could not be read as HTTP/1.1: %s"
+            record.args = (exc.code, quote(str(exc.message), 160))
+            record.exc_info, record.exc_text = None, None
+        return True
 
 
-class _Server(web.Server):
-    def __call__(self) -> RequestHandler:
-        return _Connection(self, loop=self._loop, **self._kwargs)
+CLIENT_MISTAKES = ClientMistakes()
 
 
-class JsonErrorsRunner(web.AppRunner):
-    """aiohttp's application runner, its connections answering their own refusals as JSON."""
-
-    async def _make_server(self) -> web.Server:
-        plain = await super()._make_server()
-        return _Server(
-            plain.request_handler,
-            request_factory=plain.request_factory,
-            handler_cancellation=plain.handler_cancellation,
-            loop=plain._loop,
-            **plain._kwargs,
-        )
+def quiet_client_mistakes() -> None:
+    """Install the filter on aiohttp's server logger (once, however many servers start)."""
+    logger = logging.getLogger("aiohttp.server")
+    if CLIENT_MISTAKES not in logger.filters:
+        logger.addFilter(CLIENT_MISTAKES)

@@ -15,7 +15,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from service.backends.base import Backend, Step
-from service.backends.chain import BackendChain, _Health, is_sticky_device_error
+from service.backends.chain import BackendChain, is_sticky_device_error
 from service.client.client import InferenceError, MHAClient
 from service.errors import DeviceLost
 from service.proto import grpc_service_pb2 as pb
@@ -129,7 +129,6 @@ def test_a_lost_device_stops_the_replica(small_model_dir: Path) -> None:
         chain = server.core.loaded.chain
         broken = BrokenCuda()
         chain.backends.insert(0, broken)  # as if ort-cuda served, then broke
-        chain.bench.health[broken.name] = _Health()
         with MHAClient(server.url) as client:
             with pytest.raises(InferenceError) as first:
                 client.infer(np.ones((1, 3, 32), np.float32))
@@ -169,7 +168,6 @@ def test_a_lost_device_under_the_caches_stops_the_replica(small_model_dir: Path)
         chain = server.core.loaded.chain
         broken = BrokenCudaSteps()
         chain.step_backends.insert(0, broken)  # as if the steps ran on CUDA, then it broke
-        chain.bench.health[broken.name] = _Health()
         with grpc.insecure_channel(server.url) as channel:
             stub = pb_grpc.GRPCInferenceServiceStub(channel)
             with pytest.raises(grpc.RpcError) as first:
