@@ -45,15 +45,15 @@ def cgroup_cpu_limit(membership: str, root: Path) -> float | None:
             continue
         hierarchy, controllers, path = parts
         if hierarchy == "0" and not controllers:  # cgroup v2: one unified hierarchy
-            limits += _along(root, path, _v2_limit)
+            limits += along_hierarchy(root, path, _v2_limit)
         elif "cpu" in controllers.split(","):  # cgroup v1: the cpu controller's mount, or its usual link
             mount = next((m for m in (root / controllers, root / "cpu") if m.is_dir()), None)
             if mount is not None:
-                limits += _along(mount, path, _v1_limit)
+                limits += along_hierarchy(mount, path, _v1_limit)
     return min(limits) if limits else None
 
 
-def _along(mount: Path, path: str, read: Callable[[Path], float | None]) -> list[float]:
+def along_hierarchy(mount: Path, path: str, read: Callable[[Path], float | None]) -> list[float]:
     """The limits set on `path`'s cgroup and on its ancestors. The mount's root counts too: inside a
     container without a cgroup namespace the path names the host's hierarchy, and the container's
     own cgroup is mounted at the root."""

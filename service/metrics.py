@@ -123,6 +123,12 @@ class Metrics:
         gauge, labelled = self._gauge, self._labelled_gauge
         self.inflight = gauge("mha_inflight_requests", "Inference requests in the server now.")
         self.queue_depth = gauge("mha_queue_depth", "Requests waiting in the batching queue.")
+        self.inflight_bytes = gauge(
+            "mha_inflight_bytes", "Bytes of requests and answers held now (queued, computing, being written)."
+        )
+        self.inflight_budget = gauge(
+            "mha_inflight_budget_bytes", "Bytes of requests and answers held at most before RESOURCE_EXHAUSTED."
+        )
         self.queue_capacity = gauge("mha_queue_capacity", "Requests the queue holds before RESOURCE_EXHAUSTED.")
         self.fallbacks = counter(
             "mha_backend_fallbacks",

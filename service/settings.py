@@ -91,6 +91,16 @@ class Settings:
     max_batch_size: int = setting(8, "rows per executed batch; 1 turns batching off", "rows", low=1)
     max_queue_delay_ms: float = setting(2.0, "how long the first request of a batch waits for company", "ms", low=0)
     max_queue_size: int = setting(256, "requests waiting before RESOURCE_EXHAUSTED", "requests", low=1)
+    max_inflight_mb: float = setting(
+        0.0,
+        "bytes of requests and answers held at once before RESOURCE_EXHAUSTED; 0: a quarter of the memory "
+        "limit (the cgroup's, else the machine's), shared by the workers",
+        "MiB",
+        low=0,
+    )
+    http_write_timeout_s: float = setting(
+        60.0, "how long an HTTP client may take to read its answer before its connection is closed", "s", low=0.001
+    )
     require_sequence_offset: bool = setting(
         False,
         "refuse a step of a live sequence that does not say sequence_offset (FAILED_PRECONDITION): turn on "

@@ -26,6 +26,7 @@ from service.backends import Backend, BackendChain, Selection, select_backends
 from service.backends.chain import REASONS, FallbackHook
 from service.batch_engine import Timing
 from service.batching import BatcherConfig, Clock, MonotonicClock
+from service.budget import MIB, InflightBudget
 from service.decode.control import SequenceControl
 from service.decode.scheduler import Decoder, StepBatcher, StepInput
 from service.decode.sequences import SequenceLimits, SequenceStore
@@ -37,6 +38,7 @@ from service.engine.readiness import DeviceHealth
 from service.engine.served import ModelIdentity, ServedModel, Serving
 from service.engine.stats import ModelStats
 from service.errors import DeviceLost, FeatureOff, InvalidInput, NotReady
+from service.memory import memory_limit_bytes
 from service.metrics import Metrics
 from service.settings import Settings
 from service.tracing import Tracing
@@ -88,10 +90,13 @@ class InferenceCore:
         self.state = State.LOADING
         self.stats = ModelStats()  # the stateless model's
         self.requests = InFlight()  # inference requests in the server (the batchers wait only for these)
+        self.budget = InflightBudget(_inflight_limit(settings))  # bytes of requests and answers held at once
         self.draining = asyncio.Event()  # set once draining began: open streams stop reading
         self._loaded: Loaded | None = None
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="infer")
         metrics.follow(metrics.inflight, lambda: self.requests.count)
+        metrics.follow(metrics.inflight_bytes, lambda: self.budget.held)
+        metrics.inflight_budget.set(self.budget.limit)
         metrics.follow(metrics.ready, lambda: 1 if self.serving_ok() else 0)  # the one readiness, as every signal
         self.device = DeviceHealth(settings.require_device, metrics)  # the server's health follows serving_ok()
         failed = partial(self._set_state, State.FAILED)
@@ -374,3 +379,13 @@ def _verified(files: ModelFiles, config: MHAConfig, weights_sha256: str, allow_u
     if problems:
         log.error("serving %s UNVERIFIED (--allow-unverified): %s", files.directory, "; ".join(problems))
     return not problems
+
+
+INFLIGHT_SHARE = 4  # by default, a quarter of the memory limit goes to requests and answers in flight
+
+
+def _inflight_limit(settings: Settings) -> int:
+    """--max-inflight-mb, or a quarter of the memory limit, shared by the workers."""
+    if settings.max_inflight_mb:
+        return max(1, int(settings.max_inflight_mb * MIB))
+    return max(MIB, memory_limit_bytes() // INFLIGHT_SHARE // settings.worker_peers)

@@ -61,9 +61,10 @@ async def answer_infer(
             _check_carried_tensor(request, model)
             return await peers.forward(keeper, request, sequence_header, timeout)
         if control is not None and (owner := peers.owner(control.id)) is not None:
-            return await _handed_over(core, regions, request, (peers, owner), sequence_header, timeout)
+            return await _handed_over(core, regions, request, (peers, owner), sequence_header, timeout, call)
     x = decode_input(request, model, regions)
     target = output_placement(request, x.shape, regions)
+    _hold(core, call, x.nbytes)
     if control is None:
         y, timing = await core.infer(x, deadline)
         return answered(request, model, y, timing.backend, target, regions)
@@ -72,6 +73,16 @@ async def answer_infer(
     response = answered(request, model, y, timing.backend, target, regions, extra)
     response.model_name = entry  # the entry the step was sent to: mha or mha_sequence
     return response
+
+
+def _hold(core: InferenceCore, call: Call | None, input_bytes: int) -> None:
+    """The request's input and its answer, in the in-flight budget until its call closes (a
+    stream's request: once its answer is written); refused at once when the budget is full."""
+    lease = core.budget.take(2 * input_bytes)
+    if call is None:  # nobody closes it (a benchmark of this layer alone): nothing to hold
+        lease.release()
+    else:
+        call.leases.append(lease)
 
 
 def _check_carried_tensor(request: InferRequest, model: ServedModel) -> None:
@@ -89,6 +100,7 @@ async def _handed_over(
     owner: tuple[WorkerPeers, int],
     sequence_header: str | None,
     timeout: float | None,
+    call: Call | None,
 ) -> InferResponse:
     """A step of a sequence another worker owns. Its tensor is checked here, so that a refusal
     is worded for the client's protocol; when it lives in regions this worker keeps, the owner
@@ -97,6 +109,7 @@ async def _handed_over(
     model = core.loaded.model
     x = decode_input(request, model, regions)
     target = output_placement(request, x.shape, regions)
+    _hold(core, call, x.nbytes)
     if names_shared_memory(request):
         request.inputs[0] = InputTensor(model.input_name, "FP32", list(x.shape), raw=x.tobytes())  # (B, T, C)
         request.outputs = []

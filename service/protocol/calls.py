@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 
 import grpc
 
+from service.budget import Lease
 from service.deferred import after_answer
 from service.errors import ServiceError
 from service.logs import new_request_id, request_id_var
@@ -48,6 +49,7 @@ class Call:
     error: BaseException | None = None  # what made it fail
     http: bool = False  # answered over HTTP (its span says so)
     span: CallSpan | None = None  # its trace span, when tracing is on
+    leases: list[Lease] = field(default_factory=list)  # its bytes in the in-flight budget, until it closes
 
     @property
     def ok(self) -> bool:
@@ -118,6 +120,8 @@ class Calls:
         timed when the metrics or statistics are next read); its span ended and its line logged
         after its response has gone (after_answer)."""
         elapsed = time.perf_counter() - call.started
+        for lease in call.leases:
+            lease.release()
         if call.inference:
             self._core.requests.finished()
         span = call.span

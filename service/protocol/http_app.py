@@ -9,6 +9,8 @@ errors answer `{"error": "..."}` with the HTTP status of their code.
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import ssl
 from collections.abc import Awaitable, Callable
 
@@ -39,10 +41,16 @@ from service.settings import Settings
 
 CALL_KEY = web.RequestKey("mha.call", Call)  # the call scope of the request, for its handler
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+log = logging.getLogger(__name__)
+
+
+RETRY_AFTER_S = 1  # what 429 and 503 answers suggest
 
 
 def error_response(call: Call) -> web.Response:
-    return web.json_response({"error": call.message}, status=http_status(call.code, call.error))
+    status = http_status(call.code, call.error)
+    headers = {"Retry-After": str(RETRY_AFTER_S)} if status in (429, 503) else None
+    return web.json_response({"error": call.message}, status=status, headers=headers)
 
 
 class HttpApi:
@@ -158,6 +166,9 @@ class HttpApi:
         return web.json_response([region.described() for region in regions])
 
     async def _infer(self, request: web.Request) -> web.Response:
+        call = request[CALL_KEY]
+        if request.content_length:  # held from before it is read: a body the budget cannot take is never read
+            call.leases.append(self.core.budget.take(request.content_length, "its body"))
         try:
             body = await request.read()
         except web.HTTPRequestEntityTooLarge as exc:
@@ -171,8 +182,25 @@ class HttpApi:
         name, version = request.match_info["name"], request.match_info.get("version", "")
         inference, binary = request_from_json(body, int(header) if header else None, name, version)
         header = request.headers.get(SEQUENCE_HEADER)
-        answer = await answer_infer(self.core, self.regions, inference, None, header, self.peers, request[CALL_KEY])
-        return response_to_http(answer, binary)
+        answer = await answer_infer(self.core, self.regions, inference, None, header, self.peers, call)
+        response = response_to_http(answer, binary)
+        await written(request, response, self.core.settings.http_write_timeout_s)
+        return response
+
+
+async def written(request: web.Request, response: web.StreamResponse, timeout_s: float) -> None:
+    """The answer written before its call closes, so that its bytes stay in the in-flight budget
+    until the client has taken them. A client that does not read it within `timeout_s` is cut
+    off, as a client that left."""
+    try:
+        async with asyncio.timeout(timeout_s):
+            await response.prepare(request)
+            await response.write_eof()
+    except TimeoutError:
+        log.info("an HTTP client did not read its answer within %g s: its connection is closed", timeout_s)
+        if request.transport is not None:
+            request.transport.abort()
+        raise asyncio.CancelledError from None
 
 
 def ssl_context(settings: Settings) -> ssl.SSLContext | None:

@@ -66,6 +66,8 @@ def test_families_and_types(traffic: tuple[ServerThread, str]) -> None:
         "mha_tokens": "counter",
         "mha_inflight_requests": "gauge",
         "mha_queue_depth": "gauge",
+        "mha_inflight_bytes": "gauge",
+        "mha_inflight_budget_bytes": "gauge",
         "mha_backend_fallbacks": "counter",
         "mha_backend_info": "gauge",
         "mha_model_info": "gauge",

@@ -1,0 +1,58 @@
+"""The bytes of requests and answers the server holds at once (queued, computing, waiting to be
+written, on every call, stream and HTTP connection), and their limit: past it a new request is
+refused at once instead of taking the process past its memory limit, where the OOM kill would
+lose every live sequence on it.
+
+    lease = budget.take(nbytes)   # raises Overloaded (retry) or TooLarge (never fits)
+    ...                           # the request computed and its answer written
+    lease.release()               # idempotent
+
+Leases are taken and released on the event loop's thread; `held` may be read from any.
+"""
+
+from __future__ import annotations
+
+from service.errors import Overloaded, TooLarge
+
+MIB = 2**20
+
+
+class Lease:
+    """Bytes held by one request until it is released."""
+
+    __slots__ = ("_budget", "nbytes")
+
+    def __init__(self, budget: InflightBudget, nbytes: int) -> None:
+        self._budget: InflightBudget | None = budget
+        self.nbytes = nbytes
+
+    def release(self) -> None:
+        if self._budget is not None:
+            self._budget.held -= self.nbytes
+            self._budget = None
+
+
+class InflightBudget:
+    def __init__(self, limit_bytes: int) -> None:
+        if limit_bytes < 1:
+            raise ValueError(f"an in-flight budget needs at least 1 byte, got {limit_bytes}")
+        self.limit = limit_bytes
+        self.held = 0
+
+    def take(self, nbytes: int, what: str = "its input and its answer") -> Lease:
+        """Hold `nbytes` for a request, or refuse it: RESOURCE_EXHAUSTED while the server holds
+        too much (retry shortly), 413 / RESOURCE_EXHAUSTED when one request alone exceeds the
+        whole budget (split it)."""
+        if nbytes > self.limit:
+            raise TooLarge(
+                f"this request needs {nbytes / MIB:.1f} MiB in flight ({what}), more than this "
+                f"server's whole in-flight budget of {self.limit / MIB:.0f} MiB (--max-inflight-mb): split the batch"
+            )
+        if self.held + nbytes > self.limit:
+            raise Overloaded(
+                f"the server holds {self.held / MIB:.0f} MiB of requests and answers in flight and this request needs "
+                f"{nbytes / MIB:.1f} MiB more; its limit is {self.limit / MIB:.0f} MiB (--max-inflight-mb): "
+                "retry shortly, or on another replica"
+            )
+        self.held += nbytes
+        return Lease(self, nbytes)

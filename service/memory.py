@@ -1,0 +1,62 @@
+"""How much memory this process may use: its cgroup's memory limit (a container's `--memory` or a
+pod's `resources.limits.memory`), cgroup v2 (`memory.max`) or v1 (`memory.limit_in_bytes`), the
+smallest along the hierarchy; else the machine's memory (MemTotal). What the in-flight budget
+is derived from by default."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from service.cpus import CGROUP_ROOT, SELF_CGROUP, along_hierarchy
+
+MEMINFO = Path("/proc/meminfo")
+V1_UNLIMITED = 2**60  # cgroup v1 writes a huge number (a page-rounded 2**63 - 1) for "no limit"
+
+
+def memory_limit_bytes(
+    cgroup_root: Path = CGROUP_ROOT, self_cgroup: Path = SELF_CGROUP, meminfo: Path = MEMINFO
+) -> int:
+    """The cgroup memory limit, else MemTotal, else 4 GiB when neither can be read."""
+    try:
+        membership = self_cgroup.read_text()
+    except OSError:
+        membership = ""
+    limits: list[float] = []
+    for line in membership.splitlines():
+        parts = line.split(":", 2)
+        if len(parts) != 3:
+            continue
+        hierarchy, controllers, path = parts
+        if hierarchy == "0" and not controllers:
+            limits += along_hierarchy(cgroup_root, path, _v2_limit)
+        elif "memory" in controllers.split(","):
+            mount = next((m for m in (cgroup_root / controllers, cgroup_root / "memory") if m.is_dir()), None)
+            if mount is not None:
+                limits += along_hierarchy(mount, path, _v1_limit)
+    return int(min(limits)) if limits else _total(meminfo)
+
+
+def _v2_limit(cgroup: Path) -> float | None:
+    try:
+        text = (cgroup / "memory.max").read_text().strip()
+        return None if text == "max" else float(int(text))
+    except (OSError, ValueError):
+        return None
+
+
+def _v1_limit(cgroup: Path) -> float | None:
+    try:
+        value = int((cgroup / "memory.limit_in_bytes").read_text())
+    except (OSError, ValueError):
+        return None
+    return None if value >= V1_UNLIMITED else float(value)
+
+
+def _total(meminfo: Path) -> int:
+    try:
+        for line in meminfo.read_text().splitlines():
+            if line.startswith("MemTotal:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return 4 * 2**30

@@ -1,0 +1,125 @@
+"""The in-flight budget on a real server: requests and answers held past --max-inflight-mb are
+refused at once (RESOURCE_EXHAUSTED; HTTP 429 with Retry-After, 413 for a body that can never
+fit), the gauge follows, and an HTTP client that never reads its answer holds its bytes until it
+is cut off, while well-behaved clients beside it are answered."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import json
+import socket
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable
+from pathlib import Path
+
+import grpc
+import numpy as np
+import pytest
+
+from service.client.client import InferenceError, MHAClient
+from tests.support import ComputeGate, ServerThread, make_settings
+
+C = 32
+LEASE = 2 * 4 * 64 * C * 4  # a (4, 64, 32) request: its input and its answer
+
+
+def _held(server: ServerThread) -> float:
+    return server.registry.get_sample_value("mha_inflight_bytes") or 0.0
+
+
+def _until(predicate: Callable[[], bool], timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.01)
+
+
+def _http_infer(server: ServerThread, body: bytes) -> tuple[int, dict, dict]:
+    url = f"http://127.0.0.1:{server.http_port}/v2/models/mha/infer"
+    try:
+        with urllib.request.urlopen(urllib.request.Request(url, body), timeout=30) as response:
+            return response.status, dict(response.headers), json.loads(response.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, dict(exc.headers), json.loads(exc.read())
+
+
+def _body(x: np.ndarray) -> bytes:
+    tensor = {"name": "x", "datatype": "FP32", "shape": list(x.shape), "data": x.ravel().tolist()}
+    return json.dumps({"inputs": [tensor]}).encode()
+
+
+def test_requests_past_the_budget_are_refused_at_once_and_the_others_answered(small_model_dir: Path) -> None:
+    gate = ComputeGate(held=("batch",))
+    settings = make_settings(
+        small_model_dir, backend="torch", max_inflight_mb=4.5 * LEASE / 2**20, http_port=0, max_batch_size=4
+    )
+    x = np.ones((4, 64, C), np.float32)
+    with ServerThread(settings, compute_hook=gate) as server, MHAClient(server.url) as client:
+        assert server.registry.get_sample_value("mha_inflight_budget_bytes") == int(4.5 * LEASE)
+        with concurrent.futures.ThreadPoolExecutor(4) as pool:
+            held = [pool.submit(client.infer, x) for _ in range(4)]
+            gate.arrived()  # the first computes (held), three queue behind it: 4 leases
+            _until(lambda: _held(server) == 4 * LEASE)
+            with pytest.raises(InferenceError) as refused:
+                client.infer(x, timeout=10)
+            assert refused.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert "in flight" in str(refused.value) and "--max-inflight-mb" in str(refused.value)
+            status, headers, doc = _http_infer(server, _body(x))
+            assert (status, headers.get("Retry-After")) == (429, "1") and "in flight" in doc["error"]
+            for _ in range(4):
+                gate.permits.release()
+            assert all(f.result(timeout=30).shape == x.shape for f in held)
+        gate.held = ()  # from here on, computes run freely
+        _until(lambda: _held(server) == 0)
+        with pytest.raises(InferenceError) as alone:  # more than the whole budget: it never fits
+            client.infer(np.ones((64, 64, C), np.float32), timeout=10)
+        assert alone.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED and "split the batch" in str(alone.value)
+        status, _, doc = _http_infer(server, _body(np.ones((64, 64, C), np.float32)))
+        assert status == 413 and "its body" in doc["error"]  # refused before its body was read
+        assert client.infer(x).shape == x.shape and _held(server) == 0
+
+
+def _never_reading(server: ServerThread, x: np.ndarray) -> socket.socket:
+    """A connection that sends a request for `x`'s answer and never reads it."""
+    reader = socket.socket()
+    reader.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    reader.connect(("127.0.0.1", server.http_port))
+    body = _body(x)
+    head = f"POST /v2/models/mha/infer HTTP/1.1\r\nHost: x\r\nContent-Length: {len(body)}\r\n\r\n"
+    reader.sendall(head.encode() + body)
+    return reader
+
+
+BIG = np.ones((256, 64, C), np.float32)  # about 10 MB of JSON answer: more than the sockets hold
+
+
+def test_an_http_client_that_never_reads_holds_its_bytes_while_others_are_answered(small_model_dir: Path) -> None:
+    settings = make_settings(small_model_dir, backend="torch", http_port=0)
+    with ServerThread(settings) as server:
+        reader = _never_reading(server, BIG)
+        with MHAClient(server.url) as client:  # the others are answered meanwhile, after it (FIFO)
+            small = np.ones((1, 8, C), np.float32)
+            assert all(client.infer(small).shape == small.shape for _ in range(5))
+        assert _http_infer(server, _body(small))[0] == 200
+        assert _held(server) >= 2 * BIG.nbytes  # computed, and held while its answer waits to be read
+        reader.close()  # the client leaves: its bytes go back
+        _until(lambda: _held(server) == 0)
+
+
+def test_an_http_client_that_never_reads_is_cut_off_after_the_write_timeout(
+    small_model_dir: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    settings = make_settings(small_model_dir, backend="torch", http_port=0, http_write_timeout_s=0.2)
+    with ServerThread(settings) as server:
+        reader = _never_reading(server, BIG)
+        _until(lambda: _held(server) > 0)
+        _until(lambda: _held(server) == 0)  # cut off: its bytes go back though it is still connected
+        assert any("did not read its answer within 0.2 s" in r.getMessage() for r in caplog.records)
+        reader.settimeout(30)
+        with contextlib.suppress(ConnectionError):
+            while reader.recv(1 << 20):  # what was written before the cut, then the end
+                pass
+        reader.close()
