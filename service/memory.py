@@ -5,6 +5,7 @@ is derived from by default."""
 
 from __future__ import annotations
 
+import ctypes
 from pathlib import Path
 
 from service.cpus import CGROUP_ROOT, SELF_CGROUP, along_hierarchy
@@ -60,3 +61,20 @@ def _total(meminfo: Path) -> int:
     except (OSError, ValueError, IndexError):
         pass
     return 4 * 2**30
+
+
+M_MMAP_THRESHOLD = -3  # mallopt(3)
+MMAP_THRESHOLD = 128 * 1024  # glibc's initial threshold, kept
+
+
+def freed_buffers_go_back() -> bool:
+    """Keep glibc's mmap threshold at 128 KiB. glibc raises it each time a large block is freed
+    (up to 32 MiB), after which the blocks of requests and answers come from the heap and stay
+    with the process after a burst; a fixed threshold (setting it turns the raising off) keeps
+    every block over 128 KiB in a mapping of its own, returned to the system when freed
+    (docs/benchmarks.md measures it). False where the C library has no mallopt."""
+    try:
+        mallopt = ctypes.CDLL(None).mallopt
+    except (OSError, AttributeError):
+        return False
+    return bool(mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD))

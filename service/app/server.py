@@ -23,6 +23,7 @@ from prometheus_client import CollectorRegistry
 
 from service.batching import Clock
 from service.engine.core import ComputeHook, InferenceCore, State
+from service.memory import freed_buffers_go_back
 from service.metrics import Metrics
 from service.proto import grpc_service_pb2 as pb
 from service.protocol.auth import BearerToken, BearerTokenInterceptor, read_token
@@ -414,6 +415,8 @@ async def drain_and_stop(running: Running, grace_s: float, announce: bool = True
 
 async def serve(settings: Settings) -> int:
     """Run until SIGTERM or SIGINT; exit code 0 after a clean drain, 1 if the model cannot load."""
+    if not freed_buffers_go_back():
+        log.debug("no mallopt here: freed request buffers may stay with the process")
     running = await start(settings)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

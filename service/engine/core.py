@@ -133,7 +133,7 @@ class InferenceCore:
             run_batch=partial(_run_batch, chain, hook=self.compute_hook),
             executor=self._executor,
             on_batch=partial(self.publish.batch, chain=chain),
-            in_flight=lambda: self.requests.count,
+            in_flight=lambda: self.requests.uncomputed,
             clock=self.clock,
             current_trace=self.tracing.current if self.tracing.enabled else None,
         )
@@ -359,7 +359,7 @@ def _decoder(
         executor,
         s.max_step_rows,
         max_queue_size=s.max_queue_size,
-        in_flight=lambda: core.requests.count,
+        in_flight=lambda: core.requests.uncomputed,
         on_batch=partial(core.publish.batch, chain=chain, steps=True),
         clock=clock,
     )

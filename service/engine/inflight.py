@@ -1,5 +1,7 @@
-"""Inference requests in the server, queued or computing: what the batch engine asks (may more
-requests come to share a batch?) and what a drain waits out."""
+"""Inference requests in the server: `count`, every one until its call closes (its answer
+written), what a drain waits out; `uncomputed`, those whose answer is not computed yet, what the
+batch engine asks (may more requests come to share a batch?). An answer waiting for a slow
+reader is in the first and not in the second: it will never join a batch."""
 
 from __future__ import annotations
 
@@ -9,13 +11,22 @@ import asyncio
 class InFlight:
     def __init__(self) -> None:
         self.count = 0
+        self.uncomputed = 0
         self._idle: list[asyncio.Future[None]] = []  # drains waiting for the count to reach 0
 
     def started(self) -> None:
         self.count += 1
+        self.uncomputed += 1
 
-    def finished(self) -> None:
+    def computed(self) -> None:
+        """A request's answer is computed (or it failed): it will not join a batch any more.
+        Called at most once per request, before its `finished`."""
+        self.uncomputed -= 1
+
+    def finished(self, computed: bool = False) -> None:
         self.count -= 1
+        if not computed:
+            self.uncomputed -= 1
         if self.count == 0 and self._idle:  # a drain waits: rare, so a request pays one test for it
             for waiter in self._idle:
                 if not waiter.done():

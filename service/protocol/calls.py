@@ -50,6 +50,7 @@ class Call:
     http: bool = False  # answered over HTTP (its span says so)
     span: CallSpan | None = None  # its trace span, when tracing is on
     leases: list[Lease] = field(default_factory=list)  # its bytes in the in-flight budget, until it closes
+    computed: bool = False  # an inference whose answer is computed (or failed): it will join no batch
 
     @property
     def ok(self) -> bool:
@@ -109,6 +110,13 @@ class Calls:
         if traced:
             call.span = self.tracing.start_call(call.method, carrier, _span_attributes(call))
 
+    def computed(self, call: Call) -> None:
+        """An inference's answer is computed (or it failed): it no longer keeps a batch waiting
+        for company, though it stays in flight until its answer is written."""
+        if call.inference and not call.computed:
+            call.computed = True
+            self._core.requests.computed()
+
     def failed(self, call: Call, exc: BaseException) -> None:
         call.error = exc
         call.code, call.message = to_status(exc, call.request_id)
@@ -123,7 +131,7 @@ class Calls:
         for lease in call.leases:
             lease.release()
         if call.inference:
-            self._core.requests.finished()
+            self._core.requests.finished(call.computed)
         span = call.span
         trace = (span.trace_id or "") if span else ""
         self._book.add((call.method, call.code, elapsed, call.inference, trace, call.step))
@@ -205,6 +213,7 @@ class _Scope:
 
     def _exit(self, exc: BaseException | None, record: bool = True) -> None:
         call = self.call
+        self._calls.computed(call)  # answered or failed: a stream's answer may still wait to be written
         if exc is not None:
             if isinstance(exc, LEFT):
                 call.code = _ended_code(self._context)

@@ -45,6 +45,7 @@ log = logging.getLogger(__name__)
 
 
 RETRY_AFTER_S = 1  # what 429 and 503 answers suggest
+JSON_PARSE_FACTOR = 3  # a JSON body's text, its parsed values and their array: docs/benchmarks.md
 
 
 def error_response(call: Call) -> web.Response:
@@ -168,7 +169,8 @@ class HttpApi:
     async def _infer(self, request: web.Request) -> web.Response:
         call = request[CALL_KEY]
         if request.content_length:  # held from before it is read: a body the budget cannot take is never read
-            call.leases.append(self.core.budget.take(request.content_length, "its body"))
+            parsed = 1 if HEADER_LENGTH in request.headers else JSON_PARSE_FACTOR  # JSON: its text, then its values
+            call.leases.append(self.core.budget.take(parsed * request.content_length, "its body, parsed"))
         try:
             body = await request.read()
         except web.HTTPRequestEntityTooLarge as exc:
@@ -184,6 +186,7 @@ class HttpApi:
         header = request.headers.get(SEQUENCE_HEADER)
         answer = await answer_infer(self.core, self.regions, inference, None, header, self.peers, call)
         response = response_to_http(answer, binary)
+        self.calls.computed(call)  # its answer may wait for a slow reader: no batch waits for it
         await written(request, response, self.core.settings.http_write_timeout_s)
         return response
 

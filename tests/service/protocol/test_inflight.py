@@ -20,7 +20,9 @@ import numpy as np
 import pytest
 
 from service.client.client import InferenceError, MHAClient
-from tests.support import ComputeGate, ServerThread, make_settings
+from service.proto import grpc_service_pb2_grpc as pb_grpc
+from service.protocol.grpc_codec import encode_infer_request
+from tests.support import ComputeGate, ManualClock, ServerThread, make_settings
 
 C = 32
 LEASE = 2 * 4 * 64 * C * 4  # a (4, 64, 32) request: its input and its answer
@@ -78,7 +80,7 @@ def test_requests_past_the_budget_are_refused_at_once_and_the_others_answered(sm
             client.infer(np.ones((64, 64, C), np.float32), timeout=10)
         assert alone.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED and "split the batch" in str(alone.value)
         status, _, doc = _http_infer(server, _body(np.ones((64, 64, C), np.float32)))
-        assert status == 413 and "its body" in doc["error"]  # refused before its body was read
+        assert status == 413 and "its body, parsed" in doc["error"]  # refused before its body was read
         assert client.infer(x).shape == x.shape and _held(server) == 0
 
 
@@ -123,3 +125,23 @@ def test_an_http_client_that_never_reads_is_cut_off_after_the_write_timeout(
             while reader.recv(1 << 20):  # what was written before the cut, then the end
                 pass
         reader.close()
+
+
+def test_answers_waiting_for_a_slow_reader_keep_no_batch_waiting_for_company(small_model_dir: Path) -> None:
+    """A batch waits up to --max-queue-delay-ms for company only while requests that could join
+    it are in the server. Answers computed for a stream that does not read are in flight until
+    written, and can join nothing: with the batcher's clock stopped, a request beside them is
+    answered at once (it would wait for the clock forever if they counted)."""
+    clock = ManualClock()
+    settings = make_settings(small_model_dir, backend="torch", max_queue_delay_ms=50.0)
+    big = encode_infer_request(np.ones((64, 64, C), np.float32))  # 512 KiB answers: more than the windows hold
+    with ServerThread(settings, clock=clock) as server, grpc.insecure_channel(server.url) as channel:
+        stub = pb_grpc.GRPCInferenceServiceStub(channel)
+        stream = stub.ModelStreamInfer(iter([big] * 16), timeout=60)  # and nothing read
+        requests = server.core.requests
+        _until(lambda: requests.count >= 4 and requests.uncomputed == 0)  # answers waiting to be written
+        with MHAClient(server.url) as client:
+            x = np.ones((1, 8, C), np.float32)
+            assert client.infer(x, timeout=10).shape == x.shape
+        assert requests.count - requests.uncomputed >= 4  # and the stream's answers still wait
+        stream.cancel()
