@@ -178,12 +178,12 @@ def parity(entry: dict[str, Any], model_dir: Path, config: Any, weights: Any) ->
 
 def selection(entry: dict[str, Any], model_dir: Path, config: Any, weights: Any) -> None:
     from export.verify import check_parity, parity_grid
-    from service.backends import BackendChain, select_backends
+    from service.backends import BackendChain, BackendSpec, select_backends
     from service.backends.ort import OrtCudaBackend
     from service.backends.pytorch import TorchBackend
     from service.backends.selection import SelfCheck
 
-    chosen = select_backends(model_dir / "model.onnx", config, weights, "auto")
+    chosen = select_backends(BackendSpec(model_dir / "model.onnx", config, weights), "auto")
     entry["auto_order"] = [b.name for b in chosen.backends]
     entry["auto_reasons"] = chosen.summary()
 

@@ -2,6 +2,6 @@
 
 from service.backends.base import Backend, BackendLoadError
 from service.backends.chain import BackendChain
-from service.backends.selection import Selection, select_backends
+from service.backends.selection import BackendSpec, Selection, select_backends
 
-__all__ = ["Backend", "BackendChain", "BackendLoadError", "Selection", "select_backends"]
+__all__ = ["Backend", "BackendChain", "BackendLoadError", "BackendSpec", "Selection", "select_backends"]

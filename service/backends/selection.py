@@ -28,6 +28,20 @@ log = logging.getLogger(__name__)
 SELF_CHECK_TOLERANCE = 1e-5  # relative, against the float64 reference
 
 
+@dataclass(frozen=True)
+class BackendSpec:
+    """What the backends are built from: the exported graphs, the weights, and how to run them."""
+
+    onnx_path: Path
+    config: MHAConfig
+    weights: Weights
+    step_path: Path | None = None  # the step graph (step.onnx), for ORT's decode steps
+    threads: int = 1
+    spinning: bool = False
+    gpu_mem_limit_mb: int = 0
+    precision: str = "fp32"
+
+
 @dataclass
 class CandidateReport:
     name: str
@@ -110,32 +124,27 @@ class SelfCheck:
         return True, f"self-check relative error {err:.2e}{steps}"
 
 
-def _factories(
-    onnx_path: Path,
-    config: MHAConfig,
-    weights: Weights,
-    threads: int,
-    cuda: bool,
-    spinning: bool,
-    gpu_mem_limit_mb: int = 0,
-    precision: str = "fp32",
-    step_path: Path | None = None,
-) -> dict[str, Callable[[], Backend]]:
+def _factories(spec: BackendSpec, cuda: bool) -> dict[str, Callable[[], Backend]]:
     from service.backends.ort import OrtCpuBackend, OrtCudaBackend
     from service.backends.pytorch import TorchBackend
 
+    s = spec
     factories: dict[str, Callable[[], Backend]] = {}
     if cuda:
-        factories["ort-cuda"] = lambda: OrtCudaBackend(onnx_path, mem_limit_mb=gpu_mem_limit_mb, step_path=step_path)
-        factories["torch-cuda"] = lambda: TorchBackend(config, weights, device="cuda", precision=precision)
+        factories["ort-cuda"] = lambda: OrtCudaBackend(
+            s.onnx_path, mem_limit_mb=s.gpu_mem_limit_mb, step_path=s.step_path
+        )
+        factories["torch-cuda"] = lambda: TorchBackend(s.config, s.weights, device="cuda", precision=s.precision)
     factories["ort-cpu"] = lambda: OrtCpuBackend(
-        onnx_path,
-        threads=threads,
-        spinning=spinning,
-        width=config.d_model,
-        step_path=step_path,
+        s.onnx_path,
+        threads=s.threads,
+        spinning=s.spinning,
+        width=s.config.d_model,
+        step_path=s.step_path,
     )
-    factories["torch-cpu"] = lambda: TorchBackend(config, weights, device="cpu", threads=threads, precision=precision)
+    factories["torch-cpu"] = lambda: TorchBackend(
+        s.config, s.weights, device="cpu", threads=s.threads, precision=s.precision
+    )
     return factories
 
 
@@ -274,17 +283,10 @@ def split_by_size(
 
 
 def select_backends(
-    onnx_path: Path,
-    config: MHAConfig,
-    weights: Weights,
+    spec: BackendSpec,
     requested: str = "auto",
-    threads: int = 1,
     cuda: bool | None = None,
-    spinning: bool = False,
-    gpu_mem_limit_mb: int = 0,
-    precision: str = "fp32",
     measure: Callable[[list[Backend], MHAConfig], list[list[float]]] = measure_interleaved,
-    step_path: Path | None = None,
 ) -> Selection:
     """Load every wanted backend, self-check each, and order them.
 
@@ -294,8 +296,9 @@ def select_backends(
     its own (Selection.light).
     """
     cuda = torch.cuda.is_available() if cuda is None else cuda
-    factories = _factories(onnx_path, config, weights, threads, cuda, spinning, gpu_mem_limit_mb, precision, step_path)
-    check = SelfCheck(config, weights, tolerance=precision_tolerance(precision, config))
+    config = spec.config
+    factories = _factories(spec, cuda)
+    check = SelfCheck(config, spec.weights, tolerance=precision_tolerance(spec.precision, config))
     reports = [CandidateReport(name=name, status="unavailable", reason="") for name in _wanted(requested, cuda)]
     loaded = [(backend, report) for report in reports if (backend := _load(report, factories, check)) is not None]
     light: LightRoute | None = None

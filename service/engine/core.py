@@ -22,7 +22,7 @@ from export.verify import check_manifest, sha256_file
 from model import MHAConfig
 from model.checkpoint import CheckpointError, load_checkpoint
 from service.arrays import all_finite, not_finite
-from service.backends import Backend, BackendChain, Selection, select_backends
+from service.backends import Backend, BackendChain, BackendSpec, Selection, select_backends
 from service.backends.chain import REASONS, FallbackHook
 from service.batch_engine import Timing
 from service.batching import BatcherConfig, Clock, MonotonicClock
@@ -262,17 +262,17 @@ def load_model(
             f"{files.directory} has no {s.precision} graph ({onnx_path.name}); re-export it with "
             f"`mha export --precision fp32,{s.precision}`, or serve --precision fp32"
         )
-    selection = select_backends(
+    spec = BackendSpec(
         onnx_path,
         config,
         weights,
-        requested=s.backend,
+        step_path=files.step if config.causal and files.step.is_file() else None,
         threads=s.cpu_threads,
         spinning=s.thread_spinning,
         gpu_mem_limit_mb=s.gpu_mem_limit_mb,
         precision=s.precision,
-        step_path=files.step if config.causal and files.step.is_file() else None,
     )
+    selection = select_backends(spec, requested=s.backend)
     if not selection.backends:
         raise ModelLoadError(f"no backend can serve {files.directory}: {selection.summary()}")
     chain = BackendChain(

@@ -15,7 +15,7 @@ from model import MHAConfig
 from model.attention import MultiHeadAttention
 from model.checkpoint import init_weights, load_checkpoint
 from model.reference import attention_view, relative_error
-from service.backends import BackendChain, BackendLoadError, select_backends
+from service.backends import BackendChain, BackendLoadError, BackendSpec, select_backends
 from service.backends.base import Backend
 from service.backends.chain import LightRoute
 from service.backends.ort import OrtCpuBackend, OrtCudaBackend
@@ -156,7 +156,7 @@ def test_auto_without_cuda_serves_the_clearly_faster_backend(
         return [[{"ort-cpu": 10.0, "torch-cpu": torch_ms}[b.name]] * shapes for b in backends]
 
     files = ModelFiles(small_model_dir)
-    selection = select_backends(files.onnx, config, weights, "auto", threads=1, cuda=False, measure=measure)
+    selection = select_backends(BackendSpec(files.onnx, config, weights), "auto", cuda=False, measure=measure)
     assert measured == [["ort-cpu", "torch-cpu"]]  # both self-checked, measured once, ORT preferred
     names = [b.name for b in selection.backends]
     assert names[0] == serving and sorted(names) == ["ort-cpu", "torch-cpu"]
@@ -220,16 +220,16 @@ def test_the_preferred_backend_keeps_its_place_unless_clearly_slower(times: list
 
 def test_explicit_backend(small_model_dir: Path) -> None:
     config, weights = load_checkpoint(small_model_dir / "weights.safetensors")
-    selection = select_backends(ModelFiles(small_model_dir).onnx, config, weights, "ort-cpu", threads=1, cuda=False)
+    selection = select_backends(BackendSpec(ModelFiles(small_model_dir).onnx, config, weights), "ort-cpu", cuda=False)
     assert [b.name for b in selection.backends] == ["ort-cpu"]
-    selection = select_backends(ModelFiles(small_model_dir).onnx, config, weights, "torch", threads=1, cuda=False)
+    selection = select_backends(BackendSpec(ModelFiles(small_model_dir).onnx, config, weights), "torch", cuda=False)
     assert [b.name for b in selection.backends] == ["torch-cpu"]
 
 
 def test_ort_cuda_asked_for_without_cuda_is_unavailable_not_a_crash(small_model_dir: Path) -> None:
     """--backend ort-cuda where torch sees no CUDA once raised KeyError: 'ort-cuda'."""
     config, weights = load_checkpoint(small_model_dir / "weights.safetensors")
-    selection = select_backends(ModelFiles(small_model_dir).onnx, config, weights, "ort-cuda", threads=1, cuda=False)
+    selection = select_backends(BackendSpec(ModelFiles(small_model_dir).onnx, config, weights), "ort-cuda", cuda=False)
     assert selection.backends == []
     (candidate,) = selection.candidates
     assert (candidate.name, candidate.status) == ("ort-cuda", "unavailable")
@@ -245,7 +245,7 @@ def test_broken_onnx_falls_back_to_torch(small_model_dir: Path, tmp_path: Path, 
     else:
         (tmp_path / "model.onnx").write_bytes(b"not a protobuf" * 100)
     config, weights = load_checkpoint(tmp_path / "weights.safetensors")
-    selection = select_backends(ModelFiles(tmp_path).onnx, config, weights, "auto", threads=1, cuda=False)
+    selection = select_backends(BackendSpec(ModelFiles(tmp_path).onnx, config, weights), "auto", cuda=False)
     assert [b.name for b in selection.backends] == ["torch-cpu"]
     ort_report = next(c for c in selection.candidates if c.name == "ort-cpu")
     assert ort_report.status == "unavailable" and "failed to load" in ort_report.reason
@@ -400,7 +400,9 @@ def test_auto_splits_by_size_where_the_measurement_crosses_over(small_model_dir:
         ort = [1.0] + [100.0] * (len(shapes) - 1)  # ORT wins the lightest shape only
         return [ort if b.name == "ort-cpu" else [3.0] + [10.0] * (len(shapes) - 1) for b in backends]
 
-    selection = select_backends(ModelFiles(small_model_dir).onnx, config, weights, "auto", cuda=False, measure=measure)
+    selection = select_backends(
+        BackendSpec(ModelFiles(small_model_dir).onnx, config, weights), "auto", cuda=False, measure=measure
+    )
     assert [b.name for b in selection.backends] == ["torch-cpu", "ort-cpu"]
     assert selection.light is not None and [b.name for b in selection.light.backends] == ["ort-cpu", "torch-cpu"]
     light = batch_mflop(*shapes[0], config.d_model)

@@ -11,7 +11,7 @@ import torch
 from export.layout import ModelFiles
 from export.verify import check_parity, parity_grid
 from model.checkpoint import load_checkpoint
-from service.backends import select_backends
+from service.backends import BackendSpec, select_backends
 
 pytestmark = [
     pytest.mark.gpu,
@@ -33,7 +33,7 @@ def test_ort_cuda_provider_confirmed_and_exact(default_model_dir: Path) -> None:
 
 def test_auto_prefers_ort_cuda_then_torch_cuda(default_model_dir: Path) -> None:
     config, weights = load_checkpoint(default_model_dir / "weights.safetensors")
-    selection = select_backends(ModelFiles(default_model_dir).onnx, config, weights, "auto")
+    selection = select_backends(BackendSpec(ModelFiles(default_model_dir).onnx, config, weights), "auto")
     assert [b.name for b in selection.backends][:2] == ["ort-cuda", "torch-cuda"]
     y = selection.backends[0].run(np.ones((2, 8, config.d_model), np.float32))
     assert y.shape == (2, 8, config.d_model)

@@ -18,7 +18,7 @@ from service.backends.base import Backend, Step
 from service.backends.chain import BackendChain
 from service.backends.ort import OrtCpuBackend
 from service.backends.pytorch import TorchBackend
-from service.backends.selection import ProbeCache, SelfCheck, select_backends
+from service.backends.selection import BackendSpec, ProbeCache, SelfCheck, select_backends
 from service.client.client import InferenceError, MHAClient
 from service.proto import grpc_service_pb2 as pb
 from service.protocol.grpc_codec import decode_infer_response, encode_infer_request
@@ -106,12 +106,13 @@ def test_a_backend_whose_steps_are_wrong_fails_its_self_check(small_model_dir: P
 
 def test_selection_orders_the_step_backends_on_one_device(small_model_dir: Path) -> None:
     config, weights = load_checkpoint(small_model_dir / "weights.safetensors")
-    selection = select_backends(
-        small_model_dir / "model.onnx", config, weights, threads=2, cuda=False, step_path=small_model_dir / "step.onnx"
+    spec = BackendSpec(
+        small_model_dir / "model.onnx", config, weights, step_path=small_model_dir / "step.onnx", threads=2
     )
+    selection = select_backends(spec, cuda=False)
     assert sorted(b.name for b in selection.step_backends) == ["ort-cpu", "torch-cpu"]
     assert "serves decode steps" in selection.summary() and "step " in selection.summary()
-    without = select_backends(small_model_dir / "model.onnx", config, weights, requested="ort-cpu", cuda=False)
+    without = select_backends(BackendSpec(small_model_dir / "model.onnx", config, weights), "ort-cpu", cuda=False)
     assert without.step_backends == []  # no step graph given: ORT computes no steps
 
 
