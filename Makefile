@@ -85,7 +85,7 @@ bench: $(STAMP)
 
 # KServe and MLServer, each in its own environment (their pins: bench/constraints/), for
 # bench/compare.py; not needed by the tests.
-bench-servers: .venv-kserve/.installed .venv-mlserver/.installed
+bench-servers: .venv-kserve/.installed .venv-mlserver/.installed .venv-tritonserver/.installed
 
 .venv-%/.installed: bench/constraints/%.txt
 	test -x .venv-$*/bin/python || $(PYTHON) -m venv .venv-$*
@@ -93,4 +93,4 @@ bench-servers: .venv-kserve/.installed .venv-mlserver/.installed
 	touch $@
 
 clean:
-	rm -rf $(VENV) $(TRITON_VENV) $(PERF_VENV) .venv-kserve .venv-mlserver models .tools
+	rm -rf $(VENV) $(TRITON_VENV) $(PERF_VENV) .venv-kserve .venv-mlserver .venv-tritonserver models .tools

@@ -134,14 +134,42 @@ def server_command(
         ports = {"KSERVE_GRPC_PORT": str(port), "KSERVE_HTTP_PORT": str(free_port())}
         script = str(HERE / "servers" / "kserve_ort.py")
         return ([str(kserve), script, str(model_dir)], ports) if kserve.exists() else None
+    if name == "Triton + ORT":
+        return _triton_command(model_dir, port)
     mlserver = ROOT / ".venv-mlserver" / "bin" / "mlserver"
     return ([str(mlserver), "start", str(_mlserver_dir(model_dir, port))], {}) if mlserver.exists() else None
+
+
+def _triton_command(model_dir: Path, port: int) -> tuple[list[str], dict[str, str]] | None:
+    """PyTriton's `tritonserver` (Python backend only) serving model.onnx through ORT in its
+    Python backend, with Triton's dynamic batcher (max batch 8, 1 ms delay): a model repository
+    in a temporary folder. The backend stub of the venv's Python is put where Triton looks."""
+    site = next((ROOT / ".venv-tritonserver" / "lib").glob("python3.*/site-packages"), None)
+    if site is None:
+        return None
+    server = site / "pytriton" / "tritonserver"
+    stub = server / "backends" / "python" / "triton_python_backend_stub"
+    if not stub.exists():
+        shutil.copy(server / "python_backend_stubs" / site.parent.name.removeprefix("python") / stub.name, stub)
+    repository = Path(tempfile.mkdtemp(prefix="mha-triton-"))
+    (repository / "mha" / "1").mkdir(parents=True)
+    shutil.copy(HERE / "servers" / "triton_ort" / "model.py", repository / "mha" / "1" / "model.py")
+    config = (HERE / "servers" / "triton_ort" / "config.pbtxt").read_text()
+    config = config.replace("ONNX_PATH", str(model_dir / "model.onnx"))
+    (repository / "mha" / "config.pbtxt").write_text(config)
+    command = [str(server / "bin" / "tritonserver"), "--model-repository", str(repository)]
+    command += ["--backend-directory", str(server / "backends"), "--grpc-port", str(port)]
+    command += ["--http-port", str(free_port()), "--metrics-port", str(free_port())]
+    venv_bin = site.parents[2] / "bin"  # the stub's Python finds the venv's packages through PATH, as PyTriton sets it
+    env = {"LD_LIBRARY_PATH": str(site / "nvidia_pytriton.libs"), "PATH": f"{venv_bin}:{os.environ.get('PATH', '')}"}
+    return command, env
 
 
 SERVERS = (
     "mha-serve",
     "mha-serve --thread-spinning",  # ORT's default, which KServe and the floors keep: latency for CPU
     "mha-serve --backend ort-cpu",  # the backend pinned: what the start-up measurement chose aside
+    "Triton + ORT",
     "KServe + ORT",
     "MLServer + ORT",
     "floor: ORT in-line",
