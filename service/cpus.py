@@ -38,6 +38,16 @@ def cpu_budget(cgroup_root: Path = CGROUP_ROOT, self_cgroup: Path = SELF_CGROUP)
 def cgroup_cpu_limit(membership: str, root: Path) -> float | None:
     """The CPU limit (quota / period) of the cgroups listed in `membership` (the text of
     /proc/self/cgroup) under the mount `root`; None when none is set."""
+    limits = cgroup_limits(membership, root, "cpu", _v2_limit, _v1_limit)
+    return min(limits) if limits else None
+
+
+Read = Callable[[Path], float | None]
+
+
+def cgroup_limits(membership: str, root: Path, controller: str, v2: Read, v1: Read) -> list[float]:
+    """Every limit that `controller` sets along the cgroups listed in `membership`: read with
+    `v2` in the unified hierarchy (cgroup v2), with `v1` in the controller's own mount."""
     limits: list[float] = []
     for line in membership.splitlines():
         parts = line.split(":", 2)
@@ -45,12 +55,12 @@ def cgroup_cpu_limit(membership: str, root: Path) -> float | None:
             continue
         hierarchy, controllers, path = parts
         if hierarchy == "0" and not controllers:  # cgroup v2: one unified hierarchy
-            limits += along_hierarchy(root, path, _v2_limit)
-        elif "cpu" in controllers.split(","):  # cgroup v1: the cpu controller's mount, or its usual link
-            mount = next((m for m in (root / controllers, root / "cpu") if m.is_dir()), None)
+            limits += along_hierarchy(root, path, v2)
+        elif controller in controllers.split(","):  # cgroup v1: the controller's mount, or its usual link
+            mount = next((m for m in (root / controllers, root / controller) if m.is_dir()), None)
             if mount is not None:
-                limits += along_hierarchy(mount, path, _v1_limit)
-    return min(limits) if limits else None
+                limits += along_hierarchy(mount, path, v1)
+    return limits
 
 
 def along_hierarchy(mount: Path, path: str, read: Callable[[Path], float | None]) -> list[float]:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import ctypes
 from pathlib import Path
 
-from service.cpus import CGROUP_ROOT, SELF_CGROUP, along_hierarchy
+from service.cpus import CGROUP_ROOT, SELF_CGROUP, cgroup_limits
 
 MEMINFO = Path("/proc/meminfo")
 V1_UNLIMITED = 2**60  # cgroup v1 writes a huge number (a page-rounded 2**63 - 1) for "no limit"
@@ -22,18 +22,7 @@ def memory_limit_bytes(
         membership = self_cgroup.read_text()
     except OSError:
         membership = ""
-    limits: list[float] = []
-    for line in membership.splitlines():
-        parts = line.split(":", 2)
-        if len(parts) != 3:
-            continue
-        hierarchy, controllers, path = parts
-        if hierarchy == "0" and not controllers:
-            limits += along_hierarchy(cgroup_root, path, _v2_limit)
-        elif "memory" in controllers.split(","):
-            mount = next((m for m in (cgroup_root / controllers, cgroup_root / "memory") if m.is_dir()), None)
-            if mount is not None:
-                limits += along_hierarchy(mount, path, _v1_limit)
+    limits = cgroup_limits(membership, cgroup_root, "memory", _v2_limit, _v1_limit)
     return int(min(limits)) if limits else _total(meminfo)
 
 

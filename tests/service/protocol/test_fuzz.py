@@ -21,7 +21,6 @@ from service.protocol.grpc_codec import encode_infer_request
 from tests.support import ServerThread, make_settings
 
 C, MAX_T = 32, 64
-INFER = "/inference.GRPCInferenceService/ModelInfer"
 CLIENT_MISTAKES = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND}
 
 
@@ -29,13 +28,6 @@ CLIENT_MISTAKES = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND}
 def server(small_model_dir: Path) -> Iterator[ServerThread]:
     with ServerThread(make_settings(small_model_dir, backend="auto", max_request_rows=16, shared_memory="system")) as s:
         yield s
-
-
-@pytest.fixture(scope="module")
-def call(server: ServerThread) -> Iterator[grpc.UnaryUnaryMultiCallable]:
-    options = [("grpc.max_send_message_length", 64 << 20), ("grpc.max_receive_message_length", 64 << 20)]
-    with grpc.insecure_channel(server.url, options=options) as channel:
-        yield channel.unary_unary(INFER)
 
 
 def _request(

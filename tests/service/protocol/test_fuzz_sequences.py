@@ -24,7 +24,7 @@ from model.checkpoint import load_checkpoint
 from model.reference import attention_view, relative_error
 from service.proto import grpc_service_pb2 as pb
 from service.protocol.grpc_codec import encode_infer_request
-from tests.service.protocol.test_fuzz import CLIENT_MISTAKES, INFER, MALFORMED
+from tests.service.protocol.test_fuzz import CLIENT_MISTAKES, MALFORMED
 from tests.support import ServerThread, make_settings
 
 C, MAX_T = 32, 64
@@ -40,13 +40,6 @@ def server(small_model_dir: Path) -> Iterator[ServerThread]:
     )
     with ServerThread(settings) as s:
         yield s
-
-
-@pytest.fixture(scope="module")
-def call(server: ServerThread) -> Iterator[grpc.UnaryUnaryMultiCallable]:
-    options = [("grpc.max_send_message_length", 64 << 20), ("grpc.max_receive_message_length", 64 << 20)]
-    with grpc.insecure_channel(server.url, options=options) as channel:
-        yield channel.unary_unary(INFER)
 
 
 @pytest.fixture(scope="module")
