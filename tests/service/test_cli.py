@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -16,6 +18,8 @@ from model.reference import attention_view, relative_error
 from service.cli import main as mha
 from service.client.loadgen import VARIANTS, input_pool
 from tests.support import ServerThread, make_settings
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
@@ -117,3 +121,19 @@ def test_bench_stops_at_once_with_the_servers_message(
     said = caplog.text
     assert "stopped: the server refused the requests: INVALID_ARGUMENT" in said and "expected C = 32" in said
     assert not (tmp_path / "r.json").exists()
+
+
+def test_serve_reads_its_flags_without_loading_pytorch() -> None:
+    """PyTorch's OpenMP runtime reads OMP_WAIT_POLICY once, when PyTorch loads; `mha serve` sets it
+    from --thread-spinning after parsing its flags, so parsing them must not load PyTorch. (It did,
+    through the model package: a quarter of the server's CPU under load spun in libgomp.)"""
+    code = (
+        "import sys\n"
+        "from service.cli import build_parser\n"
+        "from service.settings import settings_from_namespace\n"
+        "settings_from_namespace(build_parser({}).parse_args(['serve', '--workers', '2']), 'INFO')\n"
+        "print('torch' in sys.modules)\n"
+    )
+    run = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.strip() == "False", "parsing `mha serve`'s flags loaded PyTorch"
