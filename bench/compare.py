@@ -169,6 +169,7 @@ SERVERS = (
     "mha-serve",
     "mha-serve --thread-spinning",  # ORT's default, which KServe and the floors keep: latency for CPU
     "mha-serve --backend ort-cpu",  # the backend pinned: what the start-up measurement chose aside
+    "mha-serve --threads 1",  # one intra-op thread: the CPUs left to gRPC and the loop
     "Triton + ORT",
     "KServe + ORT",
     "MLServer + ORT",
