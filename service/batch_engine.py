@@ -32,6 +32,7 @@ class Timing(NamedTuple):
     queue_s: float  # enqueued -> its batch started computing
     backend: str
     compute: tuple[float, float, float] = (0.0, 0.0, 0.0)  # its batch's (input, inference, output) seconds
+    finite: bool = False  # every output of its batch is finite (checked once, off the loop); False: unknown
 
 
 class Computed(NamedTuple):
@@ -42,6 +43,7 @@ class Computed(NamedTuple):
     backend: str
     input_s: float = 0.0
     output_s: float = 0.0
+    finite: bool = False  # every output is known to be finite
 
 
 Item = Pending[Any, tuple[Any, Timing]]
@@ -155,7 +157,8 @@ class BatchEngine(Generic[P, A]):
         event = self._report(shapes, (forming, started), computed.backend, None, batch, computed)
         phases = (event.input_s, event.infer_s, event.output_s)
         for item, output in zip(batch, computed.outputs, strict=True):
-            self._answer(item, output, Timing(started - item.enqueued, computed.backend, phases))
+            timing = Timing(started - item.enqueued, computed.backend, phases, computed.finite)
+            self._answer(item, output, timing)
 
     def _answer(self, item: Item, output: Any, timing: Timing) -> None:
         """Answer `item`, if its caller still waits: an abandoned request is never delivered (a

@@ -12,6 +12,7 @@ from functools import partial
 
 import numpy as np
 
+from service.arrays import all_finite
 from service.batch_engine import BatchEngine, Computed, Item, Timing
 from service.batching import BatcherConfig, BatchEvent, Clock, Plan, form_at, merge, plan_batch, split
 
@@ -66,4 +67,5 @@ def _compute(run_batch: RunBatch, xs: list[np.ndarray]) -> Computed:
     y, backend = run_batch(batch)
     ran = time.perf_counter()
     outputs = split(y, [(int(x.shape[0]), int(x.shape[1])) for x in xs])
-    return Computed(outputs, backend, merged - began, time.perf_counter() - ran)
+    finite = all_finite(y)  # once for the batch, here rather than per request on the event loop
+    return Computed(outputs, backend, merged - began, time.perf_counter() - ran, finite)
