@@ -307,7 +307,7 @@ def verify_server(
     """End-to-end parity of a running server against the float64 references."""
     import grpc
 
-    from export.layout import ModelFiles
+    from export.layout import ModelFiles, precision_tolerance
     from export.verify import check_parity, sha256_file
     from model.checkpoint import load_checkpoint
     from service.client.client import InferenceError, MHAClient
@@ -321,13 +321,18 @@ def verify_server(
             raise InferenceError(
                 grpc.StatusCode.FAILED_PRECONDITION, f"it serves C = {served_c}, {model_dir} holds C = {config.d_model}"
             )
+        precision = parameters["precision"].string_value or "fp32"  # a server that does not say computes in fp32
+        tolerance = precision_tolerance(precision, config)
         log.info(
-            "the server at %s answers with %s on %s",
+            "the server at %s answers with %s on %s in %s (tolerance %.1e)",
             url,
             parameters["backend"].string_value,
             parameters["device"].string_value,
+            precision,
+            tolerance,
         )
-        report = check_parity(client.infer, config, weights, shapes or server_parity_grid(config.max_seq_len), seed=7)
+        grid = shapes or server_parity_grid(config.max_seq_len)
+        report = check_parity(client.infer, config, weights, grid, seed=7, tolerance=tolerance)
     local = sha256_file(files.weights)
     if served != local:
         report.problems.append(f"the server serves weights sha256 {served[:12]}..., {model_dir} holds {local[:12]}...")

@@ -288,7 +288,7 @@ def load_model(
     log.info("serving %s with %s on %s", files.directory, active.name, active.device)  # the verdict: selection's
     bound = magnitude_bound(config, weights, s.precision)  # below it no backend can overflow
     served = ServedModel(
-        identity, config, files, s.max_request_rows, s.max_attention_mb, weights_sha256, verified, bound
+        identity, config, files, s.max_request_rows, s.max_attention_mb, weights_sha256, verified, bound, s.precision
     )
     _log_steps(chain, config, s, files)
     return served, selection, chain

@@ -59,6 +59,7 @@ class ServedModel:
     weights_sha256: str  # what is served, as clients and dashboards can compare it
     verified: bool  # manifest.json vouches for both files, the config and the graph
     magnitude: MagnitudeBound | None = None  # the largest |x| that cannot overflow the compute
+    precision: str = "fp32"  # the format the served graph computes in (--precision)
     input_name: str = INPUT_NAME
     output_name: str = OUTPUT_NAME
 

@@ -82,6 +82,7 @@ def model_config(model: ServedModel, serving: Serving, name: str) -> pb.ModelCon
         "device": active.device,
         "fallbacks": ",".join(b.name for b in serving.backends if b is not active),
         "selection": serving.selection,
+        "precision": model.precision,  # what a client's parity check must tolerate (mha verify --url)
         **{k: v for k, v in model.labels().items() if k not in ("name", "version")},
     }
     for key, value in params.items():

@@ -19,6 +19,7 @@ from export.verify import check_parity, ort_cpu_runner, parity_grid, verify_mode
 from model import MHAConfig
 from model.checkpoint import init_weights, load_checkpoint
 from model.reference import attention_view, relative_error
+from service.cli import verify_server
 from service.client.client import MHAClient
 from service.engine.core import ModelLoadError
 from tests.support import ServerThread, make_settings
@@ -86,3 +87,19 @@ def test_serving_fp16(half_model_dir: Path, small_model_dir: Path) -> None:
     settings = make_settings(small_model_dir, precision="fp16")
     with ServerThread(settings, wait_ready=False) as server, pytest.raises(ModelLoadError, match="no fp16 graph"):
         server.load()
+
+
+def test_verify_url_checks_an_fp16_server_at_the_tolerance_of_fp16(half_model_dir: Path, tmp_path: Path) -> None:
+    """`mha verify DIR --url` reads the precision the server says it computes in (ModelConfig
+    parameter `precision`) and checks at that format's tolerance: an fp16 server passes, and
+    other weights of the same shape still fail."""
+    settings = make_settings(half_model_dir, backend="ort-cpu", precision="fp16")
+    other = tmp_path / "other"
+    export_model_dir(other, SMALL, init_weights(SMALL, seed=4))
+    with ServerThread(settings) as server:
+        with MHAClient(server.url) as client:
+            assert client.model_config().parameters["precision"].string_value == "fp16"
+        report = verify_server(server.url, half_model_dir)
+        assert report.ok and report.tolerance == precision_tolerance("fp16", SMALL), report.table()
+        assert max(row.rel_view for row in report.rows) > 1e-5  # what the fp32 tolerance refused
+        assert not verify_server(server.url, other).ok
