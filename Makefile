@@ -63,7 +63,7 @@ serve: $(STAMP)
 	@$(VENV)/bin/mha serve $(ARGS)
 
 export: $(STAMP)
-	$(VENV)/bin/mha export --out $(MODEL_DIR) $(ARGS)
+	$(VENV)/bin/mha export --out $(MODEL_DIR) --force $(ARGS)  # the default model, made again in place
 
 test: install
 	$(PY) -m pytest $(ARGS)
