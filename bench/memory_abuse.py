@@ -138,23 +138,20 @@ def case(
     watch = Watch(pid)
     beside.start()
     leave = abuse(server, hold_s)
+    stop.set()
+    beside.join()  # the polite client's tokens are all counted now, and no more come
     held = metric(server.metrics_port, "mha_inflight_bytes") / 2**20
     refused = metric(server.metrics_port, "mha_requests_total", {"code": "RESOURCE_EXHAUSTED"})
-    computed = metric(server.metrics_port, "mha_tokens_total") - tokens
-    stop.set()
-    beside.join()
+    abusive_tokens = metric(server.metrics_port, "mha_tokens_total") - tokens - 64 * (len(latencies) + len(calm))
     leave()
     time.sleep(settle_s)
-    polite_tokens = 64 * (len(latencies) + len(calm))
     return {
         "rss_before_mb": round(before, 1),
         "rss_peak_mb": round(watch.stop(), 1),
         "rss_after_mb": round(rss_mb(pid), 1),
         "inflight_mb_while_held": round(held, 1),
         "refused_resource_exhausted": refused,
-        "abusive_requests_computed": round((computed - 64 * len(latencies) - 64 * len(calm)) / TOKENS, 1)
-        if computed > polite_tokens
-        else 0.0,
+        "abusive_requests_computed": round(max(0.0, abusive_tokens) / TOKENS, 1),
         "polite_p50_ms_alone": round(statistics.median(calm), 3) if calm else float("nan"),
         "polite_p50_ms_beside": round(statistics.median(latencies), 3) if latencies else float("nan"),
         "polite_errors": len(errors),

@@ -10,6 +10,7 @@ from service.engine.served import ServedModel
 from service.errors import InvalidInput
 from service.protocol.calls import Call
 from service.protocol.inference import (
+    DATATYPE,
     SEQUENCE_LENGTH,
     SHM_KEYS,
     InferRequest,
@@ -111,7 +112,7 @@ async def _handed_over(
     target = output_placement(request, x.shape, regions)
     _hold(core, call, x.nbytes)
     if names_shared_memory(request):
-        request.inputs[0] = InputTensor(model.input_name, "FP32", list(x.shape), raw=x.tobytes())  # (B, T, C)
+        request.inputs[0] = InputTensor(model.input_name, DATATYPE, list(x.shape), raw=x.tobytes())  # (B, T, C)
         request.outputs = []
     response = await peers.forward(worker, request, sequence_header, timeout)
     if target is None:

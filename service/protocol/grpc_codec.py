@@ -132,7 +132,7 @@ def request_to_proto(request: InferRequest) -> pb.ModelInferRequest:
         if tensor.raw is not None:
             message.raw_input_contents.append(bytes(tensor.raw))
         elif tensor.values is not None and len(tensor.values):
-            message.raw_input_contents.append(tensor.values.astype(FLOAT32).tobytes())
+            message.raw_input_contents.append(tensor.values.tobytes())  # float32 already: both decoders make it so
     for out in request.outputs:
         _set_parameters(message.outputs.add(name=out.name).parameters, out.parameters)
     return message

@@ -15,6 +15,7 @@ from google.protobuf.message import Message
 
 from service.errors import InvalidInput, quote
 from service.protocol.inference import (
+    DATATYPE,
     SHM_OFFSET,
     SHM_REGION,
     SHM_SIZE,
@@ -153,7 +154,7 @@ def _input(tensor: dict[str, Any], binary: memoryview, offset: int) -> tuple[Inp
 
 
 def response_to_http(response: InferResponse, binary: bool) -> web.Response:
-    tensor: dict[str, Any] = {"name": response.output_name, "datatype": "FP32", "shape": list(response.y.shape)}
+    tensor: dict[str, Any] = {"name": response.output_name, "datatype": DATATYPE, "shape": list(response.y.shape)}
     doc = {
         "model_name": response.model_name,
         "model_version": response.model_version,
