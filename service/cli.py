@@ -163,6 +163,14 @@ def model_dir_problem(model_dir: Path | None) -> str | None:
     return None
 
 
+def repository_problem(repository: Path | None) -> str | None:
+    """What is wrong with --model-repository before anything binds; None if nothing is (or unset)."""
+    if repository is None or repository.is_dir():
+        return None
+    what = "no such directory" if not repository.exists() else "a file, not a directory"
+    return f"--model-repository {repository}: {what}; lay versions out as DIR/<model-name>/<version>/ (`mha export`)"
+
+
 def _add_client_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--token-file", help="file holding the bearer token")
     p.add_argument("--tls-ca", help="PEM CA bundle to trust the server's certificate (enables TLS)")
@@ -189,14 +197,15 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from service.app.supervisor import Supervisor, gpu_devices, worker_count
     from service.settings import default_model_home, to_argv
 
-    if (problem := model_dir_problem(settings.model_dir)) is not None:
+    if (problem := model_dir_problem(settings.model_dir) or repository_problem(settings.model_repository)) is not None:
         log.error("cannot start: %s", problem)
         return 2
-    if settings.model_dir is None and settings.default_model_dir is None:
+    single = settings.model_repository is None  # one model directory: --model-dir, or the default model
+    if single and settings.model_dir is None and settings.default_model_dir is None:
         settings = replace(settings, default_model_dir=default_model_home(Path.cwd(), os.environ))
     gpus = gpu_devices() if settings.workers == "auto" else []
     if (count := worker_count(settings.workers, gpus)) > 1:
-        if settings.model_dir is None:  # exported once, here, rather than by every worker at once
+        if single and settings.model_dir is None:  # exported once, here, rather than by every worker at once
             from export.pipeline import ensure_default_model
 
             assert settings.default_model_dir is not None

@@ -28,7 +28,12 @@ class SequenceNotFound(NotFound):
     """A step for a sequence that is not live: never started, ended, evicted or restarted."""
 
 
-class StaleSequence(ServiceError):
+class Precondition(ServiceError):
+    """The server's state does not allow what was asked, as asked: a sequence's state that is not
+    the client's, a version that fails its checks."""
+
+
+class StaleSequence(Precondition):
     """A step whose client believes the sequence holds a different number of tokens than this
     server does (sequence_offset): computing it would answer against a state that is not the
     client's, so it is refused and the state stays as it was."""
@@ -45,6 +50,11 @@ class Relayed(ServiceError):
 
 class RegionExists(ServiceError):
     """Registering a shared memory region under a name already taken."""
+
+
+class LoadRefused(Precondition):
+    """A version in the repository that cannot be served (a file fails its checks): refused, and
+    the versions serving go on."""
 
 
 class FeatureOff(ServiceError):

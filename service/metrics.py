@@ -45,6 +45,8 @@ BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 
 
 EVICTION_REASONS = ("idle", "budget")  # the label's fixed set
+LOAD_RESULTS = ("loaded", "refused")
+VERSION_STATES = ("READY", "RETIRING", "UNLOADING")
 MODEL_LABELS = ("name", "version", "d_model", "n_head", "max_seq_len", "causal", "weights_sha256", "verified")
 
 
@@ -87,6 +89,43 @@ class _WorkerGauge:
         if values:
             return self._gauge.labels(*values, self._worker)
         return self._gauge.labels(**labels, worker=self._worker)
+
+
+class VersionSeries:
+    """The model's versions: which are loaded (mha_model_info), their states, their sequences,
+    and the loads and refusals."""
+
+    def __init__(self, labelled: Callable[[str, str, list[str]], _Labelled], counter: Callable[..., Counter]) -> None:
+        self.info = labelled(
+            "mha_model_info", "Each version of the model loaded (1; 0 once unloaded).", list(MODEL_LABELS)
+        )
+        self.states = labelled(
+            "mha_model_versions", "Versions of the model loaded, by state (READY, RETIRING, UNLOADING).", ["state"]
+        )
+        self.sequences = labelled("mha_model_version_sequences", "Live sequences held by each version.", ["version"])
+        self.loads = counter("mha_model_loads", "Versions loaded, and versions refused by their checks.", ["result"])
+        for result in LOAD_RESULTS:
+            self.loads.labels(result)
+
+    def loaded(self, model_labels: dict[str, str]) -> None:
+        self.info.labels(**{key: model_labels[key] for key in MODEL_LABELS}).set(1)
+
+    def unloaded(self, model_labels: dict[str, str]) -> None:
+        """A version unloaded: its series stay, at 0 (a worker's multiprocess files keep every series)."""
+        self.info.labels(**{key: model_labels[key] for key in MODEL_LABELS}).set(0)
+        self.sequences.labels(model_labels["version"]).set(0)
+
+    def counted(self, loaded: int, refused: int) -> None:
+        self.loads.labels("loaded").inc(loaded)
+        self.loads.labels("refused").inc(refused)
+
+    def changed(self, states: Sequence[str]) -> None:
+        """The versions loaded, by state (READY, RETIRING, UNLOADING)."""
+        for state in VERSION_STATES:
+            self.states.labels(state).set(states.count(state))
+
+    def held(self, version: str, live: int) -> None:
+        self.sequences.labels(version).set(live)
 
 
 class Metrics:
@@ -140,7 +179,6 @@ class Metrics:
             "1 for each backend serving now (light and heavy batches may have their own), 0 for fallbacks.",
             ["backend", "device"],
         )
-        self.model_info = labelled("mha_model_info", "The model being served (1).", list(MODEL_LABELS))
         self.ready = gauge("mha_ready", "1 when the model is loaded, self-checked and serving.")
         self.device_required = labelled(
             "mha_device_required", "1 for the device this server must serve on (--require-device).", ["device"]
@@ -156,6 +194,7 @@ class Metrics:
         )
         for reason in EVICTION_REASONS:
             self.sequence_evictions.labels(reason)
+        self.versions = VersionSeries(labelled, counter)
 
     def _gauge(self, name: str, documentation: str) -> Gauge:
         if self._worker is None:
@@ -188,11 +227,6 @@ class Metrics:
         self.sequence_state_bytes.set(state_bytes)
         if evicted is not None:
             self.sequence_evictions.labels(evicted).inc()
-
-    def loaded(self, model_labels: dict[str, str], queue_capacity: int, queue_depth: Callable[[], int]) -> None:
-        self.model_info.labels(**{key: model_labels[key] for key in MODEL_LABELS}).set(1)
-        self.queue_capacity.set(queue_capacity)
-        self.follow(self.queue_depth, queue_depth)
 
     def observe_calls(self, records: Iterable[CallRecord]) -> None:
         """Answered calls, in bulk: counted by method and code, timed by method; a traced call's

@@ -23,6 +23,7 @@ LOG_FORMATS = ("auto", "json", "text")
 SHARED_MEMORY_CHOICES = ("off", "system")
 DEVICE_CHOICES = ("any", "cuda")
 PRECISION_CHOICES = ("fp32", "fp16", "bf16")
+MODEL_CONTROL_MODES = ("none", "poll", "explicit")
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 OFF = "off"  # a port that is not opened
 
@@ -49,6 +50,17 @@ class Settings:
         "where the default model is kept, exported there first if missing; unset: ./models/default in a "
         "checkout of mha-serve, else $XDG_CACHE_HOME/mha-serve/models/default (~/.cache/...)",
     )
+    model_repository: Path | None = setting(
+        None, "Triton's model repository: DIR/<model-name>/<version>/, each version as `mha export` writes it"
+    )
+    model_control_mode: str = setting(
+        "none",
+        "none: serve the repository's versions found at start; poll: follow it (--repository-poll-secs); "
+        "explicit: load and unload on request (--load-model, the repository API)",
+        choices=MODEL_CONTROL_MODES,
+    )
+    repository_poll_secs: float = setting(15.0, "how often poll mode reads the repository again", "s", low=0.1)
+    load_model: str = setting("", "explicit mode: the model to load at start (its name, or *); empty: none")
     model_name: str = setting("mha", "model name clients address")
     model_version: str = setting("1", "model version clients may address")
     sequence_model_name: str = setting(
@@ -147,6 +159,17 @@ class Settings:
             raise ValueError("--tls-cert and --tls-key go together; give both or neither")
         if self.workers != "auto" and not (self.workers.isdigit() and int(self.workers) >= 1):
             raise ValueError(f"--workers {self.workers!r}: expected a positive number or auto")
+        if self.model_repository is not None and self.model_dir is not None:
+            raise ValueError("--model-repository and --model-dir are two sources of versions; give one")
+        if self.model_control_mode != "none" and self.model_repository is None:
+            raise ValueError(
+                f"--model-control-mode {self.model_control_mode} follows a repository: give --model-repository "
+                "(--model-dir is a repository of one version, served as it is)"
+            )
+        if self.load_model not in ("", "*", self.model_name):
+            raise ValueError(f"--load-model {self.load_model[:64]!r}: this server serves {self.model_name!r} (or *)")
+        if self.load_model and self.model_control_mode != "explicit":
+            raise ValueError("--load-model is for --model-control-mode explicit (the other modes load at start)")
         if self.tls_client_ca is not None and self.tls_cert is None:
             raise ValueError("--tls-client-ca (mTLS) needs --tls-cert and --tls-key")
 

@@ -21,6 +21,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from prometheus_client import CollectorRegistry
 
+from service.app.repository import model_source, poll
 from service.batching import Clock
 from service.engine.core import ComputeHook, InferenceCore, State
 from service.memory import freed_buffers_go_back
@@ -122,7 +123,7 @@ async def start(
     """
     worker = settings.worker_index if settings.worker_peers > 1 else None  # one of several: multiprocess metrics
     metrics = Metrics(registry if registry is not None else CollectorRegistry(auto_describe=True), worker)
-    core = InferenceCore(settings, metrics, clock, _tracing(settings), compute_hook)
+    core = InferenceCore(settings, metrics, clock, _tracing(settings), compute_hook, model_source(settings))
     if settings.reuse_port:
         try:
             await core.load()
@@ -308,6 +309,8 @@ async def load_and_serve(running: Running) -> None:
     if core.state is State.LOADING:  # a worker of several has loaded before it bound its ports
         await core.load()
     core.device.on_serving = lambda ok: _health_task(running, ok)
+    if core.settings.model_control_mode == "poll":  # until draining begins
+        running.tasks.add(asyncio.get_running_loop().create_task(poll(core, core.draining)))
     ok = core.serving_ok()
     await _set_health(running, ok)
     if not ok:
@@ -352,13 +355,16 @@ async def _not_serving_when_lost(running: Running) -> None:
 
 
 def refuse_readiness(running: Running) -> None:
-    active = running.core.loaded.chain.active
+    if (latest := running.core.versions.latest()) is None:
+        log.warning("not ready: %s", running.core.readiness())
+        return
+    active = latest.chain.active
     log.error(
         "refusing readiness: --require-device %s, but %s on %s serves; %s",
         running.core.settings.require_device,
         active.name,
         active.device,
-        running.core.loaded.selection.summary(),
+        latest.selection.summary(),
     )
 
 

@@ -31,6 +31,7 @@ class StepAnswer:
     length: int  # tokens the server holds for the sequence after the step
     replica: str  # where the sequence lives: the replica's name
     worker: int  # ... and the worker within it
+    version: str = ""  # the model version that holds it (the one it began on)
 
 
 class MHAClient:
@@ -124,7 +125,8 @@ class MHAClient:
         response: pb.ModelInferResponse = self._call("ModelInfer", request, timeout, header)  # type: ignore[assignment]
         params = response.parameters
         length, replica, worker = params[SEQUENCE_LENGTH].int64_param, params["replica"].string_param, params["worker"]
-        return StepAnswer(decode_infer_response(response), int(length), replica, int(worker.int64_param))
+        y = decode_infer_response(response)
+        return StepAnswer(y, int(length), replica, int(worker.int64_param), response.model_version)
 
     def sequence(self, sequence_id: int | str) -> ClientSequence:
         """A sequence to drive step by step; it keeps its offset and restarts with its prefix."""

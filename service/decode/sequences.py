@@ -92,6 +92,10 @@ class SequenceStore:
     def __len__(self) -> int:
         return len(self._live)
 
+    def holds(self, sequence_id: SequenceId) -> bool:
+        """Is this sequence live here (its keys and values kept)?"""
+        return sequence_id in self._live
+
     def open(self, control: SequenceControl, rows: int, width: int) -> LiveSequence:
         """The sequence a step belongs to: a new one on start, else the live one with its checks."""
         if not self.config.causal:

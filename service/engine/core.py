@@ -11,7 +11,7 @@ import enum
 import logging
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import replace
 from functools import partial
 from pathlib import Path
 
@@ -32,11 +32,14 @@ from service.decode.scheduler import Decoder, StepBatcher, StepInput
 from service.decode.sequences import SequenceLimits, SequenceStore
 from service.engine.batcher import Batcher
 from service.engine.inflight import InFlight
+from service.engine.loading import LoadReport, VersionLoader
 from service.engine.magnitude import magnitude_bound
 from service.engine.publishing import Publisher
 from service.engine.readiness import DeviceHealth
+from service.engine.repository import ModelSource
 from service.engine.served import ModelIdentity, ServedModel, Serving
 from service.engine.stats import ModelStats
+from service.engine.versions import Loaded, Versions
 from service.errors import DeviceLost, FeatureOff, InvalidInput, NotReady
 from service.memory import memory_limit_bytes
 from service.metrics import Metrics
@@ -57,15 +60,6 @@ class ModelLoadError(RuntimeError):
     """The model directory cannot be served; the message says why."""
 
 
-@dataclass(frozen=True)
-class Loaded:
-    model: ServedModel
-    selection: Selection
-    chain: BackendChain
-    batcher: Batcher
-    decoder: Decoder
-
-
 # Called on the computing thread before every batch (kind "batch", its merged input) and every batch
 # of decode steps ("steps", each step's new tokens): it may block, or raise as a failing compute
 # would. None in production.
@@ -80,6 +74,7 @@ class InferenceCore:
         clock: Clock | None = None,
         tracing: Tracing | None = None,
         compute_hook: ComputeHook | None = None,
+        source: ModelSource | None = None,
     ) -> None:
         self.settings = settings
         self.compute_hook = compute_hook  # tests hold computes and inject failures with it (ComputeHook)
@@ -92,80 +87,72 @@ class InferenceCore:
         self.requests = InFlight()  # inference requests in the server (the batchers wait only for these)
         self.budget = InflightBudget(_inflight_limit(settings))  # bytes of requests and answers held at once
         self.draining = asyncio.Event()  # set once draining began: open streams stop reading
-        self._loaded: Loaded | None = None
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="infer")
-        metrics.follow(metrics.inflight, lambda: self.requests.count)
-        metrics.follow(metrics.inflight_bytes, lambda: self.budget.held)
-        metrics.inflight_budget.set(self.budget.limit)
-        metrics.follow(metrics.ready, lambda: 1 if self.serving_ok() else 0)  # the one readiness, as every signal
+        self.versions = Versions(settings.model_name)
+        self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="infer")  # every version's batches
         self.device = DeviceHealth(settings.require_device, metrics)  # the server's health follows serving_ok()
-        failed = partial(self._set_state, State.FAILED)
+        failed = partial(self.set_state, State.FAILED)
         self.publish = Publisher(metrics, self.stats, self.device, self.serving_ok, failed, self.tracing)
         self.placement: dict[str, int | str] = {"replica": settings.replica, "worker": settings.worker_index}
+        self.keeper = VersionKeeper(self, source or single_source(settings))
+        self.loader = self.keeper.loader
+        metrics.queue_capacity.set(settings.max_queue_size)
+        metrics.follow(metrics.inflight, lambda: self.requests.count)
+        metrics.follow(metrics.inflight_bytes, lambda: self.budget.held)
+        metrics.follow(metrics.queue_depth, lambda: sum(v.batcher.depth for v in self.versions))
+        metrics.inflight_budget.set(self.budget.limit)
+        metrics.follow(metrics.ready, lambda: 1 if self.serving_ok() else 0)  # the one readiness, as every signal
 
     @property
     def loaded(self) -> Loaded:
-        if self._loaded is None:
-            raise NotReady("the model is still loading; retry shortly")
-        return self._loaded
+        """The latest version serving."""
+        latest = self.versions.latest()
+        if latest is None:
+            if self.state is State.LOADING:
+                raise NotReady("the model is still loading; retry shortly")
+            raise NotReady(f"no version of model {self.identity.name!r} is loaded; retry once one is")
+        return latest
 
     def active_backend(self) -> Backend | None:
         """The backend serving now; None until the model is loaded and ready."""
-        return self.loaded.chain.active if self.state is State.READY else None
+        latest = self.versions.latest()
+        return latest.chain.active if self.state is State.READY and latest is not None else None
 
-    def serving(self) -> Serving:
-        return _serving(self.loaded, self.settings)
+    def serving(self, loaded: Loaded | None = None) -> Serving:
+        return _serving(loaded or self.loaded, self.settings)
 
-    def _set_state(self, state: State) -> None:
+    def set_state(self, state: State) -> None:
         self.state = state
 
     async def load(self) -> None:
-        """Load, self-check and order the backends off the event loop, then start batching."""
-        try:
-            load = partial(load_model, self.settings, self.identity, self.publish.fallback)
-            model, selection, chain = await asyncio.get_running_loop().run_in_executor(self._executor, load)
-        except Exception:
-            self._set_state(State.FAILED)
-            raise
-        s = self.settings
-        batcher = Batcher(
-            _batching(s, model),
-            run_batch=partial(_run_batch, chain, hook=self.compute_hook),
-            executor=self._executor,
-            on_batch=partial(self.publish.batch, chain=chain),
-            in_flight=lambda: self.requests.uncomputed,
-            clock=self.clock,
-            current_trace=self.tracing.current if self.tracing.enabled else None,
-        )
-        decoder = _decoder(s, model.config, chain, self._executor, self.clock, self.metrics, self)
-        self._loaded = Loaded(model, selection, chain, batcher, decoder)
-        batcher.start()
-        decoder.start(expiry_period_s=min(1.0, max(s.sequence_idle_timeout_s / 4, 0.05)))
-        self.metrics.loaded(model.labels(), s.max_queue_size, lambda: batcher.depth)
-        for order in chain.orders():
-            self.metrics.init_fallbacks([b.name for b in order], REASONS)
-        self.publish.backends(chain)
-        self._set_state(State.READY)
+        """Load the versions the source names (in explicit mode only with --load-model), then serve."""
+        await self.keeper.load_at_start()
 
     def serving_ok(self) -> bool:
         """Ready for traffic: loaded, and on the required device (--require-device) if any. The one
         source of readiness: gRPC ServerReady and ModelReady, HTTP /v2/health/ready and the
         model's /ready, mha_ready and the health service all ask it."""
-        return self.state is State.READY and self.device.allows(self.loaded.chain.active)
+        latest = self.versions.latest()
+        return self.state is State.READY and latest is not None and self.device.allows(latest.chain.active)
 
     def readiness(self) -> str:
         """Why the server is not ready ("" when it is), for the clients' messages."""
         if self.serving_ok():
             return ""
-        if self.state is State.READY:
-            active = self.loaded.chain.active
+        if self.state is State.READY and (latest := self.versions.latest()) is not None:
+            active = latest.chain.active
             return f"--require-device {self.settings.require_device}, but {active.name} on {active.device} serves"
+        if self.state is State.READY:
+            return f"no version of model {self.identity.name!r} is loaded"
         return f"the model is not ready (state: {self.state.value})"
 
-    async def infer(self, x: np.ndarray, deadline: float | None) -> tuple[np.ndarray, Timing]:
-        """(B, T, C) -> (B, T, C) through the queue; `deadline` is on `self.clock`."""
-        self._check_ready()
-        loaded = self.loaded
+    def route(self, control: SequenceControl | None, version: str) -> Loaded:
+        """The version a request goes to: the one it names, else the latest; a sequence's later
+        steps to the version it began on."""
+        self.check_ready()
+        return self.versions.for_request(version) if control is None else self.versions.for_step(control, version)
+
+    async def infer(self, x: np.ndarray, deadline: float | None, loaded: Loaded) -> tuple[np.ndarray, Timing]:
+        """(B, T, C) -> (B, T, C) through `loaded`'s queue; `deadline` is on `self.clock`."""
         loaded.model.check_magnitude(x)
         y, timing = await loaded.batcher.submit(x, deadline)
         if not timing.finite and not all_finite(y):  # the chain found this input to blame (see BackendChain)
@@ -174,33 +161,34 @@ class InferenceCore:
         return y, timing
 
     async def step(
-        self, control: SequenceControl, x: np.ndarray, deadline: float | None = None
+        self, control: SequenceControl, x: np.ndarray, loaded: Loaded, deadline: float | None = None
     ) -> tuple[np.ndarray, Timing, int]:
         """A decode step of a live sequence: (B, t, C) new tokens -> their (B, t, C) outputs, and
         the tokens the sequence holds after the step."""
-        self._check_ready()
-        if self.loaded.chain.steps_device is None:
+        if loaded.chain.steps_device is None:
             raise FeatureOff(
                 "no backend of this server computes decode steps: its model directory has no step.onnx and "
                 "PyTorch is not among --backend's; re-export the model with `mha export`, or send whole sequences"
             )
-        self.loaded.model.check_magnitude(x)  # the cached keys and values were checked with their own steps
+        loaded.model.check_magnitude(x)  # the cached keys and values were checked with their own steps
         try:
             with self.tracing.step(control.label, int(x.shape[1])) as span:
-                stepped = await self.loaded.decoder.step(control, x, deadline)
+                stepped = await loaded.decoder.step(control, x, deadline)
                 if span is not None:
                     span.set_attribute("mha.sequence.tokens_held", stepped.length)
         except DeviceLost as exc:  # the caches' device is gone: stop serving, as a lost batch does
             if self.device.observe(exc):
-                self._set_state(State.FAILED)
+                self.set_state(State.FAILED)
             raise
         self.publish.answered(x.shape, stepped.timing, steps=True)
         return stepped.y, stepped.timing, stepped.length
 
-    def _check_ready(self) -> None:
+    def check_ready(self) -> None:
         self.device.check()
         if self.state is State.DRAINING:
             raise NotReady("the server is draining for shutdown; retry on another replica")
+        if self.state is State.LOADING:
+            raise NotReady("the model is still loading; retry shortly")
         if self.state is not State.READY:
             raise NotReady(f"the model is not ready (state: {self.state.value}); retry shortly")
 
@@ -208,17 +196,121 @@ class InferenceCore:
         if self.state is not State.DRAINING:
             level = logging.INFO if announce else logging.DEBUG
             log.log(level, "draining: new requests are refused, in-flight requests finish")
-            self._set_state(State.DRAINING)
+            self.set_state(State.DRAINING)
             self.draining.set()
 
     async def close(self) -> None:
-        if self._loaded is not None:
-            await self._loaded.decoder.close()
-            await self._loaded.batcher.stop()
-        self._executor.shutdown(wait=True)
-        if self._loaded is not None:
-            for backend in self._loaded.chain.backends:
+        await self.loader.close()
+        for loaded in list(self.versions):
+            await loaded.decoder.close()
+            await loaded.batcher.stop()
+        self.executor.shutdown(wait=True)
+        for loaded in list(self.versions):
+            for backend in loaded.chain.backends:
                 backend.close()
+
+
+class VersionKeeper:
+    """The versions' lives: loading them (at start, by poll, by load call), making them serve,
+    retiring and unloading them, and what the metrics and readiness hear of it."""
+
+    def __init__(self, core: InferenceCore, source: ModelSource) -> None:
+        self.core = core
+        self.loader = VersionLoader(source, core.versions, self.prepare, self.start, self.stop, self.changed)
+
+    async def load_at_start(self) -> None:
+        """Load the versions the source names (in explicit mode only with --load-model), off the
+        event loop, then serve. A server of one model directory, or in mode none, that loads no
+        version does not start."""
+        s = self.core.settings
+        if s.model_control_mode != "explicit" or s.load_model in ("*", s.model_name):
+            try:
+                report = await self.loader.sync()
+            except Exception:
+                self.core.set_state(State.FAILED)
+                raise
+            self.core.metrics.versions.counted(len(report.loaded), len(report.failed))
+            if report.failed and not len(self.core.versions) and s.model_control_mode == "none":
+                self.core.set_state(State.FAILED)
+                raise ModelLoadError("; ".join(f"version {v}: {why}" for v, why in report.failed.items()))
+        self.core.set_state(State.READY)
+
+    async def sync(self, polled: bool = False) -> LoadReport:
+        """Load what the repository names now, retire what it no longer names (poll, load calls)."""
+        self.core.check_ready()
+        report = await self.loader.sync(retry_refused=not polled)
+        self.core.metrics.versions.counted(len(report.loaded), len(report.failed))
+        return report
+
+    async def load_call(self) -> None:
+        """A load call (the repository API): what the repository names now, or why a version is
+        refused (the versions serving go on)."""
+        report = await self.sync()
+        refusal = report.refusal(self.core.identity.name, [v.version for v in self.core.versions.serving()])
+        if refusal is not None:
+            raise refusal
+
+    async def unload_call(self) -> None:
+        """An unload call: every version stops taking requests, finishes what it queued, unloads."""
+        self.core.check_ready()
+        await self.loader.unload_all()
+
+    def prepare(self, version: str, directory: Path | None) -> tuple[ServedModel, Selection, BackendChain]:
+        """A version's model read, checked and self-checked, its backends chained (blocking)."""
+        identity = replace(self.core.identity, version=version)
+        return load_model(self.core.settings, identity, self.core.publish.fallback, directory)
+
+    def start(self, prepared: tuple[ServedModel, Selection, BackendChain]) -> Loaded:
+        """A version's batcher and live sequences, started (on the event loop)."""
+        model, selection, chain = prepared
+        core, s = self.core, self.core.settings
+        batcher = Batcher(
+            _batching(s, model),
+            run_batch=partial(_run_batch, chain, hook=core.compute_hook),
+            executor=core.executor,
+            on_batch=partial(core.publish.batch, chain=chain),
+            in_flight=lambda: core.requests.uncomputed,
+            clock=core.clock,
+            current_trace=core.tracing.current if core.tracing.enabled else None,
+        )
+        decoder = _decoder(s, model, chain, core.executor, core.clock, core)
+        loaded = Loaded(model, selection, chain, batcher, decoder)
+        batcher.start()
+        decoder.start(expiry_period_s=min(1.0, max(s.sequence_idle_timeout_s / 4, 0.05)))
+        core.metrics.versions.loaded(model.labels())
+        for order in chain.orders():
+            core.metrics.init_fallbacks([b.name for b in order], REASONS)
+        core.publish.backends(chain)
+        return loaded
+
+    def stop(self, loaded: Loaded) -> None:
+        """A version's backends closed once it has stopped serving."""
+        for backend in loaded.chain.backends:
+            backend.close()
+        self.core.metrics.versions.unloaded(loaded.model.labels())
+
+    def changed(self) -> None:
+        """The versions changed: their gauges, and readiness (explicit mode may unload them all)."""
+        self.core.metrics.versions.changed([v.state.value for v in self.core.versions])
+        self.core.device.serving_changed(self.core.serving_ok())
+
+    def sequences_changed(self, version: str, evicted: str | None) -> None:
+        """A version's live sequences changed: the gauges, and a retiring version may unload."""
+        live = list(self.core.versions)
+        self.core.metrics.sequences_changed(
+            sum(v.live_sequences for v in live), sum(v.decoder.sequences.state_bytes for v in live), evicted
+        )
+        if (loaded := self.core.versions.get(version)) is not None:
+            self.core.metrics.versions.held(version, loaded.live_sequences)
+            self.loader.sequences_changed(loaded)
+
+
+def single_source(s: Settings) -> ModelSource:
+    """Where the settings say the versions are, with the default policy (Triton's: the latest
+    one); the app passes a source that reads each model's own policy."""
+    if s.model_repository is not None:
+        return ModelSource(s.model_name, repository=s.model_repository)
+    return ModelSource(s.model_name, directory=s.model_dir, version=s.model_version)
 
 
 def _identity(s: Settings) -> ModelIdentity:
@@ -244,12 +336,12 @@ def _run_steps(
 
 
 def load_model(
-    settings: Settings, identity: ModelIdentity, on_fallback: FallbackHook
+    settings: Settings, identity: ModelIdentity, on_fallback: FallbackHook, directory: Path | None = None
 ) -> tuple[ServedModel, Selection, BackendChain]:
-    """Read the model directory, load and self-check the backends (decode steps included), and
-    chain them (blocking)."""
+    """Read the model directory (None: the default model), load and self-check the backends
+    (decode steps included), and chain them (blocking)."""
     s = settings
-    files = ModelFiles(s.model_dir if s.model_dir is not None else _default_model(s))
+    files = ModelFiles(directory if directory is not None else _default_model(s))
     try:
         config, weights = load_checkpoint(files.weights)
     except CheckpointError as exc:
@@ -339,19 +431,19 @@ def _batching(s: Settings, model: ServedModel) -> BatcherConfig:
 
 def _decoder(
     s: Settings,
-    config: MHAConfig,
+    model: ServedModel,
     chain: BackendChain,
     executor: ThreadPoolExecutor,
     clock: Clock,
-    metrics: Metrics,
     core: InferenceCore,
 ) -> Decoder:
-    """Live sequences within the settings' limits, their gauges, and the batcher of their steps."""
+    """A version's live sequences within the settings' limits, and the batcher of their steps."""
     limits = SequenceLimits(s.max_sequences, s.sequence_idle_timeout_s, int(s.max_sequence_state_mb * 2**20))
-    metrics.sequence_limits(limits.max_sequences, limits.max_state_bytes)
+    core.metrics.sequence_limits(limits.max_sequences, limits.max_state_bytes)
+    version = model.version
 
     def changed(store: SequenceStore, evicted: str | None) -> None:
-        metrics.sequences_changed(len(store), store.state_bytes, evicted)
+        core.keeper.sequences_changed(version, evicted)
 
     device = chain.steps_device or "cpu"  # where the sequences' caches live
     steps = StepBatcher(
@@ -363,8 +455,8 @@ def _decoder(
         on_batch=partial(core.publish.batch, chain=chain, steps=True),
         clock=clock,
     )
-    where = f"replica {s.replica!r} worker {s.worker_index}"  # for operators, in every NOT_FOUND and refusal
-    store = SequenceStore(config, limits, clock.now, changed, device, where)
+    where = f"replica {s.replica!r} worker {s.worker_index} (version {version})"  # in every NOT_FOUND and refusal
+    store = SequenceStore(model.config, limits, clock.now, changed, device, where)
     return Decoder(store, steps, require_offset=s.require_sequence_offset)
 
 

@@ -22,8 +22,8 @@ if TYPE_CHECKING:
 class ModelIdentity:
     """The two model entries this server serves, as Triton lays out one scheduler per model: `name`
     (stateless requests, dynamic batching; it also takes a sequence's steps, for the clients that
-    always sent them there) and `sequence_name` (sequence batching: every request a step). One set
-    of weights, one engine, one version."""
+    always sent them there) and `sequence_name` (sequence batching: every request a step). Each
+    version loaded has its own (`version` set: the version's)."""
 
     name: str
     version: str
@@ -33,16 +33,11 @@ class ModelIdentity:
     def names(self) -> tuple[str, ...]:
         return (self.name, self.sequence_name) if self.sequence_name else (self.name,)
 
-    def check(self, name: str, version: str) -> str:
-        """A request's (name, version): the entry it names; an empty version means the latest, ours."""
+    def check(self, name: str) -> str:
+        """A request's model name: the entry it names (its version is the versions' to check)."""
         if name not in self.names:
             served = " and ".join(repr(n) for n in self.names)
             raise ModelNotFound(f"unknown model {quote(name)}; this server serves {served}")
-        if version not in ("", self.version):
-            raise ModelNotFound(
-                f"unknown version {quote(version)} of model {name!r}; "
-                f"available: [{self.version!r}] (or empty for latest)"
-            )
         return name
 
     def is_sequence_model(self, name: str) -> bool:

@@ -41,7 +41,7 @@ async def answer_infer(
     mha-sequence-id header, if it carries one; `peers`, the other workers (None: there are none).
     With peers, a request naming a shared memory region is answered by the worker that keeps the
     regions, and a step of a sequence this worker does not own by the sequence's owner."""
-    entry = core.identity.check(request.model_name, request.model_version)  # the one check of an inference's model
+    entry = core.identity.check(request.model_name)  # the one check of an inference's model
     control = sequence_control(request)
     if call is not None:
         call.step = control is not None  # counted in the sequence model's statistics
@@ -54,22 +54,23 @@ async def answer_infer(
     if (own_timeout := request_timeout_s(request)) is not None:  # the sooner of the call's and the request's
         own = core.clock.now() + own_timeout
         deadline = own if deadline is None else min(deadline, own)
-    model = core.loaded.model
     if peers is not None:
         timeout = None if deadline is None else max(0.0, deadline - core.clock.now())
         shared = names_shared_memory(request)
         if shared and (keeper := peers.region_keeper) is not None:
-            _check_carried_tensor(request, model)
+            _check_carried_tensor(request, core.loaded.model)
             return await peers.forward(keeper, request, sequence_header, timeout)
         if control is not None and (owner := peers.owner(control.id)) is not None:
             return await _handed_over(core, regions, request, (peers, owner), sequence_header, timeout, call)
+    version = core.route(control, request.model_version)  # the version named, the latest, or the sequence's
+    model = version.model
     x = decode_input(request, model, regions)
     target = output_placement(request, x.shape, regions)
     _hold(core, call, x.nbytes)
     if control is None:
-        y, timing = await core.infer(x, deadline)
+        y, timing = await core.infer(x, deadline, version)
         return answered(request, model, y, timing.backend, target, regions)
-    y, timing, length = await core.step(control, x, deadline)
+    y, timing, length = await core.step(control, x, version, deadline)
     extra: dict[str, int | str] = {SEQUENCE_LENGTH: length, **core.placement}  # and where the sequence lives
     response = answered(request, model, y, timing.backend, target, regions, extra)
     response.model_name = entry  # the entry the step was sent to: mha or mha_sequence

@@ -20,7 +20,7 @@ from service.engine.core import InferenceCore
 from service.errors import FeatureOff, NotReady, RegionNotFound, quote
 from service.proto import grpc_service_pb2 as pb
 from service.proto import grpc_service_pb2_grpc as pb_grpc
-from service.protocol import render
+from service.protocol import model_calls, render
 from service.protocol.answer import answer_infer
 from service.protocol.calls import Call, Calls, StreamItemScope
 from service.protocol.grpc_codec import request_from_proto, response_to_proto
@@ -69,8 +69,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
 
     async def ModelReady(self, request: pb.ModelReadyRequest, context: Context) -> pb.ModelReadyResponse:
         async with self.calls.unary("ModelReady", context):
-            self.core.identity.check(request.name, request.version)
-            return pb.ModelReadyResponse(ready=self.core.serving_ok())
+            return pb.ModelReadyResponse(ready=model_calls.model_ready(self.core, request.name, request.version))
 
     async def ServerMetadata(self, request: pb.ServerMetadataRequest, context: Context) -> pb.ServerMetadataResponse:
         async with self.calls.unary("ServerMetadata", context):
@@ -78,22 +77,15 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
 
     async def ModelMetadata(self, request: pb.ModelMetadataRequest, context: Context) -> pb.ModelMetadataResponse:
         async with self.calls.unary("ModelMetadata", context):
-            name = self.core.identity.check(request.name, request.version)
-            return render.model_metadata(self.core.loaded.model, name)
+            return model_calls.metadata(self.core, request.name, request.version)
 
     async def ModelConfig(self, request: pb.ModelConfigRequest, context: Context) -> pb.ModelConfigResponse:
         async with self.calls.unary("ModelConfig", context):
-            name = self.core.identity.check(request.name, request.version)
-            return pb.ModelConfigResponse(config=render.model_config(self.core.loaded.model, self.core.serving(), name))
+            return pb.ModelConfigResponse(config=model_calls.config(self.core, request.name, request.version))
 
     async def ModelStatistics(self, request: pb.ModelStatisticsRequest, context: Context) -> pb.ModelStatisticsResponse:
         async with self.calls.unary("ModelStatistics", context):
-            identity = self.core.identity
-            names = [identity.check(request.name, request.version)] if request.name else list(identity.names)
-            stats = []
-            for name in names:
-                with self.core.publish.statistics(steps=identity.is_sequence_model(name)) as held:
-                    stats.append(render.model_statistics(name, identity.version, held))
+            stats = model_calls.statistics(self.core, request.name, request.version)
             return pb.ModelStatisticsResponse(model_stats=stats)
 
     async def SystemSharedMemoryRegister(
@@ -138,19 +130,21 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
 
     async def RepositoryIndex(self, request: pb.RepositoryIndexRequest, context: Context) -> pb.RepositoryIndexResponse:
         async with self.calls.unary("RepositoryIndex", context):
-            return render.repository_index(self.core.identity, self.core.readiness(), request.ready)
+            return model_calls.index(self.core, request.ready)
 
     async def RepositoryModelLoad(
         self, request: pb.RepositoryModelLoadRequest, context: Context
     ) -> pb.RepositoryModelLoadResponse:
         async with self.calls.unary("RepositoryModelLoad", context):
-            raise FeatureOff(render.MODEL_CONTROL_OFF)
+            await model_calls.load(self.core, request.model_name, self.peers)
+            return pb.RepositoryModelLoadResponse()
 
     async def RepositoryModelUnload(
         self, request: pb.RepositoryModelUnloadRequest, context: Context
     ) -> pb.RepositoryModelUnloadResponse:
         async with self.calls.unary("RepositoryModelUnload", context):
-            raise FeatureOff(render.MODEL_CONTROL_OFF)
+            await model_calls.unload(self.core, request.model_name, self.peers)
+            return pb.RepositoryModelUnloadResponse()
 
     async def ModelInfer(self, request: pb.ModelInferRequest, context: Context) -> pb.ModelInferResponse:
         async with self.calls.unary("ModelInfer", context, request.id, inference=True) as call:

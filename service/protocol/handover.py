@@ -16,15 +16,17 @@ from google.protobuf.message import DecodeError, Message
 
 from service.engine.core import InferenceCore
 from service.proto import grpc_service_pb2 as pb
-from service.protocol import render
+from service.protocol import model_calls, render
 from service.protocol.answer import answer_infer
 from service.protocol.calls import Call, Calls
 from service.protocol.grpc_codec import request_from_proto, response_to_proto
 from service.protocol.peers import (
     FORWARDED_METHOD,
     INFER,
+    LOAD,
     REGISTER,
     REQUESTS,
+    UNLOAD,
     UNREGISTER,
     WorkerPeers,
     answer_frame,
@@ -83,6 +85,12 @@ class Handover:
         if kind == UNREGISTER:
             self.regions.unregister(request.name)
             return pb.SystemSharedMemoryUnregisterResponse()
+        if kind == LOAD:  # another worker's load call: this worker's part of it
+            await model_calls.load(self.core, request.model_name)
+            return pb.RepositoryModelLoadResponse()
+        if kind == UNLOAD:
+            await model_calls.unload(self.core, request.model_name)
+            return pb.RepositoryModelUnloadResponse()
         return render.system_shm_status(self.regions.status(request.name))
 
     async def stop(self) -> None:

@@ -17,8 +17,8 @@ from collections.abc import Awaitable, Callable
 from aiohttp import web
 
 from service.engine.core import InferenceCore
-from service.errors import ClientGone, FeatureOff, InvalidInput, NotReady, TooLarge
-from service.protocol import render
+from service.errors import ClientGone, InvalidInput, NotReady, TooLarge, quote
+from service.protocol import model_calls, render
 from service.protocol.answer import answer_infer
 from service.protocol.auth import HTTP_HOW, BearerToken
 from service.protocol.calls import Call, Calls
@@ -74,6 +74,7 @@ class HttpApi:
         app.router.add_get("/v2/health/live", self._live)
         app.router.add_get("/v2/health/ready", self._ready)
         app.router.add_get("/v2", self._guard("ServerMetadata", self._server_metadata))
+        app.router.add_get("/v2/models/stats", self._guard("ModelStatistics", self._model_stats))  # every model
         for path in (model, versioned):
             app.router.add_get(path, self._guard("ModelMetadata", self._model_metadata))
             app.router.add_get(path + "/ready", self._guard("ModelReady", self._model_ready))
@@ -86,8 +87,9 @@ class HttpApi:
             app.router.add_post(path + "/unregister", self._guard("SystemSharedMemoryUnregister", self._shm_unregister))
         app.router.add_post(region + "/register", self._guard("SystemSharedMemoryRegister", self._shm_register))
         app.router.add_post("/v2/repository/index", self._guard("RepositoryIndex", self._repository_index))
-        for verb, method in (("load", "RepositoryModelLoad"), ("unload", "RepositoryModelUnload")):
-            app.router.add_post(f"/v2/repository/models/{{model}}/{verb}", self._guard(method, self._model_control))
+        control = "/v2/repository/models/{model}"
+        app.router.add_post(control + "/load", self._guard("RepositoryModelLoad", self._model_load))
+        app.router.add_post(control + "/unload", self._guard("RepositoryModelUnload", self._model_unload))
         return app
 
     def _guard(self, method: str, handler: Handler, inference: bool = False) -> Handler:
@@ -98,9 +100,8 @@ class HttpApi:
             async with self.calls.in_band(method, None, inference=inference, headers=request.headers) as call:
                 request[CALL_KEY] = call  # the handler's call (an inference marks whether it was a step)
                 self._authorize(request)
-                if not inference:
-                    name = request.match_info.get("name", self.core.identity.name)
-                    self.core.identity.check(name, request.match_info.get("version", ""))
+                if not inference and "name" in request.match_info:
+                    self.core.identity.check(request.match_info["name"])
                 return await handler(request)
             return error_response(call)
 
@@ -121,34 +122,38 @@ class HttpApi:
         return web.json_response(proto_json(render.server_metadata(self.core.active_backend())))
 
     async def _model_metadata(self, request: web.Request) -> web.Response:
-        name = request.match_info["name"]
-        return web.json_response(proto_json(render.model_metadata(self.core.loaded.model, name)))
+        name, version = _named(request)
+        return web.json_response(proto_json(model_calls.metadata(self.core, name, version)))
 
     async def _model_ready(self, request: web.Request) -> web.Response:
-        if not self.core.serving_ok():
-            raise NotReady(self.core.readiness())
-        return web.json_response({"name": request.match_info["name"], "ready": True})
+        name, version = _named(request)
+        if not model_calls.model_ready(self.core, name, version):
+            reason = self.core.readiness() or f"version {quote(version)} of model {name!r} does not serve"
+            raise NotReady(reason)
+        return web.json_response({"name": name, "ready": True})
 
     async def _model_config(self, request: web.Request) -> web.Response:
-        config = render.model_config(self.core.loaded.model, self.core.serving(), request.match_info["name"])
-        return web.json_response(proto_json(config))
+        return web.json_response(proto_json(model_calls.config(self.core, *_named(request))))
 
     async def _model_stats(self, request: web.Request) -> web.Response:
-        name, version = request.match_info["name"], self.core.identity.version
-        with self.core.publish.statistics(steps=self.core.identity.is_sequence_model(name)) as held:
-            stats = render.model_statistics(name, version, held)
-        return web.json_response({"model_stats": [proto_json(stats)]})
+        stats = model_calls.statistics(self.core, *_named(request))
+        return web.json_response({"model_stats": [proto_json(s) for s in stats]})
 
     async def _repository_index(self, request: web.Request) -> web.Response:
         doc = json_object(parse_json(await request.read() or b"{}", "the index request"), "the index request")
         ready = doc.get("ready", False)
         if not isinstance(ready, bool):
             raise InvalidInput('"ready" must be a JSON boolean (true or false)')
-        index = render.repository_index(self.core.identity, self.core.readiness(), ready)
+        index = model_calls.index(self.core, ready)
         return web.json_response([proto_json(model) for model in index.models])
 
-    async def _model_control(self, request: web.Request) -> web.Response:
-        raise FeatureOff(render.MODEL_CONTROL_OFF)
+    async def _model_load(self, request: web.Request) -> web.Response:
+        await model_calls.load(self.core, request.match_info["model"], self.peers)
+        return web.json_response({})
+
+    async def _model_unload(self, request: web.Request) -> web.Response:
+        await model_calls.unload(self.core, request.match_info["model"], self.peers)
+        return web.json_response({})
 
     async def _shm_register(self, request: web.Request) -> web.Response:
         doc = json_object(parse_json(await request.read() or b"{}", "the registration"), "the registration")
@@ -189,6 +194,11 @@ class HttpApi:
         self.calls.computed(call)  # its answer may wait for a slow reader: no batch waits for it
         await written(request, response, self.core.settings.http_write_timeout_s)
         return response
+
+
+def _named(request: web.Request) -> tuple[str, str]:
+    """The (model, version) a path names; none: every model (statistics), the latest version."""
+    return request.match_info.get("name", ""), request.match_info.get("version", "")
 
 
 async def written(request: web.Request, response: web.StreamResponse, timeout_s: float) -> None:

@@ -38,12 +38,14 @@ log = logging.getLogger(__name__)
 
 FORWARDED_METHOD = "HandedOver"  # the metric label, on the receiving worker, of calls handed over by another
 REQUEST_HEAD = struct.Struct("!BIHd")  # kind, request bytes, header bytes, seconds left (< 0: no deadline)
-INFER, REGISTER, UNREGISTER, STATUS = range(4)  # what a frame asks: ModelInfer and the shared memory calls
+INFER, REGISTER, UNREGISTER, STATUS, LOAD, UNLOAD = range(6)  # ModelInfer, shared memory, repository calls
 REQUESTS: dict[int, type[Message]] = {
     INFER: pb.ModelInferRequest,
     REGISTER: pb.SystemSharedMemoryRegisterRequest,
     UNREGISTER: pb.SystemSharedMemoryUnregisterRequest,
     STATUS: pb.SystemSharedMemoryStatusRequest,
+    LOAD: pb.RepositoryModelLoadRequest,
+    UNLOAD: pb.RepositoryModelUnloadRequest,
 }
 REGION_KEEPER = 0  # the worker that keeps the shared memory regions of all workers
 ANSWER_HEAD = struct.Struct("!BI")  # status code (0: OK), then the response's bytes or the error message
@@ -85,6 +87,10 @@ class WorkerPeers:
         """The owner of `sequence_id` when it is another worker; None when it is this one."""
         owner = owner_of(sequence_id, self.workers)
         return None if owner == self.index else owner
+
+    @property
+    def others(self) -> list[int]:
+        return [worker for worker in range(self.workers) if worker != self.index]
 
     @property
     def region_keeper(self) -> int | None:

@@ -11,6 +11,7 @@ from importlib.metadata import PackageNotFoundError, version
 import grpc
 
 from service.backends.base import Backend
+from service.engine.repository import VersionPolicy
 from service.engine.served import ModelIdentity, ServedModel, Serving
 from service.engine.stats import Duration, ModelStats
 from service.proto import grpc_service_pb2 as pb
@@ -35,13 +36,14 @@ def server_metadata(active: Backend | None) -> pb.ServerMetadataResponse:
     return pb.ServerMetadataResponse(name=SERVER_NAME, version=server_version(), extensions=extensions)
 
 
-def model_metadata(model: ServedModel, name: str) -> pb.ModelMetadataResponse:
-    """The entry `name` (the stateless model or the sequence model): the same tensors."""
+def model_metadata(model: ServedModel, name: str, versions: list[str]) -> pb.ModelMetadataResponse:
+    """The entry `name` (the stateless model or the sequence model) as version `model` has it,
+    and every version serving."""
     shape = [-1, -1, model.config.d_model]  # (B, T, C)
     tensor = pb.ModelMetadataResponse.TensorMetadata
     return pb.ModelMetadataResponse(
         name=name,
-        versions=[model.version],
+        versions=versions,
         platform=MODEL_PLATFORM,
         inputs=[tensor(name=model.input_name, datatype=DATATYPE, shape=shape)],
         outputs=[tensor(name=model.output_name, datatype=DATATYPE, shape=shape)],
@@ -51,7 +53,7 @@ def model_metadata(model: ServedModel, name: str) -> pb.ModelMetadataResponse:
 MODEL_PLATFORM = "onnxruntime_onnx"  # stable from one start to the next: the directory's model.onnx
 
 
-def model_config(model: ServedModel, serving: Serving, name: str) -> pb.ModelConfig:
+def model_config(model: ServedModel, serving: Serving, name: str, policy: VersionPolicy) -> pb.ModelConfig:
     """The entry `name`'s config, with the one scheduler it has, as Triton's schema allows: dynamic
     batching for the stateless model, sequence batching for the sequence model."""
     active, dims = serving.active, [-1, model.config.d_model]  # per row: (T, C)
@@ -65,6 +67,7 @@ def model_config(model: ServedModel, serving: Serving, name: str) -> pb.ModelCon
         output=[pb.ModelOutput(name=model.output_name, data_type=pb.TYPE_FP32, dims=dims)],
         instance_group=[groups(kind=kind, count=1)],
     )
+    _version_policy(config.version_policy, policy)
     sequence_model = model.identity.is_sequence_model(name)
     if serving.max_batch_size > 1 and not sequence_model:
         config.dynamic_batching.max_queue_delay_microseconds = int(serving.max_queue_delay_ms * 1000)
@@ -88,6 +91,15 @@ def model_config(model: ServedModel, serving: Serving, name: str) -> pb.ModelCon
     for key, value in params.items():
         config.parameters[key].string_value = value
     return config
+
+
+def _version_policy(out: pb.ModelVersionPolicy, policy: VersionPolicy) -> None:
+    if policy.kind == "all":
+        out.all.SetInParent()
+    elif policy.kind == "specific":
+        out.specific.versions.extend(policy.versions)
+    else:
+        out.latest.num_versions = policy.count
 
 
 def _duration(duration: Duration) -> pb.StatisticDuration:
@@ -122,18 +134,31 @@ def model_statistics(name: str, version: str, stats: ModelStats) -> pb.ModelStat
 
 
 MODEL_CONTROL_OFF = (
-    "model control is off: this server serves the models it started with (--model-control-mode none); "
-    "restart it with another model directory to change them"
+    "model control is off: this server serves the versions it found at start (--model-control-mode none); "
+    "start it with --model-control-mode explicit to load and unload on request, or poll to follow the repository"
+)
+MODEL_CONTROL_POLLED = (
+    "this server follows its repository (--model-control-mode poll): change the repository and the next poll "
+    "loads it; load and unload calls are for --model-control-mode explicit"
 )
 
 
-def repository_index(identity: ModelIdentity, not_ready: str, ready_only: bool) -> pb.RepositoryIndexResponse:
-    """Every model entry this server serves, READY once the model is loaded and self-checked
-    (`not_ready`: why not, "" when it is), or only the ready ones (`ready_only`)."""
-    state = "UNAVAILABLE" if not_ready else "READY"
+def repository_index(
+    identity: ModelIdentity, versions: list[tuple[str, str]], not_ready: str, ready_only: bool
+) -> pb.RepositoryIndexResponse:
+    """Every model entry in every version loaded (`versions`: (version, state)), READY while the
+    version serves and the server is ready (`not_ready`: why not, "" when it is); an entry with
+    no version loaded is UNAVAILABLE. `ready_only`: only the ready ones."""
     index = pb.RepositoryIndexResponse.ModelIndex
-    models = [index(name=name, version=identity.version, state=state, reason=not_ready) for name in identity.names]
-    return pb.RepositoryIndexResponse(models=[] if ready_only and not_ready else models)
+    models = []
+    for name in identity.names:
+        if not versions:
+            models.append(index(name=name, state="UNAVAILABLE", reason=not_ready or "no version is loaded"))
+        for number, state in versions:
+            ready = state == "READY" and not not_ready
+            reason = "" if ready else (not_ready if state == "READY" else state.lower())
+            models.append(index(name=name, version=number, state="READY" if ready else state, reason=reason))
+    return pb.RepositoryIndexResponse(models=[m for m in models if m.state == "READY"] if ready_only else models)
 
 
 def stream_error(request: pb.ModelInferRequest, code: grpc.StatusCode, message: str) -> pb.ModelStreamInferResponse:

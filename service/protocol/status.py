@@ -12,10 +12,10 @@ from service.errors import (
     NotFound,
     NotReady,
     Overloaded,
+    Precondition,
     RegionExists,
     Relayed,
     ServiceError,
-    StaleSequence,
     TooLarge,
     Unauthenticated,
 )
@@ -30,7 +30,7 @@ STATUS: dict[type[ServiceError], grpc.StatusCode] = {
     DeadlineExceeded: grpc.StatusCode.DEADLINE_EXCEEDED,
     Unauthenticated: grpc.StatusCode.UNAUTHENTICATED,
     ClientGone: grpc.StatusCode.CANCELLED,
-    StaleSequence: grpc.StatusCode.FAILED_PRECONDITION,
+    Precondition: grpc.StatusCode.FAILED_PRECONDITION,
 }
 
 INTERNAL_MESSAGE = "internal error (request id {request_id}); the server logged the details"

@@ -26,7 +26,17 @@ DEPLOY = ROOT / "deploy"
 SCHEMAS = Path(__file__).with_name("schemas")
 VENV_BIN = ROOT / ".venv" / "bin"
 BALANCED = ("cpu-ingress-nginx", "cpu-gateway-api", "cpu-istio")  # behind an L7 balancer (test_crds.py)
-OVERLAYS = ("cpu", "gpu", "gpu-nvidia-runtime", "dev", "cpu-prometheus", "cpu-custom-model", "cpu-keda", *BALANCED)
+OVERLAYS = (
+    "cpu",
+    "gpu",
+    "gpu-nvidia-runtime",
+    "dev",
+    "cpu-prometheus",
+    "cpu-custom-model",
+    "cpu-model-repository",
+    "cpu-keda",
+    *BALANCED,
+)
 BARE = ("cpu", "gpu", "gpu-nvidia-runtime", "dev")  # apply to a cluster without the Prometheus Operator
 
 

@@ -79,6 +79,9 @@ def test_families_and_types(traffic: tuple[ServerThread, str]) -> None:
         "mha_sequence_state_budget_bytes": "gauge",
         "mha_sequence_evictions": "counter",
         "mha_queue_capacity": "gauge",
+        "mha_model_versions": "gauge",
+        "mha_model_version_sequences": "gauge",
+        "mha_model_loads": "counter",
     }
     assert "_created" not in text
     others = {f.name for f in text_string_to_metric_families(text)}

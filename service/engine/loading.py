@@ -1,0 +1,177 @@
+"""Versions loaded and unloaded while the server serves.
+
+A version loads beside the ones serving (on a thread of its own, so that batches go on), passes
+the checks every load makes (manifest and integrity, each backend's self-check against the float64
+reference), and only then takes new requests. The versions the policy no longer names retire: a
+retiring version serves the sequences begun on it and unloads when the last one ends or idles out.
+A version that fails a check is refused with the reason; it stands in for nothing, and the version
+it would have replaced goes on serving. One load, poll or unload at a time."""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import logging
+from collections.abc import Callable, Coroutine
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Generic, TypeVar
+
+from service.engine.repository import ModelSource, VersionPolicy
+from service.engine.versions import Loaded, Versions, VersionState
+from service.errors import LoadRefused
+
+log = logging.getLogger(__name__)
+
+Prepared = TypeVar("Prepared")  # a version read and self-checked, not yet serving
+Signature = tuple[tuple[str, int, int], ...]  # a version directory's files: (name, size, mtime_ns)
+
+
+@dataclass
+class LoadReport:
+    loaded: list[str] = field(default_factory=list)
+    failed: dict[str, str] = field(default_factory=dict)  # version -> why
+    retired: list[str] = field(default_factory=list)
+
+    def refusal(self, model: str, serving: list[str]) -> LoadRefused | None:
+        """The load call's answer when a version was refused: each reason, and what serves on."""
+        if not self.failed:
+            return None
+        reasons = "; ".join(f"version {v}: {why}" for v, why in self.failed.items())
+        return LoadRefused(f"model {model!r} refused {reasons}. Serving on: versions {serving}")
+
+
+def signature(directory: Path | None) -> Signature:
+    """What a version directory holds now: a refused version is tried again once it changes."""
+    if directory is None or not directory.is_dir():
+        return ()
+    files = sorted(p for p in directory.iterdir() if p.is_file())
+    return tuple((p.name, (st := p.stat()).st_size, st.st_mtime_ns) for p in files)
+
+
+class VersionLoader(Generic[Prepared]):
+    """`prepare` reads and self-checks a version (blocking: on the loader's thread), `start`
+    makes it serve (on the event loop), `stop` closes it once it has stopped serving, and
+    `on_change` hears every change of the versions."""
+
+    def __init__(
+        self,
+        source: ModelSource,
+        versions: Versions,
+        prepare: Callable[[str, Path | None], Prepared],
+        start: Callable[[Prepared], Loaded],
+        stop: Callable[[Loaded], None],
+        on_change: Callable[[], None],
+    ) -> None:
+        self.source, self.versions = source, versions
+        self._prepare, self._start, self._stop, self._on_change = prepare, start, stop, on_change
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="load")
+        self._lock = asyncio.Lock()
+        self._refused: dict[str, Signature] = {}  # versions refused, as their files were then
+        self._tasks: set[asyncio.Task[None]] = set()
+        self.policy = VersionPolicy()  # as the repository last stated it
+
+    async def sync(self, retry_refused: bool = True) -> LoadReport:
+        """Serve what the source names now: load the new versions, retire the others."""
+        async with self._lock:
+            report = LoadReport()
+            try:
+                wanted, policy = self.source.wanted()
+            except (OSError, ValueError) as exc:
+                report.failed["*"] = str(exc)
+                return report
+            self.policy = policy
+            for version, directory in wanted.items():
+                await self._bring_in(version, directory, report, retry_refused)
+            self._retire_unwanted(set(wanted), len(report.failed), report)
+            log.debug("model %s: serving %s (%s)", self.source.name, [v.version for v in self.versions], policy)
+            self._on_change()
+            return report
+
+    async def _bring_in(self, version: str, directory: Path | None, report: LoadReport, retry: bool) -> None:
+        current = self.versions.get(version)
+        if current is not None and current.state is not VersionState.UNLOADING:
+            if current.state is VersionState.RETIRING:  # named again before its last sequence ended
+                current.state = VersionState.SERVING
+                log.info("model %s version %s serves again", self.source.name, version)
+            return
+        seen = signature(directory)
+        if not retry and self._refused.get(version) == seen:  # refused before, unchanged since: said once
+            return
+        try:
+            loop = asyncio.get_running_loop()
+            prepared = await loop.run_in_executor(self._executor, self._prepare, version, directory)
+        except Exception as exc:  # a version that cannot be served: refused, the others go on
+            if self.source.folder is None:  # one model directory: nothing else to serve, the caller says why
+                raise
+            self._refused[version] = seen
+            report.failed[version] = str(exc)
+            log.error("model %s version %s refused: %s", self.source.name, version, exc)
+            return
+        self._refused.pop(version, None)
+        self.versions.add(self._start(prepared))
+        report.loaded.append(version)
+        log.info("model %s version %s loaded from %s", self.source.name, version, directory or "the default model")
+
+    def _retire_unwanted(self, wanted: set[str], failed: int, report: LoadReport) -> None:
+        """Serving versions the policy no longer names retire, but a version refused leaves the
+        version it would have replaced serving in its place (the highest ones stay)."""
+        unwanted = [v for v in self.versions.serving() if v.version not in wanted]
+        for loaded in unwanted[: max(0, len(unwanted) - failed)]:
+            self.retire(loaded)
+            report.retired.append(loaded.version)
+
+    def retire(self, loaded: Loaded) -> None:
+        loaded.state = VersionState.RETIRING
+        if loaded.live_sequences:
+            log.info(
+                "model %s version %s retires: it serves its %d live sequences until they end, nothing new",
+                self.source.name,
+                loaded.version,
+                loaded.live_sequences,
+            )
+        self.sequences_changed(loaded)
+
+    def sequences_changed(self, loaded: Loaded) -> None:
+        """A version's live sequences changed: a retiring version with none left unloads."""
+        if loaded.state is VersionState.RETIRING and not loaded.live_sequences:
+            self._spawn(self.unload(loaded))
+
+    def _spawn(self, work: Coroutine[object, object, None]) -> None:
+        task = asyncio.get_running_loop().create_task(work)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def unload(self, loaded: Loaded) -> None:
+        """Nothing new goes to `loaded`; what it queued finishes; then its memory is returned."""
+        if loaded.state is VersionState.UNLOADING:
+            return
+        loaded.state = VersionState.UNLOADING
+        self._on_change()
+        await self._stop_serving(loaded)
+        self.versions.remove(loaded)
+        self._stop(loaded)
+        gc.collect()  # the sessions and caches go now, not at the next collection
+        log.info("model %s version %s unloaded", self.source.name, loaded.version)
+        self._on_change()
+
+    @staticmethod
+    async def _stop_serving(loaded: Loaded) -> None:
+        await loaded.decoder.close()
+        await loaded.batcher.stop()
+
+    async def unload_all(self) -> list[str]:
+        async with self._lock:
+            gone = [loaded.version for loaded in self.versions]
+            await asyncio.gather(*(self.unload(loaded) for loaded in list(self.versions)))
+            return gone
+
+    async def settled(self) -> None:
+        """Return once the unloads under way (retired versions whose last sequence ended) are done."""
+        while pending := [task for task in self._tasks if not task.done()]:
+            await asyncio.wait(pending)
+
+    async def close(self) -> None:
+        await self.settled()
+        self._executor.shutdown(wait=True)

@@ -1,0 +1,246 @@
+"""New weights without downtime (issue 45): a version loads beside the one serving while clients
+keep calling; sequences finish on the version they began on; a tampered version is refused while
+the serving one goes on; a retired version's memory goes once its last sequence ends. Real
+server (gRPC and HTTP on loopback), real clients, and Triton's own tritonclient for the
+repository calls."""
+
+from __future__ import annotations
+
+import gc
+import json
+import shutil
+import subprocess
+import threading
+import time
+import urllib.request
+import weakref
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import replace
+from pathlib import Path
+
+import grpc
+import numpy as np
+import torch
+from prometheus_client.parser import text_string_to_metric_families
+
+from export.layout import ModelFiles
+from export.pipeline import export_model_dir
+from model import MHAConfig
+from model.checkpoint import init_weights
+from model.reference import attention_view, relative_error
+from service.client.client import MHAClient
+from service.proto import grpc_service_pb2 as pb
+from service.proto import grpc_service_pb2_grpc as pb_grpc
+from service.protocol.grpc_codec import decode_infer_response, encode_infer_request
+from tests.support import ROOT, ServerProcess, ServerThread, make_settings
+
+SMALL = MHAConfig(d_model=32, n_head=4, max_seq_len=64)
+TRITON_PYTHON = ROOT / ".venv-triton" / "bin" / "python"
+EXACT = 1e-5  # fp32 against the float64 reference
+
+
+def _triton(server: ServerThread, protocol: str, action: str, tmp_path: Path) -> dict:
+    """tritonclient's load, unload or index against the server, as a Triton user calls them."""
+    assert TRITON_PYTHON.exists(), "make install creates .venv-triton with tritonclient"
+    url = server.url if protocol == "grpc" else f"127.0.0.1:{server.http_port}"
+    out = tmp_path / f"{protocol}-{action}.json"
+    script = str(Path(__file__).with_name("triton_repository.py"))
+    command = [str(TRITON_PYTHON), script, protocol, url, action, str(out)]
+    run = subprocess.run(command, capture_output=True, timeout=300)
+    assert run.returncode == 0, run.stderr.decode()[-2000:]
+    return json.loads(out.read_text())
+
+
+class Stateless:
+    """Clients calling without pause: every answer checked against the weights of the version
+    that says it served it."""
+
+    def __init__(self, url: str, weights: dict[str, dict], clients: int = 3) -> None:
+        self.url, self.weights = url, weights
+        self.stop = threading.Event()
+        self.versions: Counter[str] = Counter()
+        self.failures: list[str] = []
+        self._threads = [threading.Thread(target=self._run, args=(i,)) for i in range(clients)]
+
+    def __enter__(self) -> Stateless:
+        for thread in self._threads:
+            thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop.set()
+        for thread in self._threads:
+            thread.join(60)
+
+    def _run(self, seed: int) -> None:
+        rng = np.random.default_rng(seed)
+        with grpc.insecure_channel(self.url) as channel:
+            stub = pb_grpc.GRPCInferenceServiceStub(channel)
+            while not self.stop.is_set():
+                x = rng.standard_normal((1, int(rng.integers(1, 12)), SMALL.d_model), dtype=np.float32)
+                try:
+                    response = stub.ModelInfer(encode_infer_request(x), timeout=30)
+                except grpc.RpcError as exc:
+                    self.failures.append(f"{exc.code().name}: {exc.details()}")
+                    continue
+                version = response.model_version
+                reference = attention_view(torch.from_numpy(x), self.weights[version], SMALL)
+                error = relative_error(torch.from_numpy(decode_infer_response(response).copy()), reference)
+                if error >= EXACT:
+                    self.failures.append(f"version {version} answered with relative error {error:.2e}")
+                self.versions[version] += 1
+
+
+class Sequence:
+    """One sequence, a token a step, each output checked against the reference over its prefix."""
+
+    def __init__(self, client: MHAClient, sequence_id: int, weights: dict[str, dict], seed: int) -> None:
+        self.client, self.id, self.weights = client, sequence_id, weights
+        self.rng = np.random.default_rng(seed)
+        self.prefix = np.zeros((1, 0, SMALL.d_model), np.float32)
+        self.versions: set[str] = set()
+
+    def step(self, end: bool = False) -> None:
+        x = self.rng.standard_normal((1, 1, SMALL.d_model), dtype=np.float32)
+        start = self.prefix.shape[1] == 0
+        answer = self.client.step(self.id, x, offset=self.prefix.shape[1], start=start, end=end)
+        self.prefix = np.concatenate([self.prefix, x], axis=1)  # (1, L, C)
+        reference = attention_view(torch.from_numpy(self.prefix), self.weights[answer.version], SMALL)[:, -1:]
+        assert relative_error(torch.from_numpy(answer.y.copy()), reference) < EXACT, (self.id, answer.version)
+        assert answer.length == self.prefix.shape[1]
+        self.versions.add(answer.version)
+
+
+def _export(repo: Path, version: int) -> dict:
+    weights = init_weights(SMALL, seed=100 + version)
+    export_model_dir(repo / "mha" / str(version), SMALL, weights)
+    return {k: v.clone() for k, v in weights.items()}
+
+
+def _sample(server: ServerThread, metric: str, **labels: str) -> float:
+    return server.registry.get_sample_value(metric, labels) or 0.0
+
+
+def test_versions_load_beside_serving_and_sequences_finish_where_they_began(tmp_path: Path) -> None:
+    repo = tmp_path / "repo"
+    weights = {"1": _export(repo, 1)}
+    settings = replace(
+        make_settings(tmp_path),
+        model_dir=None,
+        model_repository=repo,
+        model_control_mode="explicit",
+        load_model="mha",
+        backend="ort-cpu",
+        http_port=0,
+    )
+    with ServerThread(settings) as server, MHAClient(server.url) as client, Stateless(server.url, weights) as load:
+        first, second = Sequence(client, 1, weights, 1), Sequence(client, 2, weights, 2)
+        for _ in range(3):
+            first.step()
+            second.step()
+        one = weakref.ref(server.core.versions.get("1"))
+
+        weights["2"] = _export(repo, 2)
+        loaded = _triton(server, "grpc", "load", tmp_path)
+        assert loaded["error"] is None, loaded
+        assert {(m["version"], m["state"]) for m in loaded["index"]} >= {("1", "RETIRING"), ("2", "READY")}
+        assert loaded["ready"] == {"1": False, "2": True, "3": False}
+        third = Sequence(client, 3, weights, 3)
+        for _ in range(3):  # the old sequences go on on version 1, the new one runs on version 2
+            first.step()
+            second.step()
+            third.step()
+
+        _export(repo, 3)
+        weights_file = ModelFiles(repo / "mha" / "3").weights
+        tampered = bytearray(weights_file.read_bytes())
+        tampered[-1] ^= 0xFF  # a flipped bit in the last weight
+        weights_file.write_bytes(bytes(tampered))
+        refused = _triton(server, "http", "load", tmp_path)
+        assert refused["error"] is not None and "version 3" in refused["error"]["message"], refused
+        assert "weights.safetensors" in refused["error"]["message"], refused
+        assert refused["ready"] == {"1": False, "2": True, "3": False}
+        third.step()  # version 2 serves on
+
+        first.step(end=True)
+        assert server.core.versions.get("1") is not None  # the second sequence still holds it
+        second.step(end=True)
+        third.step(end=True)
+        server.call(server.core.loader.settled())
+        assert server.core.versions.get("1") is None
+        gc.collect()
+        assert one() is None, "version 1's model, backends and caches are released"
+    assert load.failures == []
+    assert load.versions["1"] > 0 and load.versions["2"] > 0, load.versions
+    assert first.versions == second.versions == {"1"} and third.versions == {"2"}
+    assert _sample(server, "mha_model_loads_total", result="loaded") == 2
+    assert _sample(server, "mha_model_loads_total", result="refused") == 1
+
+
+def _version_of_answer(url: str) -> str:
+    with grpc.insecure_channel(url) as channel:  # a new connection each time: any worker may take it
+        x = np.ones((1, 2, SMALL.d_model), np.float32)
+        return pb_grpc.GRPCInferenceServiceStub(channel).ModelInfer(encode_infer_request(x), timeout=30).model_version
+
+
+def _until(predicate: Callable[[], bool], timeout_s: float = 120) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.1)
+
+
+def test_poll_mode_follows_the_repository_and_skips_a_half_written_version(tmp_path: Path) -> None:
+    repo = tmp_path / "repo"
+    _export(repo, 1)
+    _export(tmp_path / "staging", 2)
+    settings = replace(
+        make_settings(tmp_path),
+        model_dir=None,
+        model_repository=repo,
+        model_control_mode="poll",
+        repository_poll_secs=0.2,
+        backend="ort-cpu",
+    )
+    with ServerThread(settings) as server:
+        assert _version_of_answer(server.url) == "1"
+        first = server.core.loaded.model.labels()
+        half = repo / "mha" / "2"
+        half.mkdir()
+        shutil.copy(tmp_path / "staging" / "mha" / "2" / "model.onnx", half)  # no weights yet: refused
+        _until(lambda: _sample(server, "mha_model_loads_total", result="refused") == 1)
+        for _ in range(3):  # refused once, not at every poll; version 1 serves on
+            assert _version_of_answer(server.url) == "1"
+        assert _sample(server, "mha_model_loads_total", result="refused") == 1
+        for path in (tmp_path / "staging" / "mha" / "2").iterdir():
+            shutil.copy(path, half)
+        _until(lambda: [v.version for v in server.core.versions] == ["2"])
+        assert _version_of_answer(server.url) == "2"
+        assert _sample(server, "mha_model_info", **first) == 0  # unloaded: its memory went with it
+
+
+def test_a_load_call_reaches_every_worker(tmp_path: Path) -> None:
+    repo = tmp_path / "repo"
+    _export(repo, 1)
+    args = ["--model-repository", str(repo), "--model-control-mode", "explicit", "--load-model", "mha"]
+    server = ServerProcess([*args, "--backend", "ort-cpu", "--workers", "2"])
+    server.start(tmp_path / "server.log")
+    try:
+        _export(repo, 2)
+        with grpc.insecure_channel(server.url) as channel:
+            pb_grpc.GRPCInferenceServiceStub(channel).RepositoryModelLoad(
+                pb.RepositoryModelLoadRequest(model_name="mha"), timeout=300
+            )
+        assert {_version_of_answer(server.url) for _ in range(16)} == {"2"}
+        with urllib.request.urlopen(f"http://127.0.0.1:{server.metrics_port}/metrics", timeout=10) as response:
+            text = response.read().decode()
+        serving = {
+            (s.labels["version"], s.labels["worker"])
+            for family in text_string_to_metric_families(text)
+            for s in family.samples
+            if s.name == "mha_model_info" and s.value == 1
+        }
+        assert serving == {("2", "0"), ("2", "1")}, serving
+    finally:
+        assert server.terminate() == 0
