@@ -109,6 +109,7 @@ class VersionSeries:
 
     def loaded(self, model_labels: dict[str, str]) -> None:
         self.info.labels(**{key: model_labels[key] for key in MODEL_LABELS}).set(1)
+        self.sequences.labels(model_labels["version"]).set(0)
 
     def unloaded(self, model_labels: dict[str, str]) -> None:
         """A version unloaded: its series stay, at 0 (a worker's multiprocess files keep every series)."""

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
+import time
 from pathlib import Path
 
 import grpc
@@ -49,7 +51,7 @@ def test_the_grpcurl_examples_run_against_the_default_model(default_model_dir: P
 def test_the_readme_client_commands_run_as_written(default_model_dir: Path, tmp_path: Path) -> None:
     """`.venv/bin/mha` is where the README says, and its infer and verify lines work against a
     server of the default model (at the port the test got instead of 8001)."""
-    block = re.search(r"## Use it\n\n```sh\n(.*?)```", (ROOT / "README.md").read_text(), re.S)
+    block = re.search(r"## Use it\n\n(?:<!-- .*? -->\n)?```sh\n(.*?)```", (ROOT / "README.md").read_text(), re.S)
     assert block, "the README lost its `Use it` commands"
     lines = [line.split("#")[0].strip() for line in block.group(1).splitlines()]
     clients = [line for line in lines if line.startswith((".venv/bin/mha infer", ".venv/bin/mha verify"))]
@@ -64,3 +66,31 @@ def test_the_readme_client_commands_run_as_written(default_model_dir: Path, tmp_
             run = subprocess.run(command, shell=True, cwd=tmp_path, capture_output=True, text=True, timeout=300)
             assert run.returncode == 0, (command, run.stderr[-2000:])
     assert (tmp_path / "y.npy").is_file()
+
+
+def test_the_ready_lines_command_runs_as_written(small_model_dir: Path, tmp_path: Path) -> None:
+    """The `try ...` a worker of `--workers 2` prints, with a token required, runs from another
+    directory with no virtual environment active (the log's JSON escapes nothing it holds)."""
+    token = tmp_path / "token"
+    token.write_text("s3cret\n")
+    args = [
+        "--model-dir",
+        str(small_model_dir),
+        "--backend",
+        "torch",
+        "--workers",
+        "2",
+        "--auth-token-file",
+        str(token),
+    ]
+    with server_process(args, tmp_path / "server.log") as server:
+        for _ in range(600):  # the workers' ready lines may follow the first serving one
+            tries = re.findall(r"try `([^`]+)`", server.log())
+            if len(tries) >= 2:
+                break
+            time.sleep(0.1)
+        assert len(tries) >= 2, server.log()[-2000:]
+        command = tries[0].replace("--url", "--shape 1,4,32 --url")  # the small model's C
+        env = {k: v for k, v in os.environ.items() if k not in ("VIRTUAL_ENV", "PYTHONPATH")}
+        run = subprocess.run(command, shell=True, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+        assert run.returncode == 0, (command, run.stderr[-2000:])

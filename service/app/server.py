@@ -325,7 +325,8 @@ def ready_line(running: Running) -> str:
     settings = running.core.settings
     host = "127.0.0.1" if settings.host in ("0.0.0.0", "::", "") else settings.host
     http = running.http_port or "off"
-    try_it = f"try `{client_command()} infer --url {host}:{running.grpc_port}`"
+    token = f" --token-file {settings.auth_token_file}" if settings.auth_token_file else ""
+    try_it = f"try `{client_command()} infer --url {host}:{running.grpc_port}{token}`"
     name = running.core.identity.name
     if settings.worker_peers > 1:
         return (
@@ -338,13 +339,17 @@ def ready_line(running: Running) -> str:
 
 
 def client_command() -> str:
-    """`mha` as this server was started: its path when not found on PATH under that name
-    (.venv/bin/mha in a checkout), `mha` when it is, `python -m service.cli` when run as a module."""
-    invoked = sys.argv[0]
-    if Path(invoked).name != "mha":
-        return f"{Path(sys.executable).name} -m service.cli"
+    """The `mha` a person can run here: `mha` when it is on PATH, else its path (.venv/bin/mha in
+    a checkout; the workers of `mha serve --workers N` run as `python -m service.cli`, and so
+    does a server started that way); this interpreter with `-m service.cli` where none is installed."""
+    invoked = Path(sys.argv[0])
+    script = invoked if invoked.name == "mha" else Path(sys.executable).parent / "mha"
+    if not script.is_file():
+        return f"{sys.executable} -m service.cli"
     on_path = shutil.which("mha")
-    return "mha" if on_path and Path(on_path).resolve() == Path(invoked).resolve() else invoked
+    if on_path and Path(on_path).resolve() == script.resolve():
+        return "mha"
+    return str(script.absolute())  # runs from any directory
 
 
 async def _not_serving_when_lost(running: Running) -> None:

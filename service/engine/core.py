@@ -38,7 +38,6 @@ from service.engine.publishing import Publisher
 from service.engine.readiness import DeviceHealth
 from service.engine.repository import ModelSource
 from service.engine.served import ModelIdentity, ServedModel, Serving
-from service.engine.stats import ModelStats
 from service.engine.versions import Loaded, Versions
 from service.errors import DeviceLost, FeatureOff, InvalidInput, NotReady
 from service.memory import memory_limit_bytes
@@ -83,7 +82,6 @@ class InferenceCore:
         self.clock: Clock = clock or MonotonicClock()  # the batcher's; request deadlines are converted to it
         self.identity = _identity(settings)  # known before loading
         self.state = State.LOADING
-        self.stats = ModelStats()  # the stateless model's
         self.requests = InFlight()  # inference requests in the server (the batchers wait only for these)
         self.budget = InflightBudget(_inflight_limit(settings))  # bytes of requests and answers held at once
         self.draining = asyncio.Event()  # set once draining began: open streams stop reading
@@ -91,7 +89,7 @@ class InferenceCore:
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="infer")  # every version's batches
         self.device = DeviceHealth(settings.require_device, metrics)  # the server's health follows serving_ok()
         failed = partial(self.set_state, State.FAILED)
-        self.publish = Publisher(metrics, self.stats, self.device, self.serving_ok, failed, self.tracing)
+        self.publish = Publisher(metrics, self.device, self.serving_ok, failed, self.tracing)
         self.placement: dict[str, int | str] = {"replica": settings.replica, "worker": settings.worker_index}
         self.keeper = VersionKeeper(self, source or single_source(settings))
         self.loader = self.keeper.loader
@@ -157,7 +155,7 @@ class InferenceCore:
         y, timing = await loaded.batcher.submit(x, deadline)
         if not timing.finite and not all_finite(y):  # the chain found this input to blame (see BackendChain)
             raise InvalidInput(not_finite(x))
-        self.publish.answered(x.shape, timing)
+        self.publish.answered(x.shape, timing, loaded.version)
         return y, timing
 
     async def step(
@@ -180,7 +178,7 @@ class InferenceCore:
             if self.device.observe(exc):
                 self.set_state(State.FAILED)
             raise
-        self.publish.answered(x.shape, stepped.timing, steps=True)
+        self.publish.answered(x.shape, stepped.timing, loaded.version, steps=True)
         return stepped.y, stepped.timing, stepped.length
 
     def check_ready(self) -> None:
@@ -268,7 +266,7 @@ class VersionKeeper:
             _batching(s, model),
             run_batch=partial(_run_batch, chain, hook=core.compute_hook),
             executor=core.executor,
-            on_batch=partial(core.publish.batch, chain=chain),
+            on_batch=partial(core.publish.batch, chain=chain, version=model.version),
             in_flight=lambda: core.requests.uncomputed,
             clock=core.clock,
             current_trace=core.tracing.current if core.tracing.enabled else None,
@@ -452,7 +450,7 @@ def _decoder(
         s.max_step_rows,
         max_queue_size=s.max_queue_size,
         in_flight=lambda: core.requests.uncomputed,
-        on_batch=partial(core.publish.batch, chain=chain, steps=True),
+        on_batch=partial(core.publish.batch, chain=chain, version=model.version, steps=True),
         clock=clock,
     )
     where = f"replica {s.replica!r} worker {s.worker_index} (version {version})"  # in every NOT_FOUND and refusal

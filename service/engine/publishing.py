@@ -23,15 +23,13 @@ class Publisher:
     def __init__(
         self,
         metrics: Metrics,
-        stats: ModelStats,
         device: DeviceHealth,
         serving_ok: Callable[[], bool],
         device_lost: Callable[[], None],
         tracing: Tracing | None = None,
-        step_stats: ModelStats | None = None,
     ) -> None:
-        self.metrics, self.stats, self.device = metrics, stats, device
-        self.step_stats = step_stats if step_stats is not None else ModelStats()  # the sequence model's
+        self.metrics, self.device = metrics, device
+        self._stats: dict[tuple[str, bool], ModelStats] = {}  # (version, steps): each version's, each entry's
         self.tracing = tracing or Tracing()
         self._serving_ok, self._device_lost = serving_ok, device_lost
         self._serving: list[tuple[str, str]] = []  # the backends mha_backend_info last showed as serving
@@ -42,7 +40,14 @@ class Publisher:
     def fallback(self, source: str, target: str, reason: str) -> None:
         self.metrics.fallbacks.labels(source, target, reason).inc()
 
-    def batch(self, event: BatchEvent, chain: BackendChain, steps: bool = False) -> None:
+    def stats(self, version: str, steps: bool = False) -> ModelStats:
+        """The statistics of `version`: of the stateless model, or (`steps`) of the sequence model."""
+        key = (version, steps)
+        if key not in self._stats:
+            self._stats[key] = ModelStats()
+        return self._stats[key]
+
+    def batch(self, event: BatchEvent, chain: BackendChain, version: str, steps: bool = False) -> None:
         """A batch, of stateless requests or decode steps: a sticky device error in it stops the
         server (DeviceHealth) at once; it is written in the ledger; the serving backends are
         looked at again, and its trace reported, after the batch's answers have gone
@@ -50,7 +55,7 @@ class Publisher:
         changed since the last look, not otherwise."""
         if self.device.observe(event.error):
             self._device_lost()
-        self._batches.add((event, steps))
+        self._batches.add((event, version, steps))
         if event.traced or chain.bench.changes != self._health_seen or chain.bench.any:
             after_answer(self._published, event, chain)
 
@@ -61,31 +66,30 @@ class Publisher:
             fallback = f"{preferred} -> {event.backend}" if event.backend and event.backend != preferred else ""
             self.tracing.report_batch(event, fallback)
 
-    def answered(self, shape: tuple[int, ...], timing: Timing, steps: bool = False) -> None:
+    def answered(self, shape: tuple[int, ...], timing: Timing, version: str, steps: bool = False) -> None:
         """A request of `shape` (B, T, C) answered: its tokens, its wait and its batch's compute."""
         rows = int(shape[0])
-        self._answers.add((rows * int(shape[1]), rows, timing, time.time(), steps))
+        self._answers.add((rows * int(shape[1]), rows, timing, time.time(), version, steps))
 
     @contextmanager
-    def statistics(self, steps: bool = False) -> Iterator[ModelStats]:
-        """The stateless model's statistics (`steps`: the sequence model's) with every record
-        applied, held still while the caller reads."""
+    def statistics(self, version: str, steps: bool = False) -> Iterator[ModelStats]:
+        """A version's statistics (of the stateless model; `steps`: of the sequence model) with
+        every record applied, held still while the caller reads."""
         with self.metrics.ledger.folded():
-            yield self.step_stats if steps else self.stats
+            yield self.stats(version, steps)
 
-    def _fold_batches(self, records: list[tuple[BatchEvent, bool]]) -> None:
-        self.metrics.observe_batches([event for event, _ in records])
-        for event, steps in records:
-            (self.step_stats if steps else self.stats).observe_batch(event)
+    def _fold_batches(self, records: list[tuple[BatchEvent, str, bool]]) -> None:
+        self.metrics.observe_batches([event for event, _, _ in records])
+        for event, version, steps in records:
+            self.stats(version, steps).observe_batch(event)
 
-    def _fold_answers(self, answers: list[tuple[int, int, Timing, float, bool]]) -> None:
-        tokens, rows, timings, answered_at, kinds = zip(*answers, strict=True)
+    def _fold_answers(self, answers: list[tuple[int, int, Timing, float, str, bool]]) -> None:
+        tokens, rows, timings, answered_at, versions, kinds = zip(*answers, strict=True)
         self.metrics.observe_answers(sum(tokens), [t.queue_s for t in timings])
-        for steps, stats in ((False, self.stats), (True, self.step_stats)):
-            mine = [i for i, kind in enumerate(kinds) if kind is steps]
-            if mine:
-                last_ms = int(max(answered_at[i] for i in mine) * 1e3)
-                stats.observe_answers(sum(rows[i] for i in mine), [timings[i] for i in mine], last_ms)
+        for key in set(zip(versions, kinds, strict=True)):
+            mine = [i for i, other in enumerate(zip(versions, kinds, strict=True)) if other == key]
+            last_ms = int(max(answered_at[i] for i in mine) * 1e3)
+            self.stats(*key).observe_answers(sum(rows[i] for i in mine), [timings[i] for i in mine], last_ms)
 
     def backends(self, chain: BackendChain) -> None:
         """The serving backends (the active one, and the light batches' where they have their

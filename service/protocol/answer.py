@@ -63,6 +63,8 @@ async def answer_infer(
         if control is not None and (owner := peers.owner(control.id)) is not None:
             return await _handed_over(core, regions, request, (peers, owner), sequence_header, timeout, call)
     version = core.route(control, request.model_version)  # the version named, the latest, or the sequence's
+    if call is not None:
+        call.version = version.version  # counted in its statistics
     model = version.model
     x = decode_input(request, model, regions)
     target = output_placement(request, x.shape, regions)

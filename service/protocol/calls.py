@@ -34,7 +34,9 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 LEFT = (asyncio.CancelledError, GeneratorExit)  # the client left, or its deadline passed
 
-ClosedCall = tuple[str, grpc.StatusCode, float, bool, str, bool]  # method, code, s, inference, trace id, step
+ClosedCall = tuple[
+    str, grpc.StatusCode, float, bool, str, bool, str
+]  # method, code, s, inference, trace, step, version
 
 
 @dataclass(slots=True)
@@ -43,6 +45,7 @@ class Call:
     request_id: str
     inference: bool  # counted in flight and in the model's statistics
     step: bool = False  # an inference that was a decode step: the sequence model's statistics
+    version: str = ""  # the model version it went to (its statistics'); "" before it was routed
     started: float = field(default_factory=time.perf_counter)
     code: grpc.StatusCode = grpc.StatusCode.OK
     message: str = ""  # what a failed call answered
@@ -134,7 +137,7 @@ class Calls:
             self._core.requests.finished(call.computed)
         span = call.span
         trace = (span.trace_id or "") if span else ""
-        self._book.add((call.method, call.code, elapsed, call.inference, trace, call.step))
+        self._book.add((call.method, call.code, elapsed, call.inference, trace, call.step, call.version))
         if span is not None:
             after_answer(self._end_span, call)
         ok = call.ok
@@ -143,14 +146,19 @@ class Calls:
             after_answer(self._log, call, elapsed, level)
 
     def _fold(self, records: list[ClosedCall]) -> None:
-        """Calls, in bulk: into the metrics, and the inference requests into the statistics."""
-        self._core.metrics.observe_calls((method, code.name, s, trace) for method, code, s, _, trace, _ in records)
-        ok = grpc.StatusCode.OK
-        publish = self._core.publish
-        for steps, stats in ((False, publish.stats), (True, publish.step_stats)):
-            inferences = [(code, s) for _, code, s, inference, _, step in records if inference and step is steps]
-            stats.observe_requests(
-                [s for code, s in inferences if code is ok], [s for c, s in inferences if c is not ok]
+        """Calls, in bulk: into the metrics, and the inference requests into their version's
+        statistics (a request refused before it reached a version: the latest's)."""
+        self._core.metrics.observe_calls((method, code.name, s, trace) for method, code, s, _, trace, _, _ in records)
+        ok, publish = grpc.StatusCode.OK, self._core.publish
+        latest = self._core.versions.latest()
+        fallback = latest.version if latest is not None else ""
+        inferences: dict[tuple[str, bool], list[tuple[grpc.StatusCode, float]]] = {}
+        for _, code, s, inference, _, step, version in records:
+            if inference:
+                inferences.setdefault((version or fallback, step), []).append((code, s))
+        for (version, step), done in inferences.items():
+            publish.stats(version, step).observe_requests(
+                [s for c, s in done if c is ok], [s for c, s in done if c is not ok]
             )
 
     @staticmethod

@@ -43,15 +43,16 @@ def config(core: InferenceCore, name: str, version: str) -> pb.ModelConfig:
 
 
 def statistics(core: InferenceCore, name: str, version: str) -> list[pb.ModelStatistics]:
-    """The statistics of one entry (`name`), or of every entry (empty). They are the model's,
-    over every version it served; they carry the version asked for, else the latest."""
+    """The statistics of one entry (`name`), or of every entry (empty), in the version named or
+    in every version loaded, as Triton lists them."""
     identity = core.identity
     names = [identity.check(name)] if name else list(identity.names)
-    shown = core.versions.for_request(version).version if version or core.versions.latest() else ""
+    versions = [core.versions.for_request(version).version] if version else [v.version for v in core.versions]
     stats = []
     for entry in names:
-        with core.publish.statistics(steps=identity.is_sequence_model(entry)) as held:
-            stats.append(render.model_statistics(entry, shown, held))
+        for number in versions or [""]:
+            with core.publish.statistics(number, steps=identity.is_sequence_model(entry)) as held:
+                stats.append(render.model_statistics(entry, number, held))
     return stats
 
 

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import grpc
 import numpy as np
+import pytest
 import torch
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -171,6 +172,11 @@ def test_versions_load_beside_serving_and_sequences_finish_where_they_began(tmp_
         assert server.core.versions.get("1") is None
         gc.collect()
         assert one() is None, "version 1's model, backends and caches are released"
+        with grpc.insecure_channel(server.url) as channel:
+            stats = pb_grpc.GRPCInferenceServiceStub(channel).ModelStatistics(pb.ModelStatisticsRequest()).model_stats
+        by_entry = {(s.name, s.version): s for s in stats}  # the versions loaded now: 2
+        assert set(by_entry) == {("mha", "2"), ("mha_sequence", "2")}
+        assert by_entry["mha", "2"].inference_count > 0 and by_entry["mha_sequence", "2"].inference_count == 5
     assert load.failures == []
     assert load.versions["1"] > 0 and load.versions["2"] > 0, load.versions
     assert first.versions == second.versions == {"1"} and third.versions == {"2"}
@@ -244,3 +250,37 @@ def test_a_load_call_reaches_every_worker(tmp_path: Path) -> None:
         assert serving == {("2", "0"), ("2", "1")}, serving
     finally:
         assert server.terminate() == 0
+
+
+def test_explicit_mode_starts_empty_loads_and_unloads_on_request(tmp_path: Path) -> None:
+    repo = tmp_path / "repo"
+    _export(repo, 1)
+    settings = replace(
+        make_settings(tmp_path), model_dir=None, model_repository=repo, model_control_mode="explicit", backend="torch"
+    )
+    with ServerThread(settings) as server, grpc.insecure_channel(server.url) as channel:
+        stub = pb_grpc.GRPCInferenceServiceStub(channel)
+        assert not stub.ServerReady(pb.ServerReadyRequest()).ready  # nothing loaded without --load-model
+        index = stub.RepositoryIndex(pb.RepositoryIndexRequest()).models
+        assert [(m.name, m.state) for m in index] == [("mha", "UNAVAILABLE"), ("mha_sequence", "UNAVAILABLE")]
+        stub.RepositoryModelLoad(pb.RepositoryModelLoadRequest(model_name="mha"), timeout=120)
+        assert stub.ModelReady(pb.ModelReadyRequest(name="mha", version="1")).ready
+        assert _version_of_answer(server.url) == "1"
+        stub.RepositoryModelUnload(pb.RepositoryModelUnloadRequest(model_name="mha"), timeout=120)
+        assert not stub.ModelReady(pb.ModelReadyRequest(name="mha", version="1")).ready
+        with pytest.raises(grpc.RpcError) as refused:
+            _version_of_answer(server.url)
+        assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert "no version of model 'mha' is loaded" in refused.value.details()
+        with pytest.raises(grpc.RpcError) as unknown:
+            stub.RepositoryModelLoad(pb.RepositoryModelLoadRequest(model_name="gpt"), timeout=10)
+        assert unknown.value.code() == grpc.StatusCode.NOT_FOUND
+
+
+def test_without_model_control_the_load_calls_say_how_to_turn_it_on(small_model_dir: Path) -> None:
+    with ServerThread(make_settings(small_model_dir)) as server, grpc.insecure_channel(server.url) as channel:
+        stub = pb_grpc.GRPCInferenceServiceStub(channel)
+        with pytest.raises(grpc.RpcError) as off:
+            stub.RepositoryModelLoad(pb.RepositoryModelLoadRequest(model_name="mha"), timeout=10)
+        assert off.value.code() == grpc.StatusCode.UNIMPLEMENTED
+        assert "--model-control-mode explicit" in off.value.details()

@@ -80,6 +80,38 @@ CASES = {  # name: (arguments given the fixtures, environment, exit code, what t
     "padding-ratio-out-of-range": (lambda f: _serve(f["model"], "--max-padding-ratio", "2"), {}, 2, "must be <= 1"),
     "threads-negative": (lambda f: _serve(f["model"], "--threads", "-1"), {}, 2, "--threads must be >= 0"),
     "model-dir-missing": (lambda f: _serve(f["tmp"] / "none"), {}, 2, "no such directory; export one with"),
+    "poll-without-repository": (
+        lambda f: _serve(f["model"], "--model-control-mode", "poll"),
+        {},
+        2,
+        "--model-control-mode poll follows a repository: give --model-repository",
+    ),
+    "repository-and-model-dir": (
+        lambda f: _serve(f["model"], "--model-repository", str(f["tmp"])),
+        {},
+        2,
+        "--model-repository and --model-dir are two sources of versions",
+    ),
+    "repository-missing": (
+        lambda f: ["serve", "--model-repository", str(f["tmp"] / "none"), "--log-format", "text"],
+        {},
+        2,
+        "no such directory; lay versions out as DIR/<model-name>/<version>/",
+    ),
+    "load-model-unknown": (
+        lambda f: [
+            "serve",
+            "--model-repository",
+            str(f["tmp"]),
+            "--model-control-mode",
+            "explicit",
+            "--load-model",
+            "gpt",
+        ],
+        {},
+        2,
+        "--load-model 'gpt': this server serves 'mha'",
+    ),
     "model-dir-a-file": (lambda f: _serve(f["model"] / "weights.safetensors"), {}, 2, "is a file, not a directory"),
     "model-dir-empty": (lambda f: _serve(f["tmp"]), {}, 2, "holds no exported model"),
     "model-dir-corrupt": (

@@ -24,7 +24,6 @@ from service.backends.selection import SelfCheck, probe_rounds, probe_shapes, sp
 from service.batching import BatchEvent, batch_mflop
 from service.engine.publishing import Publisher
 from service.engine.readiness import DeviceHealth
-from service.engine.stats import ModelStats
 from service.errors import BackendFailure
 from service.metrics import Metrics
 
@@ -324,7 +323,7 @@ def test_backend_info_follows_a_backend_benched_at_run_time_and_back(small_model
     chain = BackendChain(
         [first, TorchBackend(config, weights)], check.passes, failure_threshold=2, cooldown_s=10, clock=clock
     )
-    publisher = Publisher(metrics, ModelStats(), DeviceHealth("any", metrics), lambda: True, lambda: None)
+    publisher = Publisher(metrics, DeviceHealth("any", metrics), lambda: True, lambda: None)
     publisher.backends(chain)
     x = np.random.default_rng(2).standard_normal((1, 4, 32), dtype=np.float32)
 
@@ -333,7 +332,7 @@ def test_backend_info_follows_a_backend_benched_at_run_time_and_back(small_model
         event = BatchEvent(
             requests=1, rows=1, seqs=(4,), padded_tokens=0, formation_s=0, compute_s=0, backend=used.name
         )
-        publisher.batch(event, chain)  # no event loop: what it leaves for after the answer runs at once
+        publisher.batch(event, chain, "1")  # no event loop: what it leaves for after the answer runs at once
         get = metrics.registry.get_sample_value
         return {b: get("mha_backend_info", {"backend": b, "device": "cpu"}) for b in ("ort-cpu", "torch-cpu")}
 
@@ -345,7 +344,7 @@ def test_backend_info_follows_a_backend_benched_at_run_time_and_back(small_model
     first.broken = False
     assert batch() == {"ort-cpu": 1, "torch-cpu": 0}  # probed, passed, serving
     assert batch() == {"ort-cpu": 1, "torch-cpu": 0}
-    with publisher.statistics() as stats:
+    with publisher.statistics("1") as stats:
         assert stats.execution_count == 5
 
 
@@ -379,7 +378,7 @@ def test_both_backends_of_a_split_show_as_serving(small_model_dir: Path) -> None
     ort, torch_cpu = OrtCpuBackend(small_model_dir / "model.onnx", threads=1), TorchBackend(config, weights)
     check = SelfCheck(config, weights).passes
     metrics = Metrics(CollectorRegistry())
-    publisher = Publisher(metrics, ModelStats(), DeviceHealth("any", metrics), lambda: True, lambda: None)
+    publisher = Publisher(metrics, DeviceHealth("any", metrics), lambda: True, lambda: None)
 
     def info() -> dict[str, float | None]:
         get = metrics.registry.get_sample_value

@@ -377,7 +377,7 @@ def test_concurrent_clients_mixed_shapes_batch_and_stay_exact(small_model_dir: P
             t.start()
         for t in threads:
             t.join(120)
-        with server.core.publish.statistics() as held:
+        with server.core.publish.statistics("1") as held:
             stats = copy.deepcopy(held)
     assert not failures, failures[:3]
     assert len(errors) == 3 * len(shapes) and max(errors) < 1e-5

@@ -99,7 +99,7 @@ def test_innocent_requests_sharing_a_batch_with_a_poison_are_answered(
         else:
             assert not response.error_message, response.error_message
             assert _exact(small_model_dir, xs[i], decode_infer_response(response.infer_response))
-    with server.core.publish.statistics() as stats:
+    with server.core.publish.statistics("1") as stats:
         batches = dict(stats.batches)
     assert max(batches) > 1, "the stream's requests never shared a batch: the test proves nothing"
     _nothing_benched(server)
@@ -111,7 +111,7 @@ def test_a_request_over_the_attention_budget_is_refused_before_compute(small_mod
         assert client.infer(np.zeros((16, 64, 32), np.float32)).shape == (16, 64, 32)
         with pytest.raises(InferenceError) as info:
             client.infer(np.zeros((17, 64, 32), np.float32))
-        with server.core.publish.statistics() as stats:
+        with server.core.publish.statistics("1") as stats:
             executed = stats.execution_count
     assert info.value.code == grpc.StatusCode.INVALID_ARGUMENT
     assert "attention needs 1 MiB" in str(info.value) and "limit is 1 MiB per request" in str(info.value)

@@ -1,0 +1,141 @@
+"""Every snippet in README.md and docs/ runs as written (issue 36).
+
+Each fenced block carries a marker on the line before it, `<!-- doc-test: MODE -->`:
+- `run`: executed against a live server of the default model (HTTP on, system shared memory on),
+  its ports translated as a user would (8001 gRPC, 8000 HTTP, 8002 metrics); `run repository`:
+  against a server in explicit model-control mode over a repository; `run offline`: no server.
+  Shell blocks run in bash with `-e` (and curl with `-f`: an HTTP error fails); Python blocks in
+  the environment they import from (tritonclient's own, or the project's). A Python line that
+  states a shape in its comment (`y = ...  # (2, 64, 128)`) is checked to hold it.
+- `pbtxt`: read by the server's own config.pbtxt reader.
+- `elsewhere: TEST`: a test of that name runs it (it must exist).
+- `not-here: WHY`: needs Docker, Kubernetes or a GPU; rendered or linted by tests/deploy.
+A block without a marker fails the suite: every new snippet is classified when it is written.
+"""
+
+from __future__ import annotations
+
+import ast
+import os
+import re
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from service.app.repository import read_policy
+from service.engine.repository import VersionPolicy
+from tests.support import ROOT, server_process
+
+DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+BLOCK = re.compile(r"(?:<!-- doc-test: (?P<mode>[^>]*?) -->\n)?```(?P<lang>\w*)\n(?P<body>.*?)```", re.S)
+SHAPE_COMMENT = re.compile(r"#\s*\((\d+(?:, \d+)+)\)")
+TRITON_PYTHON = ROOT / ".venv-triton" / "bin" / "python"
+
+
+def _blocks() -> list[tuple[str, str, str, str]]:
+    """(where, mode, language, body) of every fenced block."""
+    found = []
+    for path in DOCS:
+        text = path.read_text()
+        for m in BLOCK.finditer(text):
+            where = f"{path.relative_to(ROOT)}:{text[: m.start('lang')].count(chr(10)) + 1}"
+            found.append((where, m.group("mode") or "", m.group("lang"), m.group("body")))
+    return found
+
+
+BLOCKS = _blocks()
+
+
+def _of(mode: str) -> list[tuple[str, str, str]]:
+    return [(where, lang, body) for where, m, lang, body in BLOCKS if m == mode]
+
+
+def test_every_block_is_classified() -> None:
+    assert len(BLOCKS) >= 19, "the extraction found fewer blocks than the docs hold"
+    unmarked = [where for where, mode, _, _ in BLOCKS if not mode]
+    assert unmarked == [], f"give these a <!-- doc-test: ... --> marker: {unmarked}"
+    known = ("run", "run repository", "run offline", "pbtxt")
+    odd = [(w, m) for w, m, _, _ in BLOCKS if m not in known and not m.startswith(("elsewhere: ", "not-here: "))]
+    assert odd == []
+
+
+def test_the_tests_named_elsewhere_exist() -> None:
+    """`elsewhere:` names a test function, or a test module, that runs the block."""
+    files = list((ROOT / "tests").rglob("test_*.py"))
+    sources = "\n".join(p.read_text() for p in files)
+    for where, mode, _, _ in BLOCKS:
+        name = mode.removeprefix("elsewhere: ")
+        if mode.startswith("elsewhere: "):
+            assert re.search(rf"\bdef {name}\b", sources) or name in {p.stem for p in files}, (where, name)
+
+
+def test_the_policy_example_reads_as_triton_writes_it(tmp_path: Path) -> None:
+    (body,) = [body for _, _, body in _of("pbtxt")]
+    (tmp_path / "config.pbtxt").write_text(body)
+    assert read_policy(tmp_path) == VersionPolicy("latest", count=2)
+
+
+def _translated(text: str, ports: dict[int, int]) -> str:
+    for documented, actual in ports.items():
+        text = re.sub(rf"\b(127\.0\.0\.1|localhost):{documented}\b", f"127.0.0.1:{actual}", text)
+    text = text.replace(".venv/bin/", f"{ROOT}/.venv/bin/")
+    return re.sub(r"\bcurl -s\b", "curl -sf", text)
+
+
+def _with_shape_checks(code: str) -> str:
+    """The block, with an assertion after each assignment whose comment states its shape."""
+    lines = code.splitlines()
+    checks: list[tuple[int, str]] = []
+    for node in ast.walk(ast.parse(code)):
+        if isinstance(node, ast.Assign) and isinstance(node.targets[0], ast.Name) and node.end_lineno:
+            stated = SHAPE_COMMENT.search(lines[node.end_lineno - 1])
+            if stated:
+                name, shape = node.targets[0].id, f"({stated.group(1)})"
+                checks.append((node.end_lineno, f"assert {name}.shape == {shape}, {name}.shape"))
+    for line, check in sorted(checks, reverse=True):
+        indent = re.match(r"\s*", lines[line - 1]).group(0)  # type: ignore[union-attr]
+        lines.insert(line, indent + check)
+    return "\n".join(lines) + "\n"
+
+
+def _run(where: str, lang: str, body: str, ports: dict[int, int], cwd: Path) -> None:
+    text = _translated(body, ports)
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    if lang == "python":
+        python = TRITON_PYTHON if "tritonclient" in text else ROOT / ".venv" / "bin" / "python"
+        command = [str(python), "-c", _with_shape_checks(text)]
+    else:
+        command = ["bash", "-euo", "pipefail", "-c", text]
+    run = subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, (where, text, run.stdout[-1500:], run.stderr[-2500:])
+
+
+@pytest.fixture(scope="module")
+def default_server(default_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[int, int]]:
+    log = tmp_path_factory.mktemp("doc-server") / "server.log"
+    args = ["--model-dir", str(default_model_dir), "--shared-memory", "system", "--backend", "ort-cpu"]
+    with server_process(args, log) as server:
+        yield {8001: server.port, 8000: server.http_port, 8002: server.metrics_port}
+
+
+@pytest.mark.parametrize(("where", "lang", "body"), _of("run"), ids=[w for w, _, _ in _of("run")])
+def test_a_snippet_runs_against_a_live_server(
+    where: str, lang: str, body: str, default_server: dict[int, int], tmp_path: Path
+) -> None:
+    _run(where, lang, body, default_server, tmp_path)
+
+
+def test_the_repository_calls_run_against_a_server_in_explicit_mode(default_model_dir: Path, tmp_path: Path) -> None:
+    (repository := tmp_path / "repo" / "mha").mkdir(parents=True)
+    (repository / "1").symlink_to(default_model_dir)
+    args = ["--model-repository", str(tmp_path / "repo"), "--model-control-mode", "explicit", "--load-model", "mha"]
+    with server_process([*args, "--backend", "ort-cpu"], tmp_path / "server.log") as server:
+        for where, lang, body in _of("run repository"):
+            _run(where, lang, body, {8001: server.port, 8000: server.http_port}, tmp_path)
+
+
+@pytest.mark.parametrize(("where", "lang", "body"), _of("run offline"), ids=[w for w, _, _ in _of("run offline")])
+def test_a_snippet_runs_without_a_server(where: str, lang: str, body: str, tmp_path: Path) -> None:
+    _run(where, lang, body, {}, tmp_path)
