@@ -16,6 +16,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import common
 import numpy as np
 import onnxruntime as ort
 import torch
@@ -41,7 +42,7 @@ def _time(fn, repeats: int) -> float:
 
 
 def main() -> None:
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    common.parser(__doc__).parse_args()  # --help describes it and runs nothing
     logging.getLogger("onnx_ir").setLevel(logging.WARNING)
     config = MHAConfig()
     weights = init_weights(config, seed=0)

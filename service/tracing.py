@@ -78,6 +78,9 @@ class Tracing:
 
     @classmethod
     def configure(cls, settings: TraceSettings, environ: Mapping[str, str]) -> Tracing:
+        """Tracing as the settings and OTEL_* ask; a malformed sampler is refused (ValueError) even
+        while tracing is off, so that turning it on later never meets a refusal first."""
+        root = root_sampler(environ)
         if not wanted(settings, environ):
             return cls()
         from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
@@ -96,7 +99,7 @@ class Tracing:
         # OTEL_RESOURCE_ATTRIBUTES and OTEL_SERVICE_NAME win over ours (Resource.create alone lets
         # the code's attributes win)
         resource = Resource.create(ours).merge(OTELResourceDetector().detect())
-        provider = TracerProvider(resource=resource, sampler=ClientTraceFirst(root_sampler(environ)))
+        provider = TracerProvider(resource=resource, sampler=ClientTraceFirst(root))
         endpoint = settings.endpoint
         exporter = OTLPSpanExporter(endpoint=f"{endpoint.rstrip('/')}/v1/traces") if endpoint else OTLPSpanExporter()
         provider.add_span_processor(BatchSpanProcessor(exporter))

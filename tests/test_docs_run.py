@@ -20,12 +20,16 @@ import os
 import re
 import subprocess
 from collections.abc import Iterator
+from dataclasses import fields
 from pathlib import Path
 
 import pytest
+from prometheus_client import CollectorRegistry
 
 from service.app.repository import read_policy
 from service.engine.repository import VersionPolicy
+from service.metrics import Metrics
+from service.settings import Settings
 from tests.support import ROOT, server_process
 
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -139,3 +143,30 @@ def test_the_repository_calls_run_against_a_server_in_explicit_mode(default_mode
 @pytest.mark.parametrize(("where", "lang", "body"), _of("run offline"), ids=[w for w, _, _ in _of("run offline")])
 def test_a_snippet_runs_without_a_server(where: str, lang: str, body: str, tmp_path: Path) -> None:
     _run(where, lang, body, {}, tmp_path)
+
+
+def _table_names(pattern: str) -> set[str]:
+    """Names in the first cell of the rows of docs/operations.md's tables that match `pattern`."""
+    rows = [line for line in (ROOT / "docs" / "operations.md").read_text().splitlines() if line.startswith("| `")]
+    return {name for row in rows for name in re.findall(pattern, row.split("|")[1])}
+
+
+def test_every_flag_is_documented_and_every_documented_flag_exists() -> None:
+    flags = {f"--{f.name.replace('_', '-')}" for f in fields(Settings) if f.metadata["flag"]} | {"--log-level"}
+    help_text = subprocess.run(
+        [str(ROOT / ".venv" / "bin" / "mha"), "serve", "--help"], capture_output=True, text=True, check=True
+    ).stdout
+    assert flags - {"--log-level"} <= set(re.findall(r"(--[a-z0-9-]+)", help_text))  # what --help lists
+    documented = _table_names(r"`(--[a-z0-9-]+)")
+    assert flags - documented == set(), "flags missing from docs/operations.md's configuration table"
+    assert documented - flags == set(), "flags documented that `mha serve` does not take"
+
+
+def test_every_metric_is_documented_and_every_documented_metric_exists() -> None:
+    registry = CollectorRegistry()
+    Metrics(registry)
+    exported = {f.name + ("_total" if f.type == "counter" else "") for f in registry.collect()}
+    exported = {name for name in exported if name.startswith("mha_")} | {"mha_worker_restarts_total"}  # supervisor's
+    documented = _table_names(r"`(mha_[a-z_]+)")
+    assert exported - documented == set(), "metrics missing from docs/operations.md's metrics table"
+    assert documented - exported == set(), "metrics documented that the server does not export"

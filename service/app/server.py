@@ -271,9 +271,10 @@ def _bind(
     """Listen on (host, port). A port that is taken is found first with a plain socket (unless the
     port is `shared`, --reuse-port), so that the error is one line of ours and not gRPC core's too."""
     address = f"{host}:{port}"
+    fix = f"stop what holds it, or choose another with {flag} (0 picks a free one)"
     if not shared and (why := _cannot_listen(host, port)) is not None:
-        raise StartupError(f"{flag}: cannot listen on {address}: {why}", 1)
-    refused = StartupError(f"{flag}: cannot listen on {address} (in use, or not an address of this machine)", 1)
+        raise StartupError(f"{flag}: cannot listen on {address}: {why}; {fix}", 1)
+    refused = StartupError(f"{flag}: cannot listen on {address} (in use, or not an address of this machine); {fix}", 1)
     try:
         bound = server.add_secure_port(address, credentials) if credentials else server.add_insecure_port(address)
     except RuntimeError as exc:  # grpc raises this when it cannot listen

@@ -51,7 +51,7 @@ CASES = {  # name: (arguments given the fixtures, environment, exit code, what t
         lambda f: _serve(f["model"], "--grpc-port", str(f["taken"]), "--metrics-port", "off"),
         {},
         1,
-        "--grpc-port",
+        "the port is in use by another process; stop what holds it, or choose another with --grpc-port",
     ),
     "metrics-port-taken": (
         lambda f: _serve(f["model"], "--grpc-port", str(free_port()), "--metrics-port", str(f["taken"])),
@@ -122,6 +122,12 @@ CASES = {  # name: (arguments given the fixtures, environment, exit code, what t
     ),
     "trace-sampler-unknown": (
         lambda f: _serve(f["model"], "--grpc-port", "0", "--otlp-endpoint", "http://127.0.0.1:9"),
+        {"OTEL_TRACES_SAMPLER": "sometimes"},
+        2,
+        "OTEL_TRACES_SAMPLER='sometimes': expected one of always_on",
+    ),
+    "trace-sampler-unknown-tracing-off": (
+        lambda f: _serve(f["model"], "--grpc-port", "0"),
         {"OTEL_TRACES_SAMPLER": "sometimes"},
         2,
         "OTEL_TRACES_SAMPLER='sometimes': expected one of always_on",
