@@ -586,8 +586,10 @@ def build_parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    from service.triton_flags import translated
+
     parser = build_parser(os.environ)
-    args = parser.parse_args(argv)
+    args = parser.parse_args(translated(sys.argv[1:] if argv is None else argv, parser.error))
     logging.basicConfig(
         level=args.log_level.upper(),
         stream=sys.stderr,

@@ -145,9 +145,11 @@ def test_a_snippet_runs_without_a_server(where: str, lang: str, body: str, tmp_p
     _run(where, lang, body, {}, tmp_path)
 
 
-def _table_names(pattern: str) -> set[str]:
-    """Names in the first cell of the rows of docs/operations.md's tables that match `pattern`."""
-    rows = [line for line in (ROOT / "docs" / "operations.md").read_text().splitlines() if line.startswith("| `")]
+def _table_names(section: str, pattern: str) -> set[str]:
+    """Names in the first cell of the table rows of docs/operations.md's `section` that match `pattern`."""
+    text = (ROOT / "docs" / "operations.md").read_text()
+    body = text.split(f"\n## {section}\n", 1)[1].split("\n## ", 1)[0]
+    rows = [line for line in body.splitlines() if line.startswith("| `")]
     return {name for row in rows for name in re.findall(pattern, row.split("|")[1])}
 
 
@@ -157,7 +159,7 @@ def test_every_flag_is_documented_and_every_documented_flag_exists() -> None:
         [str(ROOT / ".venv" / "bin" / "mha"), "serve", "--help"], capture_output=True, text=True, check=True
     ).stdout
     assert flags - {"--log-level"} <= set(re.findall(r"(--[a-z0-9-]+)", help_text))  # what --help lists
-    documented = _table_names(r"`(--[a-z0-9-]+)")
+    documented = _table_names("Configuration", r"`(--[a-z0-9-]+)")
     assert flags - documented == set(), "flags missing from docs/operations.md's configuration table"
     assert documented - flags == set(), "flags documented that `mha serve` does not take"
 
@@ -167,6 +169,6 @@ def test_every_metric_is_documented_and_every_documented_metric_exists() -> None
     Metrics(registry)
     exported = {f.name + ("_total" if f.type == "counter" else "") for f in registry.collect()}
     exported = {name for name in exported if name.startswith("mha_")} | {"mha_worker_restarts_total"}  # supervisor's
-    documented = _table_names(r"`(mha_[a-z_]+)")
+    documented = _table_names("Metrics, dashboard and alerts", r"`(mha_[a-z_]+)")
     assert exported - documented == set(), "metrics missing from docs/operations.md's metrics table"
     assert documented - exported == set(), "metrics documented that the server does not export"

@@ -73,7 +73,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
 
     async def ServerMetadata(self, request: pb.ServerMetadataRequest, context: Context) -> pb.ServerMetadataResponse:
         async with self.calls.unary("ServerMetadata", context):
-            return render.server_metadata(self.core.active_backend())
+            return model_calls.server_metadata(self.core)
 
     async def ModelMetadata(self, request: pb.ModelMetadataRequest, context: Context) -> pb.ModelMetadataResponse:
         async with self.calls.unary("ModelMetadata", context):

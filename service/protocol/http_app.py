@@ -18,7 +18,7 @@ from aiohttp import web
 
 from service.engine.core import InferenceCore
 from service.errors import ClientGone, InvalidInput, NotReady, TooLarge, quote
-from service.protocol import model_calls, render
+from service.protocol import model_calls
 from service.protocol.answer import answer_infer
 from service.protocol.auth import HTTP_HOW, BearerToken
 from service.protocol.calls import Call, Calls
@@ -119,7 +119,7 @@ class HttpApi:
         return web.json_response({"ready": ready}, status=200 if ready else 503)
 
     async def _server_metadata(self, request: web.Request) -> web.Response:
-        return web.json_response(proto_json(render.server_metadata(self.core.active_backend())))
+        return web.json_response(proto_json(model_calls.server_metadata(self.core)))
 
     async def _model_metadata(self, request: web.Request) -> web.Response:
         name, version = _named(request)

@@ -22,10 +22,16 @@ def resolve(core: InferenceCore, name: str, version: str) -> tuple[str, Loaded]:
     return core.identity.check(name), core.versions.for_request(version)
 
 
+def server_metadata(core: InferenceCore) -> pb.ServerMetadataResponse:
+    s = core.settings
+    return render.server_metadata(s.http_port is not None, s.shared_memory == "system")
+
+
 def model_ready(core: InferenceCore, name: str, version: str) -> bool:
-    """Ready: the server serves, and the version named (or any) takes requests; a version that is
-    not loaded is not ready (as Triton answers)."""
-    core.identity.check(name)
+    """Ready: the server serves, and the version named (or any) takes requests; a model or version
+    that is not loaded is not ready (Triton answers so, not NOT_FOUND)."""
+    if name not in core.identity.names:
+        return False
     if not version:
         return core.serving_ok()
     loaded = core.versions.get(version)

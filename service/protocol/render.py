@@ -10,7 +10,6 @@ from importlib.metadata import PackageNotFoundError, version
 
 import grpc
 
-from service.backends.base import Backend
 from service.engine.repository import VersionPolicy
 from service.engine.served import ModelIdentity, ServedModel, Serving
 from service.engine.stats import Duration, ModelStats
@@ -19,7 +18,10 @@ from service.protocol.inference import DATATYPE
 from service.protocol.shm import Region
 
 SERVER_NAME = "mha-serve"
-EXTENSIONS = ("model_configuration", "statistics", "streaming", "health", "reflection")
+# Triton's extension names, for what this server implements whatever its flags: the model's config
+# and statistics, sequences (sequence_id and the sequence model), request parameters, the repository
+# index (load and unload need --model-control-mode explicit); then those that flags turn on.
+EXTENSIONS = ("model_configuration", "statistics", "sequence", "parameters", "model_repository")
 
 
 @cache
@@ -30,9 +32,14 @@ def server_version() -> str:
         return "0+unknown"
 
 
-def server_metadata(active: Backend | None) -> pb.ServerMetadataResponse:
-    """Name, version and extensions; once a backend serves, `backend:<name>@<device>` too."""
-    extensions = [*EXTENSIONS, *([f"backend:{active.name}@{active.device}"] if active is not None else [])]
+def server_metadata(http: bool, shared_memory: bool) -> pb.ServerMetadataResponse:
+    """Name, version and the extensions implemented: `binary_tensor_data` with the HTTP port open,
+    `system_shared_memory` with --shared-memory system. (The backend serving is in ModelConfig.)"""
+    extensions = [
+        *EXTENSIONS,
+        *(["binary_tensor_data"] if http else []),
+        *(["system_shared_memory"] if shared_memory else []),
+    ]
     return pb.ServerMetadataResponse(name=SERVER_NAME, version=server_version(), extensions=extensions)
 
 

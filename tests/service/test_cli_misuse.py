@@ -132,6 +132,12 @@ CASES = {  # name: (arguments given the fixtures, environment, exit code, what t
         2,
         "OTEL_TRACES_SAMPLER='sometimes': expected one of always_on",
     ),
+    "triton-backend-directory": (
+        lambda f: _serve(f["model"], "--backend-directory", "/opt/tritonserver/backends"),
+        {},
+        2,
+        "--backend-directory is Triton's: backends are built in: choose one with --backend",
+    ),
     "grpc-port-not-a-number": (lambda f: _serve(f["model"], "--grpc-port", "abc"), {}, 2, "--grpc-port: invalid"),
     "infer-url-without-flag": (lambda f: ["infer", f["url"]], {}, 2, "give the server as --url"),
     "env-port-not-a-number": (lambda f: _serve(f["model"]), {"MHA_GRPC_PORT": "abc"}, 2, "--grpc-port: invalid"),

@@ -131,12 +131,12 @@ def test_readiness_and_metadata(server: ServerThread, stub: pb_grpc.GRPCInferenc
     assert stub.ServerReady(pb.ServerReadyRequest()).ready
     assert stub.ModelReady(pb.ModelReadyRequest(name="mha")).ready
     assert stub.ModelReady(pb.ModelReadyRequest(name="mha", version="1")).ready
-    with pytest.raises(grpc.RpcError) as info:
-        stub.ModelReady(pb.ModelReadyRequest(name="nope"))
-    assert info.value.code() == grpc.StatusCode.NOT_FOUND
+    assert not stub.ModelReady(pb.ModelReadyRequest(name="nope")).ready  # as Triton answers: no error
+    assert not stub.ModelReady(pb.ModelReadyRequest(name="mha", version="7")).ready
     meta = stub.ServerMetadata(pb.ServerMetadataRequest())
-    active = server.core.loaded.chain.active
-    assert meta.name == "mha-serve" and f"backend:{active.name}@{active.device}" in meta.extensions
+    assert meta.name == "mha-serve" and "sequence" in meta.extensions and "model_repository" in meta.extensions
+    assert "system_shared_memory" not in meta.extensions  # --shared-memory off
+    assert not any(e.startswith("backend:") for e in meta.extensions)  # what serves is in ModelConfig
     model = stub.ModelMetadata(pb.ModelMetadataRequest(name="mha"))
     assert model.versions == ["1"] and model.platform == "onnxruntime_onnx"  # stable, whichever backend computes
     assert [(t.name, t.datatype, list(t.shape)) for t in model.inputs] == [("x", "FP32", [-1, -1, 32])]

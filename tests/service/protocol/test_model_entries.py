@@ -39,6 +39,8 @@ def test_each_entry_has_the_one_scheduler_it_uses(server: ServerThread) -> None:
         assert (plain.name, stepped.name) == ("mha", "mha_sequence")
         assert plain.HasField("dynamic_batching") and not plain.HasField("sequence_batching")
         assert stepped.HasField("sequence_batching") and not stepped.HasField("dynamic_batching")
+        schedulers = (plain.WhichOneof("scheduling_choice"), stepped.WhichOneof("scheduling_choice"))
+        assert schedulers == ("dynamic_batching", "sequence_batching")  # as tritonclient reads them
         assert stepped.sequence_batching.oldest.max_candidate_sequences == server.core.settings.max_sequences
         assert sequences.model_metadata().name == "mha_sequence"
     assert "sequence_batching" not in _http(server, "/v2/models/mha/config")

@@ -1,0 +1,101 @@
+"""Triton's operator flags on `mha serve`: the ones whose meaning is ours too are translated (as
+aliases), the others are refused with one line that names what to use here. Its flags that are
+ours already (--model-repository, --model-control-mode, --repository-poll-secs, --load-model,
+--http-port, --grpc-port, --metrics-port) need nothing. docs/operations.md, "Coming from Triton",
+has the same table for people."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+FALSE, TRUE = ("false", "0", "no", "off"), ("true", "1", "yes", "on")
+Translation = tuple[list[str], list[str]]  # (global flags, serve flags) that take its place
+
+RENAMED = {"--model-store": "--model-repository", "--exit-timeout-secs": "--grace-s"}
+# Triton's flag -> (what its `false` means here, or the refusal when it has no meaning here)
+SWITCHED: dict[str, tuple[list[str] | None, str]] = {
+    "--allow-http": (["--http-port", "off"], ""),
+    "--allow-metrics": (["--metrics-port", "off"], ""),
+    "--allow-grpc": (None, "the gRPC port cannot be turned off here: it is the server's main API"),
+    "--strict-readiness": (None, "readiness here is always strict: ready only while a version serves"),
+}
+REFUSED = {
+    "--backend-directory": "backends are built in: choose one with --backend (auto, ort-cuda, ort-cpu, torch)",
+    "--backend-config": "use --backend, --threads, --precision and --gpu-mem-limit-mb",
+    "--cuda-memory-pool-byte-size": "use --gpu-mem-limit-mb (ONNX Runtime's CUDA arena)",
+    "--pinned-memory-pool-byte-size": "there is no pinned pool to size here; drop it",
+    "--http-address": "use --host (every port binds it) and --metrics-host",
+    "--grpc-address": "use --host (every port binds it) and --metrics-host",
+    "--metrics-address": "use --metrics-host",
+    "--http-thread-count": "HTTP is served on the event loop here; drop it",
+    "--grpc-infer-allocation-pool-size": "there is no allocation pool to size here; drop it",
+    "--grpc-use-ssl": "use --tls-cert and --tls-key (and --tls-client-ca for mTLS)",
+    "--grpc-server-cert": "use --tls-cert",
+    "--grpc-server-key": "use --tls-key",
+    "--grpc-root-cert": "use --tls-client-ca",
+    "--trace-config": "use --otlp-endpoint and OTEL_TRACES_SAMPLER(_ARG) (docs/operations.md#tracing)",
+    "--trace-file": "traces go to an OTLP collector: use --otlp-endpoint",
+    "--trace-level": "use --otlp-endpoint and OTEL_TRACES_SAMPLER (docs/operations.md#tracing)",
+    "--trace-rate": "use OTEL_TRACES_SAMPLER=traceidratio and OTEL_TRACES_SAMPLER_ARG",
+    "--id": "use --replica-name",
+    "--strict-model-config": "the config is generated from the model directory; drop it",
+    "--disable-auto-complete-config": "the config is generated from the model directory; drop it",
+    "--metrics-interval-ms": "metrics are read at each scrape; drop it",
+    "--rate-limit": "use --max-queue-size and --max-inflight-mb",
+    "--model-load-thread-count": "versions load one at a time, beside the one serving; drop it",
+}
+LOG_LEVELS = {"--log-info": "INFO", "--log-warning": "WARNING", "--log-error": "ERROR"}
+
+
+def _one(flag: str, value: str, refuse: Callable[[str], None]) -> Translation:
+    """What Triton's `flag value` becomes here: ([global flags], [serve flags])."""
+    if flag in RENAMED:
+        return [], [RENAMED[flag], value]
+    if flag in REFUSED:
+        refuse(f"{flag} is Triton's: {REFUSED[flag]}")
+    if flag == "--log-verbose":
+        return (["--log-level", "DEBUG"] if value.strip() not in ("", "0") else []), []
+    if flag in LOG_LEVELS:
+        if value.lower() in TRUE:
+            return [], []
+        refuse(f"{flag} is Triton's: set the level instead, e.g. `mha --log-level WARNING serve`")
+    if value.lower() not in FALSE + TRUE:
+        refuse(f"{flag} {value[:32]!r}: expected true or false (Triton's flag)")
+    off, why = SWITCHED[flag]
+    if value.lower() in TRUE:
+        return [], []
+    if off is None:
+        refuse(f"{flag}={value} is Triton's: {why}")
+    return [], off or []
+
+
+def triton_flag(arg: str) -> str | None:
+    name = arg.split("=", 1)[0]
+    known = name in RENAMED or name in REFUSED or name in SWITCHED or name in LOG_LEVELS or name == "--log-verbose"
+    return name if known else None
+
+
+def translated(argv: Sequence[str], refuse: Callable[[str], None]) -> list[str]:
+    """`argv` with Triton's flags after `serve` translated; `refuse(message)` must not return."""
+    args = list(argv)
+    if "serve" not in args:
+        return args
+    start = args.index("serve") + 1
+    before, rest, after = args[: start - 1], args[start:], []
+    i = 0
+    while i < len(rest):
+        flag = triton_flag(rest[i])
+        if flag is None:
+            after.append(rest[i])
+            i += 1
+            continue
+        if "=" in rest[i]:
+            value, i = rest[i].split("=", 1)[1], i + 1
+        elif i + 1 < len(rest) and not rest[i + 1].startswith("--"):
+            value, i = rest[i + 1], i + 2
+        else:
+            refuse(f"{flag} needs a value, as Triton's does (e.g. {flag}=false)")
+            return []
+        own, serve = _one(flag, value, refuse)
+        before, after = [*before, *own], [*after, *serve]
+    return [*before, "serve", *after]

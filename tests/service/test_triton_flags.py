@@ -1,0 +1,77 @@
+"""Triton's operator flags on `mha serve`: aliases where the meaning is ours, one line naming our
+equivalent where it is not (the misuse table in test_cli_misuse.py runs them end to end)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from service.cli import build_parser
+from service.settings import settings_from_namespace
+from service.triton_flags import REFUSED, translated
+
+
+class Refused(Exception):
+    pass
+
+
+def _refuse(message: str) -> None:
+    raise Refused(message)
+
+
+def test_flags_with_our_meaning_are_translated() -> None:
+    argv = ["serve", "--model-store=/m", "--exit-timeout-secs", "5", "--allow-http=false", "--allow-metrics", "false"]
+    argv += ["--log-verbose=1", "--strict-readiness=true", "--allow-grpc", "true", "--threads", "2"]
+    assert translated(argv, _refuse) == [
+        "--log-level",
+        "DEBUG",
+        "serve",
+        "--model-repository",
+        "/m",
+        "--grace-s",
+        "5",
+        "--http-port",
+        "off",
+        "--metrics-port",
+        "off",
+        "--threads",
+        "2",
+    ]
+    args = build_parser(os.environ).parse_args(translated(argv, _refuse))
+    settings = settings_from_namespace(args, args.log_level)
+    assert (settings.model_repository, settings.grace_s, settings.http_port, settings.metrics_port) == (
+        Path("/m"),
+        5.0,
+        None,
+        None,
+    )
+    assert args.log_level == "DEBUG"
+
+
+@pytest.mark.parametrize("flag", sorted(REFUSED))
+def test_flags_without_our_meaning_name_the_equivalent(flag: str) -> None:
+    equivalent = "(use|backends|there|HTTP|traces|the config|metrics|versions)"
+    with pytest.raises(Refused, match=rf"^{flag} is Triton's: {equivalent}"):
+        translated(["serve", f"{flag}=x"], _refuse)
+
+
+@pytest.mark.parametrize(
+    ("argv", "says"),
+    [
+        (["serve", "--allow-grpc=false"], "the gRPC port cannot be turned off here"),
+        (["serve", "--strict-readiness", "false"], "readiness here is always strict"),
+        (["serve", "--allow-http=maybe"], "expected true or false"),
+        (["serve", "--exit-timeout-secs"], "needs a value"),
+        (["serve", "--log-warning=false"], "mha --log-level WARNING serve"),
+    ],
+)
+def test_triton_values_we_cannot_honour_are_refused(argv: list[str], says: str) -> None:
+    with pytest.raises(Refused, match=says):
+        translated(argv, _refuse)
+
+
+def test_other_commands_and_our_flags_pass_untouched() -> None:
+    assert translated(["export", "--out", "m", "--id", "x"], _refuse) == ["export", "--out", "m", "--id", "x"]
+    assert translated(["serve", "--grace-s", "3"], _refuse) == ["serve", "--grace-s", "3"]
