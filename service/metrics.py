@@ -91,6 +91,76 @@ class _WorkerGauge:
         return self._gauge.labels(**labels, worker=self._worker)
 
 
+FAILURE_REASONS = ("REJECTED", "CANCELED", "BACKEND", "OTHER")  # Triton's reason label
+REJECTED = frozenset({"RESOURCE_EXHAUSTED", "UNAVAILABLE"})  # queue full, budget full, draining, loading
+CANCELED = frozenset({"CANCELLED", "DEADLINE_EXCEEDED"})
+
+
+def failure_reason(code: str) -> str:
+    """Triton's reason for a failed request of final gRPC status `code`."""
+    if code in REJECTED:
+        return "REJECTED"
+    if code in CANCELED:
+        return "CANCELED"
+    return "BACKEND" if code == "INTERNAL" else "OTHER"
+
+
+class TritonSeries:
+    """Triton's per-model series, by its names, labels (model, version) and units (counts, and
+    cumulative microseconds), so that its users' dashboards and alerts read this server: counted
+    from the same records as ModelStatistics (docs/operations.md, "Coming from Triton")."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        # Triton's names carry no `_total`, which prometheus-client adds to every counter it
+        # exposes: these are gauges that only ever grow (PromQL's rate() reads them alike), summed
+        # over the workers that ever ran (as counters are), and they pass promtool's lint only
+        # where Triton's names do.
+        counter = partial(Gauge, registry=registry, multiprocess_mode="sum")
+        model = ["model", "version"]
+        self.success = counter("nv_inference_request_success", "Number of successful inference requests.", model)
+        self.failure = counter(
+            "nv_inference_request_failure", "Number of failed inference requests, by reason.", [*model, "reason"]
+        )
+        self.count = counter("nv_inference_count", "Number of inferences performed (rows; B per request).", model)
+        self.executions = counter("nv_inference_exec_count", "Number of model executions (batches).", model)
+        us = "Cumulative {} duration in microseconds."
+        self.request_us = counter("nv_inference_request_duration_us", us.format("inference request"), model)
+        self.queue_us = counter("nv_inference_queue_duration_us", us.format("inference queuing"), model)
+        self.input_us = counter("nv_inference_compute_input_duration_us", us.format("compute input"), model)
+        self.infer_us = counter("nv_inference_compute_infer_duration_us", us.format("compute inference"), model)
+        self.output_us = counter("nv_inference_compute_output_duration_us", us.format("compute output"), model)
+        self.pending = Gauge(
+            "nv_inference_pending_request_count",
+            "Instantaneous number of pending requests awaiting execution.",
+            model,
+            registry=registry,
+            multiprocess_mode="livesum",
+        )
+
+    def requests(self, model: str, version: str, succeeded: Sequence[float], failed_codes: Sequence[str]) -> None:
+        self.success.labels(model, version).inc(len(succeeded))
+        self.request_us.labels(model, version).inc(sum(succeeded) * 1e6)
+        for reason, n in collections.Counter(failure_reason(code) for code in failed_codes).items():
+            self.failure.labels(model, version, reason).inc(n)
+
+    def answers(self, model: str, version: str, rows: int, queue_s: float, phases: Sequence[float]) -> None:
+        self.count.labels(model, version).inc(rows)
+        self.queue_us.labels(model, version).inc(queue_s * 1e6)
+        for series, seconds in zip((self.input_us, self.infer_us, self.output_us), phases, strict=True):
+            series.labels(model, version).inc(seconds * 1e6)
+
+    def loaded(self, models: Sequence[str], version: str) -> None:
+        """Zero series for a version's entries, so that rates and alerts see them from the start."""
+        for model in models:
+            for series in (self.success, self.count, self.executions, self.request_us, self.queue_us):
+                series.labels(model, version)
+            for series in (self.input_us, self.infer_us, self.output_us):
+                series.labels(model, version)
+            for reason in FAILURE_REASONS:
+                self.failure.labels(model, version, reason)
+            self.pending.labels(model, version).set(0)
+
+
 class VersionSeries:
     """The model's versions: which are loaded (mha_model_info), their states, their sequences,
     and the loads and refusals."""
@@ -143,6 +213,7 @@ class Metrics:
         self.registry = registry
         self.ledger = Ledger()
         self._followed: list[tuple[Gauge, Callable[[], float]]] = []
+        self._updates: list[Callable[[], None]] = []
         registry.register(_FoldFirst(self))  # type: ignore[arg-type]  # first: it folds before the rest
         for collector in (PROCESS_COLLECTOR, PLATFORM_COLLECTOR, GC_COLLECTOR):  # process_*, python_*: memory, CPU
             registry.register(collector)
@@ -196,6 +267,7 @@ class Metrics:
         for reason in EVICTION_REASONS:
             self.sequence_evictions.labels(reason)
         self.versions = VersionSeries(labelled, counter)
+        self.triton = TritonSeries(registry)
 
     def _gauge(self, name: str, documentation: str) -> Gauge:
         if self._worker is None:
@@ -213,11 +285,17 @@ class Metrics:
         """Set `gauge` to `value()` whenever the metrics are read (or refreshed)."""
         self._followed.append((gauge, value))
 
+    def on_refresh(self, update: Callable[[], None]) -> None:
+        """Call `update` whenever the metrics are read (or refreshed): gauges of changing label sets."""
+        self._updates.append(update)
+
     def refresh(self) -> None:
         """Apply what the ledger holds, and set the gauges that follow the server's state."""
         self.ledger.fold()
         for gauge, value in self._followed:
             gauge.set(value())
+        for update in self._updates:
+            update()
 
     def sequence_limits(self, sequences: int, state_bytes: int) -> None:
         self.sequences_capacity.set(sequences)

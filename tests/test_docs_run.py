@@ -168,7 +168,7 @@ def test_every_metric_is_documented_and_every_documented_metric_exists() -> None
     registry = CollectorRegistry()
     Metrics(registry)
     exported = {f.name + ("_total" if f.type == "counter" else "") for f in registry.collect()}
-    exported = {name for name in exported if name.startswith("mha_")} | {"mha_worker_restarts_total"}  # supervisor's
-    documented = _table_names("Metrics, dashboard and alerts", r"`(mha_[a-z_]+)")
+    exported = {name for name in exported if name.startswith(("mha_", "nv_"))} | {"mha_worker_restarts_total"}
+    documented = _table_names("Metrics, dashboard and alerts", r"`((?:mha|nv)_[a-z_]+)")
     assert exported - documented == set(), "metrics missing from docs/operations.md's metrics table"
     assert documented - exported == set(), "metrics documented that the server does not export"

@@ -89,7 +89,8 @@ class InferenceCore:
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="infer")  # every version's batches
         self.device = DeviceHealth(settings.require_device, metrics)  # the server's health follows serving_ok()
         failed = partial(self.set_state, State.FAILED)
-        self.publish = Publisher(metrics, self.device, self.serving_ok, failed, self.tracing)
+        entries = (self.identity.name, self.identity.sequence_name)
+        self.publish = Publisher(metrics, self.device, self.serving_ok, failed, self.tracing, entries)
         self.placement: dict[str, int | str] = {"replica": settings.replica, "worker": settings.worker_index}
         self.keeper = VersionKeeper(self, source or single_source(settings))
         self.loader = self.keeper.loader
@@ -99,6 +100,7 @@ class InferenceCore:
         metrics.follow(metrics.queue_depth, lambda: sum(v.batcher.depth for v in self.versions))
         metrics.inflight_budget.set(self.budget.limit)
         metrics.follow(metrics.ready, lambda: 1 if self.serving_ok() else 0)  # the one readiness, as every signal
+        metrics.on_refresh(self.keeper.pending)
 
     @property
     def loaded(self) -> Loaded:
@@ -276,6 +278,7 @@ class VersionKeeper:
         batcher.start()
         decoder.start(expiry_period_s=min(1.0, max(s.sequence_idle_timeout_s / 4, 0.05)))
         core.metrics.versions.loaded(model.labels())
+        core.metrics.triton.loaded(core.publish.entries, model.version)
         for order in chain.orders():
             core.metrics.init_fallbacks([b.name for b in order], REASONS)
         core.publish.backends(chain)
@@ -286,11 +289,20 @@ class VersionKeeper:
         for backend in loaded.chain.backends:
             backend.close()
         self.core.metrics.versions.unloaded(loaded.model.labels())
+        for entry in self.core.publish.entries:
+            self.core.metrics.triton.pending.labels(entry, loaded.version).set(0)
 
     def changed(self) -> None:
         """The versions changed: their gauges, and readiness (explicit mode may unload them all)."""
         self.core.metrics.versions.changed([v.state.value for v in self.core.versions])
         self.core.device.serving_changed(self.core.serving_ok())
+
+    def pending(self) -> None:
+        """Triton's pending requests of each version: its stateless queue, its queued decode steps."""
+        pending, (stateless, steps) = self.core.metrics.triton.pending, self.core.publish.entries
+        for loaded in self.core.versions:
+            pending.labels(stateless, loaded.version).set(loaded.batcher.depth)
+            pending.labels(steps, loaded.version).set(loaded.decoder.steps.depth)
 
     def sequences_changed(self, version: str, evicted: str | None) -> None:
         """A version's live sequences changed: the gauges, and a retiring version may unload."""

@@ -27,8 +27,10 @@ class Publisher:
         serving_ok: Callable[[], bool],
         device_lost: Callable[[], None],
         tracing: Tracing | None = None,
+        entries: tuple[str, str] = ("mha", "mha_sequence"),
     ) -> None:
         self.metrics, self.device = metrics, device
+        self.entries = entries  # the model names of the stateless requests and of the decode steps
         self._stats: dict[tuple[str, bool], ModelStats] = {}  # (version, steps): each version's, each entry's
         self.tracing = tracing or Tracing()
         self._serving_ok, self._device_lost = serving_ok, device_lost
@@ -78,10 +80,16 @@ class Publisher:
         with self.metrics.ledger.folded():
             yield self.stats(version, steps)
 
+    def entry(self, steps: bool) -> str:
+        return self.entries[1] if steps else self.entries[0]
+
     def _fold_batches(self, records: list[tuple[BatchEvent, str, bool]]) -> None:
         self.metrics.observe_batches([event for event, _, _ in records])
+        executions = self.metrics.triton.executions
         for event, version, steps in records:
             self.stats(version, steps).observe_batch(event)
+            if event.error is None:
+                executions.labels(self.entry(steps), version).inc()
 
     def _fold_answers(self, answers: list[tuple[int, int, Timing, float, str, bool]]) -> None:
         tokens, rows, timings, answered_at, versions, kinds = zip(*answers, strict=True)
@@ -89,7 +97,12 @@ class Publisher:
         for key in set(zip(versions, kinds, strict=True)):
             mine = [i for i, other in enumerate(zip(versions, kinds, strict=True)) if other == key]
             last_ms = int(max(answered_at[i] for i in mine) * 1e3)
-            self.stats(*key).observe_answers(sum(rows[i] for i in mine), [timings[i] for i in mine], last_ms)
+            held = [timings[i] for i in mine]
+            self.stats(*key).observe_answers(sum(rows[i] for i in mine), held, last_ms)
+            phases = [sum(t.compute[k] for t in held) for k in range(3)]
+            version, steps = key
+            queued = sum(t.queue_s for t in held)
+            self.metrics.triton.answers(self.entry(steps), version, sum(rows[i] for i in mine), queued, phases)
 
     def backends(self, chain: BackendChain) -> None:
         """The serving backends (the active one, and the light batches' where they have their

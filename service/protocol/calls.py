@@ -157,9 +157,10 @@ class Calls:
             if inference:
                 inferences.setdefault((version or fallback, step), []).append((code, s))
         for (version, step), done in inferences.items():
-            publish.stats(version, step).observe_requests(
-                [s for c, s in done if c is ok], [s for c, s in done if c is not ok]
-            )
+            ok_s, failed_s = [s for c, s in done if c is ok], [s for c, s in done if c is not ok]
+            publish.stats(version, step).observe_requests(ok_s, failed_s)
+            failed_codes = [c.name for c, _ in done if c is not ok]
+            self._core.metrics.triton.requests(publish.entry(step), version, ok_s, failed_codes)
 
     @staticmethod
     def _log(call: Call, elapsed: float, level: int) -> None:

@@ -30,6 +30,20 @@ def dashboard_queries() -> list[tuple[str, str]]:
 
 
 FILTERS = ("namespace", "job", "pod", "instance")  # what kube-prometheus users filter by
+# Queries as Triton users' request panels and alerts write them against Triton's series (request
+# and failure rates, the mean batch, queue and compute time per request, pending requests), each
+# with its lowest sensible value.
+MHA = '{model="mha"}'
+PER_REQUEST = f"rate(nv_inference_request_success{MHA}[10s])"
+TRITON_QUERIES = (
+    (f"sum by (model, version) (rate(nv_inference_request_success{MHA}[10s]))", 1.0),
+    (f"sum by (model, version) (rate(nv_inference_request_failure{MHA}[10s]))", 0.0),
+    (f"rate(nv_inference_count{MHA}[10s]) / rate(nv_inference_exec_count{MHA}[10s])", 1.0),  # the mean batch
+    (f"delta(nv_inference_queue_duration_us{MHA}[10s]) / (1 + delta(nv_inference_request_success{MHA}[10s]))", 0.0),
+    (f"rate(nv_inference_compute_infer_duration_us{MHA}[10s]) / {PER_REQUEST}", 1.0),  # µs per request
+    (f"rate(nv_inference_request_duration_us{MHA}[10s]) / {PER_REQUEST}", 1.0),
+    (f"nv_inference_pending_request_count{MHA}", 0.0),
+)
 
 
 def fill(expr: str, instance: str) -> str:
@@ -127,6 +141,9 @@ def test_every_dashboard_query_returns_data(small_model_dir: Path, tmp_path: Pat
                     if result["status"] != "success" or not result["data"]["result"]:
                         failures.append((title, fill(expr, value), result.get("error", "empty result")))
             assert not failures, failures
+            for expr, lowest in TRITON_QUERIES:  # a Triton user's dashboard reads this server unchanged
+                result = api(prom_port, "query", query=expr)["data"]["result"]
+                assert result and all(float(r["value"][1]) >= lowest for r in result), (expr, result)
             rules = api(prom_port, "rules")["data"]["groups"]
             assert {r["name"] for g in rules for r in g["rules"]} >= {"MHAServeTargetDown", "MHAServeBackendFallback"}
         finally:

@@ -9,6 +9,7 @@ import threading
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
+from functools import partial
 from pathlib import Path
 
 import grpc
@@ -83,6 +84,25 @@ def test_families_and_types(traffic: tuple[ServerThread, str]) -> None:
         "mha_model_version_sequences": "gauge",
         "mha_model_loads": "counter",
     }
+    triton = {f.name: f.type for f in text_string_to_metric_families(text) if f.name.startswith("nv_")}
+    assert triton == {  # Triton's names, without the `_total` a counter would get: gauges that only grow
+        **{
+            name: "gauge"
+            for name in (
+                "nv_inference_request_success",
+                "nv_inference_request_failure",
+                "nv_inference_count",
+                "nv_inference_exec_count",
+                "nv_inference_request_duration_us",
+                "nv_inference_queue_duration_us",
+                "nv_inference_compute_input_duration_us",
+                "nv_inference_compute_infer_duration_us",
+                "nv_inference_compute_output_duration_us",
+            )
+        },
+        "nv_inference_pending_request_count": "gauge",
+    }
+    assert "nv_inference_request_success_total" not in text
     assert "_created" not in text
     others = {f.name for f in text_string_to_metric_families(text)}
     assert {"process_resident_memory_bytes", "process_cpu_seconds", "python_info"} <= others  # for the dashboard
@@ -105,6 +125,29 @@ def test_exact_counts(traffic: tuple[ServerThread, str]) -> None:
     settings = server.settings
     assert s[("mha_sequences_capacity", ())] == settings.max_sequences
     assert s[("mha_sequence_state_budget_bytes", ())] == int(settings.max_sequence_state_mb * 2**20)
+
+
+def test_tritons_series_count_what_model_statistics_counts(traffic: tuple[ServerThread, str]) -> None:
+    """Triton's nv_* series: the same records as ModelStatistics, in Triton's units (counts, µs)."""
+    server, text = traffic
+    s = samples(text)
+    mha = (("model", "mha"), ("version", "1"))
+    nv = lambda name, *labels: s.get((name, tuple(sorted(mha + labels))), -1)  # noqa: E731
+    close = partial(pytest.approx, abs=0.1)  # µs; the statistics keep whole ns per request
+    with server.core.publish.statistics("1") as stats:
+        assert nv("nv_inference_request_success") == stats.success.count == len(SHAPES) + 2  # + the stream's
+        assert nv("nv_inference_count") == stats.inference_count == sum(B for B, _ in SHAPES) + 2
+        assert nv("nv_inference_exec_count") == stats.execution_count
+        assert nv("nv_inference_queue_duration_us") == close(stats.queue.ns / 1e3)
+        assert nv("nv_inference_request_duration_us") == pytest.approx(
+            stats.success.ns / 1e3, abs=0.01 * len(SHAPES) + 0.1
+        )
+        assert nv("nv_inference_compute_infer_duration_us") == pytest.approx(
+            stats.compute.infer.ns / 1e3, abs=0.01 * len(SHAPES) + 0.1
+        )
+    assert nv("nv_inference_request_failure", ("reason", "OTHER")) == 3  # two bad shapes, one unknown model
+    assert nv("nv_inference_request_failure", ("reason", "REJECTED")) == 0  # there, at zero, for alerts
+    assert nv("nv_inference_pending_request_count") == 0
 
 
 def test_labels_of_backends_model_and_fallbacks(traffic: tuple[ServerThread, str]) -> None:
@@ -142,10 +185,12 @@ def test_scraped_buckets_resolve_100us_to_10s(traffic: tuple[ServerThread, str])
 
 
 def test_promtool_check_metrics(traffic: tuple[ServerThread, str]) -> None:
+    """promtool's lint passes, but for Triton's own names (kept as Triton spells them)."""
     run = subprocess.run(
         [str(PROMTOOL), "check", "metrics"], input=traffic[1], capture_output=True, text=True, timeout=60
     )
-    assert run.returncode == 0, run.stdout + run.stderr
+    problems = [line for line in (run.stdout + run.stderr).splitlines() if line.strip()]
+    assert problems and all(line.startswith("nv_inference_") for line in problems), problems
 
 
 def test_rejected_requests_are_counted(small_model_dir: Path, tmp_path: Path) -> None:
