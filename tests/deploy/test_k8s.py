@@ -73,7 +73,8 @@ KINDS = {
     "gpu-nvidia-runtime": [*CORE, "HorizontalPodAutoscaler", "PodDisruptionBudget"],
     "dev": [k for k in CORE if k != "NetworkPolicy"],  # open: a newcomer's test pod needs no label
     "cpu-prometheus": [*CORE, "HorizontalPodAutoscaler", "PodDisruptionBudget", "ServiceMonitor", "PrometheusRule"],
-    "cpu-custom-model": [*CORE, "HorizontalPodAutoscaler", "PodDisruptionBudget"],
+    "cpu-custom-model": [*SCALED, "PersistentVolumeClaim"],
+    "cpu-model-repository": [*SCALED, "PersistentVolumeClaim"],
     "cpu-keda": [*CORE, "PodDisruptionBudget", "ScaledObject", "PrometheusRule", "ServiceMonitor"],  # KEDA's HPA
     "cpu-ingress-nginx": [*SCALED, "Ingress", "Ingress"],
     "cpu-gateway-api": [*SCALED, "GRPCRoute", "HTTPRoute", "BackendTrafficPolicy"],
@@ -108,6 +109,10 @@ def test_a_custom_model_is_exported_where_the_server_reads_it() -> None:
     assert command[command.index("--out") + 1] == config["MHA_MODEL_DIR"]
     mounts = {m["name"]: m["mountPath"] for m in pod["containers"][0]["volumeMounts"]}
     assert config["MHA_MODEL_DIR"].startswith(mounts["models"])
+    assert export["image"] == pod["containers"][0]["image"] == "mha-serve:0.1.0-cpu"  # tagged, as the server
+    assert export["resources"]["limits"]["cpu"]
+    claim = by_kind("cpu-custom-model", "PersistentVolumeClaim", "mha-checkpoints")
+    assert claim["spec"]["accessModes"] == ["ReadWriteMany"]  # replicas on other nodes mount it too
 
 
 @pytest.mark.parametrize("overlay", KINDS)
@@ -398,12 +403,12 @@ def test_the_documented_image_settings_render_with_kubectl_alone(tmp_path: Path)
         _image(_doc_overlay(tmp_path, "resources: [../cpu]\n" + block.group(1)))
         == "registry.example/mha-serve:0.1.0-cpu"
     )
-    appended = re.search(
-        r"cat >> deploy/k8s/overlays/cpu-custom-model/kustomization.yaml <<'EOF'\n(.*?)EOF", text, re.S
-    )
-    assert appended, "docs/operations.md lost its custom-model image step"
-    rendered = _doc_overlay(tmp_path, "resources: [../cpu-custom-model]\n" + appended.group(1))
+    mine = re.search(r"cat > deploy/k8s/overlays/mine/kustomization.yaml <<'EOF'\n(.*?)EOF", text, re.S)
+    assert mine, "docs/operations.md lost its custom-model image step"
+    rendered = _doc_overlay(tmp_path, mine.group(1))
     assert _image(rendered) == "registry.example/mha-serve:0.1.0-cpu"
+    (pod,) = [d["spec"]["template"]["spec"] for d in rendered if d["kind"] == "Deployment"]
+    assert [c["image"] for c in pod["initContainers"]] == ["registry.example/mha-serve:0.1.0-cpu"]  # the export too
 
 
 def test_the_documented_dev_steps_build_and_load_the_image_the_dev_overlay_runs() -> None:
