@@ -65,3 +65,51 @@ def configure_logging(level: str, fmt: str) -> None:
     for noisy in ("onnx_ir", "onnxscript"):  # the exporter's optimiser narrates every node at INFO
         logging.getLogger(noisy).setLevel(logging.WARNING)
     logging.getLogger("torch.onnx").setLevel(logging.ERROR)  # "torchvision is not installed" and such
+
+
+LogSetting = bool | int | str
+LOG_SETTING_TYPES: dict[str, type] = {
+    "log_file": str,
+    "log_info": bool,
+    "log_warning": bool,
+    "log_error": bool,
+    "log_verbose_level": int,
+    "log_format": str,
+}
+
+
+def log_settings() -> dict[str, LogSetting]:
+    """Triton's log settings, as this process logs now (its root logger's level)."""
+    level = logging.getLogger().level
+    return {
+        "log_file": "",  # stderr: the container runtime keeps it
+        "log_info": level <= logging.INFO,
+        "log_warning": level <= logging.WARNING,
+        "log_error": level <= logging.ERROR,
+        "log_verbose_level": 1 if level <= logging.DEBUG else 0,
+        "log_format": "default",
+    }
+
+
+def change_log_settings(changes: dict[str, LogSetting]) -> dict[str, LogSetting]:
+    """Apply Triton's log settings `changes` (ValueError saying what is wrong, nothing changed);
+    the settings after them. Levels nest here, as Python's do: verbose, then info, warning, error."""
+    for key, value in changes.items():
+        expected = LOG_SETTING_TYPES.get(key)
+        if expected is None:
+            raise ValueError(f"unknown log setting {key[:64]!r}; expected some of {', '.join(LOG_SETTING_TYPES)}")
+        if type(value) is not expected:
+            raise ValueError(f"log setting {key} must be a {expected.__name__}, got {type(value).__name__}")
+    if changes.get("log_file"):
+        raise ValueError("log_file: this server logs to stderr only (the container runtime keeps it)")
+    if changes.get("log_format", "default") != "default":
+        raise ValueError("log_format: only 'default'; text or JSON lines are chosen at start (--log-format)")
+    wanted = {**log_settings(), **changes}
+    level = logging.CRITICAL + 10  # nothing
+    for key, candidate in (("log_error", logging.ERROR), ("log_warning", logging.WARNING), ("log_info", logging.INFO)):
+        if wanted[key]:  # the most verbose one on wins: info implies warning and error
+            level = candidate
+    if isinstance(wanted["log_verbose_level"], int) and wanted["log_verbose_level"] > 0:
+        level = logging.DEBUG
+    logging.getLogger().setLevel(level)
+    return log_settings()

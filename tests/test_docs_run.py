@@ -172,3 +172,11 @@ def test_every_metric_is_documented_and_every_documented_metric_exists() -> None
     documented = _table_names("Metrics, dashboard and alerts", r"`((?:mha|nv)_[a-z_]+)")
     assert exported - documented == set(), "metrics missing from docs/operations.md's metrics table"
     assert documented - exported == set(), "metrics documented that the server does not export"
+
+
+def test_every_shell_block_parses() -> None:
+    """The blocks not run here (Docker, Kubernetes, Helm, make) are at least valid bash."""
+    for where, _, lang, body in BLOCKS:
+        if lang in ("sh", "bash"):
+            run = subprocess.run(["bash", "-n"], input=body, capture_output=True, text=True, timeout=30)
+            assert run.returncode == 0, (where, run.stderr)

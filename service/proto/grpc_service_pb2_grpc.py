@@ -124,6 +124,11 @@ class GRPCInferenceServiceStub:
                 request_serializer=service_dot_proto_dot_grpc__service__pb2.RepositoryModelUnloadRequest.SerializeToString,
                 response_deserializer=service_dot_proto_dot_grpc__service__pb2.RepositoryModelUnloadResponse.FromString,
                 _registered_method=True)
+        self.LogSettings = channel.unary_unary(
+                '/inference.GRPCInferenceService/LogSettings',
+                request_serializer=service_dot_proto_dot_grpc__service__pb2.LogSettingsRequest.SerializeToString,
+                response_deserializer=service_dot_proto_dot_grpc__service__pb2.LogSettingsResponse.FromString,
+                _registered_method=True)
 
 
 class GRPCInferenceServiceServicer:
@@ -237,6 +242,12 @@ class GRPCInferenceServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def LogSettings(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_GRPCInferenceServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -329,6 +340,11 @@ def add_GRPCInferenceServiceServicer_to_server(servicer, server):
                     servicer.RepositoryModelUnload,
                     request_deserializer=service_dot_proto_dot_grpc__service__pb2.RepositoryModelUnloadRequest.FromString,
                     response_serializer=service_dot_proto_dot_grpc__service__pb2.RepositoryModelUnloadResponse.SerializeToString,
+            ),
+            'LogSettings': grpc.unary_unary_rpc_method_handler(
+                    servicer.LogSettings,
+                    request_deserializer=service_dot_proto_dot_grpc__service__pb2.LogSettingsRequest.FromString,
+                    response_serializer=service_dot_proto_dot_grpc__service__pb2.LogSettingsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -817,6 +833,33 @@ class GRPCInferenceService:
             '/inference.GRPCInferenceService/RepositoryModelUnload',
             service_dot_proto_dot_grpc__service__pb2.RepositoryModelUnloadRequest.SerializeToString,
             service_dot_proto_dot_grpc__service__pb2.RepositoryModelUnloadResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LogSettings(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/inference.GRPCInferenceService/LogSettings',
+            service_dot_proto_dot_grpc__service__pb2.LogSettingsRequest.SerializeToString,
+            service_dot_proto_dot_grpc__service__pb2.LogSettingsResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -16,7 +16,7 @@ from google.protobuf.message import DecodeError, Message
 
 from service.engine.core import InferenceCore
 from service.proto import grpc_service_pb2 as pb
-from service.protocol import model_calls, render
+from service.protocol import log_calls, model_calls, render
 from service.protocol.answer import answer_infer
 from service.protocol.calls import Call, Calls
 from service.protocol.grpc_codec import request_from_proto, response_to_proto
@@ -24,6 +24,7 @@ from service.protocol.peers import (
     FORWARDED_METHOD,
     INFER,
     LOAD,
+    LOG,
     REGISTER,
     REQUESTS,
     UNLOAD,
@@ -91,6 +92,8 @@ class Handover:
         if kind == UNLOAD:
             await model_calls.unload(self.core, request.model_name)
             return pb.RepositoryModelUnloadResponse()
+        if kind == LOG:  # another worker's log settings call: this worker's part of it
+            return log_calls.to_proto(log_calls.apply(log_calls.from_proto(request.settings)))
         return render.system_shm_status(self.regions.status(request.name))
 
     async def stop(self) -> None:

@@ -18,7 +18,7 @@ from aiohttp import web
 
 from service.engine.core import InferenceCore
 from service.errors import ClientGone, InvalidInput, NotReady, TooLarge, quote
-from service.protocol import model_calls
+from service.protocol import log_calls, model_calls
 from service.protocol.answer import answer_infer
 from service.protocol.auth import HTTP_HOW, BearerToken
 from service.protocol.calls import Call, Calls
@@ -87,6 +87,8 @@ class HttpApi:
             app.router.add_post(path + "/unregister", self._guard("SystemSharedMemoryUnregister", self._shm_unregister))
         app.router.add_post(region + "/register", self._guard("SystemSharedMemoryRegister", self._shm_register))
         app.router.add_post("/v2/repository/index", self._guard("RepositoryIndex", self._repository_index))
+        app.router.add_get("/v2/logging", self._guard("LogSettings", self._log_settings))
+        app.router.add_post("/v2/logging", self._guard("LogSettings", self._log_settings))
         control = "/v2/repository/models/{model}"
         app.router.add_post(control + "/load", self._guard("RepositoryModelLoad", self._model_load))
         app.router.add_post(control + "/unload", self._guard("RepositoryModelUnload", self._model_unload))
@@ -146,6 +148,13 @@ class HttpApi:
             raise InvalidInput('"ready" must be a JSON boolean (true or false)')
         index = model_calls.index(self.core, ready)
         return web.json_response([proto_json(model) for model in index.models])
+
+    async def _log_settings(self, request: web.Request) -> web.Response:
+        """GET: the log settings; POST: change some (a JSON object of Triton's names), then all."""
+        changes = {}
+        if request.method == "POST":
+            changes = json_object(parse_json(await request.read() or b"{}", "the log settings"), "the log settings")
+        return web.json_response(await log_calls.change(changes, self.peers))
 
     async def _model_load(self, request: web.Request) -> web.Response:
         await model_calls.load(self.core, request.match_info["model"], self.peers)

@@ -20,8 +20,8 @@ from service.protocol.shm import Region
 SERVER_NAME = "mha-serve"
 # Triton's extension names, for what this server implements whatever its flags: the model's config
 # and statistics, sequences (sequence_id and the sequence model), request parameters, the repository
-# index (load and unload need --model-control-mode explicit); then those that flags turn on.
-EXTENSIONS = ("model_configuration", "statistics", "sequence", "parameters", "model_repository")
+# index (load and unload need --model-control-mode explicit), log settings; then those that flags turn on.
+EXTENSIONS = ("model_configuration", "statistics", "sequence", "parameters", "model_repository", "logging")
 
 
 @cache

@@ -1,0 +1,54 @@
+"""Triton's log settings extension on both protocols (gRPC LogSettings, HTTP /v2/logging): read
+and change this server's verbosity while it runs, in every worker."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Mapping
+from typing import Any
+
+from service.errors import InvalidInput
+from service.logs import LogSetting, change_log_settings, log_settings
+from service.proto import grpc_service_pb2 as pb
+from service.protocol.peers import LOG, WorkerPeers
+
+PARAMETER = {bool: "bool_param", int: "uint32_param", str: "string_param"}
+
+
+def from_proto(settings: Mapping[str, Any]) -> dict[str, LogSetting]:
+    """A LogSettingsRequest's settings as plain values."""
+    changes: dict[str, LogSetting] = {}
+    for key, value in settings.items():
+        which = value.WhichOneof("parameter_choice")
+        if which is None:
+            raise InvalidInput(f"log setting {key[:64]!r} has no value; set bool_param, uint32_param or string_param")
+        changes[key] = getattr(value, which)
+    return changes
+
+
+def to_proto(settings: Mapping[str, LogSetting]) -> pb.LogSettingsResponse:
+    response = pb.LogSettingsResponse()
+    for key, value in settings.items():
+        setattr(response.settings[key], PARAMETER[type(value)], value)
+    return response
+
+
+def apply(changes: dict[str, LogSetting]) -> dict[str, LogSetting]:
+    """The settings after `changes`, here; a mistake is the client's (nothing changes)."""
+    if not changes:
+        return log_settings()
+    try:
+        return change_log_settings(changes)
+    except ValueError as exc:
+        raise InvalidInput(str(exc)) from exc
+
+
+async def change(changes: dict[str, LogSetting], peers: WorkerPeers | None) -> dict[str, LogSetting]:
+    """Apply `changes` here and in every other worker; this worker's settings after them."""
+    settings = apply(changes)
+    if changes and peers is not None:
+        request = pb.LogSettingsRequest()
+        for key, value in changes.items():
+            setattr(request.settings[key], PARAMETER[type(value)], value)
+        await asyncio.gather(*(peers.call(worker, LOG, request) for worker in peers.others))
+    return settings
