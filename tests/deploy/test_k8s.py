@@ -133,6 +133,8 @@ def test_autoscaling_needs_the_adapter_only_where_it_says_so() -> None:
     assert metrics("cpu-prometheus") == ["Resource", "Pods"]  # queue time from prometheus-adapter
     assert metrics("gpu") == ["Pods"]
     assert by_kind("dev", "Deployment")["spec"]["replicas"] == 1
+    for overlay in ("cpu", "gpu", "cpu-keda", "cpu-prometheus"):  # autoscaled: the autoscaler owns the count
+        assert "replicas" not in by_kind(overlay, "Deployment")["spec"], overlay
 
 
 def _validate(path: Path) -> subprocess.CompletedProcess[str]:
@@ -224,7 +226,9 @@ def test_service_hpa_pdb_networkpolicy() -> None:
     assert ports["http"]["port"] == Settings().http_port
     hpa = by_kind("cpu", "HorizontalPodAutoscaler")
     assert hpa["apiVersion"] == "autoscaling/v2"
-    assert by_kind("cpu", "PodDisruptionBudget")["spec"]["minAvailable"] == 1
+    pdb = by_kind("cpu", "PodDisruptionBudget")["spec"]
+    assert "minAvailable" not in pdb and pdb["maxUnavailable"] == 1  # a drain at 10 replicas evicts one at a time
+    assert pdb["unhealthyPodEvictionPolicy"] == "AlwaysAllow"  # a crash-looping pod never blocks a drain
     rules = by_kind("cpu", "NetworkPolicy")["spec"]["ingress"]
     assert sorted(p["port"] for r in rules for p in r["ports"]) == [8000, 8001, 8002]
     monitor = by_kind("cpu-prometheus", "ServiceMonitor")
