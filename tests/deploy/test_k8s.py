@@ -64,7 +64,7 @@ def container(overlay: str) -> dict[str, Any]:
     return by_kind(overlay, "Deployment")["spec"]["template"]["spec"]["containers"][0]
 
 
-CORE = ["ConfigMap", "ConfigMap", "Deployment", "Service", "Service", "NetworkPolicy"]
+CORE = ["ServiceAccount", "ConfigMap", "ConfigMap", "Deployment", "Service", "Service", "NetworkPolicy"]
 SCALED = [*CORE, "HorizontalPodAutoscaler", "PodDisruptionBudget"]
 KINDS = {
     "base": [*CORE, "HorizontalPodAutoscaler", "PodDisruptionBudget"],
@@ -133,6 +133,11 @@ def test_autoscaling_needs_the_adapter_only_where_it_says_so() -> None:
     assert metrics("cpu-prometheus") == ["Resource", "Pods"]  # queue time from prometheus-adapter
     assert metrics("gpu") == ["Pods"]
     assert by_kind("dev", "Deployment")["spec"]["replicas"] == 1
+    pod = by_kind("cpu", "Deployment")["spec"]["template"]["spec"]
+    assert pod["serviceAccountName"] == "mha-serve" and not pod["automountServiceAccountToken"]  # not `default`
+    assert by_kind("cpu", "ServiceAccount")["automountServiceAccountToken"] is False
+    spread = {c["topologyKey"] for c in pod["topologySpreadConstraints"]}
+    assert spread == {"kubernetes.io/hostname", "topology.kubernetes.io/zone"}
     for overlay in ("cpu", "gpu", "cpu-keda", "cpu-prometheus"):  # autoscaled: the autoscaler owns the count
         assert "replicas" not in by_kind(overlay, "Deployment")["spec"], overlay
 
