@@ -145,6 +145,11 @@ def test_keda_scales_the_deployment_on_queue_over_compute_and_owns_the_hpa() -> 
     scaled = next(d for d in docs if d["kind"] == "ScaledObject")
     deployment = next(d for d in docs if d["kind"] == "Deployment")
     assert scaled["spec"]["scaleTargetRef"]["name"] == deployment["metadata"]["name"]
+    # an install moving from the HPA overlays: KEDA takes their HPA over instead of refusing
+    assert scaled["metadata"]["annotations"]["scaledobject.keda.sh/transfer-hpa-ownership"] == "true"
+    hpa = next(d for d in render("cpu") if d["kind"] == "HorizontalPodAutoscaler")
+    assert scaled["spec"]["advanced"]["horizontalPodAutoscalerConfig"]["name"] == hpa["metadata"]["name"]
+    assert "fallback" not in scaled["spec"]  # refused beside metricType Value before KEDA 2.18
     (trigger,) = scaled["spec"]["triggers"]
     assert trigger["type"] == "prometheus" and float(trigger["metadata"]["threshold"]) > 0
     query = trigger["metadata"]["query"]
