@@ -224,13 +224,20 @@ class Metrics:
             "mha_requests", "Requests answered, by RPC method and final gRPC code.", ["method", "code"]
         )
         self.request_duration = seconds("mha_request_duration_seconds", "Time in the server per request.", ["method"])
-        self.queue_duration = seconds("mha_queue_duration_seconds", "Time a request waited for its batch to run.")
-        self.batch_formation = seconds("mha_batch_formation_seconds", "Time the batcher spent forming a batch.")
-        self.inference_duration = seconds("mha_inference_duration_seconds", "Compute time per batch.", ["backend"])
-        self.batch_size = Histogram(
-            "mha_batch_size", "Rows (sum of B) per executed batch.", buckets=BATCH_BUCKETS, registry=registry
+        version = ["version"]  # the model version that did the work
+        self.queue_duration = seconds(
+            "mha_queue_duration_seconds", "Time a request waited for its batch to run.", version
         )
-        self.tokens = counter("mha_tokens", "Tokens served: the sum of B*T over successful requests.")
+        self.batch_formation = seconds(
+            "mha_batch_formation_seconds", "Time the batcher spent forming a batch.", version
+        )
+        self.inference_duration = seconds(
+            "mha_inference_duration_seconds", "Compute time per batch.", ["backend", *version]
+        )
+        self.batch_size = Histogram(
+            "mha_batch_size", "Rows (sum of B) per executed batch.", version, buckets=BATCH_BUCKETS, registry=registry
+        )
+        self.tokens = counter("mha_tokens", "Tokens served: the sum of B*T over successful requests.", version)
         gauge, labelled = self._gauge, self._labelled_gauge
         self.inflight = gauge("mha_inflight_requests", "Inference requests in the server now.")
         self.queue_depth = gauge("mha_queue_depth", "Requests waiting in the batching queue.")
@@ -323,21 +330,27 @@ class Metrics:
         for method, values in timed.items():
             observe_all(self.request_duration.labels(method=method), values)
 
-    def observe_batches(self, events: Sequence[BatchEvent]) -> None:
-        """Executed batches, in bulk (failed ones are counted by their requests' codes)."""
-        done = [e for e in events if e.error is None]
-        observe_all(self.batch_size, [e.rows for e in done])
-        observe_all(self.batch_formation, [e.formation_s for e in done])
-        by_backend: collections.defaultdict[str, list[float]] = collections.defaultdict(list)
-        for event in done:
-            by_backend[event.backend].append(event.compute_s)
-        for backend, values in by_backend.items():
-            observe_all(self.inference_duration.labels(backend=backend), values)
+    def observe_batches(self, events: Sequence[tuple[BatchEvent, str]]) -> None:
+        """Executed batches, in bulk, each with its model version (failed ones are counted by
+        their requests' codes)."""
+        by_version: collections.defaultdict[str, list[BatchEvent]] = collections.defaultdict(list)
+        for event, version in events:
+            if event.error is None:
+                by_version[version].append(event)
+        for version, done in by_version.items():
+            observe_all(self.batch_size.labels(version), [e.rows for e in done])
+            observe_all(self.batch_formation.labels(version), [e.formation_s for e in done])
+            by_backend: collections.defaultdict[str, list[float]] = collections.defaultdict(list)
+            for event in done:
+                by_backend[event.backend].append(event.compute_s)
+            for backend, values in by_backend.items():
+                observe_all(self.inference_duration.labels(backend, version), values)
 
-    def observe_answers(self, tokens: int, queue_s: Sequence[float]) -> None:
-        """Answered inference requests, in bulk: the tokens (B*T) they held, the time each queued."""
-        self.tokens.inc(tokens)
-        observe_all(self.queue_duration, queue_s)
+    def observe_answers(self, version: str, tokens: int, queue_s: Sequence[float]) -> None:
+        """Answered inference requests of a version, in bulk: the tokens (B*T) they held, the
+        time each queued."""
+        self.tokens.labels(version).inc(tokens)
+        observe_all(self.queue_duration.labels(version), queue_s)
 
     def init_fallbacks(self, chain: list[str], reasons: tuple[str, ...]) -> None:
         """Export zero-valued series for every possible fallback, so rates and alerts see them."""

@@ -84,7 +84,7 @@ class Publisher:
         return self.entries[1] if steps else self.entries[0]
 
     def _fold_batches(self, records: list[tuple[BatchEvent, str, bool]]) -> None:
-        self.metrics.observe_batches([event for event, _, _ in records])
+        self.metrics.observe_batches([(event, version) for event, version, _ in records])
         executions = self.metrics.triton.executions
         for event, version, steps in records:
             self.stats(version, steps).observe_batch(event)
@@ -93,7 +93,6 @@ class Publisher:
 
     def _fold_answers(self, answers: list[tuple[int, int, Timing, float, str, bool]]) -> None:
         tokens, rows, timings, answered_at, versions, kinds = zip(*answers, strict=True)
-        self.metrics.observe_answers(sum(tokens), [t.queue_s for t in timings])
         for key in set(zip(versions, kinds, strict=True)):
             mine = [i for i, other in enumerate(zip(versions, kinds, strict=True)) if other == key]
             last_ms = int(max(answered_at[i] for i in mine) * 1e3)
@@ -101,6 +100,7 @@ class Publisher:
             self.stats(*key).observe_answers(sum(rows[i] for i in mine), held, last_ms)
             phases = [sum(t.compute[k] for t in held) for k in range(3)]
             version, steps = key
+            self.metrics.observe_answers(version, sum(tokens[i] for i in mine), [t.queue_s for t in held])
             queued = sum(t.queue_s for t in held)
             self.metrics.triton.answers(self.entry(steps), version, sum(rows[i] for i in mine), queued, phases)
 

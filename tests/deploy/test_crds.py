@@ -154,7 +154,9 @@ def test_keda_scales_the_deployment_on_queue_over_compute_and_owns_the_hpa() -> 
     assert trigger["type"] == "prometheus" and float(trigger["metadata"]["threshold"]) > 0
     query = trigger["metadata"]["query"]
     registry = CollectorRegistry()
-    Metrics(registry).inference_duration.labels(backend="torch-cpu").observe(0.001)  # a labelled child exists
+    metrics = Metrics(registry)
+    metrics.inference_duration.labels(backend="torch-cpu", version="1").observe(0.001)  # a labelled child exists
+    metrics.queue_duration.labels(version="1").observe(0.001)
     exported = {s.name for family in registry.collect() for s in family.samples}
     used = set(re.findall(r"\b(mha_[a-z_]+)\{", query))
     assert used == {

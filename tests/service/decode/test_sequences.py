@@ -101,7 +101,8 @@ def test_eight_concurrent_sequences_are_exact_step_by_step(server: ServerThread,
 
     def batches() -> tuple[float, float]:  # (rows, batches) of mha_batch_size so far
         sample = server.registry.get_sample_value
-        return sample("mha_batch_size_sum") or 0.0, sample("mha_batch_size_count") or 0.0
+        v1 = {"version": "1"}
+        return sample("mha_batch_size_sum", v1) or 0.0, sample("mha_batch_size_count", v1) or 0.0
 
     before = batches()
     steps = server.core.loaded.decoder.steps  # the first compute waits until other steps queue behind it
