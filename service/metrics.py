@@ -220,20 +220,12 @@ class Metrics:
         seconds = partial(Histogram, buckets=LATENCY_BUCKETS, registry=registry)
         counter = partial(Counter, registry=registry)
         self._worker = None if worker is None else str(worker)
-        self.requests = counter(
-            "mha_requests", "Requests answered, by RPC method and final gRPC code.", ["method", "code"]
-        )
+        self.requests = counter("mha_requests", "Requests answered, by RPC and final code.", ["method", "code"])
         self.request_duration = seconds("mha_request_duration_seconds", "Time in the server per request.", ["method"])
         version = ["version"]  # the model version that did the work
-        self.queue_duration = seconds(
-            "mha_queue_duration_seconds", "Time a request waited for its batch to run.", version
-        )
-        self.batch_formation = seconds(
-            "mha_batch_formation_seconds", "Time the batcher spent forming a batch.", version
-        )
-        self.inference_duration = seconds(
-            "mha_inference_duration_seconds", "Compute time per batch.", ["backend", *version]
-        )
+        self.queue_duration = seconds("mha_queue_duration_seconds", "Time waited for the batch to run.", version)
+        self.batch_formation = seconds("mha_batch_formation_seconds", "Time spent forming a batch.", version)
+        self.inference_duration = seconds("mha_inference_duration_seconds", "Compute per batch.", ["backend", *version])
         self.batch_size = Histogram(
             "mha_batch_size", "Rows (sum of B) per executed batch.", version, buckets=BATCH_BUCKETS, registry=registry
         )
@@ -241,17 +233,11 @@ class Metrics:
         gauge, labelled = self._gauge, self._labelled_gauge
         self.inflight = gauge("mha_inflight_requests", "Inference requests in the server now.")
         self.queue_depth = gauge("mha_queue_depth", "Requests waiting in the batching queue.")
-        self.inflight_bytes = gauge(
-            "mha_inflight_bytes", "Bytes of requests and answers held now (queued, computing, being written)."
-        )
-        self.inflight_budget = gauge(
-            "mha_inflight_budget_bytes", "Bytes of requests and answers held at most before RESOURCE_EXHAUSTED."
-        )
+        self.inflight_bytes = gauge("mha_inflight_bytes", "Bytes of requests and answers held now.")
+        self.inflight_budget = gauge("mha_inflight_budget_bytes", "Bytes held at most before RESOURCE_EXHAUSTED.")
         self.queue_capacity = gauge("mha_queue_capacity", "Requests the queue holds before RESOURCE_EXHAUSTED.")
         self.fallbacks = counter(
-            "mha_backend_fallbacks",
-            "Batches sent on to the next backend, by from, to and reason.",
-            ["from", "to", "reason"],
+            "mha_backend_fallbacks", "Batches sent on to the next backend.", ["from", "to", "reason"]
         )
         self.backend_info = labelled(
             "mha_backend_info",
