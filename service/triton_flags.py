@@ -7,6 +7,7 @@ has the same table for people."""
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import NoReturn
 
 FALSE, TRUE = ("false", "0", "no", "off"), ("true", "1", "yes", "on")
 Translation = tuple[list[str], list[str]]  # (global flags, serve flags) that take its place
@@ -47,7 +48,7 @@ REFUSED = {
 LOG_LEVELS = {"--log-info": "INFO", "--log-warning": "WARNING", "--log-error": "ERROR"}
 
 
-def _one(flag: str, value: str, refuse: Callable[[str], None]) -> Translation:
+def _one(flag: str, value: str, refuse: Callable[[str], NoReturn]) -> Translation:
     """What Triton's `flag value` becomes here: ([global flags], [serve flags])."""
     if flag in RENAMED:
         return [], [RENAMED[flag], value]
@@ -75,7 +76,7 @@ def triton_flag(arg: str) -> str | None:
     return name if known else None
 
 
-def translated(argv: Sequence[str], refuse: Callable[[str], None]) -> list[str]:
+def translated(argv: Sequence[str], refuse: Callable[[str], NoReturn]) -> list[str]:
     """`argv` with Triton's flags after `serve` translated; `refuse(message)` must not return."""
     args = list(argv)
     if "serve" not in args:
@@ -95,7 +96,6 @@ def translated(argv: Sequence[str], refuse: Callable[[str], None]) -> list[str]:
             value, i = rest[i + 1], i + 2
         else:
             refuse(f"{flag} needs a value, as Triton's does (e.g. {flag}=false)")
-            return []
         own, serve = _one(flag, value, refuse)
         before, after = [*before, *own], [*after, *serve]
     return [*before, "serve", *after]

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from google.protobuf import text_format
 
-from service.engine.core import InferenceCore
+from service.engine.core import InferenceCore, single_source
 from service.engine.repository import ModelSource, VersionPolicy
 from service.proto import grpc_service_pb2 as pb
 from service.settings import Settings
@@ -40,11 +40,8 @@ def read_policy(folder: Path) -> VersionPolicy:
 
 
 def model_source(settings: Settings) -> ModelSource:
-    """Where the settings say the model's versions are: a repository (each model's policy read
-    from its config.pbtxt) or one model directory."""
-    if settings.model_repository is not None:
-        return ModelSource(settings.model_name, repository=settings.model_repository, read_policy=read_policy)
-    return ModelSource(settings.model_name, directory=settings.model_dir, version=settings.model_version)
+    """Where the settings say the model's versions are, each model's policy read from its config.pbtxt."""
+    return single_source(settings, read_policy)
 
 
 async def poll(core: InferenceCore, stop: asyncio.Event) -> None:

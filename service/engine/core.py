@@ -36,7 +36,7 @@ from service.engine.loading import LoadReport, VersionLoader
 from service.engine.magnitude import magnitude_bound
 from service.engine.publishing import Publisher
 from service.engine.readiness import DeviceHealth
-from service.engine.repository import ModelSource
+from service.engine.repository import ModelSource, PolicyReader
 from service.engine.served import ModelIdentity, ServedModel, Serving
 from service.engine.versions import Loaded, Versions
 from service.errors import DeviceLost, FeatureOff, InvalidInput, NotReady
@@ -315,11 +315,11 @@ class VersionKeeper:
             self.loader.sequences_changed(loaded)
 
 
-def single_source(s: Settings) -> ModelSource:
-    """Where the settings say the versions are, with the default policy (Triton's: the latest
-    one); the app passes a source that reads each model's own policy."""
+def single_source(s: Settings, read_policy: PolicyReader | None = None) -> ModelSource:
+    """Where the settings say the versions are: a repository (its policy read by `read_policy`;
+    none: Triton's default, the latest version) or one model directory."""
     if s.model_repository is not None:
-        return ModelSource(s.model_name, repository=s.model_repository)
+        return ModelSource(s.model_name, repository=s.model_repository, read_policy=read_policy)
     return ModelSource(s.model_name, directory=s.model_dir, version=s.model_version)
 
 

@@ -32,7 +32,6 @@ Signature = tuple[tuple[str, int, int], ...]  # a version directory's files: (na
 class LoadReport:
     loaded: list[str] = field(default_factory=list)
     failed: dict[str, str] = field(default_factory=dict)  # version -> why
-    retired: list[str] = field(default_factory=list)
 
     def refusal(self, model: str, serving: list[str]) -> LoadRefused | None:
         """The load call's answer when a version was refused: each reason, and what serves on."""
@@ -84,7 +83,7 @@ class VersionLoader(Generic[Prepared]):
             self.policy = policy
             for version, directory in wanted.items():
                 await self._bring_in(version, directory, report, retry_refused)
-            self._retire_unwanted(set(wanted), len(report.failed), report)
+            self._retire_unwanted(set(wanted), len(report.failed))
             log.debug("model %s: serving %s (%s)", self.source.name, [v.version for v in self.versions], policy)
             self._on_change()
             return report
@@ -114,13 +113,12 @@ class VersionLoader(Generic[Prepared]):
         report.loaded.append(version)
         log.info("model %s version %s loaded from %s", self.source.name, version, directory or "the default model")
 
-    def _retire_unwanted(self, wanted: set[str], failed: int, report: LoadReport) -> None:
+    def _retire_unwanted(self, wanted: set[str], failed: int) -> None:
         """Serving versions the policy no longer names retire, but a version refused leaves the
         version it would have replaced serving in its place (the highest ones stay)."""
         unwanted = [v for v in self.versions.serving() if v.version not in wanted]
         for loaded in unwanted[: max(0, len(unwanted) - failed)]:
             self.retire(loaded)
-            report.retired.append(loaded.version)
 
     def retire(self, loaded: Loaded) -> None:
         loaded.state = VersionState.RETIRING

@@ -96,13 +96,13 @@ class Publisher:
         for key in set(zip(versions, kinds, strict=True)):
             mine = [i for i, other in enumerate(zip(versions, kinds, strict=True)) if other == key]
             last_ms = int(max(answered_at[i] for i in mine) * 1e3)
-            held = [timings[i] for i in mine]
-            self.stats(*key).observe_answers(sum(rows[i] for i in mine), held, last_ms)
-            phases = [sum(t.compute[k] for t in held) for k in range(3)]
+            held, answered_rows = [timings[i] for i in mine], sum(rows[i] for i in mine)
+            self.stats(*key).observe_answers(answered_rows, held, last_ms)
             version, steps = key
-            self.metrics.observe_answers(version, sum(tokens[i] for i in mine), [t.queue_s for t in held])
-            queued = sum(t.queue_s for t in held)
-            self.metrics.triton.answers(self.entry(steps), version, sum(rows[i] for i in mine), queued, phases)
+            queued = [t.queue_s for t in held]
+            self.metrics.observe_answers(version, sum(tokens[i] for i in mine), queued)
+            phases = [sum(t.compute[k] for t in held) for k in range(3)]
+            self.metrics.triton.answers(self.entry(steps), version, answered_rows, sum(queued), phases)
 
     def backends(self, chain: BackendChain) -> None:
         """The serving backends (the active one, and the light batches' where they have their

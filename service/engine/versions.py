@@ -62,7 +62,7 @@ class Versions:
         self._by: dict[str, Loaded] = {}
 
     def __iter__(self) -> Iterator[Loaded]:
-        return iter(sorted(self._by.values(), key=lambda loaded: _number(loaded.version)))
+        return iter(list(self._by.values()))  # a copy: a version may unload while a caller walks them
 
     def __len__(self) -> int:
         return len(self._by)
@@ -71,7 +71,9 @@ class Versions:
         return self._by.get(version)
 
     def add(self, loaded: Loaded) -> None:
+        """Kept lowest first, so that walking them (each request's routing) sorts nothing."""
         self._by[loaded.version] = loaded
+        self._by = dict(sorted(self._by.items(), key=lambda item: _number(item[0])))
 
     def remove(self, loaded: Loaded) -> None:
         if self._by.get(loaded.version) is loaded:

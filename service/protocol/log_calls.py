@@ -26,11 +26,15 @@ def from_proto(settings: Mapping[str, Any]) -> dict[str, LogSetting]:
     return changes
 
 
-def to_proto(settings: Mapping[str, LogSetting]) -> pb.LogSettingsResponse:
-    response = pb.LogSettingsResponse()
+def _filled(message: Any, settings: Mapping[str, LogSetting]) -> Any:
+    """`message` (a LogSettingsRequest or Response) with `settings` in its map."""
     for key, value in settings.items():
-        setattr(response.settings[key], PARAMETER[type(value)], value)
-    return response
+        setattr(message.settings[key], PARAMETER[type(value)], value)
+    return message
+
+
+def to_proto(settings: Mapping[str, LogSetting]) -> pb.LogSettingsResponse:
+    return _filled(pb.LogSettingsResponse(), settings)
 
 
 def apply(changes: dict[str, LogSetting]) -> dict[str, LogSetting]:
@@ -47,8 +51,6 @@ async def change(changes: dict[str, LogSetting], peers: WorkerPeers | None) -> d
     """Apply `changes` here and in every other worker; this worker's settings after them."""
     settings = apply(changes)
     if changes and peers is not None:
-        request = pb.LogSettingsRequest()
-        for key, value in changes.items():
-            setattr(request.settings[key], PARAMETER[type(value)], value)
+        request = _filled(pb.LogSettingsRequest(), changes)
         await asyncio.gather(*(peers.call(worker, LOG, request) for worker in peers.others))
     return settings
