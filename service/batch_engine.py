@@ -18,7 +18,8 @@ from concurrent.futures import Executor
 from typing import Any, Generic, NamedTuple, TypeVar
 
 from service.batching import BatchEvent, Clock, MonotonicClock, Pending, Plan, batch_event, traced
-from service.errors import DeadlineExceeded, DeviceLost, NotReady, Overloaded
+from service.errors import DeadlineExceeded, DeviceLost, NotReady
+from service.scheduling import SchedulePolicy, WaitQueue
 
 log = logging.getLogger(__name__)
 
@@ -65,6 +66,7 @@ class BatchEngine(Generic[P, A]):
         in_flight: Callable[[], int] | None = None,
         clock: Clock | None = None,
         current_trace: Callable[[], object] | None = None,
+        schedule: SchedulePolicy | None = None,
     ) -> None:
         self._plan, self._form_at, self._compute, self._executor = plan, form_at, compute, executor
         self.max_queue_size = max_queue_size
@@ -73,17 +75,23 @@ class BatchEngine(Generic[P, A]):
         self._in_flight = in_flight  # requests in the server, queued or not; None: assume more may come
         self.clock: Clock = clock or MonotonicClock()
         self._current_trace = current_trace  # the calling request's span (tracing on), for the batch's
-        self._queue: list[Item] = []
+        self._waiting = WaitQueue[Item](schedule or SchedulePolicy(), max_queue_size)
         self._wakeup = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
+        self._timeouts = QueueTimeouts(self._waiting, self.clock, self._wakeup.set)
         self._closed = False
 
     @property
     def depth(self) -> int:
-        return len(self._queue)
+        return len(self._waiting)
+
+    @property
+    def _queue(self) -> list[Item]:
+        return self._waiting.items
 
     def start(self) -> None:
         self._task = asyncio.get_running_loop().create_task(self._loop(), name="batch-engine")
+        self._timeouts.start()
 
     async def stop(self) -> None:
         """Stop taking requests, finish what is queued, then end the loop."""
@@ -91,20 +99,26 @@ class BatchEngine(Generic[P, A]):
         self._wakeup.set()
         if self._task is not None:
             await self._task
+        await self._timeouts.stop()
 
-    async def submit(self, payload: P, shape: tuple[int, ...], deadline: float | None = None) -> tuple[A, Timing]:
-        """Queue `payload` of `shape` (B, T, C); resolve to its answer and Timing. Raises Overloaded
-        at once when the queue is full, NotReady once stopping."""
+    async def submit(
+        self,
+        payload: P,
+        shape: tuple[int, ...],
+        deadline: float | None = None,
+        priority: int = 0,
+        timeout_s: float | None = None,
+    ) -> tuple[A, Timing]:
+        """Queue `payload` of `shape` (B, T, C) at `priority` (0: the default level), `timeout_s`
+        the request's own queue timeout; resolve to its answer and Timing. Raises Overloaded at once
+        when the queue (or its level's) is full, NotReady once stopping."""
         if self._closed or self._task is None:
             raise NotReady("the server is draining; retry on another replica")
-        if len(self._queue) >= self.max_queue_size:
-            raise Overloaded(
-                f"queue full: {len(self._queue)} requests waiting (max_queue_size {self.max_queue_size}); "
-                "retry with backoff"
-            )
         trace = self._current_trace() if self._current_trace is not None else None
         future: asyncio.Future[tuple[A, Timing]] = asyncio.get_running_loop().create_future()
-        self._queue.append(Pending(payload, shape, future, self.clock.now(), deadline, trace))
+        now = self.clock.now()
+        if self._waiting.admit(Pending(payload, shape, future, now, deadline, trace), priority, timeout_s, now):
+            self._timeouts.sooner()
         self._wakeup.set()
         return await future
 
@@ -116,8 +130,10 @@ class BatchEngine(Generic[P, A]):
                 continue
             forming = self.clock.now()
             await self._wait_for_company()
-            plan = self._plan(self._queue, self.clock.now())
-            self._queue = plan.rest
+            now = self.clock.now()
+            self._timeouts.apply(now)
+            plan = self._plan(self._waiting.in_order(), now)
+            self._waiting.leave(plan.batch, plan.rest)
             self._expire(plan.expired)
             if plan.batch:
                 await self._execute(plan.batch, forming)
@@ -186,3 +202,46 @@ class BatchEngine(Generic[P, A]):
         if self._on_batch is not None:
             self._on_batch(event)
         return event
+
+
+class QueueTimeouts:
+    """Queue timeouts fired on time, whether or not a batch is forming or computing (Triton's fire
+    only when the next batch forms): a task sleeps on the engine's clock until the earliest one;
+    REJECT answers DEADLINE_EXCEEDED there and then, DELAY moves the request behind its level."""
+
+    def __init__(self, waiting: WaitQueue[Item], clock: Clock, changed: Callable[[], None]) -> None:
+        self._waiting, self._clock, self._changed = waiting, clock, changed
+        self._sooner = asyncio.Event()  # a sooner timeout to watch, or stopping
+        self._task: asyncio.Task[None] | None = None
+        self._stopping = False
+
+    def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self._watch(), name="batch-engine-timeouts")
+
+    async def stop(self) -> None:
+        self._stopping = True
+        self._sooner.set()
+        if self._task is not None:
+            await self._task
+
+    def sooner(self) -> None:
+        self._sooner.set()
+
+    async def _watch(self) -> None:
+        while not self._stopping:
+            self._sooner.clear()
+            if (until := self._waiting.next_timeout) == float("inf"):
+                await self._sooner.wait()
+            else:
+                await self._clock.wait(self._sooner, until)
+            self.apply(self._clock.now())
+
+    def apply(self, now: float) -> None:
+        """Apply the timeouts passed by `now` (also just before a batch is planned)."""
+        if self._waiting.next_timeout > now:
+            return
+        for item in self._waiting.time_out(now):
+            waited_ms = (now - item.enqueued) * 1e3
+            message = f"queue timeout passed after {waited_ms:.1f} ms in the queue (priority level {item.level})"
+            item.future.set_exception(DeadlineExceeded(message))
+        self._changed()  # the queue changed: the engine looks again

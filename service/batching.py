@@ -55,6 +55,12 @@ class Pending(Generic[P, R]):
     enqueued: float = 0.0  # clock time
     deadline: float | None = None  # clock time
     trace: Any = None  # the span of the call that waits, when it is traced
+    level: int = 1  # its priority level (1 the highest)
+    arrival: int = 0  # its place in arrival order
+    timeout_at: float | None = None  # clock time its queue policy's timeout passes
+    delays: bool = False  # its policy DELAYs it then (else REJECTs it)
+    delayed: bool = False  # its timeout passed under DELAY: it goes behind its level
+    overtaken: int = 0  # batches formed ahead of it that held a request that came after it
 
     @property
     def rows(self) -> int:

@@ -17,6 +17,7 @@ from typing import Any, get_type_hints
 
 from export.layout import MANIFEST_FILE
 from service.cpus import available_cpus
+from service.scheduling import SchedulePolicy, parse_queue_policies
 
 BACKEND_CHOICES = ("auto", "ort-cuda", "ort-cpu", "torch")
 LOG_FORMATS = ("auto", "json", "text")
@@ -103,6 +104,10 @@ class Settings:
     max_batch_size: int = setting(8, "rows per executed batch; 1 turns batching off", "rows", low=1)
     max_queue_delay_ms: float = setting(2.0, "how long the first request of a batch waits for company", "ms", low=0)
     max_queue_size: int = setting(256, "requests waiting before RESOURCE_EXHAUSTED", "requests", low=1)
+    priority_levels: int = setting(1, "Triton's priority levels (1 the highest) of the stateless model", low=1)
+    default_priority_level: int = setting(1, "the level of a request that sends no priority (or 0)", low=1)
+    queue_policy: str = setting("", "Triton's queue policies: [LEVEL:]key=value,...;... (docs/operations.md)")
+    max_priority_overtakes: int = setting(16, "batches that may pass a waiting request; 0: strict priority", low=0)
     max_inflight_mb: float = setting(
         0.0,
         "bytes of requests and answers held at once before RESOURCE_EXHAUSTED; 0: a quarter of the memory "
@@ -128,9 +133,7 @@ class Settings:
     max_padding_ratio: float = setting(0.25, "padded share of a batch's tokens when merging T", low=0, high=1)
     max_request_rows: int = setting(256, "largest B in one request", "rows", low=1)
     max_sequences: int = setting(256, "live sequences (incremental decoding) kept at most", "sequences", low=1)
-    max_step_rows: int = setting(
-        64, "rows of decode steps computed together (a step is usually one token)", "rows", low=1
-    )
+    max_step_rows: int = setting(64, "rows of decode steps computed together (usually a token each)", "rows", low=1)
     sequence_idle_timeout_s: float = setting(60.0, "a live sequence idle this long is evicted", "s", low=0)
     max_sequence_state_mb: float = setting(1024.0, "keys and values of live sequences at most", "MiB", low=0)
     shared_memory: str = setting(
@@ -172,6 +175,7 @@ class Settings:
             raise ValueError("--load-model is for --model-control-mode explicit (the other modes load at start)")
         if self.tls_client_ca is not None and self.tls_cert is None:
             raise ValueError("--tls-client-ca (mTLS) needs --tls-cert and --tls-key")
+        schedule_policy(self)  # its checks: the levels and --queue-policy
 
     @property
     def replica(self) -> str:
@@ -188,6 +192,16 @@ class Settings:
         if self.threads > 0:
             return self.threads
         return self.cpus
+
+
+def schedule_policy(s: Settings) -> SchedulePolicy:
+    """The stateless model's schedule policy, from --priority-levels, --default-priority-level,
+    --queue-policy and --max-priority-overtakes."""
+    try:
+        default, levels = parse_queue_policies(s.queue_policy)
+        return SchedulePolicy(s.priority_levels, s.default_priority_level, default, levels, s.max_priority_overtakes)
+    except ValueError as exc:
+        raise ValueError(f"--priority-levels/--queue-policy: {exc}") from None
 
 
 def _flag(name: str) -> str:

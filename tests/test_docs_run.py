@@ -26,10 +26,10 @@ from pathlib import Path
 import pytest
 from prometheus_client import CollectorRegistry
 
-from service.app.repository import read_policy
+from service.app.repository import read_policy, read_schedule
 from service.engine.repository import VersionPolicy
 from service.metrics import Metrics
-from service.settings import Settings
+from service.settings import Settings, schedule_policy
 from tests.support import ROOT, server_process
 
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -50,6 +50,7 @@ def _blocks() -> list[tuple[str, str, str, str]]:
 
 
 BLOCKS = _blocks()
+DOCS_TEXT = "\n".join(path.read_text() for path in DOCS)
 
 
 def _of(mode: str) -> list[tuple[str, str, str]]:
@@ -75,10 +76,19 @@ def test_the_tests_named_elsewhere_exist() -> None:
             assert re.search(rf"\bdef {name}\b", sources) or name in {p.stem for p in files}, (where, name)
 
 
-def test_the_policy_example_reads_as_triton_writes_it(tmp_path: Path) -> None:
-    (body,) = [body for _, _, body in _of("pbtxt")]
-    (tmp_path / "config.pbtxt").write_text(body)
+def test_the_policy_examples_read_as_triton_writes_them(tmp_path: Path) -> None:
+    """The version policy example, and the schedule policy example equal to the flags shown beside it."""
+    versions, schedule = [body for _, _, body in _of("pbtxt")]
+    (tmp_path / "config.pbtxt").write_text(versions)
     assert read_policy(tmp_path) == VersionPolicy("latest", count=2)
+    (tmp_path / "mha").mkdir()
+    (tmp_path / "mha" / "config.pbtxt").write_text(schedule)
+    flags = re.search(r'--priority-levels (\d+) --default-priority-level (\d+) --queue-policy\s+"([^"]+)"', DOCS_TEXT)
+    assert flags is not None, "the flags beside the schedule example"
+    levels, default, policy = flags.groups()
+    shown = Settings(priority_levels=int(levels), default_priority_level=int(default), queue_policy=policy)
+    assert read_schedule(Settings(model_repository=tmp_path)) == schedule_policy(shown)
+    assert schedule_policy(shown).priority_levels == 2
 
 
 def _translated(text: str, ports: dict[int, int]) -> str:

@@ -21,7 +21,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from prometheus_client import CollectorRegistry
 
-from service.app.repository import model_source, poll
+from service.app.repository import model_source, poll, read_schedule
 from service.batching import Clock
 from service.engine.core import ComputeHook, InferenceCore, State
 from service.memory import freed_buffers_go_back
@@ -123,7 +123,8 @@ async def start(
     """
     worker = settings.worker_index if settings.worker_peers > 1 else None  # one of several: multiprocess metrics
     metrics = Metrics(registry if registry is not None else CollectorRegistry(auto_describe=True), worker)
-    core = InferenceCore(settings, metrics, clock, _tracing(settings), compute_hook, model_source(settings))
+    source, schedule = model_source(settings), read_schedule(settings)
+    core = InferenceCore(settings, metrics, clock, _tracing(settings), compute_hook, source, schedule)
     if settings.reuse_port:
         try:
             await core.load()

@@ -15,6 +15,7 @@ import numpy as np
 from service.arrays import all_finite
 from service.batch_engine import BatchEngine, Computed, Item, Timing
 from service.batching import BatcherConfig, BatchEvent, Clock, Plan, form_at, merge, plan_batch, split
+from service.scheduling import SchedulePolicy
 
 __all__ = ["Answer", "Batcher", "RunBatch", "Timing"]
 
@@ -32,6 +33,7 @@ class Batcher(BatchEngine[np.ndarray, np.ndarray]):
         in_flight: Callable[[], int] | None = None,
         clock: Clock | None = None,
         current_trace: Callable[[], object] | None = None,
+        schedule: SchedulePolicy | None = None,
     ) -> None:
         self.config = config
         super().__init__(
@@ -44,11 +46,15 @@ class Batcher(BatchEngine[np.ndarray, np.ndarray]):
             in_flight=in_flight,
             clock=clock,
             current_trace=current_trace,
+            schedule=schedule,
         )
 
-    async def submit(self, x: np.ndarray, deadline: float | None = None) -> Answer:  # type: ignore[override]
-        """Queue (B, T, C); resolve to ((B, T, C), Timing). Raises Overloaded at once when full."""
-        return await super().submit(x, x.shape, deadline)
+    async def submit(  # type: ignore[override]
+        self, x: np.ndarray, deadline: float | None = None, priority: int = 0, timeout_s: float | None = None
+    ) -> Answer:
+        """Queue (B, T, C) at `priority` (0: the default level); resolve to ((B, T, C), Timing).
+        Raises Overloaded at once when full."""
+        return await super().submit(x, x.shape, deadline, priority, timeout_s)
 
 
 def _plan(config: BatcherConfig, queue: Sequence[Item], now: float) -> Plan[Item]:

@@ -42,7 +42,8 @@ from service.engine.versions import Loaded, Versions
 from service.errors import DeviceLost, FeatureOff, InvalidInput, NotReady
 from service.memory import memory_limit_bytes
 from service.metrics import Metrics
-from service.settings import Settings
+from service.scheduling import SchedulePolicy
+from service.settings import Settings, schedule_policy
 from service.tracing import Tracing
 
 log = logging.getLogger(__name__)
@@ -74,8 +75,10 @@ class InferenceCore:
         tracing: Tracing | None = None,
         compute_hook: ComputeHook | None = None,
         source: ModelSource | None = None,
+        schedule: SchedulePolicy | None = None,
     ) -> None:
         self.settings = settings
+        self.schedule = schedule or schedule_policy(settings)  # the stateless model's priorities and queue policies
         self.compute_hook = compute_hook  # tests hold computes and inject failures with it (ComputeHook)
         self.tracing = tracing or Tracing()  # off unless the app turned it on
         self.metrics = metrics
@@ -118,7 +121,7 @@ class InferenceCore:
         return latest.chain.active if self.state is State.READY and latest is not None else None
 
     def serving(self, loaded: Loaded | None = None) -> Serving:
-        return _serving(loaded or self.loaded, self.settings)
+        return _serving(loaded or self.loaded, self.settings, self.schedule)
 
     def set_state(self, state: State) -> None:
         self.state = state
@@ -151,10 +154,13 @@ class InferenceCore:
         self.check_ready()
         return self.versions.for_request(version) if control is None else self.versions.for_step(control, version)
 
-    async def infer(self, x: np.ndarray, deadline: float | None, loaded: Loaded) -> tuple[np.ndarray, Timing]:
-        """(B, T, C) -> (B, T, C) through `loaded`'s queue; `deadline` is on `self.clock`."""
+    async def infer(
+        self, x: np.ndarray, deadline: float | None, loaded: Loaded, queue: tuple[int, float | None] = (0, None)
+    ) -> tuple[np.ndarray, Timing]:
+        """(B, T, C) -> (B, T, C) through `loaded`'s queue; `deadline` is on `self.clock`; `queue`
+        the request's (priority, timeout in seconds) under the schedule policy."""
         loaded.model.check_magnitude(x)
-        y, timing = await loaded.batcher.submit(x, deadline)
+        y, timing = await loaded.batcher.submit(x, deadline, *queue)
         if not timing.finite and not all_finite(y):  # the chain found this input to blame (see BackendChain)
             raise InvalidInput(not_finite(x))
         self.publish.answered(x.shape, timing, loaded.version)
@@ -272,6 +278,7 @@ class VersionKeeper:
             in_flight=lambda: core.requests.uncomputed,
             clock=core.clock,
             current_trace=core.tracing.current if core.tracing.enabled else None,
+            schedule=core.schedule,
         )
         decoder = _decoder(s, model, chain, core.executor, core.clock, core)
         loaded = Loaded(model, selection, chain, batcher, decoder)
@@ -422,10 +429,10 @@ def _default_model(s: Settings) -> Path:
         ) from exc
 
 
-def _serving(loaded: Loaded, s: Settings) -> Serving:
+def _serving(loaded: Loaded, s: Settings, schedule: SchedulePolicy) -> Serving:
     chain, summary = loaded.chain, loaded.selection.summary()
     limits = (s.max_batch_size, s.max_queue_delay_ms, s.max_sequences, s.sequence_idle_timeout_s)
-    return Serving(chain.backends, chain.active, summary, *limits)
+    return Serving(chain.backends, chain.active, summary, *limits, schedule)
 
 
 def _batching(s: Settings, model: ServedModel) -> BatcherConfig:

@@ -4,11 +4,12 @@ its shape, tensors and files. Built once; every request and every rendering read
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from export.layout import INPUT_NAME, OUTPUT_NAME, ModelFiles
 from service.errors import ModelNotFound, quote
+from service.scheduling import SchedulePolicy
 
 if TYPE_CHECKING:
     import numpy as np
@@ -106,3 +107,4 @@ class Serving:
     max_queue_delay_ms: float
     max_sequences: int = 0  # live sequences kept for incremental decoding; 0: not offered
     sequence_idle_timeout_s: float = 0.0
+    schedule: SchedulePolicy = field(default_factory=SchedulePolicy)  # priorities, queue policies

@@ -21,7 +21,7 @@ from service.protocol.inference import (
     decode_input,
     names_shared_memory,
     output_placement,
-    request_timeout_s,
+    queue_request,
     sequence_control,
 )
 from service.protocol.peers import WorkerPeers
@@ -51,9 +51,9 @@ async def answer_infer(
             f"step), or send whole sequences to model {core.identity.name!r}"
         )
     check_sequence_header(control, sequence_header)
-    if (own_timeout := request_timeout_s(request)) is not None:  # the sooner of the call's and the request's
-        own = core.clock.now() + own_timeout
-        deadline = own if deadline is None else min(deadline, own)
+    queue = queue_request(request)  # the stateless model's priority and queue timeout
+    if control is not None:
+        deadline = _step_deadline(core, queue, deadline)
     if peers is not None:
         timeout = None if deadline is None else max(0.0, deadline - core.clock.now())
         shared = names_shared_memory(request)
@@ -70,13 +70,27 @@ async def answer_infer(
     target = output_placement(request, x.shape, regions)
     _hold(core, call, x.nbytes)
     if control is None:
-        y, timing = await core.infer(x, deadline, version)
+        y, timing = await core.infer(x, deadline, version, queue)
         return answered(request, model, y, timing.backend, target, regions)
     y, timing, length = await core.step(control, x, version, deadline)
     extra: dict[str, int | str] = {SEQUENCE_LENGTH: length, **core.placement}  # and where the sequence lives
     response = answered(request, model, y, timing.backend, target, regions, extra)
     response.model_name = entry  # the entry the step was sent to: mha or mha_sequence
     return response
+
+
+def _step_deadline(core: InferenceCore, queue: tuple[int, float | None], deadline: float | None) -> float | None:
+    """A step's deadline: the sooner of the call's and the request's `timeout`. The sequence model
+    has one priority level."""
+    priority, own_timeout = queue
+    if priority != 0:
+        raise InvalidInput(
+            f"priority {priority}: the steps of sequences have one priority level; send 0 or leave it out"
+        )
+    if own_timeout is None:
+        return deadline
+    own = core.clock.now() + own_timeout
+    return own if deadline is None else min(deadline, own)
 
 
 def _hold(core: InferenceCore, call: Call | None, input_bytes: int) -> None:

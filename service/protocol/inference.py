@@ -31,7 +31,7 @@ UNSUPPORTED_OUTPUT_PARAMETERS = ("classification",)  # refused, never silently i
 SEQUENCE_ID_LIMIT = 128  # characters of a string sequence_id
 SEQUENCE_HEADER = "mha-sequence-id"  # gRPC metadata and HTTP header: what L7 balancers hash on
 SEQUENCE_OFFSET = "sequence_offset"  # tokens the client believes the server holds before a step
-TIMEOUT, PRIORITY = "timeout", "priority"  # Triton's request parameters: honoured, and refused but for 0
+TIMEOUT, PRIORITY = "timeout", "priority"  # Triton's request parameters, under the schedule policy
 SEQUENCE_LENGTH = "sequence_length"  # tokens the server holds after a step, in its response
 SHM_REGION, SHM_SIZE, SHM_OFFSET = "shared_memory_region", "shared_memory_byte_size", "shared_memory_offset"
 SHM_KEYS = (SHM_REGION, SHM_SIZE, SHM_OFFSET)
@@ -247,19 +247,18 @@ def _flag(parameters: Parameters, key: str) -> bool:
     return value
 
 
-def request_timeout_s(request: InferRequest) -> float | None:
-    """Triton's `timeout` (microseconds the request may take; 0 or absent: no limit of its own),
-    as seconds; and its `priority`, refused unless it is the one level this server has."""
+def queue_request(request: InferRequest) -> tuple[int, float | None]:
+    """Triton's `priority` (0 or absent: the model's default level; the engine checks the levels)
+    and `timeout` (microseconds the request may wait in the queue; 0 or absent: none of its own,
+    as seconds) of a request."""
     parameters = request.parameters
     if not parameters:
-        return None
+        return 0, None
     level = count_parameter(parameters, PRIORITY, "the request", "priority level") if PRIORITY in parameters else 0
-    if level != 0:
-        raise InvalidInput(f"{PRIORITY} {level}: this server has one priority level; send 0 or leave it out")
     if TIMEOUT not in parameters:
-        return None
+        return level, None
     microseconds = count_parameter(parameters, TIMEOUT, "the request", "microsecond count")
-    return microseconds / 1e6 if microseconds else None
+    return level, microseconds / 1e6 if microseconds else None
 
 
 def names_shared_memory(request: InferRequest) -> bool:

@@ -16,6 +16,7 @@ from service.engine.stats import Duration, ModelStats
 from service.proto import grpc_service_pb2 as pb
 from service.protocol.inference import DATATYPE
 from service.protocol.shm import Region
+from service.scheduling import QueuePolicy, SchedulePolicy
 
 SERVER_NAME = "mha-serve"
 # Triton's extension names, for what this server implements whatever its flags: the model's config
@@ -76,6 +77,8 @@ def model_config(model: ServedModel, serving: Serving, name: str, policy: Versio
     )
     _version_policy(config.version_policy, policy)
     sequence_model = model.identity.is_sequence_model(name)
+    if not sequence_model:  # its queue: batches formed (unless --max-batch-size 1), priorities, timeouts
+        _schedule(config.dynamic_batching, serving.schedule)
     if serving.max_batch_size > 1 and not sequence_model:
         config.dynamic_batching.max_queue_delay_microseconds = int(serving.max_queue_delay_ms * 1000)
         config.dynamic_batching.preferred_batch_size.append(serving.max_batch_size)
@@ -98,6 +101,22 @@ def model_config(model: ServedModel, serving: Serving, name: str, policy: Versio
     for key, value in params.items():
         config.parameters[key].string_value = value
     return config
+
+
+def _schedule(out: pb.ModelDynamicBatching, schedule: SchedulePolicy) -> None:
+    """Triton's priority fields, as the queue honours them."""
+    out.priority_levels = schedule.priority_levels
+    out.default_priority_level = schedule.default_priority_level
+    _queue_policy(out.default_queue_policy, schedule.default_queue_policy)
+    for level, policy in schedule.priority_queue_policy.items():
+        _queue_policy(out.priority_queue_policy[level], policy)
+
+
+def _queue_policy(out: pb.ModelQueuePolicy, policy: QueuePolicy) -> None:
+    out.timeout_action = pb.ModelQueuePolicy.TimeoutAction.Value(policy.timeout_action)
+    out.default_timeout_microseconds = policy.default_timeout_microseconds
+    out.allow_timeout_override = policy.allow_timeout_override
+    out.max_queue_size = policy.max_queue_size
 
 
 def _version_policy(out: pb.ModelVersionPolicy, policy: VersionPolicy) -> None:

@@ -199,20 +199,22 @@ def test_a_sequence_over_http(server: ServerThread, small_model_dir: Path) -> No
     assert code == 404 and "ended (sequence_end)" in json.loads(answer)["error"]
 
 
-def test_the_timeout_parameter_is_the_requests_deadline_and_priority_is_refused(
+def test_the_timeout_parameter_bounds_the_wait_and_priority_outside_the_levels_is_refused(
     server: ServerThread, small_model_dir: Path
 ) -> None:
     """Triton's `timeout` (microseconds) bounds a request with no deadline of its own (HTTP has
-    none): passed before the compute, it is DEADLINE_EXCEEDED (504), for a stateless request and
-    a decode step alike, and the step leaves its sequence as it was. `priority` has one level here."""
+    none): passed before the compute, it is DEADLINE_EXCEEDED (504), for a stateless request (its
+    queue timeout) and a decode step alike, and the step leaves its sequence as it was. `priority`
+    outside the model's levels (one here) is refused."""
     port, x = server.http_port, np.ones((1, 2, 32), np.float32)
     path = "/v2/models/mha/infer"
     assert _call(port, path, _infer_json(x, parameters={"timeout": 60_000_000}))[0] == 200
     code, _, answer = _call(port, path, _infer_json(x, parameters={"timeout": 1}))
-    assert code == 504 and "deadline passed" in json.loads(answer)["error"], answer
+    assert code == 504 and "queue timeout passed" in json.loads(answer)["error"], answer
     code, _, answer = _call(port, path, _infer_json(x, parameters={"priority": 2}))
-    assert code == 400 and "one priority level" in json.loads(answer)["error"], answer
+    assert code == 400 and "priority levels 1 (1 the highest)" in json.loads(answer)["error"], answer
     assert _call(port, path, _infer_json(x, parameters={"priority": 0}))[0] == 200
+    assert _call(port, path, _infer_json(x, parameters={"priority": 1}))[0] == 200
     start = {"sequence_id": "timed", "sequence_start": True}
     assert _call(port, path, _infer_json(x, parameters=start))[0] == 200
     late = {"sequence_id": "timed", "sequence_offset": 2, "timeout": 1}
