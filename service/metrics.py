@@ -45,6 +45,7 @@ BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 
 
 EVICTION_REASONS = ("idle", "budget")  # the label's fixed set
+AUDIT_SKIPS = ("busy", "queue_full", "cpu", "too_large")  # why a sampled answer was not audited
 LOAD_RESULTS = ("loaded", "refused")
 VERSION_STATES = ("READY", "RETIRING", "UNLOADING")
 MODEL_LABELS = ("name", "version", "d_model", "n_head", "max_seq_len", "causal", "weights_sha256", "verified")
@@ -199,6 +200,32 @@ class VersionSeries:
         self.sequences.labels(version).set(live)
 
 
+class AuditSeries:
+    """Answers re-verified against the float64 reference (service/engine/audit.py)."""
+
+    def __init__(self, counter: Callable[..., Counter]) -> None:
+        self.checked = counter("mha_audit_checked", "Answers recomputed by the float64 reference and compared.")
+        self.seconds = counter("mha_audit_seconds", "Time the audit thread spent recomputing answers.")
+        self.mismatches = counter(
+            "mha_audit_mismatches",
+            "Audited answers beyond the precision's tolerance: each an incident, its backend benched.",
+            ["backend", "device", "precision"],
+        )
+        self.skipped = counter("mha_audit_skipped", "Sampled answers not audited, by reason.", ["reason"])
+        for reason in AUDIT_SKIPS:
+            self.skipped.labels(reason)
+
+    def checked_one(self, seconds: float) -> None:
+        self.checked.inc()
+        self.seconds.inc(seconds)
+
+    def mismatch(self, backend: str, device: str, precision: str) -> None:
+        self.mismatches.labels(backend, device, precision).inc()
+
+    def skipped_one(self, reason: str) -> None:
+        self.skipped.labels(reason).inc()
+
+
 class Metrics:
     """Every series the service exports; names are a public interface (dashboards, alerts).
     What requests leave is written in `ledger` and applied in bulk before each read (`refresh`).
@@ -260,7 +287,7 @@ class Metrics:
         for reason in EVICTION_REASONS:
             self.sequence_evictions.labels(reason)
         self.versions = VersionSeries(labelled, counter)
-        self.triton = TritonSeries(registry)
+        self.triton, self.audit = TritonSeries(registry), AuditSeries(counter)
 
     def _gauge(self, name: str, documentation: str) -> Gauge:
         if self._worker is None:

@@ -78,10 +78,7 @@ class Settings:
         "variables, or no tracing (docs/operations.md#tracing)",
     )
     health_port: int | None = setting(
-        None,
-        "plaintext port with only the gRPC health service, for probes under mTLS; 0 picks one; off: none",
-        low=0,
-        high=65535,
+        None, "plaintext port of the gRPC health service alone, for probes under mTLS; 0 picks one", low=0, high=65535
     )
     backend: str = setting("auto", "backend; auto measures and falls back", choices=BACKEND_CHOICES)
     precision: str = setting(
@@ -110,8 +107,7 @@ class Settings:
     max_priority_overtakes: int = setting(16, "batches that may pass a waiting request; 0: strict priority", low=0)
     max_inflight_mb: float = setting(
         0.0,
-        "bytes of requests and answers held at once before RESOURCE_EXHAUSTED; 0: a quarter of the memory "
-        "limit (the cgroup's, else the machine's), shared by the workers",
+        "requests and answers held at once before RESOURCE_EXHAUSTED; 0: a quarter of the memory limit",
         "MiB",
         low=0,
     )
@@ -124,11 +120,7 @@ class Settings:
         "where several replicas serve, so that a stale state can never answer",
     )
     stream_window: int = setting(
-        32,
-        "requests one gRPC stream may have read and not yet had written back; past it the server stops "
-        "reading the stream and gRPC's flow control holds the client",
-        "requests",
-        low=1,
+        32, "requests a gRPC stream may have read and not had written back; past it, it is not read", "requests", low=1
     )
     max_padding_ratio: float = setting(0.25, "padded share of a batch's tokens when merging T", low=0, high=1)
     max_request_rows: int = setting(256, "largest B in one request", "rows", low=1)
@@ -152,6 +144,11 @@ class Settings:
     tls_key: Path | None = setting(None, "PEM private key of --tls-cert")
     tls_client_ca: Path | None = setting(None, "PEM CA bundle; clients must present a certificate it signed (mTLS)")
     auth_token_file: Path | None = setting(None, "file holding the bearer token clients must send")
+    audit_rate: float = setting(0.001, "share of answers recomputed by the float64 reference; 0: none", low=0, high=1)
+    audit_max_cpu: float = setting(0.05, "share of one CPU the audit may take, on average", low=0.001, high=1)
+    audit_queue: int = setting(4, "answers waiting for their audit at most; beyond: skipped", "answers", low=1)
+    audit_max_tokens: int = setting(256, "tokens of one row an audit recomputes (a causal prefix)", "tokens", low=1)
+    audit_when_busy: bool = setting(False, "audit even while a full batch waits (off: saturated servers skip)")
     log_format: str = setting("auto", "log lines: text on a terminal, JSON otherwise (auto)", choices=LOG_FORMATS)
     log_level: str = setting("INFO", "log level", choices=LOG_LEVELS, flag=False)
 

@@ -135,6 +135,15 @@ class Bench:
     def succeeded(self, backend: Backend) -> None:
         self._of(backend).consecutive_failures = 0
 
+    def bench_now(self, name: str) -> None:
+        """Bench the backend `name` at once (an answer of its was found wrong): batches go to the
+        next one, and it serves again only once its probe passes after the cool-down."""
+        health = self.health.setdefault(name, _Health())
+        if health.benched_until == 0.0:
+            self._benched += 1
+        health.benched_until = self._clock() + self._cooldown
+        self.changes += 1
+
 
 class BackendChain:
     def __init__(

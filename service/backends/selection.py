@@ -87,7 +87,7 @@ class SelfCheck:
         self.x = x.numpy()
         self.reference = attention_view(x, weights, config)
         self.tolerance = tolerance
-        self.config = config
+        self.config, self.weights = config, weights  # what the reference computes with (and the audit)
 
     def error(self, backend: Backend) -> float:
         y = np.asarray(backend.run(self.x))

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import enum
 import logging
+import math
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
@@ -30,6 +31,7 @@ from service.budget import MIB, InflightBudget
 from service.decode.control import SequenceControl
 from service.decode.scheduler import Decoder, StepBatcher, StepInput
 from service.decode.sequences import SequenceLimits, SequenceStore
+from service.engine.audit import AuditLimits, Auditor, Reference, Sample, mismatch_message
 from service.engine.batcher import Batcher
 from service.engine.inflight import InFlight
 from service.engine.loading import LoadReport, VersionLoader
@@ -47,6 +49,7 @@ from service.settings import Settings, schedule_policy
 from service.tracing import Tracing
 
 log = logging.getLogger(__name__)
+Queue = tuple[int, float | None]  # a request's (priority, queue timeout in seconds) under the schedule policy
 
 
 class State(enum.Enum):
@@ -97,13 +100,8 @@ class InferenceCore:
         self.placement: dict[str, int | str] = {"replica": settings.replica, "worker": settings.worker_index}
         self.keeper = VersionKeeper(self, source or single_source(settings))
         self.loader = self.keeper.loader
-        metrics.queue_capacity.set(settings.max_queue_size)
-        metrics.follow(metrics.inflight, lambda: self.requests.count)
-        metrics.follow(metrics.inflight_bytes, lambda: self.budget.held)
-        metrics.follow(metrics.queue_depth, lambda: sum(v.batcher.depth for v in self.versions))
-        metrics.inflight_budget.set(self.budget.limit)
-        metrics.follow(metrics.ready, lambda: 1 if self.serving_ok() else 0)  # the one readiness, as every signal
-        metrics.on_refresh(self.keeper.pending)
+        self.audit = Auditor(_audit_limits(settings), partial(_audited, self), metrics.audit.skipped_one)
+        _follow(metrics, self)
 
     @property
     def loaded(self) -> Loaded:
@@ -155,7 +153,7 @@ class InferenceCore:
         return self.versions.for_request(version) if control is None else self.versions.for_step(control, version)
 
     async def infer(
-        self, x: np.ndarray, deadline: float | None, loaded: Loaded, queue: tuple[int, float | None] = (0, None)
+        self, x: np.ndarray, deadline: float | None, loaded: Loaded, queue: Queue = (0, None), request_id: str = ""
     ) -> tuple[np.ndarray, Timing]:
         """(B, T, C) -> (B, T, C) through `loaded`'s queue; `deadline` is on `self.clock`; `queue`
         the request's (priority, timeout in seconds) under the schedule policy."""
@@ -164,6 +162,7 @@ class InferenceCore:
         if not timing.finite and not all_finite(y):  # the chain found this input to blame (see BackendChain)
             raise InvalidInput(not_finite(x))
         self.publish.answered(x.shape, timing, loaded.version)
+        self.audit.offer(x, y, timing.backend, request_id, loaded)  # sampled, checked off the hot path
         return y, timing
 
     async def step(
@@ -210,6 +209,7 @@ class InferenceCore:
         for loaded in list(self.versions):
             await loaded.decoder.close()
             await loaded.batcher.stop()
+        self.audit.close()  # before the compute thread's: a mismatch benches its backend there
         self.executor.shutdown(wait=True)
         for loaded in list(self.versions):
             for backend in loaded.chain.backends:
@@ -281,13 +281,17 @@ class VersionKeeper:
             schedule=core.schedule,
         )
         decoder = _decoder(s, model, chain, core.executor, core.clock, core)
-        loaded = Loaded(model, selection, chain, batcher, decoder)
+        check = selection.check
+        reference = Reference(check.config, check.weights, check.tolerance) if s.audit_rate > 0 else None
+        loaded = Loaded(model, selection, chain, batcher, decoder, reference=reference)
         batcher.start()
         decoder.start(expiry_period_s=min(1.0, max(s.sequence_idle_timeout_s / 4, 0.05)))
         core.metrics.versions.loaded(model.labels())
         core.metrics.triton.loaded(core.publish.entries, model.version)
         for order in chain.orders():
             core.metrics.init_fallbacks([b.name for b in order], REASONS)
+        for backend in chain.backends:  # 0 until an audit finds one of its answers wrong
+            core.metrics.audit.mismatches.labels(backend.name, backend.device, model.precision)
         core.publish.backends(chain)
         return loaded
 
@@ -427,6 +431,38 @@ def _default_model(s: Settings) -> Path:
             f"cannot export the default model into {s.default_model_dir}: {exc.strerror or exc}; "
             "give --default-model-dir (or MHA_DEFAULT_MODEL_DIR) a writable directory"
         ) from exc
+
+
+def _follow(metrics: Metrics, core: InferenceCore) -> None:
+    """The gauges read from the core at each scrape."""
+    metrics.queue_capacity.set(core.settings.max_queue_size)
+    metrics.follow(metrics.inflight, lambda: core.requests.count)
+    metrics.follow(metrics.inflight_bytes, lambda: core.budget.held)
+    metrics.follow(metrics.queue_depth, lambda: sum(v.batcher.depth for v in core.versions))
+    metrics.inflight_budget.set(core.budget.limit)
+    metrics.follow(metrics.ready, lambda: 1 if core.serving_ok() else 0)  # the one readiness, as every signal
+    metrics.on_refresh(core.keeper.pending)
+
+
+def _audit_limits(s: Settings) -> AuditLimits:
+    limits = (s.audit_rate, s.audit_max_cpu, s.audit_queue, s.audit_max_tokens, s.audit_when_busy)
+    return AuditLimits(*limits, busy_depth=s.max_batch_size)
+
+
+def _audited(core: InferenceCore, sample: Sample, reference: Reference, error: float, spent_s: float) -> None:
+    """An audit's verdict (on the audit thread): counted; a mismatch logged, counted by backend,
+    device and precision, and its backend benched on the compute thread (where the chain runs)."""
+    core.metrics.audit.checked_one(spent_s)
+    if math.isfinite(error) and error <= reference.tolerance:
+        return
+    loaded = next((v for v in core.versions if v.version == sample.version), None)
+    backend = None if loaded is None else next((b for b in loaded.chain.backends if b.name == sample.backend), None)
+    device = backend.device if backend is not None else "unknown"
+    precision = loaded.model.precision if loaded is not None else "unknown"
+    core.metrics.audit.mismatch(sample.backend, device, precision)
+    log.error(mismatch_message(sample, reference, error))
+    if loaded is not None:
+        core.executor.submit(loaded.chain.bench.bench_now, sample.backend)
 
 
 def _serving(loaded: Loaded, s: Settings, schedule: SchedulePolicy) -> Serving:

@@ -19,6 +19,7 @@ if TYPE_CHECKING:
     from service.backends import BackendChain, Selection
     from service.decode.control import SequenceControl
     from service.decode.scheduler import Decoder
+    from service.engine.audit import Reference
     from service.engine.batcher import Batcher
     from service.engine.served import ServedModel
 
@@ -39,6 +40,7 @@ class Loaded:
     batcher: Batcher
     decoder: Decoder
     state: VersionState = field(default=VersionState.SERVING)
+    reference: Reference | None = None  # the float64 reference its answers are audited against (None: no audit)
 
     @property
     def version(self) -> str:

@@ -70,7 +70,7 @@ async def answer_infer(
     target = output_placement(request, x.shape, regions)
     _hold(core, call, x.nbytes)
     if control is None:
-        y, timing = await core.infer(x, deadline, version, queue)
+        y, timing = await core.infer(x, deadline, version, queue, request.id)
         return answered(request, model, y, timing.backend, target, regions)
     y, timing, length = await core.step(control, x, version, deadline)
     extra: dict[str, int | str] = {SEQUENCE_LENGTH: length, **core.placement}  # and where the sequence lives

@@ -45,6 +45,25 @@ TRITON_QUERIES = (
     (f"nv_inference_pending_request_count{MHA}", 0.0),
 )
 
+# Triton's own published dashboard (triton-inference-server/server, deploy/k8s-onprem/dashboard.json),
+# its queries verbatim, each with the value one replica serving `mha` gives (pod as Kubernetes labels it).
+TRITON_DASHBOARD = (
+    ("count(count(nv_inference_count) by (instance))", 1.0, 1.0),  # Active Triton Instances
+    (  # Proportion of Requests by Pod
+        "sum by (pod) (rate(nv_inference_count[1m])) / ignoring(pod) group_left sum (rate(nv_inference_count[1m]))",
+        1.0,
+        1.0,
+    ),
+    ("sum(nv_inference_request_success) by (pod)", 1.0, float("inf")),  # Cumulative Inference Requests by Pod
+    ("sum(nv_inference_request_failure) by (pod)", 1.0, float("inf")),  # (the traffic's client mistakes)
+    ("sum(rate(nv_inference_compute_infer_duration_us[30s])) by (model) / 1000", 0.0, float("inf")),  # ms/s by model
+    (  # Average Queue Time by Pod (microseconds)
+        "avg(rate(nv_inference_queue_duration_us[30s])/(1+rate(nv_inference_request_success[30s]))) by (pod)",
+        0.0,
+        float("inf"),
+    ),
+)
+
 
 def fill(expr: str, instance: str) -> str:
     """The query as Grafana sends it: one instance (or all), every other filter on All (.*)."""
@@ -101,7 +120,8 @@ def test_every_dashboard_query_returns_data(small_model_dir: Path, tmp_path: Pat
     (tmp_path / "prometheus.yml").write_text(
         "global: {scrape_interval: 1s, evaluation_interval: 1s}\n"
         "rule_files: [alerts.yml]\n"
-        f"scrape_configs:\n  - job_name: mha-serve\n    static_configs: [{{targets: ['{instance}']}}]\n"
+        f"scrape_configs:\n  - job_name: mha-serve\n"
+        f"    static_configs: [{{targets: ['{instance}'], labels: {{pod: mha-serve-0}}}}]\n"
     )
     stop = threading.Event()
     with ServerThread(settings) as server:
@@ -144,6 +164,11 @@ def test_every_dashboard_query_returns_data(small_model_dir: Path, tmp_path: Pat
             for expr, lowest in TRITON_QUERIES:  # a Triton user's dashboard reads this server unchanged
                 result = api(prom_port, "query", query=expr)["data"]["result"]
                 assert result and all(float(r["value"][1]) >= lowest for r in result), (expr, result)
+            for expr, low, high in TRITON_DASHBOARD:
+                result = api(prom_port, "query", query=expr)["data"]["result"]
+                values = [float(r["value"][1]) for r in result]
+                assert values and all(low <= v <= high for v in values), (expr, result)
+                assert all(r["metric"].get("pod", "mha-serve-0") == "mha-serve-0" for r in result), (expr, result)
             rules = api(prom_port, "rules")["data"]["groups"]
             assert {r["name"] for g in rules for r in g["rules"]} >= {"MHAServeTargetDown", "MHAServeBackendFallback"}
         finally:

@@ -83,6 +83,10 @@ def test_families_and_types(traffic: tuple[ServerThread, str]) -> None:
         "mha_model_versions": "gauge",
         "mha_model_version_sequences": "gauge",
         "mha_model_loads": "counter",
+        "mha_audit_checked": "counter",
+        "mha_audit_seconds": "counter",
+        "mha_audit_mismatches": "counter",
+        "mha_audit_skipped": "counter",
     }
     triton = {f.name: f.type for f in text_string_to_metric_families(text) if f.name.startswith("nv_")}
     assert triton == {  # Triton's names, without the `_total` a counter would get: gauges that only grow

@@ -1,0 +1,164 @@
+"""Answers re-verified in production. A sampled share of the stateless answers (`--audit-rate`) is
+recomputed off the hot path by the float64 reference and compared with what was served, at the
+precision's tolerance (the self-check's).
+
+A mismatch is an incident. It is counted and logged once, with the request id, the shape, the
+backend, the error and the tolerance. The backend is benched at once, as repeated errors bench it,
+so the fallback chain takes over until its probe (the self-check) passes again.
+
+It never costs a client. The answer is sent before its audit. The audit copies one row of the
+request and its answer (a causal model's prefix of up to `--audit-max-tokens` tokens is exact on
+its own, as padding is), into a bounded queue. A full queue, a spent CPU allowance
+(`--audit-max-cpu`, measured as the audit thread's wall time, which overstates it) or a full
+batch waiting (unless `--audit-when-busy`) skips the audit, and the skip is counted. Decode steps
+are not audited: the server keeps their keys and values, not the prefix the reference would need.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from model import MHAConfig
+from model.reference import attention_view, relative_error
+from service.errors import quote
+from service.metrics import AUDIT_SKIPS
+
+__all__ = ["AUDIT_SKIPS", "AuditLimits", "Auditor", "Reference", "Sample", "mismatch_message"]
+
+if TYPE_CHECKING:
+    from service.engine.versions import Loaded
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class AuditLimits:
+    rate: float = 0.001  # share of answers audited; 0: off
+    max_cpu: float = 0.05  # share of one CPU the audits may take, on average
+    queue: int = 4  # answers waiting for their audit at most
+    max_tokens: int = 256  # tokens of one row recomputed
+    when_busy: bool = False  # audit even while a full batch waits
+    busy_depth: int = 8  # requests waiting that make a full batch (--max-batch-size)
+
+
+class Reference:
+    """One version's float64 reference: its weights converted once, and the tolerance of the
+    precision it serves."""
+
+    def __init__(self, config: MHAConfig, weights: Mapping[str, torch.Tensor], tolerance: float) -> None:
+        self.config, self.tolerance = config, tolerance
+        self.weights = {name: w.to(torch.float64) for name, w in weights.items()}
+
+    def error(self, x: np.ndarray, y: np.ndarray) -> float:
+        """Relative error of the served (1, T, C) `y` against the reference on `x`."""
+        with torch.no_grad():
+            ref = attention_view(torch.from_numpy(x), self.weights, self.config)  # (1, T, C) float64
+        return relative_error(torch.from_numpy(y), ref)
+
+
+@dataclass(frozen=True)
+class Sample:
+    """What one audit checks: a row of the request (a prefix) and of its answer, and who served it."""
+
+    x: np.ndarray  # (1, T', C) copy
+    y: np.ndarray  # (1, T', C) copy
+    shape: tuple[int, ...]  # the request's (B, T, C)
+    backend: str
+    request_id: str
+    version: str
+
+
+Verdict = Callable[[Sample, Reference, float, float], None]  # (sample, its reference, relative error, seconds)
+
+
+class Auditor:
+    """Samples answers on the event loop (`offer`, O(1) unless sampled) and checks them on a
+    thread of its own; `on_checked` hears every verdict, `on_skipped` every skip's reason."""
+
+    def __init__(
+        self,
+        limits: AuditLimits,
+        on_checked: Verdict,
+        on_skipped: Callable[[str], None],
+        clock: Callable[[], float] = time.monotonic,
+        timer: Callable[[], float] = time.perf_counter,
+    ) -> None:
+        self.limits, self._on_checked, self._on_skipped, self._clock = limits, on_checked, on_skipped, clock
+        self._timer = timer  # what an audit's cost is measured with
+        self._credit = 0.0  # rate accumulated since the last sample: every 1/rate-th answer is sampled
+        self._rows = 0  # which row of a request the next audit takes, in turn
+        self._lock = threading.Lock()  # the two below, shared with the audit thread
+        self._pending = 0
+        self._allowance, self._refilled = limits.max_cpu, clock()  # seconds of audit time available
+        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="audit")
+
+    def offer(self, x: np.ndarray, y: np.ndarray, backend: str, request_id: str, loaded: Loaded) -> str | None:
+        """An answer (B, T, C) of version `loaded` served by `backend`: queued for its audit (None),
+        skipped (the reason, counted), or not sampled ("")."""
+        reference = loaded.reference
+        if reference is None:  # the audit is off
+            return ""
+        self._credit += self.limits.rate
+        if self._credit < 1.0:
+            return ""
+        self._credit -= 1.0
+        reason = self._skip(x.shape, reference.config.causal, loaded.batcher.depth >= self.limits.busy_depth)
+        if reason:
+            self._on_skipped(reason)
+            return reason
+        row, tokens = self._rows % x.shape[0], min(x.shape[1], self.limits.max_tokens)
+        self._rows += 1
+        x1, y1 = x[row : row + 1, :tokens].copy(), y[row : row + 1, :tokens].copy()  # (1, T', C)
+        self._thread.submit(self._check, Sample(x1, y1, x.shape, backend, request_id, loaded.version), reference)
+        return None
+
+    def _skip(self, shape: tuple[int, ...], causal: bool, busy: bool) -> str:
+        if busy and not self.limits.when_busy:
+            return "busy"
+        if not causal and shape[1] > self.limits.max_tokens:  # without causality no prefix stands alone
+            return "too_large"
+        with self._lock:
+            now = self._clock()
+            self._allowance = min(self.limits.max_cpu, self._allowance + (now - self._refilled) * self.limits.max_cpu)
+            self._refilled = now
+            if self._pending >= self.limits.queue:
+                return "queue_full"
+            if self._allowance <= 0:
+                return "cpu"
+            self._pending += 1
+        return ""
+
+    def _check(self, sample: Sample, reference: Reference) -> None:
+        began = self._timer()
+        try:
+            error = reference.error(sample.x, sample.y)
+        except Exception:  # the audit's own failure is logged, never a client's
+            log.exception("audit of request %s failed", quote(sample.request_id))
+            error = None
+        spent = self._timer() - began
+        with self._lock:
+            self._pending -= 1
+            self._allowance -= spent
+        if error is not None:
+            self._on_checked(sample, reference, error, spent)
+
+    def close(self) -> None:
+        self._thread.shutdown(wait=True, cancel_futures=True)
+
+
+def mismatch_message(sample: Sample, reference: Reference, error: float) -> str:
+    return (
+        f"audit: the answer to request {quote(sample.request_id)} (shape {sample.shape}, version "
+        f"{quote(sample.version)}) from {sample.backend} differs from the float64 reference: relative error "
+        f"{error:.2e} > {reference.tolerance:.0e} over a row's first {sample.x.shape[1]} tokens; {sample.backend} "
+        "is benched until its self-check passes again"
+    )

@@ -1,0 +1,245 @@
+"""Answers re-verified in production: sampling, the bounds that keep the audit off the clients'
+path (queue, CPU allowance, busy), and, behind a real server, a corrupting backend caught,
+counted, logged and benched while the fallback answers correctly; at rate 1.0 every answer of a
+grid checked and none found wrong, on both CPU backends and fp16."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from export.layout import precision_tolerance
+from export.pipeline import export_model_dir
+from model import MHAConfig
+from model.checkpoint import init_weights, load_checkpoint
+from model.reference import attention_view, relative_error
+from service.backends.base import Backend
+from service.client.client import MHAClient
+from service.engine.audit import AuditLimits, Auditor, Reference, Sample
+from tests.support import ServerThread, make_settings
+
+SMALL = MHAConfig(d_model=32, n_head=4, max_seq_len=64)
+WEIGHTS = init_weights(SMALL, seed=3)
+
+
+# The auditor alone: what it samples and what it skips --------------------------------------------
+
+
+class HeldReference(Reference):
+    """The real float64 reference, each check held until the test lets it through, and costing
+    `cost` seconds on the auditor's timer."""
+
+    def __init__(self, config: MHAConfig, timer: FakeTimer | None = None, cost: float = 0.0) -> None:
+        super().__init__(config, WEIGHTS, tolerance=1e-5)
+        self.gate, self.timer, self.cost = threading.Semaphore(0), timer, cost
+
+    def error(self, x: np.ndarray, y: np.ndarray) -> float:
+        assert self.gate.acquire(timeout=30), "the test never let this audit run"
+        if self.timer is not None:
+            self.timer.t += self.cost
+        return super().error(x, y)
+
+
+class FakeTimer:
+    def __init__(self) -> None:
+        self.t = 0.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+@dataclass
+class Depth:
+    depth: int = 0
+
+
+@dataclass
+class Version:
+    """What the auditor reads of a loaded version."""
+
+    reference: Reference | None
+    batcher: Depth
+    version: str = "1"
+
+
+class Verdicts:
+    def __init__(self) -> None:
+        self.checked: list[tuple[Sample, float]] = []
+        self.skipped: list[str] = []
+        self.done = threading.Semaphore(0)
+
+    def on_checked(self, sample: Sample, reference: Reference, error: float, spent: float) -> None:
+        self.checked.append((sample, error))
+        self.done.release()
+
+
+def _answer(B: int, T: int, seed: int = 0, config: MHAConfig = SMALL) -> tuple[np.ndarray, np.ndarray]:
+    x = np.random.default_rng(seed).standard_normal((B, T, config.d_model), dtype=np.float32)
+    y = attention_view(torch.from_numpy(x), WEIGHTS, config).float().numpy()  # (B, T, C)
+    return x, y
+
+
+def _auditor(limits: AuditLimits, clock: Callable[[], float] = time.monotonic) -> tuple[Auditor, Verdicts]:
+    verdicts = Verdicts()
+    return Auditor(limits, verdicts.on_checked, verdicts.skipped.append, clock=clock, timer=clock), verdicts
+
+
+def test_every_nth_answer_is_sampled_and_checked_off_the_callers_thread() -> None:
+    auditor, verdicts = _auditor(AuditLimits(rate=0.25, queue=99, max_cpu=1.0))
+    reference = HeldReference(SMALL)
+    version = Version(reference, Depth())
+    outcomes = [auditor.offer(*_answer(2, 9, seed=i), "ort-cpu", f"r{i}", version) for i in range(12)]  # type: ignore[arg-type]
+    assert outcomes == ["", "", "", None] * 3  # queued every 4th; the others not sampled
+    for _ in range(3):
+        reference.gate.release()
+        assert verdicts.done.acquire(timeout=30)
+    auditor.close()
+    assert [s.request_id for s, _ in verdicts.checked] == ["r3", "r7", "r11"]
+    assert [s.x.shape for s, _ in verdicts.checked] == [(1, 9, 32)] * 3  # one row, rows in turn
+    assert all(error < 1e-6 for _, error in verdicts.checked)
+
+
+def test_a_corrupt_answer_shows_its_error_and_a_causal_prefix_is_checked_alone() -> None:
+    auditor, verdicts = _auditor(AuditLimits(rate=1.0, max_tokens=16, max_cpu=1.0))
+    reference = HeldReference(SMALL)
+    x, y = _answer(1, 40)
+    y[0, 5, 3] += 1.0  # within the prefix the audit takes
+    assert auditor.offer(x, y, "torch-cpu", "bad", Version(reference, Depth())) is None  # type: ignore[arg-type]
+    reference.gate.release()
+    assert verdicts.done.acquire(timeout=30)
+    auditor.close()
+    ((sample, error),) = verdicts.checked
+    assert sample.x.shape == (1, 16, 32) and sample.shape == (1, 40, 32) and error > 1e-3
+
+
+def test_a_full_queue_a_spent_allowance_and_a_busy_server_skip_and_say_why() -> None:
+    clock = FakeTimer()
+    auditor, verdicts = _auditor(AuditLimits(rate=1.0, queue=1, max_cpu=0.05, busy_depth=4), clock)
+    reference = HeldReference(SMALL, clock, cost=1.0)  # each audit costs 1 s of the audit thread
+    idle, busy = Version(reference, Depth(0)), Version(reference, Depth(4))
+    offer = lambda v: auditor.offer(*_answer(1, 4), "ort-cpu", "r", v)  # noqa: E731
+    assert offer(busy) == "busy"
+    assert offer(idle) is None  # queued, held
+    assert offer(idle) == "queue_full"
+    reference.gate.release()
+    assert verdicts.done.acquire(timeout=30)
+    assert offer(idle) == "cpu"  # 1 s spent against 0.05 s allowed
+    clock.t += 17.0  # 17 s at 5 % of a CPU: 0.85 s of the 0.9 s owed, still short
+    assert offer(idle) == "cpu"
+    clock.t += 2.0
+    assert offer(idle) is None
+    reference.gate.release()
+    auditor.close()
+    assert verdicts.skipped == ["busy", "queue_full", "cpu", "cpu"]
+    when_busy, _ = _auditor(AuditLimits(rate=1.0, when_busy=True, max_cpu=1.0, busy_depth=4))
+    assert when_busy.offer(*_answer(1, 4), "ort-cpu", "r", Version(Reference(SMALL, WEIGHTS, 1e-5), Depth(9))) is None  # type: ignore[arg-type]
+    when_busy.close()
+
+
+def test_without_causality_a_long_request_is_skipped_not_cut() -> None:
+    config = replace(SMALL, causal=False)
+    auditor, _ = _auditor(AuditLimits(rate=1.0, max_tokens=8))
+    x, y = _answer(1, 9)
+    assert auditor.offer(x, y, "ort-cpu", "r", Version(Reference(config, WEIGHTS, 1e-5), Depth())) == "too_large"  # type: ignore[arg-type]
+    auditor.close()
+
+
+# Behind a real server ---------------------------------------------------------------------------------
+
+
+class Corrupting(Backend):
+    """A backend that answers one batch in `every` slightly wrong, as a silently faulty core would."""
+
+    def __init__(self, inner: Backend, every: int) -> None:
+        self.inner, self.every, self.calls = inner, every, 0
+        self.name, self.device, self.platform = inner.name, inner.device, inner.platform
+
+    @property
+    def steps(self) -> bool:
+        return self.inner.steps
+
+    def run(self, x: np.ndarray) -> np.ndarray:
+        self.calls += 1
+        y = np.array(self.inner.run(x), copy=True)
+        if self.calls % self.every == 0:
+            y[..., 0] += 0.05  # far beyond fp32's tolerance, far within what looks plausible
+        return y
+
+    def step(self, steps):  # type: ignore[no-untyped-def]
+        return self.inner.step(steps)
+
+    def close(self) -> None:
+        self.inner.close()
+
+
+def test_a_corrupting_backend_is_caught_counted_logged_and_benched(
+    small_model_dir: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    config, weights = load_checkpoint(small_model_dir / "weights.safetensors")
+    settings = make_settings(
+        small_model_dir, threads=1, audit_rate=1.0, audit_max_cpu=1.0, audit_when_busy=True, audit_queue=64
+    )
+    x = np.random.default_rng(5).standard_normal((1, 12, 32), dtype=np.float32)
+    ref = attention_view(torch.from_numpy(x), weights, config)
+    with ServerThread(settings) as server, MHAClient(server.url) as client:
+        chain = server.core.loaded.chain
+        assert len(chain.backends) == 2, "both CPU backends serve: one to corrupt, one to fall back on"
+        victim = chain.backends[0] = Corrupting(chain.backends[0], every=3)
+        errors = []
+        for _ in range(3):
+            y, backend = client.infer_with_backend(x)
+            errors.append((relative_error(torch.from_numpy(y), ref), backend))
+        assert errors[2][1] == victim.name and errors[2][0] > 1e-3  # the third answer went out wrong
+        registry = server.registry
+        mismatches = {"backend": victim.name, "device": "cpu", "precision": "fp32"}
+        deadline = time.monotonic() + 30
+        while (registry.get_sample_value("mha_audit_mismatches_total", mismatches) or 0) < 1:
+            assert time.monotonic() < deadline, "the audit never reported the corrupt answer"
+            time.sleep(0.01)
+        while chain.benched() != [victim.name]:  # benched on the compute thread
+            assert time.monotonic() < deadline, "the corrupt backend was never benched"
+            client.infer(x)
+        for _ in range(6):  # the fallback answers now, exactly
+            y, backend = client.infer_with_backend(x)
+            assert backend != victim.name and relative_error(torch.from_numpy(y), ref) < 1e-5
+        while (registry.get_sample_value("mha_audit_checked_total") or 0) < 9:  # the audits trail the answers
+            assert time.monotonic() < deadline, "not every answer was audited"
+            time.sleep(0.01)
+    incidents = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR and "audit:" in r.getMessage()]
+    assert len(incidents) == 1, incidents
+    assert "shape (1, 12, 32)" in incidents[0] and victim.name in incidents[0] and "> 1e-05" in incidents[0]
+
+
+@pytest.mark.parametrize("backend,precision", [("ort-cpu", "fp32"), ("torch", "fp32"), ("auto", "fp16")])
+def test_at_rate_one_every_answer_of_the_grid_is_checked_and_none_is_wrong(
+    tmp_path: Path, backend: str, precision: str
+) -> None:
+    model = tmp_path / "model"
+    export_model_dir(model, SMALL, WEIGHTS, precisions=("fp32", "fp16"))
+    settings = make_settings(
+        model, backend=backend, precision=precision, audit_rate=1.0, audit_max_cpu=1.0, audit_when_busy=True
+    )
+    settings = replace(settings, audit_queue=64)
+    shapes = [(b, t) for b in (1, 3) for t in (1, 7, 33, 64)]
+    with ServerThread(settings) as server, MHAClient(server.url) as client:
+        for i, (b, t) in enumerate(shapes):
+            x = np.random.default_rng(i).standard_normal((b, t, 32), dtype=np.float32)
+            client.infer(x)
+        registry, deadline = server.registry, time.monotonic() + 60
+        while (registry.get_sample_value("mha_audit_checked_total") or 0) < len(shapes):
+            assert time.monotonic() < deadline, "not every answer was audited"
+            time.sleep(0.01)
+        mismatches = [s for f in registry.collect() if f.name == "mha_audit_mismatches" for s in f.samples]
+        assert mismatches and all(s.value == 0 for s in mismatches if s.name.endswith("_total")), mismatches
+        assert {s.labels["precision"] for s in mismatches} == {precision}
+        skipped = [s.value for f in registry.collect() if f.name == "mha_audit_skipped" for s in f.samples]
+        assert sum(skipped) == 0
+    assert precision_tolerance(precision, SMALL) >= 1e-5
