@@ -10,7 +10,8 @@ It never costs a client. The answer is sent before its audit. The audit copies o
 request and its answer (a causal model's prefix of up to `--audit-max-tokens` tokens is exact on
 its own, as padding is), into a bounded queue. A full queue, a spent CPU allowance
 (`--audit-max-cpu`, measured as the audit thread's wall time, which overstates it) or a full
-batch waiting (unless `--audit-when-busy`) skips the audit, and the skip is counted. Decode steps
+batch waiting (unless `--audit-when-busy`) skips the audit, and the skip is counted. At rate 1
+(every answer, asked for) only the queue's bound applies. Decode steps
 are not audited: the server keeps their keys and values, not the prefix the reference would need.
 """
 
@@ -44,7 +45,7 @@ log = logging.getLogger(__name__)
 class AuditLimits:
     rate: float = 0.001  # share of answers audited; 0: off
     max_cpu: float = 0.05  # share of one CPU the audits may take, on average
-    queue: int = 4  # answers waiting for their audit at most
+    queue: int = 64  # answers waiting for their audit at most
     max_tokens: int = 256  # tokens of one row recomputed
     when_busy: bool = False  # audit even while a full batch waits
     busy_depth: int = 8  # requests waiting that make a full batch (--max-batch-size)
@@ -94,7 +95,7 @@ class Auditor:
     ) -> None:
         self.limits, self._on_checked, self._on_skipped, self._clock = limits, on_checked, on_skipped, clock
         self._timer = timer  # what an audit's cost is measured with
-        self._credit = 0.0  # rate accumulated since the last sample: every 1/rate-th answer is sampled
+        self._credit = 1.0 - limits.rate  # the rate accumulated: the first answer, then every 1/rate-th
         self._rows = 0  # which row of a request the next audit takes, in turn
         self._lock = threading.Lock()  # the two below, shared with the audit thread
         self._pending = 0
@@ -122,7 +123,10 @@ class Auditor:
         return None
 
     def _skip(self, shape: tuple[int, ...], causal: bool, busy: bool) -> str:
-        if busy and not self.limits.when_busy:
+        """Why a sampled answer is not audited ("" : it is). At rate 1 every answer was asked for:
+        only the queue's bound (memory) applies, not the CPU allowance nor the busy check."""
+        every = self.limits.rate >= 1.0
+        if busy and not (self.limits.when_busy or every):
             return "busy"
         if not causal and shape[1] > self.limits.max_tokens:  # without causality no prefix stands alone
             return "too_large"
@@ -132,7 +136,7 @@ class Auditor:
             self._refilled = now
             if self._pending >= self.limits.queue:
                 return "queue_full"
-            if self._allowance <= 0:
+            if self._allowance <= 0 and not every:
                 return "cpu"
             self._pending += 1
         return ""

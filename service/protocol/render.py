@@ -22,7 +22,15 @@ SERVER_NAME = "mha-serve"
 # Triton's extension names, for what this server implements whatever its flags: the model's config
 # and statistics, sequences (sequence_id and the sequence model), request parameters, the repository
 # index (load and unload need --model-control-mode explicit), log settings; then those that flags turn on.
-EXTENSIONS = ("model_configuration", "statistics", "sequence", "parameters", "model_repository", "logging")
+EXTENSIONS = (
+    "model_configuration",
+    "statistics",
+    "sequence",
+    "parameters",
+    "model_repository",
+    "schedule_policy",
+    "logging",
+)
 
 
 @cache

@@ -136,6 +136,7 @@ def test_readiness_and_metadata(server: ServerThread, stub: pb_grpc.GRPCInferenc
     meta = stub.ServerMetadata(pb.ServerMetadataRequest())
     assert meta.name == "mha-serve" and "sequence" in meta.extensions and "model_repository" in meta.extensions
     assert "system_shared_memory" not in meta.extensions  # --shared-memory off
+    assert "schedule_policy" in meta.extensions  # priority levels and queue policies (docs/operations.md)
     assert not any(e.startswith("backend:") for e in meta.extensions)  # what serves is in ModelConfig
     model = stub.ModelMetadata(pb.ModelMetadataRequest(name="mha"))
     assert model.versions == ["1"] and model.platform == "onnxruntime_onnx"  # stable, whichever backend computes

@@ -97,12 +97,12 @@ def test_every_nth_answer_is_sampled_and_checked_off_the_callers_thread() -> Non
     reference = HeldReference(SMALL)
     version = Version(reference, Depth())
     outcomes = [auditor.offer(*_answer(2, 9, seed=i), "ort-cpu", f"r{i}", version) for i in range(12)]  # type: ignore[arg-type]
-    assert outcomes == ["", "", "", None] * 3  # queued every 4th; the others not sampled
+    assert outcomes == [None, "", "", ""] * 3  # the first queued, then every 4th; the others not sampled
     for _ in range(3):
         reference.gate.release()
         assert verdicts.done.acquire(timeout=30)
     auditor.close()
-    assert [s.request_id for s, _ in verdicts.checked] == ["r3", "r7", "r11"]
+    assert [s.request_id for s, _ in verdicts.checked] == ["r0", "r4", "r8"]
     assert [s.x.shape for s, _ in verdicts.checked] == [(1, 9, 32)] * 3  # one row, rows in turn
     assert all(error < 1e-6 for _, error in verdicts.checked)
 
@@ -122,10 +122,16 @@ def test_a_corrupt_answer_shows_its_error_and_a_causal_prefix_is_checked_alone()
 
 def test_a_full_queue_a_spent_allowance_and_a_busy_server_skip_and_say_why() -> None:
     clock = FakeTimer()
-    auditor, verdicts = _auditor(AuditLimits(rate=1.0, queue=1, max_cpu=0.05, busy_depth=4), clock)
+    auditor, verdicts = _auditor(AuditLimits(rate=0.5, queue=1, max_cpu=0.05, busy_depth=4), clock)
     reference = HeldReference(SMALL, clock, cost=1.0)  # each audit costs 1 s of the audit thread
     idle, busy = Version(reference, Depth(0)), Version(reference, Depth(4))
-    offer = lambda v: auditor.offer(*_answer(1, 4), "ort-cpu", "r", v)  # noqa: E731
+
+    def offer(version: Version) -> str | None:
+        """A sampled answer's outcome (at rate 0.5 the one after it is not sampled)."""
+        outcome = auditor.offer(*_answer(1, 4), "ort-cpu", "r", version)  # type: ignore[arg-type]
+        assert auditor.offer(*_answer(1, 4), "ort-cpu", "r", version) == ""  # type: ignore[arg-type]
+        return outcome
+
     assert offer(busy) == "busy"
     assert offer(idle) is None  # queued, held
     assert offer(idle) == "queue_full"
@@ -139,9 +145,12 @@ def test_a_full_queue_a_spent_allowance_and_a_busy_server_skip_and_say_why() -> 
     reference.gate.release()
     auditor.close()
     assert verdicts.skipped == ["busy", "queue_full", "cpu", "cpu"]
-    when_busy, _ = _auditor(AuditLimits(rate=1.0, when_busy=True, max_cpu=1.0, busy_depth=4))
-    assert when_busy.offer(*_answer(1, 4), "ort-cpu", "r", Version(Reference(SMALL, WEIGHTS, 1e-5), Depth(9))) is None  # type: ignore[arg-type]
-    when_busy.close()
+    for limits in (AuditLimits(rate=0.5, when_busy=True, busy_depth=4), AuditLimits(rate=1.0, busy_depth=4)):
+        asked, _ = _auditor(limits)  # busy, but asked to audit then, or asked to audit every answer
+        version = Version(Reference(SMALL, WEIGHTS, 1e-5), Depth(9))
+        outcomes = [asked.offer(*_answer(1, 4), "ort-cpu", "r", version) for _ in range(2)]  # type: ignore[arg-type]
+        assert None in outcomes and "busy" not in outcomes
+        asked.close()
 
 
 def test_without_causality_a_long_request_is_skipped_not_cut() -> None:
@@ -224,10 +233,7 @@ def test_at_rate_one_every_answer_of_the_grid_is_checked_and_none_is_wrong(
 ) -> None:
     model = tmp_path / "model"
     export_model_dir(model, SMALL, WEIGHTS, precisions=("fp32", "fp16"))
-    settings = make_settings(
-        model, backend=backend, precision=precision, audit_rate=1.0, audit_max_cpu=1.0, audit_when_busy=True
-    )
-    settings = replace(settings, audit_queue=64)
+    settings = make_settings(model, backend=backend, precision=precision, audit_rate=1.0)  # nothing else
     shapes = [(b, t) for b in (1, 3) for t in (1, 7, 33, 64)]
     with ServerThread(settings) as server, MHAClient(server.url) as client:
         for i, (b, t) in enumerate(shapes):
