@@ -26,6 +26,8 @@ from opentelemetry.sdk.trace.sampling import Decision, Sampler, SamplingResult
 from opentelemetry.trace import Link, Status, StatusCode
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
+from service.errors import InvalidInput, Precondition
+
 if TYPE_CHECKING:
     from opentelemetry.context import Context
     from opentelemetry.sdk.trace import TracerProvider
@@ -71,9 +73,10 @@ def wanted(settings: TraceSettings, environ: Mapping[str, str]) -> bool:
 class Tracing:
     """The server's tracer; `Tracing()` is off."""
 
-    def __init__(self, provider: TracerProvider | None = None) -> None:
+    def __init__(self, provider: TracerProvider | None = None, sampler: ClientTraceFirst | None = None) -> None:
         self._provider = provider
         self.enabled = provider is not None
+        self.control = TraceControl(sampler)  # Triton's trace settings, at run time
         self._tracer: Tracer | None = provider.get_tracer("mha-serve") if provider is not None else None
 
     @classmethod
@@ -82,7 +85,7 @@ class Tracing:
         while tracing is off, so that turning it on later never meets a refusal first."""
         root = root_sampler(environ)
         if not wanted(settings, environ):
-            return cls()
+            return cls(sampler=None)
         from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
         from opentelemetry.sdk.resources import OTELResourceDetector, Resource
         from opentelemetry.sdk.trace import TracerProvider
@@ -99,12 +102,13 @@ class Tracing:
         # OTEL_RESOURCE_ATTRIBUTES and OTEL_SERVICE_NAME win over ours (Resource.create alone lets
         # the code's attributes win)
         resource = Resource.create(ours).merge(OTELResourceDetector().detect())
-        provider = TracerProvider(resource=resource, sampler=ClientTraceFirst(root))
+        sampler = ClientTraceFirst(root)
+        provider = TracerProvider(resource=resource, sampler=sampler)
         endpoint = settings.endpoint
         exporter = OTLPSpanExporter(endpoint=f"{endpoint.rstrip('/')}/v1/traces") if endpoint else OTLPSpanExporter()
         provider.add_span_processor(BatchSpanProcessor(exporter))
         log.info("tracing on: spans exported over OTLP/HTTP to %s", endpoint or "the OTEL_EXPORTER_OTLP_* endpoint")
-        return cls(provider)
+        return cls(provider, sampler)
 
     def start_call(self, name: str, carrier: Mapping[str, str] | None, attributes: dict[str, Any]) -> CallSpan | None:
         """The span of one call, continuing the client's trace when the carrier holds a
@@ -232,7 +236,8 @@ class ClientTraceFirst(Sampler):
     of a local span follows its parent."""
 
     def __init__(self, root: Any) -> None:
-        self._root = root
+        self.root = root  # what a call without a client's trace asks (trace settings swap it)
+        self.off = False  # trace_level OFF: nothing is recorded, a client's trace included
 
     def should_sample(
         self,
@@ -245,13 +250,86 @@ class ClientTraceFirst(Sampler):
         trace_state: Any = None,
     ) -> Any:
         parent = trace.get_current_span(parent_context).get_span_context()
+        if self.off:
+            return SamplingResult(Decision.DROP, None, parent.trace_state)
         if parent.is_valid and (parent.is_remote or parent.trace_flags.sampled):
             return SamplingResult(Decision.RECORD_AND_SAMPLE, attributes, parent.trace_state)
         if parent.is_valid:
             return SamplingResult(Decision.DROP, None, parent.trace_state)
         if any(link.context.trace_flags.sampled for link in links or ()):  # a batch of a sampled request
             return SamplingResult(Decision.RECORD_AND_SAMPLE, attributes)
-        return self._root.should_sample(parent_context, trace_id, name, kind, attributes, links, trace_state)
+        return self.root.should_sample(parent_context, trace_id, name, kind, attributes, links, trace_state)
 
     def get_description(self) -> str:
-        return f"ClientTraceFirst{{{self._root.get_description()}}}"
+        return f"ClientTraceFirst{{{self.root.get_description()}}}"
+
+
+TRACE_FIXED = {"trace_count": "-1", "log_frequency": "0", "trace_file": "", "trace_mode": "opentelemetry"}
+TRACE_KEYS = ("trace_level", "trace_rate", *TRACE_FIXED)
+TraceValues = dict[str, list[str]]
+
+
+class TraceControl:
+    """Triton's trace settings mapped onto OpenTelemetry, changed while the server runs.
+    `trace_level` OFF records nothing (a client's trace included); TIMESTAMPS records spans (only
+    where tracing was configured at start: it names where they go). `trace_rate` N records one
+    trace in N of the calls that carry no trace of their own (0: only those that do). The rest
+    hold the one value offered: spans go over OTLP, with no count, log or file of Triton's."""
+
+    def __init__(self, sampler: ClientTraceFirst | None) -> None:
+        self._sampler = sampler
+        self._rate = _rate_of(sampler.root) if sampler is not None else 1
+        self._initial = self.settings()
+
+    def settings(self) -> TraceValues:
+        level = "TIMESTAMPS" if self._sampler is not None and not self._sampler.off else "OFF"
+        return {"trace_level": [level], "trace_rate": [str(self._rate)], **{k: [v] for k, v in TRACE_FIXED.items()}}
+
+    def change(self, changes: Mapping[str, list[str] | None]) -> TraceValues:
+        """Apply `changes` (None: back to the value at start) and return the settings; a mistake
+        changes nothing (InvalidInput, or Precondition for spans where tracing is off)."""
+        wanted = self.settings()
+        for key, values in changes.items():
+            if key not in TRACE_KEYS:
+                raise InvalidInput(f"trace setting {key[:64]!r}: expected one of {', '.join(TRACE_KEYS)}")
+            wanted[key] = self._initial[key] if values is None else [str(v)[:64] for v in values]
+        for key, value in TRACE_FIXED.items():
+            if wanted[key] != [value]:
+                raise InvalidInput(f"{key} {wanted[key]}: only {value!r} is offered here ({_FIXED_WHY[key]})")
+        level, rate = wanted["trace_level"], wanted["trace_rate"]
+        if level not in (["OFF"], ["TIMESTAMPS"]):
+            raise InvalidInput(f'trace_level {level}: expected ["OFF"] or ["TIMESTAMPS"] (tensors are not traced)')
+        if len(rate) != 1 or not rate[0].isdigit():
+            raise InvalidInput(f"trace_rate {rate}: expected one count N (one trace in N; 0: only clients' traces)")
+        if level == ["TIMESTAMPS"] and self._sampler is None:
+            raise Precondition("tracing is off: start the server with --otlp-endpoint (or OTEL_EXPORTER_OTLP_*)")
+        self._rate = int(rate[0])
+        if self._sampler is not None:
+            self._sampler.off, self._sampler.root = level == ["OFF"], _root_of(self._rate)
+        return self.settings()
+
+
+_FIXED_WHY = {
+    "trace_count": "no limit; trace_level OFF stops tracing",
+    "log_frequency": "spans are exported as they end",
+    "trace_file": "spans go over OTLP to --otlp-endpoint",
+    "trace_mode": "spans are OpenTelemetry's",
+}
+
+
+def _rate_of(root: Any) -> int:
+    """A root sampler as Triton's trace_rate: 1 (every trace), N (one in N), 0 (none)."""
+    from opentelemetry.sdk.trace import sampling
+
+    if root is sampling.ALWAYS_ON:
+        return 1
+    ratio = root.rate if isinstance(root, sampling.TraceIdRatioBased) else 0.0
+    return round(1 / ratio) if ratio > 0 else 0
+
+
+def _root_of(rate: int) -> Any:
+    from opentelemetry.sdk.trace import sampling
+
+    if rate == 1:
+        return sampling.ALWAYS_ON
+    return sampling.TraceIdRatioBased(1 / rate) if rate > 0 else sampling.ALWAYS_OFF

@@ -20,7 +20,7 @@ from service.engine.core import InferenceCore
 from service.errors import FeatureOff, NotReady, RegionNotFound, quote
 from service.proto import grpc_service_pb2 as pb
 from service.proto import grpc_service_pb2_grpc as pb_grpc
-from service.protocol import log_calls, model_calls, render
+from service.protocol import log_calls, model_calls, render, trace_calls
 from service.protocol.answer import answer_infer
 from service.protocol.calls import Call, Calls, StreamItemScope
 from service.protocol.grpc_codec import request_from_proto, response_to_proto
@@ -150,6 +150,13 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         async with self.calls.unary("LogSettings", context):
             changes = log_calls.from_proto(request.settings)
             return log_calls.to_proto(await log_calls.change(changes, self.peers))
+
+    async def TraceSetting(self, request: pb.TraceSettingRequest, context: Context) -> pb.TraceSettingResponse:
+        async with self.calls.unary("TraceSetting", context):
+            if request.model_name:
+                self.core.identity.check(request.model_name)
+            changes = trace_calls.from_proto(request.settings)
+            return trace_calls.to_proto(await trace_calls.change(self.core.tracing.control, changes, self.peers))
 
     async def ModelInfer(self, request: pb.ModelInferRequest, context: Context) -> pb.ModelInferResponse:
         async with self.calls.unary("ModelInfer", context, request.id, inference=True) as call:

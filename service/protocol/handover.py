@@ -16,7 +16,7 @@ from google.protobuf.message import DecodeError, Message
 
 from service.engine.core import InferenceCore
 from service.proto import grpc_service_pb2 as pb
-from service.protocol import log_calls, model_calls, render
+from service.protocol import log_calls, model_calls, render, trace_calls
 from service.protocol.answer import answer_infer
 from service.protocol.calls import Call, Calls
 from service.protocol.grpc_codec import request_from_proto, response_to_proto
@@ -27,6 +27,7 @@ from service.protocol.peers import (
     LOG,
     REGISTER,
     REQUESTS,
+    TRACE,
     UNLOAD,
     UNREGISTER,
     WorkerPeers,
@@ -94,6 +95,8 @@ class Handover:
             return pb.RepositoryModelUnloadResponse()
         if kind == LOG:  # another worker's log settings call: this worker's part of it
             return log_calls.to_proto(log_calls.apply(log_calls.from_proto(request.settings)))
+        if kind == TRACE:  # another worker's trace settings call
+            return trace_calls.to_proto(self.core.tracing.control.change(trace_calls.from_proto(request.settings)))
         return render.system_shm_status(self.regions.status(request.name))
 
     async def stop(self) -> None:

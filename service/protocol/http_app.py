@@ -13,12 +13,14 @@ import asyncio
 import logging
 import ssl
 from collections.abc import Awaitable, Callable
+from functools import partial
+from typing import Any
 
 from aiohttp import web
 
 from service.engine.core import InferenceCore
 from service.errors import ClientGone, InvalidInput, NotReady, TooLarge, quote
-from service.protocol import log_calls, model_calls
+from service.protocol import log_calls, model_calls, trace_calls
 from service.protocol.answer import answer_infer
 from service.protocol.auth import HTTP_HOW, BearerToken
 from service.protocol.calls import Call, Calls
@@ -87,8 +89,9 @@ class HttpApi:
             app.router.add_post(path + "/unregister", self._guard("SystemSharedMemoryUnregister", self._shm_unregister))
         app.router.add_post(region + "/register", self._guard("SystemSharedMemoryRegister", self._shm_register))
         app.router.add_post("/v2/repository/index", self._guard("RepositoryIndex", self._repository_index))
-        app.router.add_get("/v2/logging", self._guard("LogSettings", self._log_settings))
-        app.router.add_post("/v2/logging", self._guard("LogSettings", self._log_settings))
+        for path, method, handler in SETTINGS:  # GET reads, POST changes then reads
+            app.router.add_get(path, self._guard(method, partial(handler, self)))
+            app.router.add_post(path, self._guard(method, partial(handler, self)))
         control = "/v2/repository/models/{model}"
         app.router.add_post(control + "/load", self._guard("RepositoryModelLoad", self._model_load))
         app.router.add_post(control + "/unload", self._guard("RepositoryModelUnload", self._model_unload))
@@ -148,13 +151,6 @@ class HttpApi:
             raise InvalidInput('"ready" must be a JSON boolean (true or false)')
         index = model_calls.index(self.core, ready)
         return web.json_response([proto_json(model) for model in index.models])
-
-    async def _log_settings(self, request: web.Request) -> web.Response:
-        """GET: the log settings; POST: change some (a JSON object of Triton's names), then all."""
-        changes = {}
-        if request.method == "POST":
-            changes = json_object(parse_json(await request.read() or b"{}", "the log settings"), "the log settings")
-        return web.json_response(await log_calls.change(changes, self.peers))
 
     async def _model_load(self, request: web.Request) -> web.Response:
         await model_calls.load(self.core, request.match_info["model"], self.peers)
@@ -234,3 +230,29 @@ def ssl_context(settings: Settings) -> ssl.SSLContext | None:
         context.load_verify_locations(settings.tls_client_ca)
         context.verify_mode = ssl.CERT_REQUIRED
     return context
+
+
+async def _settings_body(request: web.Request, what: str) -> dict[str, Any]:
+    """A settings call's changes: none for GET, a JSON object of Triton's names for POST."""
+    if request.method != "POST":
+        return {}
+    return json_object(parse_json(await request.read() or b"{}", what), what)
+
+
+async def _log_settings(api: HttpApi, request: web.Request) -> web.Response:
+    changes = await _settings_body(request, "the log settings")
+    return web.json_response(await log_calls.change(changes, api.peers))
+
+
+async def _trace_settings(api: HttpApi, request: web.Request) -> web.Response:
+    changes = trace_calls.from_json(await _settings_body(request, "the trace settings"))
+    return web.json_response(
+        trace_calls.to_json(await trace_calls.change(api.core.tracing.control, changes, api.peers))
+    )
+
+
+SETTINGS = (  # Triton's settings extensions: (path, method, handler)
+    ("/v2/logging", "LogSettings", _log_settings),
+    ("/v2/trace/setting", "TraceSetting", _trace_settings),
+    ("/v2/models/{name}/trace/setting", "TraceSetting", _trace_settings),
+)

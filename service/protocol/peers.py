@@ -38,7 +38,7 @@ log = logging.getLogger(__name__)
 
 FORWARDED_METHOD = "HandedOver"  # the metric label, on the receiving worker, of calls handed over by another
 REQUEST_HEAD = struct.Struct("!BIHd")  # kind, request bytes, header bytes, seconds left (< 0: no deadline)
-INFER, REGISTER, UNREGISTER, STATUS, LOAD, UNLOAD, LOG = range(7)  # inference, shared memory, repository, logs
+INFER, REGISTER, UNREGISTER, STATUS, LOAD, UNLOAD, LOG, TRACE = range(8)  # inference, regions, repository, settings
 REQUESTS: dict[int, type[Message]] = {
     INFER: pb.ModelInferRequest,
     REGISTER: pb.SystemSharedMemoryRegisterRequest,
@@ -47,6 +47,7 @@ REQUESTS: dict[int, type[Message]] = {
     LOAD: pb.RepositoryModelLoadRequest,
     UNLOAD: pb.RepositoryModelUnloadRequest,
     LOG: pb.LogSettingsRequest,
+    TRACE: pb.TraceSettingRequest,
 }
 REGION_KEEPER = 0  # the worker that keeps the shared memory regions of all workers
 ANSWER_HEAD = struct.Struct("!BI")  # status code (0: OK), then the response's bytes or the error message

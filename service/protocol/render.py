@@ -29,6 +29,7 @@ EXTENSIONS = (
     "parameters",
     "model_repository",
     "schedule_policy",
+    "trace",
     "logging",
 )
 

@@ -363,3 +363,27 @@ def test_a_worker_killed_under_load_fails_only_its_own_requests(small_model_dir:
     assert set(outcomes) <= {"OK", "UNAVAILABLE"}, sorted(set(outcomes))
     assert outcomes.count("UNAVAILABLE") <= 8, f"more failed than were on the killed worker: {sorted(messages)}"
     assert counted == sorted(counted), f"the merged counter went down: {counted[:5]} ..."
+
+
+def test_log_and_trace_settings_changed_through_one_connection_hold_in_every_worker(
+    small_model_dir: Path, tmp_path: Path
+) -> None:
+    """Changed through one connection, the settings are what every later connection reads, whichever
+    worker the kernel gives it (12 new connections: all on one worker with odds of 1 in 2,048)."""
+    server = ServerProcess(["--model-dir", str(small_model_dir), "--backend", "torch", "--workers", "2"])
+    server.start(tmp_path / "server.log")
+    try:
+        _until(lambda: _ready_workers(server) == 2)
+        log_change = pb.LogSettingsRequest()
+        log_change.settings["log_verbose_level"].uint32_param = 1
+        _stub_call(server.url, "LogSettings", log_change)
+        trace_change = pb.TraceSettingRequest()
+        trace_change.settings["trace_rate"].value.append("50")
+        _stub_call(server.url, "TraceSetting", trace_change)
+        for _ in range(12):
+            logs = _stub_call(server.url, "LogSettings", pb.LogSettingsRequest())
+            assert logs.settings["log_verbose_level"].uint32_param == 1  # type: ignore[attr-defined]
+            traces = _stub_call(server.url, "TraceSetting", pb.TraceSettingRequest())
+            assert list(traces.settings["trace_rate"].value) == ["50"]  # type: ignore[attr-defined]
+    finally:
+        server.kill()
