@@ -249,7 +249,7 @@ class Metrics:
         self._worker = None if worker is None else str(worker)
         self.requests = counter("mha_requests", "Requests answered, by RPC and final code.", ["method", "code"])
         self.request_duration = seconds("mha_request_duration_seconds", "Time in the server per request.", ["method"])
-        version = ["version"]  # the model version that did the work
+        version = ["model", "version"]  # the model entry (mha, mha_sequence) and its version that did the work
         self.queue_duration = seconds("mha_queue_duration_seconds", "Time waited for the batch to run.", version)
         self.batch_formation = seconds("mha_batch_formation_seconds", "Time spent forming a batch.", version)
         self.inference_duration = seconds("mha_inference_duration_seconds", "Compute per batch.", ["backend", *version])
@@ -343,27 +343,27 @@ class Metrics:
         for method, values in timed.items():
             observe_all(self.request_duration.labels(method=method), values)
 
-    def observe_batches(self, events: Sequence[tuple[BatchEvent, str]]) -> None:
-        """Executed batches, in bulk, each with its model version (failed ones are counted by
-        their requests' codes)."""
-        by_version: collections.defaultdict[str, list[BatchEvent]] = collections.defaultdict(list)
-        for event, version in events:
+    def observe_batches(self, events: Sequence[tuple[BatchEvent, str, str]]) -> None:
+        """Executed batches, in bulk, each with its model entry and version (failed ones are
+        counted by their requests' codes)."""
+        by_version: collections.defaultdict[tuple[str, str], list[BatchEvent]] = collections.defaultdict(list)
+        for event, model, version in events:
             if event.error is None:
-                by_version[version].append(event)
-        for version, done in by_version.items():
-            observe_all(self.batch_size.labels(version), [e.rows for e in done])
-            observe_all(self.batch_formation.labels(version), [e.formation_s for e in done])
+                by_version[model, version].append(event)
+        for (model, version), done in by_version.items():
+            observe_all(self.batch_size.labels(model, version), [e.rows for e in done])
+            observe_all(self.batch_formation.labels(model, version), [e.formation_s for e in done])
             by_backend: collections.defaultdict[str, list[float]] = collections.defaultdict(list)
             for event in done:
                 by_backend[event.backend].append(event.compute_s)
             for backend, values in by_backend.items():
-                observe_all(self.inference_duration.labels(backend, version), values)
+                observe_all(self.inference_duration.labels(backend, model, version), values)
 
-    def observe_answers(self, version: str, tokens: int, queue_s: Sequence[float]) -> None:
-        """Answered inference requests of a version, in bulk: the tokens (B*T) they held, the
-        time each queued."""
-        self.tokens.labels(version).inc(tokens)
-        observe_all(self.queue_duration.labels(version), queue_s)
+    def observe_answers(self, model: str, version: str, tokens: int, queue_s: Sequence[float]) -> None:
+        """Answered inference requests of a model entry's version, in bulk: the tokens (B*T) they
+        held, the time each queued."""
+        self.tokens.labels(model, version).inc(tokens)
+        observe_all(self.queue_duration.labels(model, version), queue_s)
 
     def init_fallbacks(self, chain: list[str], reasons: tuple[str, ...]) -> None:
         """Export zero-valued series for every possible fallback, so rates and alerts see them."""

@@ -467,13 +467,19 @@ def _audited(core: InferenceCore, sample: Sample, reference: Reference, error: f
 
 def _serving(loaded: Loaded, s: Settings, schedule: SchedulePolicy) -> Serving:
     chain, summary = loaded.chain, loaded.selection.summary()
-    limits = (s.max_batch_size, s.max_queue_delay_ms, s.max_sequences, s.sequence_idle_timeout_s)
+    limits = (_merged_rows(s), s.max_queue_delay_ms, s.max_sequences, s.sequence_idle_timeout_s)
     return Serving(chain.backends, chain.active, summary, *limits, schedule)
+
+
+def _merged_rows(s: Settings) -> int:
+    """Rows the batcher merges requests into: --max-batch-size, never past --max-request-rows (the
+    config's max_batch_size, which in Triton bounds every batch executed)."""
+    return min(s.max_batch_size, s.max_request_rows)
 
 
 def _batching(s: Settings, model: ServedModel) -> BatcherConfig:
     return BatcherConfig(
-        max_batch_size=s.max_batch_size,
+        max_batch_size=_merged_rows(s),
         max_queue_delay_s=s.max_queue_delay_ms / 1e3,
         max_queue_size=s.max_queue_size,
         max_padding_ratio=s.max_padding_ratio,

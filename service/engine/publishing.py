@@ -84,7 +84,7 @@ class Publisher:
         return self.entries[1] if steps else self.entries[0]
 
     def _fold_batches(self, records: list[tuple[BatchEvent, str, bool]]) -> None:
-        self.metrics.observe_batches([(event, version) for event, version, _ in records])
+        self.metrics.observe_batches([(event, self.entry(steps), version) for event, version, steps in records])
         executions = self.metrics.triton.executions
         for event, version, steps in records:
             self.stats(version, steps).observe_batch(event)
@@ -100,7 +100,7 @@ class Publisher:
             self.stats(*key).observe_answers(answered_rows, held, last_ms)
             version, steps = key
             queued = [t.queue_s for t in held]
-            self.metrics.observe_answers(version, sum(tokens[i] for i in mine), queued)
+            self.metrics.observe_answers(self.entry(steps), version, sum(tokens[i] for i in mine), queued)
             phases = [sum(t.compute[k] for t in held) for k in range(3)]
             self.metrics.triton.answers(self.entry(steps), version, answered_rows, sum(queued), phases)
 

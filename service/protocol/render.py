@@ -68,6 +68,7 @@ def model_metadata(model: ServedModel, name: str, versions: list[str]) -> pb.Mod
 
 
 MODEL_PLATFORM = "onnxruntime_onnx"  # stable from one start to the next: the directory's model.onnx
+MODEL_BACKEND = "onnxruntime"  # Triton's backend of an onnxruntime_onnx model
 
 
 def model_config(model: ServedModel, serving: Serving, name: str, policy: VersionPolicy) -> pb.ModelConfig:
@@ -79,6 +80,7 @@ def model_config(model: ServedModel, serving: Serving, name: str, policy: Versio
     config = pb.ModelConfig(
         name=name,
         platform=MODEL_PLATFORM,  # the model's format; what computes it is parameters["backend"]
+        backend=MODEL_BACKEND,  # as Triton fills it for an ONNX model (its tools read either)
         max_batch_size=model.max_request_rows,  # as Triton: the largest B a request may carry
         input=[pb.ModelInput(name=model.input_name, data_type=pb.TYPE_FP32, dims=dims)],
         output=[pb.ModelOutput(name=model.output_name, data_type=pb.TYPE_FP32, dims=dims)],

@@ -120,13 +120,15 @@ def test_batches_and_answers_fold_into_their_series() -> None:
         BatchEvent(requests=2, rows=5, seqs=(4, 2), padded_tokens=2, formation_s=0.001, compute_s=0.0, backend=""),
     ]
     events[1].error = RuntimeError("failed: counted by its requests' codes, not as a batch")
-    metrics.observe_batches([(event, "1") for event in events])
-    metrics.observe_answers("1", 12 + 7, [0.0002, 0.03])
-    metrics.observe_answers("2", 5, [0.001])  # another version: its own series
+    metrics.observe_batches([(event, "mha", "1") for event in events])
+    metrics.observe_answers("mha", "1", 12 + 7, [0.0002, 0.03])
+    metrics.observe_answers("mha", "2", 5, [0.001])  # another version: its own series
+    metrics.observe_answers("mha_sequence", "1", 3, [0.001])  # decode steps: the sequence model's
     get = metrics.registry.get_sample_value
-    v1 = {"version": "1"}
+    v1 = {"model": "mha", "version": "1"}
     assert get("mha_batch_size_count", v1) == 1 and get("mha_batch_size_bucket", {**v1, "le": "4.0"}) == 1
     assert get("mha_inference_duration_seconds_count", {"backend": "ort-cpu", **v1}) == 1
     assert get("mha_tokens_total", v1) == 19 and get("mha_queue_duration_seconds_count", v1) == 2
     assert get("mha_queue_duration_seconds_bucket", {**v1, "le": "0.00025"}) == 1
-    assert get("mha_tokens_total", {"version": "2"}) == 5
+    assert get("mha_tokens_total", {"model": "mha", "version": "2"}) == 5
+    assert get("mha_tokens_total", {"model": "mha_sequence", "version": "1"}) == 3

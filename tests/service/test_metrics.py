@@ -121,9 +121,9 @@ def test_exact_counts(traffic: tuple[ServerThread, str]) -> None:
     assert req("ModelInfer", "NOT_FOUND") == 1
     assert req("ModelStreamInfer", "OK") == 2
     assert req("ModelMetadata", "OK") == 1
-    assert s[("mha_tokens_total", (("version", "1"),))] == sum(B * T for B, T in SHAPES) + 2 * 3
+    assert s[("mha_tokens_total", (("model", "mha"), ("version", "1")))] == sum(B * T for B, T in SHAPES) + 2 * 3
     assert s[("mha_request_duration_seconds_count", (("method", "ModelInfer"),))] == len(SHAPES) + 3
-    assert s[("mha_queue_duration_seconds_count", (("version", "1"),))] == len(SHAPES) + 2
+    assert s[("mha_queue_duration_seconds_count", (("model", "mha"), ("version", "1")))] == len(SHAPES) + 2
     assert s[("mha_inflight_requests", ())] == 0
     assert s[("mha_ready", ())] == 1
     settings = server.settings
@@ -210,7 +210,7 @@ def test_rejected_requests_are_counted(small_model_dir: Path, tmp_path: Path) ->
         s = samples(scrape(server.metrics_port))
     assert s[("mha_requests_total", (("code", "UNAUTHENTICATED"), ("method", "ModelInfer")))] == 1
     assert s[("mha_requests_total", (("code", "OK"), ("method", "ModelInfer")))] == 1
-    assert s[("mha_tokens_total", (("version", "1"),))] == 2
+    assert s[("mha_tokens_total", (("model", "mha"), ("version", "1")))] == 2
 
 
 def test_made_up_methods_share_one_label(small_model_dir: Path, tmp_path: Path) -> None:

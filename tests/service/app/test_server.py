@@ -154,7 +154,7 @@ def test_model_config_says_which_backend_and_why(server: ServerThread, client: M
     assert params["max_seq_len"] == "64"
     # As a Triton tool reads them: the largest B per request, the batcher's own row limit beside
     # it, and a platform that does not change with the backend measured at start
-    assert config.platform == "onnxruntime_onnx" and not config.backend
+    assert (config.platform, config.backend) == ("onnxruntime_onnx", "onnxruntime")  # as Triton fills them
     assert params["max_batch_rows"] == str(server.core.settings.max_batch_size)
     assert params["backend_platform"] == server.core.loaded.chain.active.platform
 

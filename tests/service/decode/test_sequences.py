@@ -101,7 +101,7 @@ def test_eight_concurrent_sequences_are_exact_step_by_step(server: ServerThread,
 
     def batches() -> tuple[float, float]:  # (rows, batches) of mha_batch_size so far
         sample = server.registry.get_sample_value
-        v1 = {"version": "1"}
+        v1 = {"model": "mha_sequence", "version": "1"}  # the steps' batches
         return sample("mha_batch_size_sum", v1) or 0.0, sample("mha_batch_size_count", v1) or 0.0
 
     before = batches()

@@ -115,7 +115,11 @@ def _count(server: ServerThread, name: str, labels: dict[str, str] | None = None
 def test_the_sequence_entrys_steps_and_refusals_are_in_the_metrics(server: ServerThread) -> None:
     ok, refused = ({"method": "ModelInfer", "code": code} for code in ("OK", "INVALID_ARGUMENT"))
     before = {key: _count(server, "mha_requests_total", labels) for key, labels in (("ok", ok), ("no", refused))}
-    tokens = _count(server, "mha_tokens_total", {"version": "1"})
+    steps = {"model": "mha_sequence", "version": "1"}  # the sequence model's tokens, apart from mha's
+    tokens, stateless = (
+        _count(server, "mha_tokens_total", steps),
+        _count(server, "mha_tokens_total", {"model": "mha", "version": "1"}),
+    )
     x = np.ones((1, 3, 32), np.float32)
     with MHAClient(server.url, model="mha_sequence") as client:
         sequence = client.sequence("metered")
@@ -126,5 +130,6 @@ def test_the_sequence_entrys_steps_and_refusals_are_in_the_metrics(server: Serve
             client.infer(x)  # no sequence_id: refused
     assert _count(server, "mha_requests_total", ok) == before["ok"] + 2
     assert _count(server, "mha_requests_total", refused) == before["no"] + 1
-    assert _count(server, "mha_tokens_total", {"version": "1"}) == tokens + 4
+    assert _count(server, "mha_tokens_total", steps) == tokens + 4
+    assert _count(server, "mha_tokens_total", {"model": "mha", "version": "1"}) == stateless
     assert _count(server, "mha_sequences_active") == 0

@@ -109,3 +109,16 @@ def test_a_config_pbtxt_whose_levels_do_not_hold_together_stops_the_start(tmp_pa
     says = r"config.pbtxt: dynamic_batching: default_priority_level 5 is outside"
     with pytest.raises(Exception, match=says), ServerThread(settings):
         pass
+
+
+def test_max_batch_size_bounds_requests_and_batches_as_in_triton(small_model_dir: Path) -> None:
+    """The config's max_batch_size is the largest B a request may carry and the largest batch
+    executed: the batcher never merges past it, whatever --max-batch-size asks."""
+    settings = make_settings(small_model_dir, backend="torch", max_batch_size=16, max_request_rows=4)
+    with ServerThread(settings) as server, MHAClient(server.url) as client:
+        config = client.model_config()
+        assert config.max_batch_size == 4 and list(config.dynamic_batching.preferred_batch_size) == [4]
+        assert server.core.loaded.batcher.config.max_batch_size == 4
+        assert client.infer(np.ones((4, 2, 32), np.float32)).shape == (4, 2, 32)
+        with pytest.raises(Exception, match="exceeds this server's limit of 4 rows"):
+            client.infer(np.ones((5, 2, 32), np.float32))
