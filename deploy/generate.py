@@ -2,6 +2,7 @@
 
 - deploy/k8s/components/monitoring/generated/prometheusrule.yaml from deploy/prometheus/alerts.yml
 - deploy/k8s/base/generated/grafana-dashboard.yaml from deploy/grafana/mha-serve.json
+- deploy/helm/mha-serve/files/mha-serve.json from the same (a chart reads only its own files)
 
 usage: python deploy/generate.py [--check]   (`make deploy-gen`; --check exits 1 on drift)
 """
@@ -43,9 +44,14 @@ def dashboard_configmap() -> str:
     return HEADER.format(source="deploy/grafana/mha-serve.json") + yaml.safe_dump(obj, sort_keys=False, width=200)
 
 
+def chart_dashboard() -> str:
+    return json.dumps(json.loads((DEPLOY / "grafana" / "mha-serve.json").read_text()), indent=2) + "\n"
+
+
 OUTPUTS = {
     K8S / "components" / "monitoring" / "generated" / "prometheusrule.yaml": prometheus_rule,
     K8S / "base" / "generated" / "grafana-dashboard.yaml": dashboard_configmap,
+    DEPLOY / "helm" / "mha-serve" / "files" / "mha-serve.json": chart_dashboard,
 }
 
 

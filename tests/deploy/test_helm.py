@@ -1,0 +1,171 @@
+"""The Helm chart (deploy/helm/mha-serve), rendered and linted by Helm's own library (Helm 4's, from
+PyPI's helm-python-sdk): with its defaults it renders what the kustomize cpu overlay renders
+(compared object by object, so the two cannot drift), its objects validate strictly against
+Kubernetes 1.30, its values are checked by values.schema.json, a config change rolls the pods,
+and `helm test` checks the served answers against the float64 reference."""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from helm_python import chart as helm
+from helm_python.errors import HelmValuesError
+
+from tests.deploy.test_k8s import _validate, render
+from tests.support import ROOT
+
+CHART = ROOT / "deploy" / "helm" / "mha-serve"
+RELEASE, NAMESPACE = "mha-serve", "serving"
+CHART_ONLY = ("app.kubernetes.io/instance", "app.kubernetes.io/managed-by", "helm.sh/chart")  # Helm's labels
+
+
+def _render(values: dict[str, Any] | None = None, release: str = RELEASE) -> dict[str, str]:
+    return helm.Chart.load(CHART).render(values, name=release, namespace=NAMESPACE, is_install=True)
+
+
+def _objects(values: dict[str, Any] | None = None, release: str = RELEASE, tests: bool = False) -> list[dict[str, Any]]:
+    rendered = _render(values, release)
+    docs = []
+    for path, text in sorted(rendered.items()):
+        if path.endswith(".yaml") and ("/tests/" in path) == tests:
+            docs += [d for d in yaml.safe_load_all(text) if d]
+    return docs
+
+
+def _of(docs: list[dict[str, Any]], kind: str, name: str = RELEASE) -> dict[str, Any]:
+    (found,) = [d for d in docs if d["kind"] == kind and d["metadata"]["name"] == name]
+    return found
+
+
+def _without_helms_own(value: Any) -> Any:
+    """`value` with Helm's labels and the config checksum taken out, wherever they are."""
+    if isinstance(value, dict):
+        return {
+            k: _without_helms_own(v)
+            for k, v in value.items()
+            if k not in CHART_ONLY and k != "checksum/config" and not (k == "annotations" and _only_checksum(v))
+        }
+    if isinstance(value, list):
+        return [_without_helms_own(v) for v in value]
+    return value
+
+
+def _only_checksum(annotations: Any) -> bool:
+    return isinstance(annotations, dict) and set(annotations) <= {"checksum/config"}
+
+
+def test_with_its_defaults_the_chart_renders_what_kustomize_renders() -> None:
+    kustomized = {(d["kind"], d["metadata"]["name"]): d for d in render("cpu")}
+    charted = {(d["kind"], d["metadata"]["name"]): d for d in _objects()}
+    assert set(charted) == set(kustomized)
+    for key, ours in charted.items():
+        theirs, mine = kustomized[key], _without_helms_own(ours)
+        if key == ("ConfigMap", "mha-serve-dashboard"):
+            assert json.loads(mine["data"]["mha-serve.json"]) == json.loads(theirs["data"]["mha-serve.json"])
+            continue
+        mine["metadata"]["labels"] = theirs["metadata"].get("labels", {}) | {
+            k: v for k, v in mine["metadata"].get("labels", {}).items() if k not in theirs["metadata"].get("labels", {})
+        }
+        assert mine == theirs, key
+
+
+def test_every_object_carries_the_release_so_two_installs_never_overlap() -> None:
+    one, two = _objects(release="mha-serve"), _objects(release="canary")
+    names = {"canary-mha-serve", "canary-mha-serve-config", "canary-mha-serve-headless", "canary-mha-serve-dashboard"}
+    assert {d["metadata"]["name"] for d in two} == names
+    for doc in one + two:
+        assert doc["metadata"]["labels"]["app.kubernetes.io/instance"] in ("mha-serve", "canary")
+    selector = _of(two, "Deployment", "canary-mha-serve")["spec"]["selector"]["matchLabels"]
+    assert selector["app.kubernetes.io/instance"] == "canary"
+    assert _of(two, "Service", "canary-mha-serve")["spec"]["selector"] == selector
+
+
+def test_the_objects_validate_strictly_against_1_30_and_lint_clean(tmp_path: Path) -> None:
+    values = [None, {"gpu": {"enabled": True, "memoryLimitMb": 20000, "runtimeClassName": "nvidia"}},
+              {"autoscaling": {"mode": "none"}, "replicaCount": 3, "priorityClassName": "inference"}]  # fmt: skip
+    for i, v in enumerate(values):
+        path = tmp_path / f"{i}.yaml"
+        path.write_text(yaml.safe_dump_all(_objects(v) + _objects(v, tests=True)))
+        run = _validate(path)
+        assert run.returncode == 0, (v, run.stdout + run.stderr)
+        report = helm.lint(CHART, v, strict=True, namespace=NAMESPACE, kube_version="1.30.0")
+        assert report["errors"] == [] and all(m["severity"] < 2 for m in report["messages"]), report
+
+
+@pytest.mark.parametrize(
+    ("values", "says"),
+    [
+        ({"autoscaling": {"mode": "keda2"}}, "/autoscaling/mode"),
+        ({"image": {"repository": "mha-serve", "tag": "latest"}}, "/image/tag"),
+        ({"image": {"repository": "mha-serve", "digest": "sha256:beef"}}, "/image/digest"),
+        ({"config": {"THREADS": "4"}}, "'THREADS' does not match"),
+        ({"gpu": {"count": 0}}, "/gpu/count"),
+        ({"replicas": 3}, "replicas"),
+    ],
+)
+def test_the_values_schema_refuses_what_would_not_work(values: dict[str, Any], says: str) -> None:
+    with pytest.raises(HelmValuesError, match=says):
+        helm.Chart.load(CHART).validate_schema(values)
+
+
+def test_a_config_change_rolls_the_pods_and_the_same_config_does_not() -> None:
+    def checksum(values: dict[str, Any] | None) -> str:
+        return _of(_objects(values), "Deployment")["spec"]["template"]["metadata"]["annotations"]["checksum/config"]
+
+    config = copy.deepcopy(helm.Chart.load(CHART).values["config"])
+    assert checksum(None) == checksum({"config": config})
+    assert checksum({"config": {**config, "MHA_MAX_QUEUE_DELAY_MS": "1"}}) != checksum(None)
+    assert checksum({"gpu": {"enabled": True, "memoryLimitMb": 1000}}) != checksum(None)  # the arena cap is config
+
+
+def test_gpu_values_ask_for_the_device_cap_its_memory_and_land_on_gpu_nodes() -> None:
+    values = {
+        "gpu": {
+            "enabled": True,
+            "resourceName": "nvidia.com/mig-1g.18gb",
+            "memoryLimitMb": 16000,
+            "runtimeClassName": "nvidia",
+            "nodeSelector": {"cloud.google.com/gke-accelerator": "nvidia-h200-141gb"},
+        }
+    }
+    docs = _objects(values)
+    pod = _of(docs, "Deployment")["spec"]["template"]["spec"]
+    assert pod["containers"][0]["resources"]["limits"]["nvidia.com/mig-1g.18gb"] == "1"
+    assert pod["runtimeClassName"] == "nvidia"
+    assert pod["nodeSelector"] == {"cloud.google.com/gke-accelerator": "nvidia-h200-141gb"}
+    assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in pod["tolerations"]
+    assert _of(docs, "ConfigMap", "mha-serve-config")["data"]["MHA_GPU_MEM_LIMIT_MB"] == "16000"
+    cpu_pod = _of(_objects(), "Deployment")["spec"]["template"]["spec"]
+    assert "runtimeClassName" not in cpu_pod and "tolerations" not in cpu_pod and "nodeSelector" not in cpu_pod
+
+
+def test_autoscaling_off_sets_the_replicas_and_drops_the_hpa() -> None:
+    docs = _objects({"autoscaling": {"mode": "none"}, "replicaCount": 3})
+    assert _of(docs, "Deployment")["spec"]["replicas"] == 3
+    assert not [d for d in docs if d["kind"] == "HorizontalPodAutoscaler"]
+    assert "replicas" not in _of(_objects(), "Deployment")["spec"]  # the HPA owns the count
+
+
+def test_helm_test_verifies_the_served_answers_and_notes_say_how_to_reach_it() -> None:
+    (pod,) = _objects(tests=True)
+    assert pod["metadata"]["annotations"]["helm.sh/hook"] == "test"
+    assert pod["spec"]["containers"][0]["args"] == ["mha", "verify", "/opt/mha/model", "--url", "mha-serve:8001"]
+    assert pod["metadata"]["labels"]["mha-serve-client"] == "true"  # let through by the NetworkPolicy
+    assert (
+        pod["spec"]["containers"][0]["image"]
+        == _of(_objects(), "Deployment")["spec"]["template"]["spec"]["containers"][0]["image"]
+    )
+    notes = _render()["mha-serve/templates/NOTES.txt"]
+    assert "kubectl -n serving port-forward svc/mha-serve 8001:8001" in notes
+    assert "mha infer --url 127.0.0.1:8001" in notes and "helm test mha-serve -n serving" in notes
+
+
+def test_an_image_digest_wins_over_the_tag() -> None:
+    digest = "sha256:" + "a" * 64
+    pod = _of(_objects({"image": {"repository": "registry.example/mha-serve", "digest": digest}}), "Deployment")
+    assert pod["spec"]["template"]["spec"]["containers"][0]["image"] == f"registry.example/mha-serve@{digest}"
