@@ -56,8 +56,18 @@ def render(overlay: str) -> list[dict[str, Any]]:
     return [doc for doc in yaml.safe_load_all(run.stdout) if doc]
 
 
+GENERATED = re.compile(r"(mha-serve-config)-[a-z0-9]{10}")  # the settings' ConfigMap: its name ends in a content hash
+
+
+def base_name(doc: dict[str, Any]) -> str:
+    """An object's name, the generated ConfigMap's without its hash."""
+    name = doc["metadata"]["name"]
+    generated = GENERATED.fullmatch(name)
+    return generated.group(1) if doc["kind"] == "ConfigMap" and generated else name
+
+
 def by_kind(overlay: str, kind: str, name: str = "mha-serve") -> dict[str, Any]:
-    return next(d for d in render(overlay) if d["kind"] == kind and d["metadata"]["name"] == name)
+    return next(d for d in render(overlay) if d["kind"] == kind and base_name(d) == name)
 
 
 def container(overlay: str) -> dict[str, Any]:
@@ -214,9 +224,7 @@ def test_pod_hardening_and_drain(overlay: str) -> None:
     assert sc["readOnlyRootFilesystem"] and not sc["allowPrivilegeEscalation"] and sc["capabilities"]["drop"] == ["ALL"]
     assert {"name": "tmp", "mountPath": "/tmp"} in c["volumeMounts"]
     assert any(v["name"] == "tmp" and "emptyDir" in v for v in pod["volumes"])
-    config = next(
-        d for d in render(overlay) if d["kind"] == "ConfigMap" and d["metadata"]["name"] == "mha-serve-config"
-    )
+    config = by_kind(overlay, "ConfigMap", "mha-serve-config")
     grace = float(config["data"]["MHA_GRACE_S"])
     pre_stop = c["lifecycle"]["preStop"]["sleep"]["seconds"]
     assert pod["terminationGracePeriodSeconds"] > grace + pre_stop
@@ -304,7 +312,7 @@ def _env_names() -> set[str]:
     names: set[str] = set()
     for overlay in OVERLAYS:
         for doc in render(overlay):
-            if doc["kind"] == "ConfigMap" and doc["metadata"]["name"] == "mha-serve-config":
+            if doc["kind"] == "ConfigMap" and base_name(doc) == "mha-serve-config":
                 names |= set(doc["data"])
         names |= {e["name"] for e in container(overlay).get("env", []) if e["name"].startswith("MHA_")}
     kserve = yaml.safe_load((DEPLOY / "kserve" / "servingruntime.yaml").read_text())
@@ -440,6 +448,20 @@ def test_multi_replica_overlays_require_the_sequence_offset(overlay: str) -> Non
     refused (--require-sequence-offset), so that a state left on a pod can never answer it."""
     assert by_kind(overlay, "ConfigMap", "mha-serve-config")["data"]["MHA_REQUIRE_SEQUENCE_OFFSET"] == "true"
     assert "MHA_REQUIRE_SEQUENCE_OFFSET" not in by_kind("cpu", "ConfigMap", "mha-serve-config")["data"]
+
+
+def test_a_settings_change_makes_a_new_config_map_that_rolls_the_pods() -> None:
+    """The settings' ConfigMap is generated: its name carries a hash of its contents, and the
+    Deployment reads it by that name, so an overlay that changes a setting changes the pod
+    template too (a rollout), where a fixed name read once through envFrom never would."""
+    names = {}
+    for overlay in ("cpu", "cpu-keda"):
+        config = by_kind(overlay, "ConfigMap", "mha-serve-config")["metadata"]["name"]
+        assert GENERATED.fullmatch(config), config
+        (source,) = container(overlay)["envFrom"]
+        assert source == {"configMapRef": {"name": config}}
+        names[overlay] = config
+    assert names["cpu"] != names["cpu-keda"]  # cpu-keda sets MHA_REQUIRE_SEQUENCE_OFFSET
 
 
 def test_the_kserve_runtime_requires_the_sequence_offset() -> None:
