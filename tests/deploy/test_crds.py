@@ -93,7 +93,14 @@ def test_kserve_runtime_and_inference_service_validate_against_kserve_crds() -> 
     for doc in docs:
         assert _errors(doc) == [], doc["kind"]
     runtime, service = docs
-    assert runtime["spec"]["protocolVersions"] == ["v2", "grpc-v2"]
+    assert runtime["spec"]["protocolVersions"] == ["grpc-v2"]  # the one port KServe routes: gRPC
+    (container,) = runtime["spec"]["containers"]
+    assert [(p["name"], p["containerPort"]) for p in container["ports"]] == [("h2c", 8001)]
+    assert {e["name"]: e["value"] for e in container["env"]}["MHA_HTTP_PORT"] == "off"  # not advertised, not open
+    sc = container["securityContext"]  # Pod Security "restricted", from the container alone
+    assert sc["runAsNonRoot"] and sc["seccompProfile"] == {"type": "RuntimeDefault"}
+    assert sc["allowPrivilegeEscalation"] is False and sc["capabilities"]["drop"] == ["ALL"]
+    assert service["metadata"]["annotations"]["serving.kserve.io/deploymentMode"] == "RawDeployment"
     model = service["spec"]["predictor"]["model"]
     assert model["runtime"] == runtime["metadata"]["name"]
     assert model["modelFormat"]["name"] in {f["name"] for f in runtime["spec"]["supportedModelFormats"]}
