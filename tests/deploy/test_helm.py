@@ -16,7 +16,8 @@ import yaml
 from helm_python import chart as helm
 from helm_python.errors import HelmValuesError
 
-from tests.deploy.test_k8s import GENERATED, _validate, base_name, render
+from tests.deploy.test_crds import _errors
+from tests.deploy.test_k8s import GENERATED, _validate, base_name, by_kind, render
 from tests.support import ROOT
 
 CHART = ROOT / "deploy" / "helm" / "mha-serve"
@@ -172,3 +173,21 @@ def test_an_image_digest_wins_over_the_tag() -> None:
     digest = "sha256:" + "a" * 64
     pod = _of(_objects({"image": {"repository": "registry.example/mha-serve", "digest": digest}}), "Deployment")
     assert pod["spec"]["template"]["spec"]["containers"][0]["image"] == f"registry.example/mha-serve@{digest}"
+
+
+def test_keda_mode_scales_on_this_releases_queue_time_alone() -> None:
+    """The ScaledObject of the cpu-keda overlay, valid under KEDA's CRD, its query matching this
+    release's namespace (two installs sharing a Prometheus never scale on each other's queue)."""
+    docs = _objects({"autoscaling": {"mode": "keda"}})
+    (scaled,) = [d for d in docs if d["kind"] == "ScaledObject"]
+    assert _errors(scaled) == []
+    assert not [d for d in docs if d["kind"] == "HorizontalPodAutoscaler"]  # KEDA makes and owns it
+    query = scaled["spec"]["triggers"][0]["metadata"]["query"]
+    assert query.count('{job="mha-serve", namespace="serving"}') == 4
+    theirs = copy.deepcopy(by_kind("cpu-keda", "ScaledObject"))
+    mine = _without_helms_own(scaled)
+    mine["spec"]["triggers"][0]["metadata"]["query"] = " ".join(query.replace(', namespace="serving"', "").split())
+    their_query = theirs["spec"]["triggers"][0]["metadata"]
+    their_query["query"] = " ".join(their_query["query"].split())
+    assert mine["spec"] == theirs["spec"]  # the same signal and behaviour as the kustomize component
+    assert _of(docs, "ConfigMap", "mha-serve-config")["data"]["MHA_REQUIRE_SEQUENCE_OFFSET"] == "true"

@@ -41,5 +41,9 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 {{- if and .Values.gpu.enabled .Values.gpu.memoryLimitMb -}}
 {{- $_ := set $config "MHA_GPU_MEM_LIMIT_MB" (toString .Values.gpu.memoryLimitMb) -}}
 {{- end -}}
+{{- if eq .Values.autoscaling.mode "keda" -}}
+{{- /* several replicas serve sequences: a step must say its offset (docs/operations.md) */ -}}
+{{- $_ := set $config "MHA_REQUIRE_SEQUENCE_OFFSET" (get $config "MHA_REQUIRE_SEQUENCE_OFFSET" | default "true") -}}
+{{- end -}}
 {{- toYaml $config -}}
 {{- end -}}
