@@ -24,7 +24,7 @@ import sys
 import tempfile
 import time
 import urllib.request
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
@@ -142,7 +142,7 @@ class Supervisor:
         """A worker's environment: one GPU of its own where the workers are one per GPU."""
         env = {**os.environ, "MHA_LOG_LEVEL": self.settings.log_level, MULTIPROC_ENV: str(self.metrics_dir)}
         if len(self.gpus) == len(self.workers):
-            env["CUDA_VISIBLE_DEVICES"] = str(self.gpus[worker.index])  # its GPU is its cuda:0
+            env["CUDA_VISIBLE_DEVICES"] = cuda_devices(len(self.gpus), os.environ)[worker.index]  # its cuda:0
         return env
 
     async def _spawn(self, worker: Worker) -> None:
@@ -262,10 +262,20 @@ def _die_with_parent(parent: int) -> None:
 
 
 def gpu_devices(dev: Path = Path("/dev")) -> list[int]:
-    """The NVIDIA GPUs this host shows (/dev/nvidia0, /dev/nvidia1, ...), by index."""
+    """The NVIDIA GPUs this host (or pod) shows (/dev/nvidia0, /dev/nvidia3, ...), by their device numbers:
+    their count is what matters (cuda_devices numbers them as CUDA does)."""
     if not dev.is_dir():
         return []
     return sorted(int(d.name[6:]) for d in dev.iterdir() if d.name.startswith("nvidia") and d.name[6:].isdigit())
+
+
+def cuda_devices(count: int, environ: Mapping[str, str]) -> list[str]:
+    """What to put in each of `count` workers' CUDA_VISIBLE_DEVICES, one GPU each. CUDA numbers the
+    devices a process can see from 0, whatever their /dev/nvidiaN numbers: a pod given the host's
+    /dev/nvidia3 sees it as device 0. An inherited CUDA_VISIBLE_DEVICES (indices or GPU UUIDs)
+    names them already, entry by entry."""
+    inherited = [entry.strip() for entry in environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if entry.strip()]
+    return inherited[:count] if len(inherited) >= count else [str(i) for i in range(count)]
 
 
 def worker_count(setting: str, gpus: Sequence[int] | None = None) -> int:

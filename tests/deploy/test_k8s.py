@@ -214,6 +214,14 @@ def test_only_the_gpu_overlay_asks_for_gpus() -> None:
     assert by_kind("gpu", "Deployment")["spec"]["template"]["spec"]["tolerations"][0]["key"] == "nvidia.com/gpu"
 
 
+def test_the_gpu_overlay_schedules_on_any_gpu_pool_and_caps_its_arena() -> None:
+    """No node label only the GPU Operator sets (GKE, EKS and AKS pools lack it): the GPU request
+    places the pod; ORT's CUDA arena is capped so that one pod cannot take a whole device's memory."""
+    assert "nodeSelector" not in by_kind("gpu", "Deployment")["spec"]["template"]["spec"]
+    env = {e["name"]: e.get("value") for e in container("gpu")["env"]}
+    assert int(env["MHA_GPU_MEM_LIMIT_MB"]) > 0
+
+
 @pytest.mark.parametrize("overlay", OVERLAYS)
 def test_pod_hardening_and_drain(overlay: str) -> None:
     pod = by_kind(overlay, "Deployment")["spec"]["template"]["spec"]

@@ -172,3 +172,23 @@ def test_auto_workers_get_a_gpu_each(tmp_path: Path) -> None:
     fixed = Supervisor(Settings(workers="2"), [], 2, [])  # a number of workers: they share what they see
     inherited = os.environ.get("CUDA_VISIBLE_DEVICES")
     assert [fixed.environment(w).get("CUDA_VISIBLE_DEVICES") for w in fixed.workers] == [inherited, inherited]
+
+
+def test_a_pods_gpus_are_numbered_as_cuda_numbers_them_not_by_their_device_nodes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A pod given the host's /dev/nvidia3 and /dev/nvidia5 sees them as CUDA devices 0 and 1: the
+    workers get 0 and 1 (3 and 5 would name devices that do not exist in the pod); an inherited
+    CUDA_VISIBLE_DEVICES (GPU UUIDs, as a runtime may set it) is handed out entry by entry."""
+    from service.app.supervisor import Supervisor, cuda_devices, gpu_devices
+
+    for name in ("nvidia3", "nvidia5", "nvidiactl"):
+        (tmp_path / name).touch()
+    gpus = gpu_devices(tmp_path)
+    assert gpus == [3, 5]
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    supervisor = Supervisor(Settings(workers="auto"), [], 2, gpus)
+    assert [supervisor.environment(w)["CUDA_VISIBLE_DEVICES"] for w in supervisor.workers] == ["0", "1"]
+    assert cuda_devices(len(gpus), {}) == ["0", "1"]
+    assert cuda_devices(2, {"CUDA_VISIBLE_DEVICES": "GPU-aaa, GPU-bbb"}) == ["GPU-aaa", "GPU-bbb"]
+    assert cuda_devices(2, {"CUDA_VISIBLE_DEVICES": "7"}) == ["0", "1"]  # fewer than the workers: CUDA's own count
