@@ -127,15 +127,19 @@ def test_every_balancer_hashes_on_the_header_clients_send() -> None:
 
     ingress = [d for d in render("cpu-ingress-nginx") if d["kind"] == "Ingress"]
     assert len(ingress) == 2
-    for doc in ingress:
-        key = doc["metadata"]["annotations"]["nginx.ingress.kubernetes.io/upstream-hash-by"]
-        assert key == "$http_" + SEQUENCE_HEADER.replace("-", "_")
+    header = "$http_" + SEQUENCE_HEADER.replace("-", "_")
+    for doc in ingress:  # the key the controller's http-snippet makes from the header (test_ingress_key.py)
+        assert doc["metadata"]["annotations"]["nginx.ingress.kubernetes.io/upstream-hash-by"] == "$mha_balance_key"
+    assert (
+        f"map {header} $mha_balance_key"
+        in (ROOT / "deploy/k8s/components/ingress-nginx/controller-values.yaml").read_text()
+    )
     policy = next(d for d in render("cpu-gateway-api") if d["kind"] == "BackendTrafficPolicy")
     assert policy["spec"]["loadBalancer"]["consistentHash"]["header"]["name"] == SEQUENCE_HEADER
     rule = next(d for d in render("cpu-istio") if d["kind"] == "DestinationRule")
     assert rule["spec"]["trafficPolicy"]["loadBalancer"]["consistentHash"]["httpHeaderName"] == SEQUENCE_HEADER
     conf = (ROOT / "deploy" / "nginx" / "mha-serve.conf").read_text()
-    assert conf.count("hash $http_" + SEQUENCE_HEADER.replace("-", "_") + " consistent;") == 2
+    assert conf.count("hash $mha_balance_key consistent;") == 2 and f"map {header} $mha_balance_key" in conf
 
 
 def test_keda_scales_the_deployment_on_queue_over_compute_and_owns_the_hpa() -> None:
