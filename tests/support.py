@@ -5,9 +5,12 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import importlib.util
+import json
 import sys
 import threading
 import time
+import urllib.error
+import urllib.request
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
@@ -37,6 +40,18 @@ def bench_module(name: str) -> ModuleType:
     sys.modules[spec.name] = module  # as an import would: dataclasses and pickling look it up there
     spec.loader.exec_module(module)
     return module
+
+
+def http_json(port: int, path: str, body: dict[str, Any] | None = None) -> tuple[int, Any]:
+    """GET `path` on 127.0.0.1:`port` (POST `body` as JSON when given): the status and the JSON
+    answer, an error's included."""
+    data = None if body is None else json.dumps(body).encode()
+    request = urllib.request.Request(f"http://127.0.0.1:{port}{path}", data=data)
+    try:
+        with urllib.request.urlopen(request, timeout=30) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read())
 
 
 def make_settings(model_dir: Path, **overrides: Any) -> Settings:

@@ -3,10 +3,7 @@ a setting this server cannot honour is refused with the reason, and nothing chan
 
 from __future__ import annotations
 
-import json
 import logging
-import urllib.error
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -15,7 +12,7 @@ import pytest
 
 from service.proto import grpc_service_pb2 as pb
 from service.proto import grpc_service_pb2_grpc as pb_grpc
-from tests.support import ServerThread, make_settings
+from tests.support import ServerThread, http_json, make_settings
 
 
 @pytest.fixture
@@ -37,13 +34,7 @@ def _grpc(server: ServerThread, **settings: bool | int | str) -> dict[str, bool 
 
 
 def _http(server: ServerThread, body: dict | None = None) -> tuple[int, dict]:
-    data = None if body is None else json.dumps(body).encode()
-    request = urllib.request.Request(f"http://127.0.0.1:{server.http_port}/v2/logging", data=data)
-    try:
-        with urllib.request.urlopen(request, timeout=10) as response:
-            return response.status, json.loads(response.read())
-    except urllib.error.HTTPError as exc:
-        return exc.code, json.loads(exc.read())
+    return http_json(server.http_port, "/v2/logging", body)
 
 
 def test_verbosity_changes_at_run_time_on_both_protocols(server: ServerThread) -> None:

@@ -4,9 +4,6 @@ the `priority` a request sends."""
 
 from __future__ import annotations
 
-import json
-import urllib.error
-import urllib.request
 from dataclasses import replace
 from pathlib import Path
 
@@ -21,25 +18,14 @@ from service.client.client import MHAClient
 from service.proto import grpc_service_pb2 as pb
 from service.proto import grpc_service_pb2_grpc as pb_grpc
 from service.protocol.grpc_codec import decode_infer_response, encode_infer_request
-from tests.support import ServerThread, make_settings
+from tests.support import ServerThread, http_json, make_settings
 
 SMALL = MHAConfig(d_model=32, n_head=4, max_seq_len=64)
 
 
-def _http(port: int, path: str, body: dict | None = None) -> tuple[int, dict]:
-    data = None if body is None else json.dumps(body).encode()
-    try:
-        with urllib.request.urlopen(
-            urllib.request.Request(f"http://127.0.0.1:{port}{path}", data=data), timeout=30
-        ) as r:
-            return r.status, json.loads(r.read())
-    except urllib.error.HTTPError as exc:
-        return exc.code, json.loads(exc.read())
-
-
 def _infer(port: int, priority: int) -> tuple[int, dict]:
     tensor = {"name": "x", "shape": [1, 3, 32], "datatype": "FP32", "data": [0.5] * 96}
-    return _http(port, "/v2/models/mha/infer", {"inputs": [tensor], "parameters": {"priority": priority}})
+    return http_json(port, "/v2/models/mha/infer", {"inputs": [tensor], "parameters": {"priority": priority}})
 
 
 def test_flags_set_the_levels_and_model_config_says_them_on_both_protocols(small_model_dir: Path) -> None:
@@ -58,7 +44,7 @@ def test_flags_set_the_levels_and_model_config_says_them_on_both_protocols(small
         assert batching.default_queue_policy.default_timeout_microseconds == 5000
         assert batching.priority_queue_policy[1].max_queue_size == 8
         assert batching.priority_queue_policy[1].timeout_action == pb.ModelQueuePolicy.REJECT
-        _, config = _http(server.http_port, "/v2/models/mha/config")
+        _, config = http_json(server.http_port, "/v2/models/mha/config")
         assert config["dynamic_batching"]["priority_levels"] == 3
         assert config["dynamic_batching"]["default_queue_policy"]["timeout_action"] == "DELAY"
         for priority in (0, 1, 3):

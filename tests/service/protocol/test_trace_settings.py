@@ -4,9 +4,6 @@ setting this server cannot honour is refused with the reason, and nothing change
 
 from __future__ import annotations
 
-import json
-import urllib.error
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -18,7 +15,7 @@ from service.client.client import MHAClient
 from service.proto import grpc_service_pb2 as pb
 from service.proto import grpc_service_pb2_grpc as pb_grpc
 from tests.otlp_receiver import OtlpReceiver
-from tests.support import ServerThread, make_settings
+from tests.support import ServerThread, http_json, make_settings
 
 X = np.ones((1, 3, 32), np.float32)
 
@@ -41,13 +38,7 @@ def _grpc(server: ServerThread, model: str = "", **settings: list[str]) -> dict[
 
 
 def _http(server: ServerThread, path: str = "/v2/trace/setting", body: dict | None = None) -> tuple[int, dict]:
-    data = None if body is None else json.dumps(body).encode()
-    request = urllib.request.Request(f"http://127.0.0.1:{server.http_port}{path}", data=data)
-    try:
-        with urllib.request.urlopen(request, timeout=10) as response:
-            return response.status, json.loads(response.read())
-    except urllib.error.HTTPError as exc:
-        return exc.code, json.loads(exc.read())
+    return http_json(server.http_port, path, body)
 
 
 def _calls_traced(server: ServerThread, receiver: OtlpReceiver, count: int = 3) -> int:
