@@ -2,7 +2,8 @@
 
 - deploy/k8s/components/monitoring/generated/prometheusrule.yaml from deploy/prometheus/alerts.yml
 - deploy/k8s/base/generated/grafana-dashboard.yaml from deploy/grafana/mha-serve.json
-- deploy/helm/mha-serve/files/mha-serve.json from the same (a chart reads only its own files)
+- deploy/helm/mha-serve/files/mha-serve.json and files/alerts.yml from the same sources (a chart reads
+  only its own files)
 
 usage: python deploy/generate.py [--check]   (`make deploy-gen`; --check exits 1 on drift)
 """
@@ -52,6 +53,7 @@ OUTPUTS = {
     K8S / "components" / "monitoring" / "generated" / "prometheusrule.yaml": prometheus_rule,
     K8S / "base" / "generated" / "grafana-dashboard.yaml": dashboard_configmap,
     DEPLOY / "helm" / "mha-serve" / "files" / "mha-serve.json": chart_dashboard,
+    DEPLOY / "helm" / "mha-serve" / "files" / "alerts.yml": lambda: (DEPLOY / "prometheus" / "alerts.yml").read_text(),
 }
 
 

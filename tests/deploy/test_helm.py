@@ -11,13 +11,14 @@ import json
 from pathlib import Path
 from typing import Any
 
+import jsonschema
 import pytest
 import yaml
 from helm_python import chart as helm
 from helm_python.errors import HelmValuesError
 
 from tests.deploy.test_crds import _errors
-from tests.deploy.test_k8s import GENERATED, _validate, base_name, by_kind, render
+from tests.deploy.test_k8s import GENERATED, SCHEMAS, _validate, base_name, by_kind, render
 from tests.support import ROOT
 
 CHART = ROOT / "deploy" / "helm" / "mha-serve"
@@ -191,3 +192,21 @@ def test_keda_mode_scales_on_this_releases_queue_time_alone() -> None:
     their_query["query"] = " ".join(their_query["query"].split())
     assert mine["spec"] == theirs["spec"]  # the same signal and behaviour as the kustomize component
     assert _of(docs, "ConfigMap", "mha-serve-config")["data"]["MHA_REQUIRE_SEQUENCE_OFFSET"] == "true"
+
+
+@pytest.mark.parametrize(
+    ("kind", "schema"), [("ServiceMonitor", "servicemonitor_v1.json"), ("PrometheusRule", "prometheusrule_v1.json")]
+)
+def test_monitoring_renders_the_monitoring_components_objects(kind: str, schema: str) -> None:
+    """The ServiceMonitor and the PrometheusRule (the alerts of deploy/prometheus/alerts.yml) as
+    components/monitoring has them, valid under the Prometheus Operator's schemas, selected by
+    kube-prometheus-stack's release label; the ServiceMonitor scrapes this release's pods alone."""
+    docs = _objects({"monitoring": {"serviceMonitor": True, "prometheusRule": True}})
+    ours = _of(docs, kind)
+    jsonschema.validate(ours, json.loads((SCHEMAS / schema).read_text()))
+    assert ours["metadata"]["labels"]["release"] == "kube-prometheus-stack"
+    theirs = by_kind("cpu-prometheus", kind)
+    assert _without_helms_own(ours)["spec"] == theirs["spec"]
+    if kind == "ServiceMonitor":
+        assert ours["spec"]["selector"]["matchLabels"]["app.kubernetes.io/instance"] == RELEASE
+    assert not [d for d in _objects() if d["kind"] == kind]  # off by default: no CRDs needed
