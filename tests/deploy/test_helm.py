@@ -210,3 +210,16 @@ def test_monitoring_renders_the_monitoring_components_objects(kind: str, schema:
     if kind == "ServiceMonitor":
         assert ours["spec"]["selector"]["matchLabels"]["app.kubernetes.io/instance"] == RELEASE
     assert not [d for d in _objects() if d["kind"] == kind]  # off by default: no CRDs needed
+
+
+def test_gateway_api_routing_renders_the_gateway_api_overlays_objects() -> None:
+    """routing.gatewayApi: the cpu-gateway-api overlay's routes and hashing policy, valid under
+    their CRDs, its proxies let in by the NetworkPolicy, and steps required to say their offset."""
+    docs = _objects({"routing": {"gatewayApi": {"enabled": True}}})
+    for kind, name in [("GRPCRoute", RELEASE), ("HTTPRoute", RELEASE), ("BackendTrafficPolicy", "mha-serve-sequences")]:
+        ours = _of(docs, kind, name)
+        assert _errors(ours) == [], kind
+        assert _without_helms_own(ours)["spec"] == by_kind("cpu-gateway-api", kind, name)["spec"], kind
+    policy = _of(docs, "NetworkPolicy")["spec"]
+    assert policy["ingress"] == by_kind("cpu-gateway-api", "NetworkPolicy")["spec"]["ingress"]
+    assert _of(docs, "ConfigMap", "mha-serve-config")["data"]["MHA_REQUIRE_SEQUENCE_OFFSET"] == "true"

@@ -41,8 +41,8 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 {{- if and .Values.gpu.enabled .Values.gpu.memoryLimitMb -}}
 {{- $_ := set $config "MHA_GPU_MEM_LIMIT_MB" (toString .Values.gpu.memoryLimitMb) -}}
 {{- end -}}
-{{- if eq .Values.autoscaling.mode "keda" -}}
-{{- /* several replicas serve sequences: a step must say its offset (docs/operations.md) */ -}}
+{{- if or (eq .Values.autoscaling.mode "keda") .Values.routing.gatewayApi.enabled -}}
+{{- /* an L7 balancer or KEDA spreads sequences over replicas: a step must say its offset */ -}}
 {{- $_ := set $config "MHA_REQUIRE_SEQUENCE_OFFSET" (get $config "MHA_REQUIRE_SEQUENCE_OFFSET" | default "true") -}}
 {{- end -}}
 {{- toYaml $config -}}
