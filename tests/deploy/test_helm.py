@@ -223,3 +223,26 @@ def test_gateway_api_routing_renders_the_gateway_api_overlays_objects() -> None:
     policy = _of(docs, "NetworkPolicy")["spec"]
     assert policy["ingress"] == by_kind("cpu-gateway-api", "NetworkPolicy")["spec"]["ingress"]
     assert _of(docs, "ConfigMap", "mha-serve-config")["data"]["MHA_REQUIRE_SEQUENCE_OFFSET"] == "true"
+
+
+@pytest.mark.parametrize(
+    ("routing", "overlay", "objects"),
+    [
+        ("istio", "cpu-istio", [("DestinationRule", "mha-serve")]),
+        ("ingressNginx", "cpu-ingress-nginx", [("Ingress", "mha-serve-grpc"), ("Ingress", "mha-serve-http")]),
+    ],
+)
+def test_istio_and_ingress_nginx_routing_render_their_overlays_objects(
+    routing: str, overlay: str, objects: list[tuple[str, str]]
+) -> None:
+    docs = _objects({"routing": {routing: {"enabled": True}}})
+    for kind, name in objects:
+        ours = _without_helms_own(_of(docs, kind, name))
+        theirs = by_kind(overlay, kind, name)
+        assert ours["spec"] == theirs["spec"] and ours["metadata"].get("annotations") == theirs["metadata"].get(
+            "annotations"
+        ), name
+        if kind != "Ingress":
+            assert _errors(_of(docs, kind, name)) == []
+    assert _of(docs, "NetworkPolicy")["spec"]["ingress"] == by_kind(overlay, "NetworkPolicy")["spec"]["ingress"]
+    assert _of(docs, "ConfigMap", "mha-serve-config")["data"]["MHA_REQUIRE_SEQUENCE_OFFSET"] == "true"

@@ -41,7 +41,8 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 {{- if and .Values.gpu.enabled .Values.gpu.memoryLimitMb -}}
 {{- $_ := set $config "MHA_GPU_MEM_LIMIT_MB" (toString .Values.gpu.memoryLimitMb) -}}
 {{- end -}}
-{{- if or (eq .Values.autoscaling.mode "keda") .Values.routing.gatewayApi.enabled -}}
+{{- $routing := .Values.routing -}}
+{{- if or (eq .Values.autoscaling.mode "keda") $routing.gatewayApi.enabled $routing.istio.enabled $routing.ingressNginx.enabled -}}
 {{- /* an L7 balancer or KEDA spreads sequences over replicas: a step must say its offset */ -}}
 {{- $_ := set $config "MHA_REQUIRE_SEQUENCE_OFFSET" (get $config "MHA_REQUIRE_SEQUENCE_OFFSET" | default "true") -}}
 {{- end -}}
