@@ -92,7 +92,8 @@ def test_every_object_carries_the_release_so_two_installs_never_overlap() -> Non
 
 def test_the_objects_validate_strictly_against_1_30_and_lint_clean(tmp_path: Path) -> None:
     values = [None, {"gpu": {"enabled": True, "memoryLimitMb": 20000, "runtimeClassName": "nvidia"}},
-              {"autoscaling": {"mode": "none"}, "replicaCount": 3, "priorityClassName": "inference"}]  # fmt: skip
+              {"autoscaling": {"mode": "none"}, "replicaCount": 3, "priorityClassName": "inference"},
+              {"model": {"source": "checkpoint"}}, {"model": {"source": "repository"}}]  # fmt: skip
     for i, v in enumerate(values):
         path = tmp_path / f"{i}.yaml"
         path.write_text(yaml.safe_dump_all(_objects(v) + _objects(v, tests=True)))
@@ -246,3 +247,31 @@ def test_istio_and_ingress_nginx_routing_render_their_overlays_objects(
             assert _errors(_of(docs, kind, name)) == []
     assert _of(docs, "NetworkPolicy")["spec"]["ingress"] == by_kind(overlay, "NetworkPolicy")["spec"]["ingress"]
     assert _of(docs, "ConfigMap", "mha-serve-config")["data"]["MHA_REQUIRE_SEQUENCE_OFFSET"] == "true"
+
+
+@pytest.mark.parametrize(
+    ("source", "overlay"), [("checkpoint", "cpu-custom-model"), ("repository", "cpu-model-repository")]
+)
+def test_a_model_source_renders_its_overlays_pod_config_and_claim(source: str, overlay: str) -> None:
+    """model.source checkpoint: the init container that exports and verifies the checkpoint from
+    the claim (cpu-custom-model); repository: the claim served in poll mode (cpu-model-repository).
+    Pod volumes, mounts, init containers, settings and the ReadWriteMany claim as the overlays."""
+    docs = _objects({"model": {"source": source}})
+    ours = _without_helms_own(_of(docs, "Deployment"))["spec"]["template"]["spec"]
+    theirs = by_kind(overlay, "Deployment")["spec"]["template"]["spec"]
+    for field in ("initContainers", "volumes"):
+        assert ours.get(field) == json.loads(GENERATED.sub(r"\1", json.dumps(theirs.get(field)))), field
+    assert ours["containers"][0]["volumeMounts"] == theirs["containers"][0]["volumeMounts"]
+    assert (
+        _of(docs, "ConfigMap", "mha-serve-config")["data"] == by_kind(overlay, "ConfigMap", "mha-serve-config")["data"]
+    )
+    (claim,) = [d for d in docs if d["kind"] == "PersistentVolumeClaim"]
+    assert claim["spec"] == next(d for d in render(overlay) if d["kind"] == "PersistentVolumeClaim")["spec"]
+    assert claim["metadata"]["annotations"]["helm.sh/resource-policy"] == "keep"  # an uninstall keeps the data
+    tests = _objects({"model": {"source": source}}, tests=True)
+    if source == "checkpoint":  # the test pod exports the same checkpoint and verifies the server against it
+        (pod,) = tests
+        assert pod["spec"]["initContainers"][0]["command"] == theirs["initContainers"][0]["command"]
+        assert pod["spec"]["containers"][0]["args"][2] == "/models/custom"
+    else:
+        assert tests == []  # a repository's versions change at run time: no one directory to verify against

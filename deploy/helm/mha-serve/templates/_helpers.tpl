@@ -36,8 +36,20 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 {{- end -}}
 {{- end -}}
 
+{{- define "mha-serve.claimName" -}}
+{{- default (ternary "mha-checkpoints" "mha-model-repository" (eq .Values.model.source "checkpoint")) .Values.model.claim.name -}}
+{{- end -}}
+
 {{- define "mha-serve.config" -}}
 {{- $config := deepCopy .Values.config -}}
+{{- if eq .Values.model.source "checkpoint" -}}
+{{- $_ := set $config "MHA_MODEL_DIR" "/models/custom" -}}
+{{- else if eq .Values.model.source "repository" -}}
+{{- $_ := unset $config "MHA_MODEL_DIR" -}}
+{{- $_ := set $config "MHA_MODEL_REPOSITORY" "/models" -}}
+{{- $_ := set $config "MHA_MODEL_CONTROL_MODE" "poll" -}}
+{{- $_ := set $config "MHA_REPOSITORY_POLL_SECS" (toString .Values.model.pollSecs) -}}
+{{- end -}}
 {{- if and .Values.gpu.enabled .Values.gpu.memoryLimitMb -}}
 {{- $_ := set $config "MHA_GPU_MEM_LIMIT_MB" (toString .Values.gpu.memoryLimitMb) -}}
 {{- end -}}
@@ -47,4 +59,45 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 {{- $_ := set $config "MHA_REQUIRE_SEQUENCE_OFFSET" (get $config "MHA_REQUIRE_SEQUENCE_OFFSET" | default "true") -}}
 {{- end -}}
 {{- toYaml $config -}}
+{{- end -}}
+
+
+{{- define "mha-serve.exportContainer" -}}
+- name: export
+  image: {{ include "mha-serve.image" . }}
+  imagePullPolicy: {{ .Values.image.pullPolicy }}
+  command: {{ concat (list "mha" "export" "--checkpoint" (printf "/checkpoints/%s" .Values.model.checkpoint) "--out" "/models/custom" "--force") .Values.model.exportArgs | toJson }}
+  env:
+    - {name: HOME, value: /tmp}
+  securityContext:
+    allowPrivilegeEscalation: false
+    readOnlyRootFilesystem: true
+    capabilities: {drop: [ALL]}
+  resources:
+    requests: {cpu: "1", memory: 1Gi}
+    limits: {cpu: "2", memory: 2Gi}
+  volumeMounts:
+    - {name: checkpoints, mountPath: /checkpoints, readOnly: true}
+    - {name: models, mountPath: /models}
+    - {name: tmp, mountPath: /tmp}
+{{- end -}}
+
+{{- define "mha-serve.modelVolumes" -}}
+{{- if eq .Values.model.source "checkpoint" }}
+- name: checkpoints
+  persistentVolumeClaim: {claimName: {{ include "mha-serve.claimName" . }}, readOnly: true}
+- name: models
+  emptyDir: {}
+{{- else if eq .Values.model.source "repository" }}
+- name: model-repository
+  persistentVolumeClaim: {claimName: {{ include "mha-serve.claimName" . }}, readOnly: true}
+{{- end }}
+{{- end -}}
+
+{{- define "mha-serve.modelMounts" -}}
+{{- if eq .Values.model.source "checkpoint" }}
+- {name: models, mountPath: /models, readOnly: true}
+{{- else if eq .Values.model.source "repository" }}
+- {name: model-repository, mountPath: /models, readOnly: true}
+{{- end }}
 {{- end -}}
