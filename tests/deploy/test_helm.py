@@ -275,3 +275,19 @@ def test_a_model_source_renders_its_overlays_pod_config_and_claim(source: str, o
         assert pod["spec"]["containers"][0]["args"][2] == "/models/custom"
     else:
         assert tests == []  # a repository's versions change at run time: no one directory to verify against
+
+
+def test_queue_time_joins_cpu_in_the_hpa_as_the_prometheus_overlay_has_it() -> None:
+    """autoscaling.queueSecondsPerRequest: the cpu-prometheus overlay's HPA, CPU and queue time
+    per request (prometheus-adapter's metric), and with monitoring on, its other objects too."""
+    values = {
+        "autoscaling": {"queueSecondsPerRequest": "20m"},
+        "monitoring": {"serviceMonitor": True, "prometheusRule": True},
+    }
+    docs = _objects(values)
+    assert (
+        _without_helms_own(_of(docs, "HorizontalPodAutoscaler"))["spec"]
+        == by_kind("cpu-prometheus", "HorizontalPodAutoscaler")["spec"]
+    )
+    charted = {(d["kind"], d["metadata"]["name"]) for d in docs}
+    assert charted == {(d["kind"], base_name(d)) for d in render("cpu-prometheus")}
