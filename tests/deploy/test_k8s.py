@@ -476,3 +476,12 @@ def test_the_kserve_runtime_requires_the_sequence_offset() -> None:
     runtime = yaml.safe_load((DEPLOY / "kserve" / "servingruntime.yaml").read_text())
     env = {e["name"]: e.get("value") for e in runtime["spec"]["containers"][0]["env"]}
     assert env["MHA_REQUIRE_SEQUENCE_OFFSET"] == "true"
+
+
+def test_every_object_names_its_install_but_no_selector_changes() -> None:
+    """app.kubernetes.io/instance on every object of the base, for dashboards and `kubectl get -l`;
+    kept out of the (immutable) selectors, so that existing installs upgrade in place."""
+    for doc in render("cpu"):
+        assert doc["metadata"]["labels"]["app.kubernetes.io/instance"] == "mha-serve", doc["kind"]
+    selector = by_kind("cpu", "Deployment")["spec"]["selector"]["matchLabels"]
+    assert selector == {"app.kubernetes.io/component": "server", "app.kubernetes.io/name": "mha-serve"}
