@@ -347,6 +347,11 @@ def _served_series() -> set[str]:
     return names | {"up"}
 
 
+# What NVIDIA's dcgm-exporter exports with its default counters (etc/default-counters.csv): the
+# GPU panel and MHAServeGpuXidError read no field an operator would have to turn on.
+DCGM_DEFAULT_COUNTERS = {"DCGM_FI_DEV_GPU_UTIL", "DCGM_FI_DEV_FB_USED", "DCGM_FI_DEV_FB_FREE", "DCGM_FI_DEV_XID_ERRORS"}
+
+
 def _metric_names(expr: str) -> set[str]:
     without_strings = re.sub(r'"[^"]*"', '""', expr)
     without_labels = re.sub(r"\{[^}]*\}", "", without_strings)
@@ -365,6 +370,8 @@ def test_metric_names_in_rules_and_dashboard_exist() -> None:
     used = set().union(*(_metric_names(e) for e in exprs))
     assert used, "no metric names found"
     assert used <= served, used - served
+    dcgm = set().union(*(set(re.findall(r"\bDCGM_[A-Z_]+\b", e)) for e in exprs))
+    assert dcgm and dcgm <= DCGM_DEFAULT_COUNTERS, dcgm - DCGM_DEFAULT_COUNTERS
     assert {"mha_requests_total", "mha_backend_fallbacks_total", "mha_queue_depth"} <= used
 
 
