@@ -126,7 +126,18 @@ def test_a_config_change_rolls_the_pods_and_the_same_config_does_not() -> None:
     config = copy.deepcopy(helm.Chart.load(CHART).values["config"])
     assert checksum(None) == checksum({"config": config})
     assert checksum({"config": {**config, "MHA_MAX_QUEUE_DELAY_MS": "1"}}) != checksum(None)
-    assert checksum({"gpu": {"enabled": True, "memoryLimitMb": 1000}}) != checksum(None)  # the arena cap is config
+
+
+def test_gpu_mode_renders_the_gpu_overlays_objects() -> None:
+    """gpu.enabled: the gpu overlay's pod (the GPU asked for, rolled one pod down at a time, ready
+    only on CUDA, larger batches, the arena capped) and its HPA on queue time alone."""
+    values = {"image": {"repository": "mha-serve", "tag": "0.1.0-gpu"}, "gpu": {"enabled": True},
+              "autoscaling": {"minReplicas": 1, "maxReplicas": 4}}  # fmt: skip
+    docs = _objects(values)
+    assert {(d["kind"], d["metadata"]["name"]) for d in docs} == {(d["kind"], base_name(d)) for d in render("gpu")}
+    for kind in ("Deployment", "HorizontalPodAutoscaler", "PodDisruptionBudget"):
+        theirs = json.loads(GENERATED.sub(r"\1", json.dumps(by_kind("gpu", kind))))
+        assert _without_helms_own(_of(docs, kind))["spec"] == theirs["spec"], kind
 
 
 def test_gpu_values_ask_for_the_device_cap_its_memory_and_land_on_gpu_nodes() -> None:
@@ -145,7 +156,7 @@ def test_gpu_values_ask_for_the_device_cap_its_memory_and_land_on_gpu_nodes() ->
     assert pod["runtimeClassName"] == "nvidia"
     assert pod["nodeSelector"] == {"cloud.google.com/gke-accelerator": "nvidia-h200-141gb"}
     assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in pod["tolerations"]
-    assert _of(docs, "ConfigMap", "mha-serve-config")["data"]["MHA_GPU_MEM_LIMIT_MB"] == "16000"
+    assert {"name": "MHA_GPU_MEM_LIMIT_MB", "value": "16000"} in pod["containers"][0]["env"]
     cpu_pod = _of(_objects(), "Deployment")["spec"]["template"]["spec"]
     assert "runtimeClassName" not in cpu_pod and "tolerations" not in cpu_pod and "nodeSelector" not in cpu_pod
 

@@ -50,9 +50,6 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 {{- $_ := set $config "MHA_MODEL_CONTROL_MODE" "poll" -}}
 {{- $_ := set $config "MHA_REPOSITORY_POLL_SECS" (toString .Values.model.pollSecs) -}}
 {{- end -}}
-{{- if and .Values.gpu.enabled .Values.gpu.memoryLimitMb -}}
-{{- $_ := set $config "MHA_GPU_MEM_LIMIT_MB" (toString .Values.gpu.memoryLimitMb) -}}
-{{- end -}}
 {{- $routing := .Values.routing -}}
 {{- if or (eq .Values.autoscaling.mode "keda") $routing.gatewayApi.enabled $routing.istio.enabled $routing.ingressNginx.enabled -}}
 {{- /* an L7 balancer or KEDA spreads sequences over replicas: a step must say its offset */ -}}
