@@ -180,3 +180,31 @@ def test_keda_scales_the_deployment_on_queue_over_compute_and_owns_the_hpa() -> 
     wrong = copy.deepcopy(scaled)
     wrong["spec"]["triggers"][0]["metadata"]["threshold"] = 0.5  # KEDA's metadata values are strings
     assert _errors(wrong)
+
+
+def test_the_kserve_pods_are_scraped_by_a_podmonitor_on_the_metrics_port() -> None:
+    """kube-prometheus-stack ignores the runtime's prometheus.kserve.io annotations: the PodMonitor
+    selects the InferenceService's pods through the one declared port (gRPC's) and moves the
+    address to the metrics port the runtime sets."""
+    monitor = yaml.safe_load((KSERVE / "podmonitor.yaml").read_text())
+    assert _errors(monitor) == []
+    service = yaml.safe_load((KSERVE / "inferenceservice.yaml").read_text())
+    runtime = yaml.safe_load((KSERVE / "servingruntime.yaml").read_text())
+    (container,) = runtime["spec"]["containers"]
+    assert monitor["spec"]["selector"]["matchLabels"] == {
+        "serving.kserve.io/inferenceservice": service["metadata"]["name"]
+    }
+    (endpoint,) = monitor["spec"]["podMetricsEndpoints"]
+    assert endpoint["port"] in {p["name"] for p in container["ports"]}
+    metrics_port = {e["name"]: e["value"] for e in container["env"]}["MHA_METRICS_PORT"]
+    assert endpoint["relabelings"] == [
+        {
+            "sourceLabels": ["__meta_kubernetes_pod_ip"],
+            "targetLabel": "__address__",
+            "replacement": f"${{1}}:{metrics_port}",
+        }
+    ]
+    assert monitor["metadata"]["labels"]["release"] == "kube-prometheus-stack"
+    broken = copy.deepcopy(monitor)
+    broken["spec"]["podMetricsEndpoints"][0]["prot"] = "h2c"
+    assert _errors(broken)  # not vacuous
