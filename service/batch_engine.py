@@ -69,7 +69,6 @@ class BatchEngine(Generic[P, A]):
         schedule: SchedulePolicy | None = None,
     ) -> None:
         self._plan, self._form_at, self._compute, self._executor = plan, form_at, compute, executor
-        self.max_queue_size = max_queue_size
         self._deliver = deliver  # None: the output is the answer
         self._on_batch = on_batch
         self._in_flight = in_flight  # requests in the server, queued or not; None: assume more may come

@@ -85,7 +85,7 @@ class Tracing:
         while tracing is off, so that turning it on later never meets a refusal first."""
         root = root_sampler(environ)
         if not wanted(settings, environ):
-            return cls(sampler=None)
+            return cls()
         from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
         from opentelemetry.sdk.resources import OTELResourceDetector, Resource
         from opentelemetry.sdk.trace import TracerProvider

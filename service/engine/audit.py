@@ -76,6 +76,9 @@ class Sample:
     backend: str
     request_id: str
     version: str
+    device: str  # the backend's
+    precision: str  # the version's
+    bench: Callable[[str], None]  # benches a backend of the version's chain, by name
 
 
 Verdict = Callable[[Sample, Reference, float, float], None]  # (sample, its reference, relative error, seconds)
@@ -119,7 +122,12 @@ class Auditor:
         row, tokens = self._rows % x.shape[0], min(x.shape[1], self.limits.max_tokens)
         self._rows += 1
         x1, y1 = x[row : row + 1, :tokens].copy(), y[row : row + 1, :tokens].copy()  # (1, T', C)
-        self._thread.submit(self._check, Sample(x1, y1, x.shape, backend, request_id, loaded.version), reference)
+        chain = loaded.chain  # resolved here, on the event loop, not on the audit thread
+        device = next((b.device for b in chain.backends if b.name == backend), "unknown")
+        sample = Sample(
+            x1, y1, x.shape, backend, request_id, loaded.version, device, loaded.model.precision, chain.bench.bench_now
+        )
+        self._thread.submit(self._check, sample, reference)
         return None
 
     def _skip(self, shape: tuple[int, ...], causal: bool, busy: bool) -> str:

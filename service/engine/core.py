@@ -446,7 +446,7 @@ def _follow(metrics: Metrics, core: InferenceCore) -> None:
 
 def _audit_limits(s: Settings) -> AuditLimits:
     limits = (s.audit_rate, s.audit_max_cpu, s.audit_queue, s.audit_max_tokens, s.audit_when_busy)
-    return AuditLimits(*limits, busy_depth=s.max_batch_size)
+    return AuditLimits(*limits, busy_depth=_merged_rows(s))
 
 
 def _audited(core: InferenceCore, sample: Sample, reference: Reference, error: float, spent_s: float) -> None:
@@ -455,14 +455,9 @@ def _audited(core: InferenceCore, sample: Sample, reference: Reference, error: f
     core.metrics.audit.checked_one(spent_s)
     if math.isfinite(error) and error <= reference.tolerance:
         return
-    loaded = next((v for v in core.versions if v.version == sample.version), None)
-    backend = None if loaded is None else next((b for b in loaded.chain.backends if b.name == sample.backend), None)
-    device = backend.device if backend is not None else "unknown"
-    precision = loaded.model.precision if loaded is not None else "unknown"
-    core.metrics.audit.mismatch(sample.backend, device, precision)
+    core.metrics.audit.mismatch(sample.backend, sample.device, sample.precision)
     log.error(mismatch_message(sample, reference, error))
-    if loaded is not None:
-        core.executor.submit(loaded.chain.bench.bench_now, sample.backend)
+    core.executor.submit(sample.bench, sample.backend)
 
 
 def _serving(loaded: Loaded, s: Settings, schedule: SchedulePolicy) -> Serving:

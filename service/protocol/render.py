@@ -90,9 +90,9 @@ def model_config(model: ServedModel, serving: Serving, name: str, policy: Versio
     sequence_model = model.identity.is_sequence_model(name)
     if not sequence_model:  # its queue: batches formed (unless --max-batch-size 1), priorities, timeouts
         _schedule(config.dynamic_batching, serving.schedule)
-    if serving.max_batch_size > 1 and not sequence_model:
-        config.dynamic_batching.max_queue_delay_microseconds = int(serving.max_queue_delay_ms * 1000)
-        config.dynamic_batching.preferred_batch_size.append(serving.max_batch_size)
+        if serving.max_batch_size > 1:
+            config.dynamic_batching.max_queue_delay_microseconds = int(serving.max_queue_delay_ms * 1000)
+            config.dynamic_batching.preferred_batch_size.append(serving.max_batch_size)
     if serving.max_sequences and model.config.causal and sequence_model:
         sequences = config.sequence_batching
         sequences.max_sequence_idle_microseconds = int(serving.sequence_idle_timeout_s * 1e6)

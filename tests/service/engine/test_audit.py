@@ -9,8 +9,9 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -61,6 +62,15 @@ class Depth:
     depth: int = 0
 
 
+class Chain:
+    """What the auditor reads of a version's backends: their devices, and how to bench one."""
+
+    def __init__(self) -> None:
+        self.backends = [SimpleNamespace(name="ort-cpu", device="cpu")]
+        self.benched: list[str] = []
+        self.bench = SimpleNamespace(bench_now=self.benched.append)
+
+
 @dataclass
 class Version:
     """What the auditor reads of a loaded version."""
@@ -68,6 +78,8 @@ class Version:
     reference: Reference | None
     batcher: Depth
     version: str = "1"
+    chain: Chain = field(default_factory=Chain)
+    model: SimpleNamespace = field(default_factory=lambda: SimpleNamespace(precision="fp32"))
 
 
 class Verdicts:
@@ -104,6 +116,7 @@ def test_every_nth_answer_is_sampled_and_checked_off_the_callers_thread() -> Non
     auditor.close()
     assert [s.request_id for s, _ in verdicts.checked] == ["r0", "r4", "r8"]
     assert [s.x.shape for s, _ in verdicts.checked] == [(1, 9, 32)] * 3  # one row, rows in turn
+    assert {(s.device, s.precision) for s, _ in verdicts.checked} == {("cpu", "fp32")}  # resolved when sampled
     assert all(error < 1e-6 for _, error in verdicts.checked)
 
 
