@@ -193,7 +193,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         return 2
     if not settings.thread_spinning:  # read once, when PyTorch loads its OpenMP runtime: before the import
         os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-    from service.app.server import StartupError, serve
+    from service.app.server import StartupError, check_shared_ports, serve
     from service.app.supervisor import Supervisor, gpu_devices, worker_count
     from service.settings import default_model_home, to_argv
 
@@ -210,6 +210,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
             assert settings.default_model_dir is not None
             settings = replace(settings, model_dir=ensure_default_model(settings.default_model_dir))
+        try:
+            check_shared_ports(settings)
+        except StartupError as exc:
+            log.error("cannot start: %s", exc)
+            return exc.exit_code
         argv = to_argv(replace(settings, workers="1"))
         return asyncio.run(Supervisor(settings, argv, count, gpus).run())
     try:

@@ -88,7 +88,7 @@ class Settings:
     require_device: str = setting(
         "any", "cuda: ready only while a CUDA backend serves (no silent CPU fallback)", choices=DEVICE_CHOICES
     )
-    workers: str = setting("1", "server processes sharing the ports; auto: one per GPU, else one per 2 CPUs")
+    workers: str = setting("auto", "server processes sharing the ports; auto: one per GPU, else one per CPU")
     reuse_port: bool = setting(False, "share the ports with other processes (what each of --workers does)")
     replica_name: str = setting("", "this replica's name in step responses and messages; empty: the host name")
     worker_index: int = setting(0, "this process's index among --workers (set by the supervisor)", low=0)

@@ -63,6 +63,8 @@ class ServerProcess:
                 str(self.http_port),
                 "--log-format",
                 "json",
+                "--workers",  # one process unless the caller asks for more (its args come after)
+                "1",
                 *args,
             ]
         )

@@ -45,6 +45,7 @@ log = logging.getLogger(__name__)
 INFERENCE_SERVICE = pb.DESCRIPTOR.services_by_name["GRPCInferenceService"].full_name  # inference.GRPCInferenceService
 HEALTH_SERVICES = ("", INFERENCE_SERVICE)
 METRICS_REFRESH_S = 0.25  # a worker of several: how often its metrics reach its multiprocess files
+PEERS_POLL_S = 0.05  # a worker of several, loaded: how often it looks for the others before it serves
 
 
 class StartupError(RuntimeError):
@@ -125,6 +126,7 @@ async def start(
     metrics = Metrics(registry if registry is not None else CollectorRegistry(auto_describe=True), worker)
     source, schedule = model_source(settings), read_schedule(settings)
     core = InferenceCore(settings, metrics, clock, _tracing(settings), compute_hook, source, schedule)
+    token, credentials = _token(settings), _credentials(settings)  # read before a worker's long load
     if settings.reuse_port:
         try:
             await core.load()
@@ -133,11 +135,10 @@ async def start(
     health_servicer = health.aio.HealthServicer()
     for service in HEALTH_SERVICES:
         await health_servicer.set(service, health_pb2.HealthCheckResponse.NOT_SERVING)
-    calls, token = Calls(core), _token(settings)
+    calls = Calls(core)
     regions = SystemRegions(settings.shared_memory == "system", settings.max_shared_memory_regions)
     peers = _peers(settings)
     server = _grpc_server(settings, InferenceServicer(core, calls, regions, peers), calls, token, health_servicer)
-    credentials = _credentials(settings)
     port = _bind(server, settings.host, settings.grpc_port, credentials, "--grpc-port", settings.reuse_port)
     running = Running(server, core, health_servicer, grpc_port=port, metrics_port=0, regions=regions, peers=peers)
     if peers is not None:  # where the other workers hand over the steps of this worker's sequences
@@ -272,10 +273,9 @@ def _bind(
     """Listen on (host, port). A port that is taken is found first with a plain socket (unless the
     port is `shared`, --reuse-port), so that the error is one line of ours and not gRPC core's too."""
     address = f"{host}:{port}"
-    fix = f"stop what holds it, or choose another with {flag} (0 picks a free one)"
-    if not shared and (why := _cannot_listen(host, port)) is not None:
-        raise StartupError(f"{flag}: cannot listen on {address}: {why}; {fix}", 1)
-    refused = StartupError(f"{flag}: cannot listen on {address} (in use, or not an address of this machine); {fix}", 1)
+    if not shared:
+        check_port(host, port, flag)
+    refused = _port_error(host, port, flag, " (in use, or not an address of this machine)")
     try:
         bound = server.add_secure_port(address, credentials) if credentials else server.add_insecure_port(address)
     except RuntimeError as exc:  # grpc raises this when it cannot listen
@@ -283,6 +283,30 @@ def _bind(
     if bound == 0:
         raise refused
     return bound
+
+
+def check_port(host: str, port: int, flag: str) -> None:
+    """Raise StartupError (exit code 1) when (host, port) cannot be listened on now."""
+    if (why := _cannot_listen(host, port)) is not None:
+        raise _port_error(host, port, flag, f": {why}")
+
+
+def check_shared_ports(settings: Settings) -> None:
+    """Before --workers start: the ports they will share and the supervisor's metrics port,
+    checked as one process checks its own."""
+    for flag, host, port in (
+        ("--grpc-port", settings.host, settings.grpc_port),
+        ("--http-port", settings.host, settings.http_port),
+        ("--metrics-port", settings.metrics_host or settings.host, settings.metrics_port),
+    ):
+        if port is not None:
+            check_port(host, port, flag)
+
+
+def _port_error(host: str, port: int, flag: str, why: str) -> StartupError:
+    """`why` follows the address: ": the reason", or " (the reason)"."""
+    fix = f"stop what holds it, or choose another with {flag} (0 picks a free one)"
+    return StartupError(f"{flag}: cannot listen on {host}:{port}{why}; {fix}", 1)
 
 
 def _cannot_listen(host: str, port: int) -> str | None:
@@ -305,11 +329,15 @@ def _cannot_listen(host: str, port: int) -> str | None:
 
 
 async def load_and_serve(running: Running) -> None:
-    """Load the model; SERVING only once it passed its self-check, and while it serves on the
-    required device (--require-device)."""
+    """Load the model; SERVING only once it passed its self-check, every other worker (--workers)
+    listens for the steps it hands over, and while it serves on the required device
+    (--require-device)."""
     core = running.core
     if core.state is State.LOADING:  # a worker of several has loaded before it bound its ports
         await core.load()
+    if running.peers is not None:  # a replica serves once every worker can take its sequences' steps
+        while not running.peers.all_listening():
+            await asyncio.sleep(PEERS_POLL_S)
     core.device.on_serving = lambda ok: _health_task(running, ok)
     if core.settings.model_control_mode == "poll":  # until draining begins
         running.tasks.add(asyncio.get_running_loop().create_task(poll(core, core.draining)))

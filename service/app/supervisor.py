@@ -145,14 +145,13 @@ class Supervisor:
             env["CUDA_VISIBLE_DEVICES"] = cuda_devices(len(self.gpus), os.environ)[worker.index]  # its cuda:0
         return env
 
-    async def _spawn(self, worker: Worker) -> None:
+    async def _spawn(self, worker: Worker, announce: bool = True) -> None:
         env = self.environment(worker)
         die_with_me = partial(_die_with_parent, os.getpid())
         worker.answered, worker.started = False, time.monotonic()
         worker.process = await asyncio.create_subprocess_exec(*self._command(worker), env=env, preexec_fn=die_with_me)
-        log.info(
-            "worker %d started (pid %d, metrics 127.0.0.1:%d)", worker.index, worker.process.pid, worker.metrics_port
-        )
+        if announce:
+            _announce(worker)
 
     async def _watch(self, worker: Worker) -> None:
         """Restart the worker whenever it dies, unless the supervisor is stopping."""
@@ -191,8 +190,17 @@ class Supervisor:
             shutil.rmtree(self.metrics_dir, ignore_errors=True)
 
     async def _supervise(self, stop: asyncio.Event) -> int:
-        """Start the workers, keep them running until `stop` (0) or one cannot be (1), stop them."""
-        for worker in self.workers:
+        """Start the workers, keep them running until `stop` (0) or one cannot be (1), stop them.
+        The first starts alone: where it cannot (a setting, the model), neither could the others,
+        and its exit code and the one line it printed are the supervisor's."""
+        first, *others = self.workers
+        await self._spawn(first, announce=False)  # a start that fails says why in the worker's one line
+        if (code := await _first_answer(first, stop)) is not None:
+            if first.process is not None and first.process.returncode is None:  # asked to stop, or stuck
+                await self._stop_all()
+            return code
+        _announce(first)
+        for worker in others:
             await self._spawn(worker)
         log.info("supervising %d workers on gRPC :%d", len(self.workers), self.settings.grpc_port)
         watchers = [asyncio.create_task(self._watch(w)) for w in self.workers]
@@ -243,6 +251,30 @@ class Supervisor:
                     await worker.process.wait()
 
 
+async def _first_answer(worker: Worker, stop: asyncio.Event) -> int | None:
+    """Wait until the started `worker` answers (None), exits (its exit code), is asked to stop
+    (0) or has not answered in WORKER_START_S (1)."""
+    assert worker.process is not None
+    exited = asyncio.create_task(worker.process.wait())
+    stopping = asyncio.create_task(stop.wait())
+    try:
+        while not await asyncio.to_thread(_answers, worker.metrics_port, WATCHDOG_PERIOD_S):
+            if exited.done():
+                return exited.result() or 1
+            if stopping.done() or time.monotonic() - worker.started > WORKER_START_S:
+                return 0 if stopping.done() else 1
+            await asyncio.wait([exited, stopping], timeout=STARTING_POLL_S)
+        return None  # the watchdog, started later, notes the answer itself
+    finally:
+        exited.cancel()
+        stopping.cancel()
+
+
+def _announce(worker: Worker) -> None:
+    assert worker.process is not None
+    log.info("worker %d started (pid %d, metrics 127.0.0.1:%d)", worker.index, worker.process.pid, worker.metrics_port)
+
+
 def _answers(port: int, timeout_s: float) -> bool:
     """Does the worker's own /metrics answer within `timeout_s` (blocking: run it in a thread)?"""
     try:
@@ -279,8 +311,9 @@ def cuda_devices(count: int, environ: Mapping[str, str]) -> list[str]:
 
 
 def worker_count(setting: str, gpus: Sequence[int] | None = None) -> int:
-    """--workers: a number, or auto: one per GPU where there are GPUs, else one per 2 CPUs."""
+    """--workers: a number, or auto: one per GPU where there are GPUs, else one per CPU this
+    process may use (each worker's event loop holds its own GIL: docs/benchmarks.md)."""
     if setting != "auto":
         return int(setting)
     gpus = gpu_devices() if gpus is None else gpus
-    return len(gpus) if gpus else max(1, available_cpus() // 2)
+    return len(gpus) if gpus else available_cpus()

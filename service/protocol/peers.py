@@ -94,6 +94,10 @@ class WorkerPeers:
     def others(self) -> list[int]:
         return [worker for worker in range(self.workers) if worker != self.index]
 
+    def all_listening(self) -> bool:
+        """Does every other worker listen for handed-over steps (each does once it has loaded)?"""
+        return all(socket_path(self.directory, worker).exists() for worker in self.others)
+
     @property
     def region_keeper(self) -> int | None:
         """The worker that keeps the shared memory regions when it is another; None when it is this one."""

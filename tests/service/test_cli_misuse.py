@@ -238,6 +238,23 @@ def test_misuse_gets_one_clear_line(
 
 
 @pytest.mark.parametrize(
+    "case", ["grpc-port-taken", "metrics-port-taken", "model-dir-corrupt", "tls-cert-missing", "trace-sampler-unknown"]
+)
+def test_with_workers_a_failed_start_is_still_one_line(
+    case: str, small_model_dir: Path, taken_port: int, tmp_path: Path
+) -> None:
+    """Under the supervisor (--workers, the default wherever there are 2 CPUs or more), the same
+    one line and exit code: the ports are checked before any worker starts, and the first worker
+    starts alone, so a start that fails is reported once, by the worker that tried."""
+    make_args, env, code, says = CASES[case]
+    fixtures = {"model": small_model_dir, "taken": taken_port, "tmp": tmp_path}
+    run = _mha(*make_args(fixtures), "--workers", "2", env=env)
+    lines = [line for line in run.stderr.splitlines() if line.strip()]
+    assert run.returncode == code and len(lines) == 1, lines
+    assert says in lines[0]
+
+
+@pytest.mark.parametrize(
     "fault", ["model-dir-missing", "grpc-port-taken", "grpc-port-out-of-range", "port-not-a-number"]
 )
 def test_off_a_terminal_a_failed_start_is_one_json_line(
