@@ -128,7 +128,8 @@ def server_command(
         return [*mha, "--shared-memory", "system", *flags], env
     if name.startswith("floor"):
         mode = "ort" if "ORT" in name else "none"
-        return [py, str(HERE / "servers" / "floor.py"), mode, str(port), str(model_dir)], env
+        processes = str(mha_serve_processes())  # the floor of a server of as many processes
+        return [py, str(HERE / "servers" / "floor.py"), mode, str(port), str(model_dir), processes], env
     if name == "KServe + ORT":
         kserve = ROOT / ".venv-kserve" / "bin" / "python"
         ports = {"KSERVE_GRPC_PORT": str(port), "KSERVE_HTTP_PORT": str(free_port())}
@@ -138,6 +139,14 @@ def server_command(
         return _triton_command(model_dir, port)
     mlserver = ROOT / ".venv-mlserver" / "bin" / "mlserver"
     return ([str(mlserver), "start", str(_mlserver_dir(model_dir, port))], {}) if mlserver.exists() else None
+
+
+def mha_serve_processes() -> int:
+    """The server processes `mha serve` starts with its defaults here (--workers)."""
+    from service.app.supervisor import worker_count
+    from service.settings import Settings
+
+    return worker_count(Settings().workers)
 
 
 def _triton_command(model_dir: Path, port: int) -> tuple[list[str], dict[str, str]] | None:
@@ -169,6 +178,7 @@ SERVERS = (
     "mha-serve",
     "mha-serve --thread-spinning",  # ORT's default, which KServe and the floors keep: latency for CPU
     "mha-serve --backend ort-cpu",  # the backend pinned: what the start-up measurement chose aside
+    "mha-serve --backend torch",  # the other CPU backend pinned
     "mha-serve --threads 1",  # one intra-op thread: the CPUs left to gRPC and the loop
     "Triton + ORT",
     "KServe + ORT",
@@ -176,17 +186,23 @@ SERVERS = (
     "floor: ORT in-line",
     "floor: no compute",
 )
-SERVER_HELP = "servers by name, comma-separated, mha-serve among them: " + ", ".join(SERVERS) + " (default: all)"
+SERVER_HELP = (
+    "servers by name, comma-separated, mha-serve among them: "
+    + ", ".join(SERVERS)
+    + ' (default: all), or "mha-serve --any-flag value"'
+)
 
 
 def server_list(text: str) -> tuple[str, ...]:
-    """--servers "mha-serve,floor: ORT in-line": those servers, in SERVERS' order."""
+    """--servers "mha-serve,floor: ORT in-line": those servers, in SERVERS' order; any other
+    "mha-serve --flag ..." is mha-serve with those flags, after the named ones."""
     chosen = {name.strip() for name in text.split(",") if name.strip()}
-    if unknown := chosen - set(SERVERS):
+    variants = sorted(name for name in chosen - set(SERVERS) if name.startswith("mha-serve --"))
+    if unknown := chosen - set(SERVERS) - set(variants):
         raise argparse.ArgumentTypeError(f"unknown servers {sorted(unknown)}: expected {SERVER_HELP}")
     if "mha-serve" not in chosen:
         raise argparse.ArgumentTypeError("mha-serve must be among the servers: the ratios are its own")
-    return tuple(name for name in SERVERS if name in chosen)
+    return tuple(name for name in SERVERS if name in chosen) + tuple(variants)
 
 
 def _mlserver_dir(model_dir: Path, port: int) -> Path:
@@ -505,6 +521,7 @@ def main() -> int:
         )
     model_dir, cpus = args.model_dir.resolve(), args.server_cpus
     machine = f"{socket.gethostname()}: {len(os.sched_getaffinity(0))} CPUs, {common.idle_policy()}"
+    machine += f"; mha-serve's default processes and the floors': {mha_serve_processes()}; a connection per client"
     if args.cpu_latency_qos:
         machine += ", PM QoS 0 µs held (idle CPUs poll)"
     if cpus is not None:

@@ -4,7 +4,11 @@
 `ort` runs ONNX Runtime in-line on the event loop (the compute with nothing around it: no
 batching, no checks, no metrics). Run by bench/compare.py in the main virtual environment.
 
-usage: python bench/servers/floor.py none|ort PORT MODEL_DIR
+With PROCESSES above 1 (what compare.py passes: as many as mha-serve's --workers start), that
+many independent processes share the port by SO_REUSEPORT, as mha-serve's workers do: the
+floor for a server of that many processes. Each client connection reaches one of them.
+
+usage: python bench/servers/floor.py none|ort PORT MODEL_DIR [PROCESSES]
 (BENCH_ORT_THREADS sizes ORT's pool where compare.py pins the servers: see kserve_ort.py)
 """
 
@@ -12,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -42,16 +47,28 @@ class Floor(pb_grpc.GRPCInferenceServiceServicer):
         return response
 
 
-async def serve(mode: str, port: int, model_dir: Path) -> None:
+async def serve(mode: str, port: int, model_dir: Path, shared: bool) -> None:
     options = ort.SessionOptions()
     options.intra_op_num_threads = int(os.environ.get("BENCH_ORT_THREADS", "0"))  # 0: ORT's default
     session = ort.InferenceSession(str(model_dir / "model.onnx"), options, providers=["CPUExecutionProvider"])
-    server = grpc.aio.server(options=[("grpc.max_receive_message_length", 64 << 20)])
+    options = [("grpc.max_receive_message_length", 64 << 20), ("grpc.so_reuseport", 1 if shared else 0)]
+    server = grpc.aio.server(options=options)
     pb_grpc.add_GRPCInferenceServiceServicer_to_server(Floor(session if mode == "ort" else None), server)
     server.add_insecure_port(f"127.0.0.1:{port}")
     await server.start()
     await server.wait_for_termination()
 
 
+def main(argv: list[str]) -> None:
+    mode, port, model_dir = argv[0], int(argv[1]), Path(argv[2])
+    processes = int(argv[3]) if len(argv) > 3 else 1
+    others = [subprocess.Popen([sys.executable, __file__, *argv[:3], "1", "shared"]) for _ in range(processes - 1)]
+    try:
+        asyncio.run(serve(mode, port, model_dir, shared=processes > 1 or argv[4:] == ["shared"]))
+    finally:
+        for other in others:
+            other.terminate()
+
+
 if __name__ == "__main__":
-    asyncio.run(serve(sys.argv[1], int(sys.argv[2]), Path(sys.argv[3])))
+    main(sys.argv[1:])

@@ -75,7 +75,13 @@ def run_load(
     **client_kwargs: object,
 ) -> LoadResult:
     """Each of `concurrency` clients sends (batch, T, d_model) requests, T drawn from seq_lens;
-    `progress(elapsed_s, requests)` is called about 4 times a second while they run."""
+    `progress(elapsed_s, requests)` is called about 4 times a second while they run.
+
+    Each client has a connection of its own, as separate client processes would (gRPC would
+    otherwise multiplex every channel of this process to one target over one connection, and a
+    server of several processes sharing its port by SO_REUSEPORT would see one client);
+    `own_connection=False` shares one."""
+    client_kwargs.setdefault("own_connection", True)
     latencies: list[float] = []
     errors: dict[str, int] = {}
     stopped: list[str] = []
