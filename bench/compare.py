@@ -79,7 +79,7 @@ import common
 import grpc
 import numpy as np
 
-from service.app.launch import free_port
+from service.app.launch import free_port, free_ports
 from service.client.loadgen import run_load
 from service.proto import grpc_service_pb2 as pb
 from service.proto import grpc_service_pb2_grpc as pb_grpc
@@ -168,7 +168,8 @@ def _triton_command(model_dir: Path, port: int) -> tuple[list[str], dict[str, st
     (repository / "mha" / "config.pbtxt").write_text(config)
     command = [str(server / "bin" / "tritonserver"), "--model-repository", str(repository)]
     command += ["--backend-directory", str(server / "backends"), "--grpc-port", str(port)]
-    command += ["--http-port", str(free_port()), "--metrics-port", str(free_port())]
+    http, metrics = free_ports(2, avoid=frozenset({port}))  # two at once: one at a time may be the same
+    command += ["--http-port", str(http), "--metrics-port", str(metrics)]
     venv_bin = site.parents[2] / "bin"  # the stub's Python finds the venv's packages through PATH, as PyTriton sets it
     env = {"LD_LIBRARY_PATH": str(site / "nvidia_pytriton.libs"), "PATH": f"{venv_bin}:{os.environ.get('PATH', '')}"}
     return command, env

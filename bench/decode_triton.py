@@ -12,17 +12,17 @@ Two measurements, the servers visited in turn, round after round (medians over t
     sequence, each on a connection of its own, in 4 client processes): tokens per second.
 Each with the ratio mha-serve / Triton. Writes bench/results/decode_triton.json. Not a test.
 
-usage: python bench/decode_triton.py [--rounds 3] [--tokens 256] [--sequences 32] [--concurrent-tokens 64]
+usage: python bench/decode_triton.py [--rounds 3] [--tokens 256] [--sequences 32] [--concurrent-tokens 256]
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import multiprocessing
 import os
 import signal
 import statistics
-import subprocess
 import sys
 import threading
 import time
@@ -32,7 +32,7 @@ from pathlib import Path
 import common
 import grpc
 import numpy as np
-from compare import server_command, wait_ready
+from compare import server_command, spawn, wait_ready
 from decode import generate
 
 from service.app.launch import free_port
@@ -89,7 +89,7 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--tokens", type=int, default=256)
     parser.add_argument("--sequences", type=int, default=32)
-    parser.add_argument("--concurrent-tokens", type=int, default=64)
+    parser.add_argument("--concurrent-tokens", type=int, default=256)
     parser.add_argument("--model-dir", type=Path, default=Path("models/default"))
     args = parser.parse_args()
     model_dir, width = args.model_dir.resolve(), 128
@@ -100,13 +100,7 @@ def main() -> int:
             started = server_command(name, model_dir, port)
             if started is None:
                 raise SystemExit(f"{name}: its environment is not installed (make bench-servers)")
-            command, env = started
-            log_file = (common.RESULTS / f"decode-triton-{name.split()[0].lower()}.log").open("w")
-            procs.append(
-                subprocess.Popen(
-                    command, env={**os.environ, **env}, stdout=log_file, stderr=log_file, start_new_session=True
-                )
-            )
+            procs.append(spawn(*started, common.RESULTS / f"decode-triton-{name.split()[0].lower()}.log", None))
             urls[name] = f"127.0.0.1:{port}"
             wait_ready(urls[name], procs[-1])
         per_round: dict[str, dict[str, list[float]]] = {
@@ -127,7 +121,8 @@ def main() -> int:
                     log.info("round %d %s: %s", r + 1, name, {k: round(v[-1], 3) for k, v in row.items()})
     finally:
         for proc in procs:
-            os.killpg(proc.pid, signal.SIGTERM)
+            with contextlib.suppress(ProcessLookupError):  # one that failed to start is gone already
+                os.killpg(proc.pid, signal.SIGTERM)
             proc.wait(timeout=60)
     medians = {n: {k: round(statistics.median(v), 3) for k, v in m.items()} for n, m in per_round.items()}
     ours, theirs = medians["mha-serve"], medians["Triton + ORT"]
