@@ -587,7 +587,34 @@ def build_parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
     p.add_argument("--plot", help="write a PNG of latency and throughput against concurrency (needs matplotlib)")
     _add_client_args(p)
     p.set_defaults(func=cmd_bench)
+
+    p = sub.add_parser("pod-cost", help="sidecar: the pod's deletion cost kept at the server's live sequences")
+    p.add_argument("--metrics-url", default="127.0.0.1:8002", help="HOST:PORT of the server's /metrics")
+    p.add_argument("--pod", default=None, help="this pod's name (default: MHA_POD_NAME, else the host name)")
+    p.add_argument("--interval-s", type=float, default=5.0, help="seconds between looks (default 5)")
+    p.set_defaults(func=cmd_pod_cost)
     return parser
+
+
+def cmd_pod_cost(args: argparse.Namespace) -> int:
+    """Until SIGTERM: the pod's controller.kubernetes.io/pod-deletion-cost at its live sequences."""
+    import signal
+    import threading
+    from functools import partial
+
+    from service.client.podcost import CostKeeper, PodApi, pod_name, read_metrics
+
+    if args.interval_s <= 0:
+        raise CliError(f"--interval-s {args.interval_s}: expected a positive number of seconds")
+    try:
+        api = PodApi.in_cluster(args.pod or pod_name(os.environ), dict(os.environ))
+    except (KeyError, OSError) as exc:
+        raise CliError(f"not in a Kubernetes pod with a service account token ({exc}); see docs/operations.md") from exc
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    CostKeeper(partial(read_metrics, args.metrics_url), api.patch_cost, args.interval_s).run(stop)
+    return 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -288,6 +288,29 @@ def test_a_model_source_renders_its_overlays_pod_config_and_claim(source: str, o
         assert tests == []  # a repository's versions change at run time: no one directory to verify against
 
 
+def test_pod_deletion_cost_renders_the_overlays_sidecar_and_role() -> None:
+    """podDeletionCost.enabled: the cpu-pod-deletion-cost overlay's sidecar (after the server),
+    its token volume, and its Role and RoleBinding, but for Helm's labels."""
+    docs = _objects({"podDeletionCost": {"enabled": True}})
+    ours = _without_helms_own(_of(docs, "Deployment"))["spec"]["template"]["spec"]
+    theirs = by_kind("cpu-pod-deletion-cost", "Deployment")["spec"]["template"]["spec"]
+    assert (
+        [c["name"] for c in ours["containers"]]
+        == [c["name"] for c in theirs["containers"]]
+        == ["mha-serve", "pod-cost"]
+    )
+    assert ours["containers"][1] == theirs["containers"][1]
+    assert ours["volumes"] == theirs["volumes"]
+    for kind in ("Role", "RoleBinding"):
+        mine = _without_helms_own(_of(docs, kind, "mha-serve-pod-deletion-cost"))
+        assert {k: v for k, v in mine.items() if k != "metadata"} == {
+            k: v
+            for k, v in by_kind("cpu-pod-deletion-cost", kind, "mha-serve-pod-deletion-cost").items()
+            if k != "metadata"
+        }
+    assert not [d for d in _objects() if d["kind"] in ("Role", "RoleBinding")]  # off by default
+
+
 def test_queue_time_joins_cpu_in_the_hpa_as_the_prometheus_overlay_has_it() -> None:
     """autoscaling.queueSecondsPerRequest: the cpu-prometheus overlay's HPA, CPU and queue time
     per request (prometheus-adapter's metric), and with monitoring on, its other objects too."""

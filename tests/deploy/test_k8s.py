@@ -35,9 +35,16 @@ OVERLAYS = (
     "cpu-custom-model",
     "cpu-model-repository",
     "cpu-keda",
+    "cpu-pod-deletion-cost",
     *BALANCED,
 )
-BARE = ("cpu", "gpu", "gpu-nvidia-runtime", "dev")  # apply to a cluster without the Prometheus Operator
+BARE = (
+    "cpu",
+    "gpu",
+    "gpu-nvidia-runtime",
+    "dev",
+    "cpu-pod-deletion-cost",
+)  # apply to a cluster without the Prometheus Operator
 
 
 @cache
@@ -70,8 +77,10 @@ def by_kind(overlay: str, kind: str, name: str = "mha-serve") -> dict[str, Any]:
     return next(d for d in render(overlay) if d["kind"] == kind and base_name(d) == name)
 
 
-def container(overlay: str) -> dict[str, Any]:
-    return by_kind(overlay, "Deployment")["spec"]["template"]["spec"]["containers"][0]
+def container(overlay: str, name: str = "mha-serve") -> dict[str, Any]:
+    containers = by_kind(overlay, "Deployment")["spec"]["template"]["spec"]["containers"]
+    assert containers[0]["name"] == "mha-serve"  # first: what `kubectl logs` and `exec` pick
+    return next(c for c in containers if c["name"] == name)
 
 
 CORE = ["ServiceAccount", "ConfigMap", "ConfigMap", "Deployment", "Service", "Service", "NetworkPolicy"]
@@ -89,6 +98,7 @@ KINDS = {
     "cpu-ingress-nginx": [*SCALED, "Ingress", "Ingress"],
     "cpu-gateway-api": [*SCALED, "GRPCRoute", "HTTPRoute", "BackendTrafficPolicy"],
     "cpu-istio": [*SCALED, "DestinationRule"],
+    "cpu-pod-deletion-cost": [*SCALED, "Role", "RoleBinding"],
 }
 
 
@@ -123,6 +133,42 @@ def test_a_custom_model_is_exported_where_the_server_reads_it() -> None:
     assert export["resources"]["limits"]["cpu"]
     claim = by_kind("cpu-custom-model", "PersistentVolumeClaim", "mha-checkpoints")
     assert claim["spec"]["accessModes"] == ["ReadWriteMany"]  # replicas on other nodes mount it too
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_every_container_names_its_images_tag(overlay: str) -> None:
+    """A component's container added after the overlay set the tag renders untagged (pulled as
+    `latest`, refused by disallow-latest-tag policies) unless the overlay sets it again."""
+    pod = by_kind(overlay, "Deployment")["spec"]["template"]["spec"]
+    for c in [*pod["containers"], *pod.get("initContainers", [])]:
+        assert re.fullmatch(r"[^:@]+(:[\w.-]+|@sha256:[0-9a-f]{64})", c["image"]), (c["name"], c["image"])
+
+
+def test_only_the_sidecar_holds_a_token_and_it_may_only_patch_pods() -> None:
+    """components/pod-deletion-cost: the server mounts no token; the sidecar mounts a projected
+    one, of the pod's service account, whose Role patches pods and does nothing else; it reads
+    the live sequences from the server's metrics port and knows its pod by the Downward API."""
+    overlay = "cpu-pod-deletion-cost"
+    pod = by_kind(overlay, "Deployment")["spec"]["template"]["spec"]
+    server, sidecar = container(overlay), container(overlay, "pod-cost")
+    assert pod["automountServiceAccountToken"] is False
+    token = "/var/run/secrets/kubernetes.io/serviceaccount"
+    assert token not in [m["mountPath"] for m in server.get("volumeMounts", [])]
+    (mount,) = [m for m in sidecar["volumeMounts"] if m["mountPath"] == token]
+    volume = next(v for v in pod["volumes"] if v["name"] == mount["name"])
+    sources = {next(iter(source)) for source in volume["projected"]["sources"]}
+    assert sources == {"serviceAccountToken", "configMap", "downwardAPI"}
+    (rule,) = by_kind(overlay, "Role", "mha-serve-pod-deletion-cost")["rules"]
+    assert rule == {"apiGroups": [""], "resources": ["pods"], "verbs": ["patch"]}
+    binding = by_kind(overlay, "RoleBinding", "mha-serve-pod-deletion-cost")
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": pod["serviceAccountName"]}]
+    config = by_kind(overlay, "ConfigMap", "mha-serve-config")["data"]
+    args = sidecar["args"]
+    assert args[:2] == ["mha", "pod-cost"] and args[args.index("--metrics-url") + 1].endswith(
+        f":{config['MHA_METRICS_PORT']}"
+    )
+    env = {e["name"]: e for e in sidecar["env"]}
+    assert env["MHA_POD_NAME"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.name"
 
 
 @pytest.mark.parametrize("overlay", KINDS)

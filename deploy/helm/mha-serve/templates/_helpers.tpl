@@ -98,3 +98,24 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 - {name: model-repository, mountPath: /models, readOnly: true}
 {{- end }}
 {{- end -}}
+
+{{- define "mha-serve.podCostContainer" -}}
+- name: pod-cost
+  image: {{ include "mha-serve.image" . }}
+  imagePullPolicy: {{ .Values.image.pullPolicy }}
+  args: ["mha", "pod-cost", "--metrics-url", "127.0.0.1:{{ .Values.config.MHA_METRICS_PORT }}", "--interval-s", {{ .Values.podDeletionCost.intervalSeconds | quote }}]
+  env:
+    - name: MHA_POD_NAME
+      valueFrom: {fieldRef: {fieldPath: metadata.name}}
+    - {name: HOME, value: /tmp}
+  resources:
+    requests: {cpu: 10m, memory: 64Mi}
+    limits: {cpu: 100m, memory: 128Mi}
+  securityContext:
+    allowPrivilegeEscalation: false
+    readOnlyRootFilesystem: true
+    runAsNonRoot: true
+    capabilities: {drop: [ALL]}
+  volumeMounts:
+    - {name: pod-cost-token, mountPath: /var/run/secrets/kubernetes.io/serviceaccount, readOnly: true}
+{{- end -}}
