@@ -24,6 +24,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
@@ -92,22 +93,19 @@ def compare_one_model(model_dir: Path, tokens: int, width: int, logs: Path) -> d
     return result
 
 
-def _client_process(url: str, width: int, ids: list[int], tokens: int, start_at: float) -> tuple[float, float]:
-    """One client process: a thread per sequence, all starting at `start_at` (time.monotonic is
-    one clock for every process). Returns when its first started and its last finished."""
+def run_threads(ids: list[int], start_at: float, work: Callable[[int], None]) -> float:
+    """`work(id)` on a thread per id, all starting at `start_at` (time.monotonic is one clock for
+    every process): when the last finished. The first failure is raised once all have ended."""
     failures: list[BaseException] = []
     ends: list[float] = []
 
     def run(sequence_id: int) -> None:
-        x = np.random.default_rng(sequence_id).standard_normal((1, tokens, width), dtype=np.float32)
-        with grpc.insecure_channel(url) as channel:
-            stub = pb_grpc.GRPCInferenceServiceStub(channel)
-            time.sleep(max(0.0, start_at - time.monotonic()))
-            try:
-                generate(stub, x, cached=True, sequence_id=sequence_id)
-            except BaseException as exc:  # reported below
-                failures.append(exc)
-            ends.append(time.monotonic())
+        time.sleep(max(0.0, start_at - time.monotonic()))
+        try:
+            work(sequence_id)
+        except BaseException as exc:  # reported below
+            failures.append(exc)
+        ends.append(time.monotonic())
 
     threads = [threading.Thread(target=run, args=(i,)) for i in ids]
     for t in threads:
@@ -116,7 +114,19 @@ def _client_process(url: str, width: int, ids: list[int], tokens: int, start_at:
         t.join()
     if failures:
         raise failures[0]
-    return start_at, max(ends)
+    return max(ends)
+
+
+def _client_process(url: str, width: int, ids: list[int], tokens: int, start_at: float) -> tuple[float, float]:
+    """One client process: a thread per sequence, each on a channel of its own. Returns when its
+    first started and its last finished."""
+
+    def one(sequence_id: int) -> None:
+        x = np.random.default_rng(sequence_id).standard_normal((1, tokens, width), dtype=np.float32)
+        with grpc.insecure_channel(url) as channel:
+            generate(pb_grpc.GRPCInferenceServiceStub(channel), x, cached=True, sequence_id=sequence_id)
+
+    return start_at, run_threads(ids, start_at, one)
 
 
 def concurrent_sequences(url: str, width: int, sequences: int, tokens: int) -> float:

@@ -24,16 +24,16 @@ import os
 import signal
 import statistics
 import sys
-import threading
 import time
 from concurrent.futures import ProcessPoolExecutor
+from functools import partial
 from pathlib import Path
 
 import common
 import grpc
 import numpy as np
 from compare import server_command, spawn, wait_ready
-from decode import generate
+from decode import generate, run_threads
 
 from service.app.launch import free_port
 from service.proto import grpc_service_pb2_grpc as pb_grpc
@@ -52,27 +52,8 @@ def one_sequence(url: str, width: int, tokens: int, cached: bool, sequence_id: i
 
 
 def _client_process(url: str, width: int, ids: list[int], tokens: int, cached: bool, start_at: float) -> float:
-    """A thread per sequence, all starting at `start_at` (time.monotonic, one clock for every
-    process): when the last of them finished."""
-    failures: list[BaseException] = []
-    ends: list[float] = []
-
-    def run(sequence_id: int) -> None:
-        time.sleep(max(0.0, start_at - time.monotonic()))
-        try:
-            one_sequence(url, width, tokens, cached, sequence_id)
-        except BaseException as exc:  # reported below
-            failures.append(exc)
-        ends.append(time.monotonic())
-
-    threads = [threading.Thread(target=run, args=(i,)) for i in ids]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    if failures:
-        raise failures[0]
-    return max(ends)
+    """A thread per sequence, all starting at `start_at`: when the last of them finished."""
+    return run_threads(ids, start_at, partial(one_sequence, url, width, tokens, cached))
 
 
 def concurrent_tokens_per_s(
