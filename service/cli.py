@@ -205,16 +205,16 @@ def cmd_serve(args: argparse.Namespace) -> int:
         settings = replace(settings, default_model_dir=default_model_home(Path.cwd(), os.environ))
     gpus = gpu_devices() if settings.workers == "auto" else []
     if (count := worker_count(settings.workers, gpus)) > 1:
+        try:  # before the default model's export, which takes a while
+            check_shared_ports(settings)
+        except StartupError as exc:
+            log.error("cannot start: %s", exc)
+            return exc.exit_code
         if single and settings.model_dir is None:  # exported once, here, rather than by every worker at once
             from export.pipeline import ensure_default_model
 
             assert settings.default_model_dir is not None
             settings = replace(settings, model_dir=ensure_default_model(settings.default_model_dir))
-        try:
-            check_shared_ports(settings)
-        except StartupError as exc:
-            log.error("cannot start: %s", exc)
-            return exc.exit_code
         argv = to_argv(replace(settings, workers="1"))
         return asyncio.run(Supervisor(settings, argv, count, gpus).run())
     try:
@@ -605,7 +605,7 @@ def cmd_pod_cost(args: argparse.Namespace) -> int:
     from service.client.podcost import CostKeeper, PodApi, pod_name, read_metrics
 
     if args.interval_s <= 0:
-        raise CliError(f"--interval-s {args.interval_s}: expected a positive number of seconds")
+        raise CliError(f"--interval-s {args.interval_s}: expected a positive number of seconds", 2)
     try:
         api = PodApi.in_cluster(args.pod or pod_name(os.environ), dict(os.environ))
     except (KeyError, OSError) as exc:

@@ -115,11 +115,18 @@ def test_a_server_that_does_not_answer_patches_nothing(api: PodApi) -> None:
     assert ApiStandIn.seen == [] and keeper.cost is None
 
 
-def test_outside_a_pod_the_command_says_so_in_one_line() -> None:
+@pytest.mark.parametrize(
+    ("args", "code", "says"),
+    [
+        ([], 1, "not in a Kubernetes pod with a service account token"),
+        (["--interval-s", "0"], 2, "--interval-s 0.0: expected a positive number of seconds"),
+    ],
+)
+def test_misuse_says_so_in_one_line(args: list[str], code: int, says: str) -> None:
     env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT)}
     run = subprocess.run(
-        [sys.executable, "-m", "service.cli", "pod-cost"], capture_output=True, text=True, timeout=60, env=env
+        [sys.executable, "-m", "service.cli", "pod-cost", *args], capture_output=True, text=True, timeout=60, env=env
     )
     lines = run.stderr.strip().splitlines()
-    assert run.returncode == 1 and len(lines) == 1, lines
-    assert "not in a Kubernetes pod with a service account token" in lines[0]
+    assert run.returncode == code and len(lines) == 1, lines
+    assert says in lines[0]
