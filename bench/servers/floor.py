@@ -51,8 +51,8 @@ async def serve(mode: str, port: int, model_dir: Path, shared: bool) -> None:
     options = ort.SessionOptions()
     options.intra_op_num_threads = int(os.environ.get("BENCH_ORT_THREADS", "0"))  # 0: ORT's default
     session = ort.InferenceSession(str(model_dir / "model.onnx"), options, providers=["CPUExecutionProvider"])
-    options = [("grpc.max_receive_message_length", 64 << 20), ("grpc.so_reuseport", 1 if shared else 0)]
-    server = grpc.aio.server(options=options)
+    server_options = [("grpc.max_receive_message_length", 64 << 20), ("grpc.so_reuseport", 1 if shared else 0)]
+    server = grpc.aio.server(options=server_options)
     pb_grpc.add_GRPCInferenceServiceServicer_to_server(Floor(session if mode == "ort" else None), server)
     server.add_insecure_port(f"127.0.0.1:{port}")
     await server.start()
