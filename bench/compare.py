@@ -357,7 +357,8 @@ class Started:
         return load_case(self.proc.pid, self.url, (B, T, clients), seconds)[0]
 
     def stop(self) -> None:
-        os.killpg(self.proc.pid, signal.SIGTERM)
+        with contextlib.suppress(ProcessLookupError):  # one that failed to start is gone already
+            os.killpg(self.proc.pid, signal.SIGTERM)
         try:
             self.proc.wait(timeout=60)
         except subprocess.TimeoutExpired:

@@ -17,11 +17,9 @@ usage: python bench/decode_triton.py [--rounds 3] [--tokens 256] [--sequences 32
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import multiprocessing
 import os
-import signal
 import statistics
 import sys
 import time
@@ -32,10 +30,9 @@ from pathlib import Path
 import common
 import grpc
 import numpy as np
-from compare import server_command, spawn, wait_ready
+from compare import Started, wait_ready
 from decode import generate, run_threads
 
-from service.app.launch import free_port
 from service.proto import grpc_service_pb2_grpc as pb_grpc
 
 log = logging.getLogger("bench")
@@ -74,16 +71,15 @@ def main() -> int:
     parser.add_argument("--model-dir", type=Path, default=Path("models/default"))
     args = parser.parse_args()
     model_dir, width = args.model_dir.resolve(), 128
-    procs, urls = [], {}
+    servers: dict[str, Started] = {}
     try:
         for name in SERVERS:
-            port = free_port()
-            started = server_command(name, model_dir, port)
-            if started is None:
-                raise SystemExit(f"{name}: its environment is not installed (make bench-servers)")
-            procs.append(spawn(*started, common.RESULTS / f"decode-triton-{name.split()[0].lower()}.log", None))
-            urls[name] = f"127.0.0.1:{port}"
-            wait_ready(urls[name], procs[-1])
+            try:
+                servers[name] = Started(name, model_dir, None)
+            except LookupError as exc:
+                raise SystemExit(str(exc)) from None
+            wait_ready(servers[name].url, servers[name].proc)
+        urls = {name: server.url for name, server in servers.items()}
         per_round: dict[str, dict[str, list[float]]] = {
             n: {"token_mean_ms": [], "token_p50_ms": [], "tokens_per_s": []} for n in SERVERS
         }
@@ -101,10 +97,8 @@ def main() -> int:
                     row["tokens_per_s"].append(rate)
                     log.info("round %d %s: %s", r + 1, name, {k: round(v[-1], 3) for k, v in row.items()})
     finally:
-        for proc in procs:
-            with contextlib.suppress(ProcessLookupError):  # one that failed to start is gone already
-                os.killpg(proc.pid, signal.SIGTERM)
-            proc.wait(timeout=60)
+        for server in servers.values():
+            server.stop()
     medians = {n: {k: round(statistics.median(v), 3) for k, v in m.items()} for n, m in per_round.items()}
     ours, theirs = medians["mha-serve"], medians["Triton + ORT"]
     summary = {

@@ -607,7 +607,7 @@ def cmd_pod_cost(args: argparse.Namespace) -> int:
     if args.interval_s <= 0:
         raise CliError(f"--interval-s {args.interval_s}: expected a positive number of seconds", 2)
     try:
-        api = PodApi.in_cluster(args.pod or pod_name(os.environ), dict(os.environ))
+        api = PodApi.in_cluster(args.pod or pod_name(os.environ), os.environ)
     except (KeyError, OSError) as exc:
         raise CliError(f"not in a Kubernetes pod with a service account token ({exc}); see docs/operations.md") from exc
     stop = threading.Event()

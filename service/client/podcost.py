@@ -17,9 +17,8 @@ import logging
 import os
 import ssl
 import threading
-import urllib.error
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -63,7 +62,7 @@ class PodApi:
     account: Path = ACCOUNT
 
     @classmethod
-    def in_cluster(cls, pod: str, environ: dict[str, str], account: Path = ACCOUNT) -> PodApi:
+    def in_cluster(cls, pod: str, environ: Mapping[str, str], account: Path = ACCOUNT) -> PodApi:
         host, port = environ["KUBERNETES_SERVICE_HOST"], environ.get("KUBERNETES_SERVICE_PORT", "443")
         host = f"[{host}]" if ":" in host else host  # an IPv6 service address
         return cls(f"https://{host}:{port}", (account / "namespace").read_text().strip(), pod, account)
@@ -102,7 +101,7 @@ class CostKeeper:
             return
         try:
             self._patch(cost)
-        except (OSError, urllib.error.URLError) as exc:
+        except OSError as exc:  # an HTTP error or a refused connection (URLError) among them
             log.warning("cannot set %s to %d: %s", ANNOTATION, cost, exc)
             return
         log.info("%s: %d (live sequences)", ANNOTATION, cost)
@@ -114,6 +113,6 @@ class CostKeeper:
             stop.wait(self.interval_s)
 
 
-def pod_name(environ: dict[str, str] | os._Environ[str]) -> str:
+def pod_name(environ: Mapping[str, str]) -> str:
     """This pod's name: MHA_POD_NAME (the Downward API's metadata.name), else the host name."""
     return environ.get("MHA_POD_NAME") or os.uname().nodename
