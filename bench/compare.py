@@ -1,4 +1,4 @@
-"""mha-serve beside KServe, MLServer and two floor servers, side by side in one run.
+"""mha-serve beside Triton, KServe, MLServer and three floor servers, side by side in one run.
 
 Every server serves the same model.onnx on this machine's CPU; one closed-loop gRPC client
 (service.client.loadgen: N threads, one request at a time each) drives each in turn, client and server
@@ -6,7 +6,9 @@ sharing the cores. mha-serve runs three times: with its defaults (idle ORT threa
 backend chosen by measurement at start), with --thread-spinning (every pool busy-waits, ORT's
 default, which the others keep) and with --backend ort-cpu (the same backend as the others). The floors are the
 cheapest Python gRPC servers of the same protocol: `none` returns its input (protocol and copies
-only), `ort-inline` runs ONNX Runtime on the event loop. KServe and MLServer run in their own
+only), `ORT in-line` runs ONNX Runtime with its defaults on the event loop, `served graph in-line`
+the graph mha-serve's ORT-CPU serves on one thread there (the cheapest server of this stack that
+computes the model). KServe and MLServer run in their own
 virtual environments (`make bench-servers`); a server whose environment is missing is left out
 and said so. For each server: p50 and req/s per case, and the server's CPU time per request
 (user + system of its whole process group, from /proc). mha-serve also runs (4, 512, 128) with
@@ -127,7 +129,7 @@ def server_command(
         flags = [w for w in name.split()[1:] if not w.startswith("@")]  # a variant's flags follow its name
         return [*mha, "--shared-memory", "system", *flags], env
     if name.startswith("floor"):
-        mode = "ort" if "ORT" in name else "none"
+        mode = "served" if "served" in name else "ort" if "ORT" in name else "none"
         processes = str(mha_serve_processes())  # the floor of a server of as many processes
         return [py, str(HERE / "servers" / "floor.py"), mode, str(port), str(model_dir), processes], env
     if name == "KServe + ORT":
@@ -185,6 +187,7 @@ SERVERS = (
     "KServe + ORT",
     "MLServer + ORT",
     "floor: ORT in-line",
+    "floor: served graph in-line",  # the cheapest compute known here, on the event loop
     "floor: no compute",
 )
 SERVER_HELP = (

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import subprocess
+from pathlib import Path
 from types import ModuleType
 
 import pytest
@@ -34,6 +35,12 @@ def test_servers_are_chosen_by_name_with_mha_serve_among_them(compare: ModuleTyp
         compare.server_list("mha-serve,KServe")
     with pytest.raises(argparse.ArgumentTypeError, match="mha-serve must be among"):
         compare.server_list("KServe + ORT,floor: ORT in-line")
+
+
+def test_each_floor_runs_its_own_mode_of_floor_py(compare: ModuleType, tmp_path: Path) -> None:
+    floors = [name for name in compare.SERVERS if name.startswith("floor")]
+    modes = {name: compare.server_command(name, tmp_path, 8001)[0][2] for name in floors}
+    assert modes == {"floor: ORT in-line": "ort", "floor: served graph in-line": "served", "floor: no compute": "none"}
 
 
 def test_the_summary_reports_the_chosen_cases_only(compare: ModuleType) -> None:

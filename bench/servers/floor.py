@@ -2,13 +2,17 @@
 
 `none` answers each ModelInfer with its own input (the protocol and the copies, no compute);
 `ort` runs ONNX Runtime in-line on the event loop (the compute with nothing around it: no
-batching, no checks, no metrics). Run by bench/compare.py in the main virtual environment.
+batching, no checks, no metrics), with ORT's defaults as KServe keeps them; `served` does the
+same with the cheapest compute known here: the graph as mha-serve's ORT-CPU serves it
+(export/serving_graph.py) on one intra-op thread that sleeps when idle. The `served` floor is the
+cheapest server of this gRPC stack that computes the model. Run by bench/compare.py in the main
+virtual environment.
 
 With PROCESSES above 1 (what compare.py passes: as many as mha-serve's --workers start), that
 many independent processes share the port by SO_REUSEPORT, as mha-serve's workers do: the
 floor for a server of that many processes. Each client connection reaches one of them.
 
-usage: python bench/servers/floor.py none|ort PORT MODEL_DIR [PROCESSES]
+usage: python bench/servers/floor.py none|ort|served PORT MODEL_DIR [PROCESSES]
 (BENCH_ORT_THREADS sizes ORT's pool where compare.py pins the servers: see kserve_ort.py)
 """
 
@@ -22,8 +26,10 @@ from pathlib import Path
 
 import grpc
 import numpy as np
+import onnx
 import onnxruntime as ort
 
+from export.serving_graph import serving_graph
 from service.proto import grpc_service_pb2 as pb
 from service.proto import grpc_service_pb2_grpc as pb_grpc
 
@@ -47,13 +53,22 @@ class Floor(pb_grpc.GRPCInferenceServiceServicer):
         return response
 
 
-async def serve(mode: str, port: int, model_dir: Path, shared: bool) -> None:
+def session(mode: str, model_dir: Path) -> ort.InferenceSession:
     options = ort.SessionOptions()
     options.intra_op_num_threads = int(os.environ.get("BENCH_ORT_THREADS", "0"))  # 0: ORT's default
-    session = ort.InferenceSession(str(model_dir / "model.onnx"), options, providers=["CPUExecutionProvider"])
+    graph: str | bytes = str(model_dir / "model.onnx")
+    if mode == "served":
+        options.intra_op_num_threads = 1
+        options.add_session_config_entry("session.intra_op.allow_spinning", "0")
+        graph = serving_graph(onnx.load(graph))[0].SerializeToString()
+    return ort.InferenceSession(graph, options, providers=["CPUExecutionProvider"])
+
+
+async def serve(mode: str, port: int, model_dir: Path, shared: bool) -> None:
+    computes = session(mode, model_dir) if mode != "none" else None
     server_options = [("grpc.max_receive_message_length", 64 << 20), ("grpc.so_reuseport", 1 if shared else 0)]
     server = grpc.aio.server(options=server_options)
-    pb_grpc.add_GRPCInferenceServiceServicer_to_server(Floor(session if mode == "ort" else None), server)
+    pb_grpc.add_GRPCInferenceServiceServicer_to_server(Floor(computes), server)
     server.add_insecure_port(f"127.0.0.1:{port}")
     await server.start()
     await server.wait_for_termination()
