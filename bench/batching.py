@@ -15,6 +15,7 @@ import logging
 import platform
 import sys
 from pathlib import Path
+from typing import Any
 
 from service.app.launch import ServerProcess
 from service.client.loadgen import run_load
@@ -31,7 +32,7 @@ def main() -> int:
     parser.add_argument("--model-dir", default="models/default")
     parser.add_argument("--backend", default="auto")
     args = parser.parse_args()
-    rows = []
+    rows: list[dict[str, Any]] = []
     logs = Path("bench/results")
     logs.mkdir(parents=True, exist_ok=True)
     for label, batch in (("on", "16"), ("off", "1")):
@@ -52,17 +53,17 @@ def main() -> int:
             for workload in ("fixed", "mixed"):
                 for concurrency in CONCURRENCY:
                     seqs = (64,) if workload == "fixed" else MIXED_T
-                    cell = run_load(server.url, concurrency, args.seconds, seqs).to_dict()
-                    row = {"batching": label, "workload": workload, "concurrency": concurrency, **cell}
+                    result = run_load(server.url, concurrency, args.seconds, seqs)
+                    row = {"batching": label, "workload": workload, "concurrency": concurrency, **result.to_dict()}
                     log.info(
                         "batching %-3s %-5s c=%-2d  %7.1f req/s  p50 %7.2f ms  p99 %7.2f ms  errors %d",
                         label,
                         workload,
                         concurrency,
-                        cell["throughput_rps"],
-                        cell["p50_ms"],
-                        cell["p99_ms"],
-                        sum(cell["errors"].values()),
+                        result.throughput_rps,
+                        result.p50_ms,
+                        result.p99_ms,
+                        sum(result.errors.values()),
                     )
                     rows.append(row)
         finally:

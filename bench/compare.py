@@ -328,13 +328,14 @@ def in_process_ms(model_dir: Path, backend: str, seconds: float) -> float:
     from service.backends.pytorch import TorchBackend
 
     threads = len(os.sched_getaffinity(0))
+    runner: TorchBackend | OrtCpuBackend
     if backend == "torch":
         config, weights = load_checkpoint(model_dir / "weights.safetensors")
         runner = TorchBackend(config, weights, threads=threads)
     else:
         runner = OrtCpuBackend(model_dir / "model.onnx", threads)
     x = np.random.default_rng(0).standard_normal((4, 512, 128), dtype=np.float32)
-    times = []
+    times: list[float] = []
     stop = time.monotonic() + seconds
     while time.monotonic() < stop or len(times) < 5:
         start = time.perf_counter()

@@ -93,7 +93,7 @@ def compare_one_model(model_dir: Path, tokens: int, width: int, logs: Path) -> d
     return result
 
 
-def run_threads(ids: list[int], start_at: float, work: Callable[[int], None]) -> float:
+def run_threads(ids: list[int], start_at: float, work: Callable[[int], object]) -> float:
     """`work(id)` on a thread per id, all starting at `start_at` (time.monotonic is one clock for
     every process): when the last finished. The first failure is raised once all have ended."""
     failures: list[BaseException] = []
@@ -173,7 +173,8 @@ def step_against_stateless(url: str, width: int, count: int = 300) -> dict[str, 
     """p50 of a cached one-token step against a stateless (1, 1, C) request, interleaved one by one
     on one connection so that both see the same machine."""
     x = np.random.default_rng(1).standard_normal((1, count, width), dtype=np.float32)
-    cached, stateless = [], []
+    cached: list[float] = []
+    stateless: list[float] = []
     with grpc.insecure_channel(url) as channel:
         stub = pb_grpc.GRPCInferenceServiceStub(channel)
         for i in range(count):

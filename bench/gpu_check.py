@@ -36,6 +36,7 @@ import time
 import traceback
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -274,7 +275,7 @@ def timing(entry: dict[str, Any], B: int, T: int, C: int, nh: int, rates: dict[s
         entry["torch_sdpa_fp32_ms"] = synced_ms(lambda: sdpa(x), repeats)
         for name, dtype in (("bf16", torch.bfloat16), ("fp16", torch.float16)):
             m16, x16 = MultiHeadAttention.from_weights(cfg, w).cuda().to(dtype), x.to(dtype)
-            entry[f"torch_sdpa_{name}_ms"] = synced_ms(lambda m=m16, xx=x16: m(xx), repeats)
+            entry[f"torch_sdpa_{name}_ms"] = synced_ms(partial(m16, x16), repeats)
     flops = 8 * B * T * C * C + 4 * B * T * T * C
     entry["flops"] = flops
     for key in [k for k in entry if k.endswith("_ms")]:

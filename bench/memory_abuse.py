@@ -121,6 +121,7 @@ def never_reading_http(server: ServerProcess, hold_s: float, clients: int = 40) 
 def case(
     server: ServerProcess, abuse: Callable[[ServerProcess, float], Callable[[], None]], hold_s: float, settle_s: float
 ) -> dict[str, float]:
+    assert server.proc is not None, "the server is started first"
     pid = server.proc.pid
     time.sleep(1.0)
     before, tokens = rss_mb(pid), metric(server.metrics_port, "mha_tokens_total")
@@ -165,7 +166,7 @@ def main() -> None:
     parser.add_argument("--settle-s", type=float, default=5.0)
     args = parser.parse_args()
     results = {}
-    cases = (
+    cases: tuple[tuple[str, Callable[[ServerProcess, float], Callable[[], None]], list[str]], ...] = (
         ("stream_3000_never_read", never_reading_stream, []),
         ("http_40_never_read", never_reading_http, []),
         ("http_40_never_read_budget_64mb", never_reading_http, ["--max-inflight-mb", "64"]),

@@ -41,7 +41,7 @@ def _time(fn, repeats: int) -> float:
     return statistics.median(samples) * 1e3
 
 
-def main() -> None:
+def main() -> int:
     common.parser(__doc__).parse_args()  # --help describes it and runs nothing
     logging.getLogger("onnx_ir").setLevel(logging.WARNING)
     config = MHAConfig()
@@ -61,7 +61,7 @@ def main() -> None:
         x = np.random.default_rng(0).standard_normal((B, T, config.d_model), dtype=np.float32)
         xt = torch.from_numpy(x)
         repeats = 50 if B * T <= 512 else 10
-        row = {"B": B, "T": T}
+        row: dict[str, float] = {"B": B, "T": T}
         for graph, session in sessions.items():
             row[f"ort_{graph}_ms"] = _time(lambda s=session, x=x: s.run(None, {INPUT_NAME: x}), repeats)
         with torch.inference_mode():
@@ -87,6 +87,7 @@ def main() -> None:
     }
     out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=2) + "\n")
     log.info("wrote %s", out)
+    return 0
 
 
 if __name__ == "__main__":

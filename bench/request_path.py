@@ -39,6 +39,7 @@ from prometheus_client import CollectorRegistry
 
 from service.app.server import Running, drain_and_stop, load_and_serve, start
 from service.arrays import all_finite
+from service.backends.base import Backend
 from service.proto import grpc_service_pb2 as pb
 from service.protocol.answer import answer_infer
 from service.protocol.calls import Calls
@@ -81,7 +82,7 @@ def stages(running: Running, x: np.ndarray) -> dict[str, Stage]:
         return await answer_infer(core, regions, request_from_proto(request), None)
 
     async def infer() -> Any:
-        return await core.infer(x, None)
+        return await core.infer(x, None, core.loaded)
 
     async def submit() -> Any:
         return await batcher.submit(x, None)
@@ -97,7 +98,7 @@ def stages(running: Running, x: np.ndarray) -> dict[str, Stage]:
         return all_finite(x)
 
     async def chain() -> Any:
-        return core.loaded.chain.run(x, True)
+        return core.loaded.chain.run(x)
 
     async def turn() -> None:
         await asyncio.sleep(0)
@@ -179,7 +180,11 @@ async def run(
         await load_and_serve(running)
         chain = running.core.loaded.chain
         if not compute:  # the chain answers with a copy: the layers around the compute alone
-            chain.run = lambda x, alone=False: (x.copy(), chain.backends[0])  # type: ignore[method-assign]
+
+            def copy(x: np.ndarray) -> tuple[np.ndarray, Backend]:
+                return x.copy(), chain.backends[0]
+
+            chain.run = copy  # type: ignore[method-assign]
         x = np.random.default_rng(0).standard_normal(shape, dtype=np.float32)  # (B, T, C)
         return await (opcodes(running, x, min(calls, 500)) if count else measure(running, x, calls, rounds))
     finally:
@@ -199,6 +204,7 @@ def main() -> int:
         Settings(model_dir=args.model_dir, host="127.0.0.1", grpc_port=0, http_port=None, metrics_port=None),
         log_format="text",
         log_level="WARNING",
+        audit_rate=Settings.audit_rate if args.compute else 0.0,  # a copy is not the model: no audit flags it
     )
     shape = (1, args.seq_len, settings_width(args.model_dir))
     results = asyncio.run(run(settings, shape, args.calls, args.rounds, args.compute, args.opcodes))

@@ -56,11 +56,12 @@ class Floor(pb_grpc.GRPCInferenceServiceServicer):
 def session(mode: str, model_dir: Path) -> ort.InferenceSession:
     options = ort.SessionOptions()
     options.intra_op_num_threads = int(os.environ.get("BENCH_ORT_THREADS", "0"))  # 0: ORT's default
-    graph: str | bytes = str(model_dir / "model.onnx")
-    if mode == "served":
-        options.intra_op_num_threads = 1
-        options.add_session_config_entry("session.intra_op.allow_spinning", "0")
-        graph = serving_graph(onnx.load(graph))[0].SerializeToString()
+    path = str(model_dir / "model.onnx")
+    if mode != "served":
+        return ort.InferenceSession(path, options, providers=["CPUExecutionProvider"])
+    options.intra_op_num_threads = 1
+    options.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    graph = serving_graph(onnx.load(path))[0].SerializeToString()
     return ort.InferenceSession(graph, options, providers=["CPUExecutionProvider"])
 
 
