@@ -33,10 +33,10 @@ import numpy as np
 from compare import Started, wait_ready
 from decode import generate, run_threads
 
+from service.client.client import OWN_CONNECTION
 from service.proto import grpc_service_pb2_grpc as pb_grpc
 
 log = logging.getLogger("bench")
-OWN_CONNECTION = [("grpc.use_local_subchannel_pool", 1)]  # one connection per client, as separate clients
 CLIENT_PROCESSES = 4  # one Python process of client threads would be the bottleneck
 SERVERS = {"mha-serve": True, "Triton + ORT": False}  # name: does it keep the sequence (cached steps)?
 
@@ -44,7 +44,7 @@ SERVERS = {"mha-serve": True, "Triton + ORT": False}  # name: does it keep the s
 def one_sequence(url: str, width: int, tokens: int, cached: bool, sequence_id: int) -> list[float]:
     """Seconds per token of one (1, tokens, width) sequence generated one token at a time."""
     x = np.random.default_rng(sequence_id).standard_normal((1, tokens, width), dtype=np.float32)
-    with grpc.insecure_channel(url, options=OWN_CONNECTION) as channel:
+    with grpc.insecure_channel(url, options=[OWN_CONNECTION]) as channel:
         return generate(pb_grpc.GRPCInferenceServiceStub(channel), x, cached, sequence_id)
 
 

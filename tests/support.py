@@ -45,7 +45,12 @@ def bench_module(name: str) -> ModuleType:
 def http_json(port: int, path: str, body: dict[str, Any] | None = None) -> tuple[int, Any]:
     """GET `path` on 127.0.0.1:`port` (POST `body` as JSON when given): the status and the JSON
     answer, an error's included."""
-    data = None if body is None else json.dumps(body).encode()
+    return http_raw(port, path, None if body is None else json.dumps(body).encode())
+
+
+def http_raw(port: int, path: str, data: bytes | None = None) -> tuple[int, Any]:
+    """GET `path` on 127.0.0.1:`port` (POST `data`, any bytes, when given): the status and the
+    JSON answer, an error's included."""
     request = urllib.request.Request(f"http://127.0.0.1:{port}{path}", data=data)
     try:
         with urllib.request.urlopen(request, timeout=30) as response:

@@ -15,6 +15,9 @@ from service.protocol.grpc_codec import decode_infer_response, encode_infer_requ
 from service.protocol.inference import SEQUENCE_HEADER, SEQUENCE_LENGTH, SEQUENCE_OFFSET
 
 log = logging.getLogger(__name__)
+# gRPC shares one connection among a process's channels to one target; this channel option gives
+# a channel a connection of its own, as a separate client process would have.
+OWN_CONNECTION = ("grpc.use_local_subchannel_pool", 1)
 
 
 class InferenceError(RuntimeError):
@@ -55,8 +58,8 @@ class MHAClient:
             ("grpc.max_send_message_length", max_message_mb * 1024 * 1024),
         ]
         self.wait_for_ready = wait_for_ready  # a call waits (within its timeout) for a connection, not failing fast
-        if own_connection:  # gRPC shares one connection among a process's channels to one target
-            options.append(("grpc.use_local_subchannel_pool", 1))
+        if own_connection:
+            options.append(OWN_CONNECTION)
         if server_name:
             options.append(("grpc.ssl_target_name_override", server_name))
         if root_certificates is not None:

@@ -26,7 +26,7 @@ from service.protocol.grpc_codec import encode_infer_request, request_from_proto
 from service.protocol.inference import answered, output_placement
 from service.protocol.shm import Placement, SystemRegions
 from tests.service.protocol.test_codec import SPEC
-from tests.support import ServerThread, make_settings
+from tests.support import ServerThread, http_raw, make_settings
 
 C = 32
 
@@ -341,19 +341,12 @@ def test_a_region_unregistered_while_its_request_computes_is_not_found(tmp_path:
 
 def test_http_registration_refuses_what_is_not_a_registration(small_model_dir: Path, objects) -> None:
     import json
-    import urllib.error
-    import urllib.request
 
     key = _key(_object(objects, 64))
     settings = make_settings(small_model_dir, backend="torch", shared_memory="system", http_port=0)
 
     def post(path: str, body: bytes) -> tuple[int, dict]:
-        request = urllib.request.Request(f"http://127.0.0.1:{s.http_port}{path}", data=body)
-        try:
-            with urllib.request.urlopen(request, timeout=10) as response:
-                return response.status, json.loads(response.read())
-        except urllib.error.HTTPError as exc:
-            return exc.code, json.loads(exc.read())
+        return http_raw(s.http_port, path, body)
 
     bad = {
         "not-json": b"\xff{",
