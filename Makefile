@@ -74,7 +74,7 @@ lint: $(STAMP)
 	$(VENV)/bin/mypy
 
 proto: $(STAMP)
-	$(PY) -m service.protogen
+	$(PY) protos/generate.py
 
 deploy-gen: $(STAMP)
 	$(PY) deploy/generate.py

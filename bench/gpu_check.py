@@ -199,7 +199,7 @@ def selection(entry: dict[str, Any], model_dir: Path, config: Any, weights: Any)
         on_fallback=lambda *a: fallbacks.append(a),
     )
     report = check_parity(lambda x: chain.run(x)[0], config, weights, parity_grid(config.max_seq_len)[:4], seed=4)
-    entry["fallback"] = {"ok": report.ok, "fallbacks": fallbacks, "benched": chain.benched()}
+    entry["fallback"] = {"ok": report.ok, "fallbacks": fallbacks, "quarantined": chain.quarantined()}
 
 
 def decode(entry: dict[str, Any], model_dir: Path, config: Any, weights: Any, tokens: int = 256) -> None:

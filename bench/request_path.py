@@ -38,8 +38,8 @@ import numpy as np
 from prometheus_client import CollectorRegistry
 
 from service.app.server import Running, drain_and_stop, load_and_serve, start
-from service.arrays import all_finite
 from service.backends.base import Backend
+from service.numerics import all_finite
 from service.proto import grpc_service_pb2 as pb
 from service.protocol.answer import answer_infer
 from service.protocol.calls import Calls

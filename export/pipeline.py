@@ -27,6 +27,7 @@ from export.layout import (
     precision_tolerance,
 )
 from export.onnx_export import DEFAULT_OPSET, ExportError, export_onnx
+from export.serving_graph import serving_graph
 from export.step_graph import build_precision_graph, export_step_graph
 from export.verify import (
     TOLERANCE,
@@ -77,6 +78,7 @@ def export_model_dir(
         )
         save_checkpoint(staging / WEIGHTS_FILE, weights, config)
         export_onnx(config, weights, staging / MODEL_FILE, opset=opset, graph=graph)
+        rewrites = _rewrite_for_serving(staging / MODEL_FILE)  # verified below, as it will be served
         grid = parity_grid(config.max_seq_len)
         log.info("checking parity on ONNX Runtime (CPU) over %d (B, T) shapes", len(grid))
         report = check_parity(ort_cpu_runner(staging / MODEL_FILE), config, weights, grid, tolerance=tolerance)
@@ -89,6 +91,7 @@ def export_model_dir(
         halves = {p: _export_precision(staging, config, weights, p) for p in precisions if p != "fp32"}
         files += [precision_file(p) for p in halves]
         manifest = _manifest(staging, config, opset, graph, report, step_report, files)
+        manifest["serving_rewrites"] = rewrites
         manifest["precisions"] = {"fp32": {"file": MODEL_FILE, "tolerance": tolerance}} | {
             p: {"file": precision_file(p), "tolerance": r.tolerance, "parity": r.to_dict()} for p, r in halves.items()
         }
@@ -110,6 +113,17 @@ def ensure_default_model(directory: Path) -> Path:
         log.info("no default model in %s: exporting it there (seed 0, default config; about 10 s)", directory)
         export_model_dir(Path(directory), MHAConfig(), init_weights(MHAConfig(), seed=0))
     return Path(directory)
+
+
+def _rewrite_for_serving(path: Path) -> list[str]:
+    """model.onnx in place, with the serving rewrites that apply to it (export/serving_graph.py:
+    the same arithmetic in fewer nodes), so that the file manifest.json vouches for is the graph
+    ONNX Runtime serves; the names of the rewrites done."""
+    rewritten, done = serving_graph(onnx.load(str(path)))
+    if done:
+        onnx.save(rewritten, str(path))
+        log.info("model.onnx rewritten for serving: %s", ", ".join(done))
+    return done
 
 
 def _export_precision(staging: Path, config: MHAConfig, weights: Weights, precision: str) -> ParityReport:

@@ -211,10 +211,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
             log.error("cannot start: %s", exc)
             return exc.exit_code
         if single and settings.model_dir is None:  # exported once, here, rather than by every worker at once
-            from export.pipeline import ensure_default_model
+            from service.app.model_config import export_default_model
+            from service.engine.core import ModelLoadError
 
-            assert settings.default_model_dir is not None
-            settings = replace(settings, model_dir=ensure_default_model(settings.default_model_dir))
+            try:
+                settings = replace(settings, model_dir=export_default_model(settings))
+            except ModelLoadError as exc:
+                log.error("cannot start: %s", exc)
+                return 1
         argv = to_argv(replace(settings, workers="1"))
         return asyncio.run(Supervisor(settings, argv, count, gpus).run())
     try:
@@ -618,7 +622,7 @@ def cmd_pod_cost(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from service.triton_flags import translated
+    from service.app.triton_flags import translated
 
     parser = build_parser(os.environ)
     args = parser.parse_args(translated(sys.argv[1:] if argv is None else argv, parser.error))

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any, get_type_hints
 
 from export.layout import MANIFEST_FILE
-from service.cpus import available_cpus
+from service.resources import available_cpus
 from service.scheduling import SchedulePolicy, parse_queue_policies
 
 BACKEND_CHOICES = ("auto", "ort-cuda", "ort-cpu", "torch")
@@ -137,8 +137,8 @@ class Settings:
     )
     max_message_mb: int = setting(64, "gRPC message size, each way, before RESOURCE_EXHAUSTED", "MiB", low=1)
     grace_s: float = setting(20.0, "time in-flight requests get to finish on SIGTERM", "s", low=0)
-    fallback_failures: int = setting(3, "consecutive failures that bench a backend", low=1)
-    fallback_cooldown_s: float = setting(30.0, "time a benched backend waits before its probe", "s", low=0)
+    fallback_failures: int = setting(3, "consecutive failures that quarantine a backend", low=1)
+    fallback_cooldown_s: float = setting(30.0, "time a quarantined backend waits before its probe", "s", low=0)
     allow_unverified: bool = setting(False, "serve files manifest.json does not vouch for (logged as an error)")
     tls_cert: Path | None = setting(None, "PEM server certificate; with --tls-key, serve TLS")
     tls_key: Path | None = setting(None, "PEM private key of --tls-cert")

@@ -26,8 +26,8 @@ from pathlib import Path
 import pytest
 from prometheus_client import CollectorRegistry
 
-from service.app.repository import read_policy, read_schedule
-from service.engine.repository import VersionPolicy
+from service.app.model_config import read_policy, read_schedule
+from service.engine.sources import VersionPolicy
 from service.metrics import Metrics
 from service.settings import Settings, schedule_policy
 from tests.support import ROOT, server_process

@@ -26,10 +26,8 @@ from pathlib import Path
 
 import grpc
 import numpy as np
-import onnx
 import onnxruntime as ort
 
-from export.serving_graph import serving_graph
 from service.proto import grpc_service_pb2 as pb
 from service.proto import grpc_service_pb2_grpc as pb_grpc
 
@@ -61,8 +59,7 @@ def session(mode: str, model_dir: Path) -> ort.InferenceSession:
         return ort.InferenceSession(path, options, providers=["CPUExecutionProvider"])
     options.intra_op_num_threads = 1
     options.add_session_config_entry("session.intra_op.allow_spinning", "0")
-    graph = serving_graph(onnx.load(path))[0].SerializeToString()
-    return ort.InferenceSession(graph, options, providers=["CPUExecutionProvider"])
+    return ort.InferenceSession(path, options, providers=["CPUExecutionProvider"])  # as exported: rewritten
 
 
 async def serve(mode: str, port: int, model_dir: Path, shared: bool) -> None:

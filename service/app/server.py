@@ -21,10 +21,9 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from prometheus_client import CollectorRegistry
 
-from service.app.repository import model_source, poll, read_schedule
+from service.app.model_config import load, model_source, poll, read_schedule
 from service.batching import Clock
 from service.engine.core import ComputeHook, InferenceCore, State
-from service.memory import freed_buffers_go_back
 from service.metrics import Metrics
 from service.proto import grpc_service_pb2 as pb
 from service.protocol.auth import BearerToken, BearerTokenInterceptor, read_token
@@ -37,6 +36,7 @@ from service.protocol.http_wire import quiet_client_mistakes
 from service.protocol.metrics_http import MetricsServer
 from service.protocol.peers import WorkerPeers, socket_path
 from service.protocol.shm import SystemRegions
+from service.resources import freed_buffers_go_back
 from service.settings import Settings
 from service.tracing import TraceSettings, Tracing
 
@@ -129,7 +129,7 @@ async def start(
     token, credentials = _token(settings), _credentials(settings)  # read before a worker's long load
     if settings.reuse_port:
         try:
-            await core.load()
+            await load(core, settings)
         except Exception as exc:
             raise StartupError(f"cannot serve: {exc}", 1) from exc
     health_servicer = health.aio.HealthServicer()
@@ -334,7 +334,7 @@ async def load_and_serve(running: Running) -> None:
     (--require-device)."""
     core = running.core
     if core.state is State.LOADING:  # a worker of several has loaded before it bound its ports
-        await core.load()
+        await load(core, core.settings)
     if running.peers is not None:  # a replica serves once every worker can take its sequences' steps
         while not running.peers.all_listening():
             await asyncio.sleep(PEERS_POLL_S)

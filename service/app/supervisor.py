@@ -34,8 +34,8 @@ from prometheus_client.core import Metric
 from prometheus_client.multiprocess import MultiProcessCollector, mark_process_dead
 
 from service.app.launch import free_ports, serve_command
-from service.cpus import available_cpus
 from service.protocol.metrics_http import MetricsServer
+from service.resources import available_cpus
 from service.settings import Settings
 
 log = logging.getLogger(__name__)

@@ -1,6 +1,6 @@
 """The run-time fallback chain: an error in one backend sends the batch to the next.
 
-Repeated failures bench a backend for a cool-down; after it, the backend is probed (self-check)
+Repeated failures quarantine a backend for a cool-down; after it, the backend is probed (self-check)
 before it serves again.
 """
 
@@ -14,10 +14,10 @@ from typing import TypeVar
 
 import numpy as np
 
-from service.arrays import all_finite
 from service.backends.base import Backend, Step
 from service.batching import batch_mflop
 from service.errors import BackendFailure, DeviceLost
+from service.numerics import all_finite
 
 log = logging.getLogger(__name__)
 
@@ -64,20 +64,20 @@ class LightRoute:
 @dataclass
 class _Health:
     consecutive_failures: int = 0
-    benched_until: float = 0.0  # time.monotonic(); 0 when serving
+    quarantined_until: float = 0.0  # time.monotonic(); 0 when serving
 
 
-class Bench:
+class Quarantine:
     """Which backends sit out a cool-down after repeated failures, and whether one may serve
-    again (its probe passes once the cool-down is over). `changes` counts benchings and returns:
-    who shows the serving backends looks again when it moves, or while one is benched (a
+    again (its probe passes once the cool-down is over). `changes` counts quarantines and returns:
+    who shows the serving backends looks again when it moves, or while one is quarantined (a
     cool-down ends with the clock, not with a change)."""
 
     def __init__(self, backends: list[Backend], probe: ProbeFn, threshold: int, cooldown_s: float, clock: Now) -> None:
         self.health = {b.name: _Health() for b in backends}
         self._probe, self._threshold, self._cooldown, self._clock = probe, threshold, cooldown_s, clock
         self.changes = 0
-        self._benched = 0  # backends benched now: read after every batch, so kept, not counted
+        self._quarantined = 0  # backends quarantined now: read after every batch, so kept, not counted
 
     def _of(self, backend: Backend) -> _Health:
         """A backend's health; one the chain gained after it was built starts healthy."""
@@ -85,48 +85,48 @@ class Bench:
 
     @property
     def any(self) -> bool:
-        return self._benched > 0
+        return self._quarantined > 0
 
     def in_service(self, backend: Backend) -> bool:
-        return self._of(backend).benched_until == 0.0
+        return self._of(backend).quarantined_until == 0.0
 
     def first_healthy(self, order: list[Backend]) -> Backend:
         now = self._clock()
         for backend in order:
-            if self._of(backend).benched_until <= now:
+            if self._of(backend).quarantined_until <= now:
                 return backend
         return order[0]
 
-    def benched(self, backends: list[Backend]) -> list[str]:
+    def quarantined(self, backends: list[Backend]) -> list[str]:
         now = self._clock()
-        return [b.name for b in backends if self._of(b).benched_until > now]
+        return [b.name for b in backends if self._of(b).quarantined_until > now]
 
     def available(self, backend: Backend) -> bool:
         health = self._of(backend)
-        if health.benched_until == 0.0:
+        if health.quarantined_until == 0.0:
             return True
-        if health.benched_until > self._clock():
+        if health.quarantined_until > self._clock():
             return False
         ok, why = self._probe(backend)
         self.changes += 1
         if ok:
             log.info("backend %s passed its probe after the cool-down (%s); serving again", backend.name, why)
-            health.benched_until, health.consecutive_failures = 0.0, 0
-            self._benched -= 1
+            health.quarantined_until, health.consecutive_failures = 0.0, 0
+            self._quarantined -= 1
             return True
-        log.warning("backend %s failed its probe after the cool-down (%s); benched again", backend.name, why)
-        health.benched_until = self._clock() + self._cooldown
+        log.warning("backend %s failed its probe after the cool-down (%s); quarantined again", backend.name, why)
+        health.quarantined_until = self._clock() + self._cooldown
         return False
 
     def failed(self, backend: Backend) -> None:
         health = self._of(backend)
         health.consecutive_failures += 1
-        if health.consecutive_failures >= self._threshold and health.benched_until == 0.0:
-            health.benched_until = self._clock() + self._cooldown
+        if health.consecutive_failures >= self._threshold and health.quarantined_until == 0.0:
+            health.quarantined_until = self._clock() + self._cooldown
             self.changes += 1
-            self._benched += 1
+            self._quarantined += 1
             log.warning(
-                "backend %s benched for %.0f s after %d consecutive failures",
+                "backend %s quarantined for %.0f s after %d consecutive failures",
                 backend.name,
                 self._cooldown,
                 health.consecutive_failures,
@@ -135,13 +135,13 @@ class Bench:
     def succeeded(self, backend: Backend) -> None:
         self._of(backend).consecutive_failures = 0
 
-    def bench_now(self, name: str) -> None:
-        """Bench the backend `name` at once (an answer of its was found wrong): batches go to the
+    def enter(self, name: str) -> None:
+        """Quarantine the backend `name` at once (an answer of its was found wrong): batches go to the
         next one, and it serves again only once its probe passes after the cool-down."""
         health = self.health.setdefault(name, _Health())
-        if health.benched_until == 0.0:
-            self._benched += 1
-        health.benched_until = self._clock() + self._cooldown
+        if health.quarantined_until == 0.0:
+            self._quarantined += 1
+        health.quarantined_until = self._clock() + self._cooldown
         self.changes += 1
 
 
@@ -166,13 +166,13 @@ class BackendChain:
         self._cooldown = cooldown_s
         self._on_fallback = on_fallback
         self._clock = clock
-        self.bench = Bench(backends, probe, failure_threshold, cooldown_s, clock)
+        self.quarantine = Quarantine(backends, probe, failure_threshold, cooldown_s, clock)
         self._verdicts: dict[str, tuple[float, bool]] = {}  # backend -> (when, passed): the last blame probe
 
     @property
     def active(self) -> Backend:
         """The backend the next heavy batch goes to first (every batch, without a light route)."""
-        return self.bench.first_healthy(self.backends)
+        return self.quarantine.first_healthy(self.backends)
 
     def orders(self) -> list[list[Backend]]:
         """Every order a batch may try the backends in: the chain's, and the light route's."""
@@ -180,10 +180,10 @@ class BackendChain:
 
     def serving(self) -> list[Backend]:
         """The backend each order tries first now: the active one, and the light route's."""
-        return list(dict.fromkeys(self.bench.first_healthy(order) for order in self.orders()))
+        return list(dict.fromkeys(self.quarantine.first_healthy(order) for order in self.orders()))
 
-    def benched(self) -> list[str]:
-        return self.bench.benched(self.backends)
+    def quarantined(self) -> list[str]:
+        return self.quarantine.quarantined(self.backends)
 
     def run(self, x: np.ndarray) -> tuple[np.ndarray, Backend]:
         """Run on the first healthy backend; on error, on the next. Called by one batcher at a time:
@@ -217,11 +217,11 @@ class BackendChain:
         self, order: list[Backend], compute: Callable[[Backend], T], problem: Callable[[Backend, T], str], what: str
     ) -> tuple[T, Backend]:
         """`compute` on the first backend of `order` that is available and answers without a
-        `problem`; a failing one is counted towards its bench, and the next one tried."""
+        `problem`; a failing one is counted towards its quarantine, and the next one tried."""
         errors: list[str] = []
         previous: tuple[Backend, str] | None = None
         for backend in order:
-            if not self.bench.available(backend):
+            if not self.quarantine.available(backend):
                 continue
             if previous is not None:
                 self._fallback(previous[0].name, backend.name, previous[1])
@@ -231,19 +231,19 @@ class BackendChain:
                 log.error("backend %s failed on %s: %s", backend.name, what, exc, exc_info=True)
                 if is_sticky_device_error(backend.device, exc):
                     raise DeviceLost(f"{backend.name} on {backend.device}: {exc}") from exc
-                self.bench.failed(backend)
+                self.quarantine.failed(backend)
                 errors.append(f"{backend.name}: {type(exc).__name__}: {exc}")
                 previous = (backend, "error")
                 continue
             if wrong := problem(backend, out):
                 log.error("backend %s returned an invalid output for %s: %s", backend.name, what, wrong)
-                self.bench.failed(backend)
+                self.quarantine.failed(backend)
                 errors.append(f"{backend.name}: {wrong}")
                 previous = (backend, "invalid_output")
                 continue
-            self.bench.succeeded(backend)
+            self.quarantine.succeeded(backend)
             return out, backend
-        raise BackendFailure(f"every backend failed on {what}: {errors or 'all benched'}")
+        raise BackendFailure(f"every backend failed on {what}: {errors or 'all quarantined'}")
 
     def order_for(self, rows: int, seq: int) -> list[Backend]:
         """The backends a batch of `rows` sequences of `seq` tokens tries, in order."""
@@ -265,7 +265,7 @@ class BackendChain:
         if not all_finite(rows):  # NaN or inf sent by the client: nothing to ask another backend
             return True
         for other in self.backends:
-            if other is backend or not self.bench.in_service(other):
+            if other is backend or not self.quarantine.in_service(other):
                 continue
             try:
                 return not bool(np.isfinite(other.run(rows)).all())

@@ -21,37 +21,16 @@ log = logging.getLogger(__name__)
 
 
 def _load_session(
-    model_path: Path,
-    options: ort.SessionOptions,
-    providers: list[str | tuple[str, dict[str, object]]],
-    graph: bytes | None = None,
+    model_path: Path, options: ort.SessionOptions, providers: list[str | tuple[str, dict[str, object]]]
 ) -> ort.InferenceSession:
-    """A session of the graph in `model_path`, or of `graph` (that file's graph rewritten) when given."""
+    """A session of the graph in `model_path`, as the file holds it (manifest.json vouches for it;
+    `mha export` applied the serving rewrites before it was verified)."""
     if not model_path.is_file():
         raise BackendLoadError(f"{model_path} does not exist")
     try:
-        return ort.InferenceSession(graph if graph is not None else str(model_path), options, providers=providers)
+        return ort.InferenceSession(str(model_path), options, providers=providers)
     except Exception as exc:  # ORT raises its own exception types for bad graphs and providers
         raise BackendLoadError(f"ONNX Runtime could not load {model_path.name}: {exc}") from exc
-
-
-def _cpu_graph(model_path: Path) -> tuple[bytes | None, list[str]]:
-    """model.onnx with the serving rewrites that apply to it (export/serving_graph.py), serialized,
-    and their names; (None, []) when none applies."""
-    import onnx  # protobuf, the model file's format: loaded with a backend, not with the engine's modules
-
-    from export.serving_graph import serving_graph
-
-    try:
-        model = onnx.load(str(model_path))
-    except Exception as exc:  # onnx raises DecodeError and OSError alike for a file it cannot read
-        raise BackendLoadError(f"cannot read {model_path.name}: {exc}") from exc
-    try:
-        rewritten, done = serving_graph(model)
-        return (rewritten.SerializeToString() if done else None), done
-    except Exception as exc:  # a rewrite that cannot be checked or written: the file as it is
-        log.warning("serving %s as it is: its graph could not be rewritten (%s)", model_path.name, exc)
-        return None, []
 
 
 def _cpu_options(threads: int, spinning: bool) -> ort.SessionOptions:
@@ -92,9 +71,7 @@ class OrtCpuBackend(Backend):
         width: int | None = None,
         step_path: Path | None = None,
     ) -> None:
-        graph, self.rewrites = _cpu_graph(model_path)  # the same arithmetic in fewer nodes
-        log.debug("ORT-CPU serves %s with rewrites: %s", model_path.name, ", ".join(self.rewrites) or "none")
-        self._session = _load_session(model_path, _cpu_options(threads, spinning), ["CPUExecutionProvider"], graph)
+        self._session = _load_session(model_path, _cpu_options(threads, spinning), ["CPUExecutionProvider"])
         self._input = self._session.get_inputs()[0].name
         self._outputs = [self._session.get_outputs()[0].name]  # named: ORT lists them on every run otherwise
         self.threads = threads
@@ -106,7 +83,7 @@ class OrtCpuBackend(Backend):
         self._single: ort.InferenceSession | None = None
         self.single_max_tokens = 0  # rows x T up to which the single-threaded session runs
         if threads > 1 and width is not None:
-            self._single = _load_session(model_path, _cpu_options(1, spinning), ["CPUExecutionProvider"], graph)
+            self._single = _load_session(model_path, _cpu_options(1, spinning), ["CPUExecutionProvider"])
             self.single_max_tokens = self._crossover(width)
             log.debug(
                 "ORT-CPU: measured at start, batches of up to %d tokens run faster on one thread (varies with load)",

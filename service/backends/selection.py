@@ -53,7 +53,7 @@ class CandidateReport:
 @dataclass
 class Selection:
     backends: list[Backend]  # serving order: the first serves, the rest are the fallback chain
-    check: SelfCheck  # what each backend passed; the chain probes benched backends with it
+    check: SelfCheck  # what each backend passed; the chain probes quarantined backends with it
     candidates: list[CandidateReport] = field(default_factory=list)
     light: LightRoute | None = None  # where light batches go when another backend wins them
     step_backends: list[Backend] = field(default_factory=list)  # decode steps' serving order, one device

@@ -14,13 +14,13 @@ from functools import partial
 
 import numpy as np
 
-from service.arrays import all_finite, not_finite
 from service.backends.base import Step
 from service.batch_engine import BatchEngine, Computed, Item, Timing
 from service.batching import BatchEvent, Clock, Plan, plan_steps
 from service.decode.control import SequenceControl
 from service.decode.sequences import LiveSequence, SequenceStore
-from service.errors import InvalidInput, StaleSequence
+from service.errors import StaleSequence
+from service.numerics import refuse_non_finite, refuse_non_finite_input
 
 log = logging.getLogger(__name__)
 
@@ -89,8 +89,7 @@ def _commit(step: StepInput, y: np.ndarray) -> np.ndarray:
     """The sequence grows by the step's t tokens; a non-finite output commits nothing, so the
     sequence stays as it was. NaN or inf in the step's input always reach its output (as on the
     stateless path), so they are found here, and named, without a pass over every input."""
-    if not all_finite(y):
-        raise InvalidInput(f"{not_finite(step.x)}; the step was not added to the sequence")
+    refuse_non_finite(step.x, y, then="the step was not added to the sequence")
     step.cache.length += step.x.shape[1]
     return y
 
@@ -125,8 +124,8 @@ class Decoder:
     async def step(self, control: SequenceControl, x: np.ndarray, deadline: float | None = None) -> Stepped:
         """(B, t, C) new tokens of the sequence -> their (B, t, C) outputs, the tokens the sequence
         holds after them, and the step's time in the queue."""
-        if control.start and not all_finite(x):  # a start would drop the sequence's state: refused first
-            raise InvalidInput(not_finite(x))  # (any other step's NaN or inf is found in its output)
+        if control.start:  # a start would drop the sequence's state: refused first
+            refuse_non_finite_input(x)  # (any other step's NaN or inf is found in its output)
         if self.require_offset and not control.start and control.offset is None:
             raise StaleSequence(
                 f"sequence {control.label()}: this server requires sequence_offset on every step after the first "

@@ -3,7 +3,7 @@ recomputed off the hot path by the float64 reference and compared with what was 
 precision's tolerance (the self-check's).
 
 A mismatch is an incident. It is counted and logged once, with the request id, the shape, the
-backend, the error and the tolerance. The backend is benched at once, as repeated errors bench it,
+backend, the error and the tolerance. The backend is quarantined at once, as repeated errors quarantine it,
 so the fallback chain takes over until its probe (the self-check) passes again.
 
 It never costs a client. The answer is sent before its audit. The audit copies one row of the
@@ -78,7 +78,7 @@ class Sample:
     version: str
     device: str  # the backend's
     precision: str  # the version's
-    bench: Callable[[str], None]  # benches a backend of the version's chain, by name
+    quarantine: Callable[[str], None]  # quarantines a backend of the version's chain, by name
 
 
 Verdict = Callable[[Sample, Reference, float, float], None]  # (sample, its reference, relative error, seconds)
@@ -125,7 +125,7 @@ class Auditor:
         chain = loaded.chain  # resolved here, on the event loop, not on the audit thread
         device = next((b.device for b in chain.backends if b.name == backend), "unknown")
         sample = Sample(
-            x1, y1, x.shape, backend, request_id, loaded.version, device, loaded.model.precision, chain.bench.bench_now
+            x1, y1, x.shape, backend, request_id, loaded.version, device, loaded.model.precision, chain.quarantine.enter
         )
         self._thread.submit(self._check, sample, reference)
         return None
@@ -172,5 +172,5 @@ def mismatch_message(sample: Sample, reference: Reference, error: float) -> str:
         f"audit: the answer to request {quote(sample.request_id)} (shape {sample.shape}, version "
         f"{quote(sample.version)}) from {sample.backend} differs from the float64 reference: relative error "
         f"{error:.2e} > {reference.tolerance:.0e} over a row's first {sample.x.shape[1]} tokens; {sample.backend} "
-        "is benched until its self-check passes again"
+        "is quarantined until its self-check passes again"
     )

@@ -12,9 +12,9 @@ from functools import partial
 
 import numpy as np
 
-from service.arrays import all_finite
 from service.batch_engine import BatchEngine, Computed, Item, Timing
 from service.batching import BatcherConfig, BatchEvent, Clock, Plan, form_at, merge, plan_batch, split
+from service.numerics import all_finite
 from service.scheduling import SchedulePolicy
 
 __all__ = ["Answer", "Batcher", "RunBatch", "Timing"]

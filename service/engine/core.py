@@ -22,7 +22,6 @@ from export.layout import ModelFiles, precision_file
 from export.verify import check_manifest, sha256_file
 from model import MHAConfig
 from model.checkpoint import CheckpointError, load_checkpoint
-from service.arrays import all_finite, not_finite
 from service.backends import Backend, BackendChain, BackendSpec, Selection, select_backends
 from service.backends.chain import REASONS, FallbackHook
 from service.batch_engine import Timing
@@ -35,15 +34,15 @@ from service.engine.audit import AuditLimits, Auditor, Reference, Sample, mismat
 from service.engine.batcher import Batcher
 from service.engine.inflight import InFlight
 from service.engine.loading import LoadReport, VersionLoader
-from service.engine.magnitude import magnitude_bound
 from service.engine.publishing import Publisher
 from service.engine.readiness import DeviceHealth
-from service.engine.repository import ModelSource, PolicyReader
 from service.engine.served import ModelIdentity, ServedModel, Serving
+from service.engine.sources import ModelSource, PolicyReader
 from service.engine.versions import Loaded, Versions
-from service.errors import DeviceLost, FeatureOff, InvalidInput, NotReady
-from service.memory import memory_limit_bytes
+from service.errors import DeviceLost, FeatureOff, NotReady
 from service.metrics import Metrics
+from service.numerics import magnitude_bound, refuse_non_finite
+from service.resources import memory_limit_bytes
 from service.scheduling import SchedulePolicy
 from service.settings import Settings, schedule_policy
 from service.tracing import Tracing
@@ -97,7 +96,7 @@ class InferenceCore:
         failed = partial(self.set_state, State.FAILED)
         entries = (self.identity.name, self.identity.sequence_name)
         self.publish = Publisher(metrics, self.device, self.serving_ok, failed, self.tracing, entries)
-        self.placement: dict[str, int | str] = {"replica": settings.replica, "worker": settings.worker_index}
+        self.location: dict[str, int | str] = {"replica": settings.replica, "worker": settings.worker_index}
         self.keeper = VersionKeeper(self, source or single_source(settings))
         self.loader = self.keeper.loader
         self.audit = Auditor(_audit_limits(settings), partial(_audited, self), metrics.audit.skipped_one)
@@ -159,8 +158,7 @@ class InferenceCore:
         the request's (priority, timeout in seconds) under the schedule policy."""
         loaded.model.check_magnitude(x)
         y, timing = await loaded.batcher.submit(x, deadline, *queue)
-        if not timing.finite and not all_finite(y):  # the chain found this input to blame (see BackendChain)
-            raise InvalidInput(not_finite(x))
+        refuse_non_finite(x, y, known_finite=timing.finite)  # the chain found this input to blame (BackendChain)
         self.publish.answered(x.shape, timing, loaded.version)
         self.audit.offer(x, y, timing.backend, request_id, loaded)  # sampled, checked off the hot path
         return y, timing
@@ -209,7 +207,7 @@ class InferenceCore:
         for loaded in list(self.versions):
             await loaded.decoder.close()
             await loaded.batcher.stop()
-        self.audit.close()  # before the compute thread's: a mismatch benches its backend there
+        self.audit.close()  # before the compute thread's: a mismatch quarantines its backend there
         self.executor.shutdown(wait=True)
         for loaded in list(self.versions):
             for backend in loaded.chain.backends:
@@ -328,10 +326,11 @@ class VersionKeeper:
 
 def single_source(s: Settings, read_policy: PolicyReader | None = None) -> ModelSource:
     """Where the settings say the versions are: a repository (its policy read by `read_policy`;
-    none: Triton's default, the latest version) or one model directory."""
+    none: Triton's default, the latest version), one model directory, or the default model's
+    (which the app exports before the first load)."""
     if s.model_repository is not None:
         return ModelSource(s.model_name, repository=s.model_repository, read_policy=read_policy)
-    return ModelSource(s.model_name, directory=s.model_dir, version=s.model_version)
+    return ModelSource(s.model_name, directory=s.model_dir or s.default_model_dir, version=s.model_version)
 
 
 def _identity(s: Settings) -> ModelIdentity:
@@ -359,10 +358,12 @@ def _run_steps(
 def load_model(
     settings: Settings, identity: ModelIdentity, on_fallback: FallbackHook, directory: Path | None = None
 ) -> tuple[ServedModel, Selection, BackendChain]:
-    """Read the model directory (None: the default model), load and self-check the backends
-    (decode steps included), and chain them (blocking)."""
+    """Read the model directory, load and self-check the backends (decode steps included), and
+    chain them (blocking). The default model is exported by the app before it loads."""
     s = settings
-    files = ModelFiles(directory if directory is not None else _default_model(s))
+    if directory is None:
+        raise ModelLoadError("no model directory to serve: give --model-dir, or --default-model-dir")
+    files = ModelFiles(directory)
     try:
         config, weights = load_checkpoint(files.weights)
     except CheckpointError as exc:
@@ -417,22 +418,6 @@ def _log_steps(chain: BackendChain, config: MHAConfig, s: Settings, files: Model
         log.warning("no backend computes decode steps: %s has no step.onnx (re-export it)", files.directory)
 
 
-def _default_model(s: Settings) -> Path:
-    """No --model-dir: the default model, exported into --default-model-dir first if missing
-    (after the server has bound its ports: clients see NOT_SERVING meanwhile)."""
-    from export.pipeline import ensure_default_model
-
-    if s.default_model_dir is None:
-        raise ModelLoadError("no model directory to serve: give --model-dir, or --default-model-dir")
-    try:
-        return ensure_default_model(s.default_model_dir)
-    except OSError as exc:
-        raise ModelLoadError(
-            f"cannot export the default model into {s.default_model_dir}: {exc.strerror or exc}; "
-            "give --default-model-dir (or MHA_DEFAULT_MODEL_DIR) a writable directory"
-        ) from exc
-
-
 def _follow(metrics: Metrics, core: InferenceCore) -> None:
     """The gauges read from the core at each scrape."""
     metrics.queue_capacity.set(core.settings.max_queue_size)
@@ -451,13 +436,13 @@ def _audit_limits(s: Settings) -> AuditLimits:
 
 def _audited(core: InferenceCore, sample: Sample, reference: Reference, error: float, spent_s: float) -> None:
     """An audit's verdict (on the audit thread): counted; a mismatch logged, counted by backend,
-    device and precision, and its backend benched on the compute thread (where the chain runs)."""
+    device and precision, and its backend quarantined on the compute thread (where the chain runs)."""
     core.metrics.audit.checked_one(spent_s)
     if math.isfinite(error) and error <= reference.tolerance:
         return
     core.metrics.audit.mismatch(sample.backend, sample.device, sample.precision)
     log.error(mismatch_message(sample, reference, error))
-    core.executor.submit(sample.bench, sample.backend)
+    core.executor.submit(sample.quarantine, sample.backend)
 
 
 def _serving(loaded: Loaded, s: Settings, schedule: SchedulePolicy) -> Serving:

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Generic, TypeVar
 
-from service.engine.repository import ModelSource, VersionPolicy
+from service.engine.sources import ModelSource, VersionPolicy
 from service.engine.versions import Loaded, Versions, VersionState
 from service.errors import LoadRefused
 

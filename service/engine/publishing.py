@@ -35,7 +35,7 @@ class Publisher:
         self.tracing = tracing or Tracing()
         self._serving_ok, self._device_lost = serving_ok, device_lost
         self._serving: list[tuple[str, str]] = []  # the backends mha_backend_info last showed as serving
-        self._health_seen = -1  # the chain's bench.changes when the serving backends were last looked at
+        self._health_seen = -1  # the chain's quarantine.changes when the serving backends were last looked at
         self._batches = metrics.ledger.book(self._fold_batches)
         self._answers = metrics.ledger.book(self._fold_answers)  # (tokens, rows, Timing, wall s)
 
@@ -53,12 +53,12 @@ class Publisher:
         """A batch, of stateless requests or decode steps: a sticky device error in it stops the
         server (DeviceHealth) at once; it is written in the ledger; the serving backends are
         looked at again, and its trace reported, after the batch's answers have gone
-        (after_answer), when they may have changed: while a backend is benched or its health
+        (after_answer), when they may have changed: while a backend is quarantined or its health
         changed since the last look, not otherwise."""
         if self.device.observe(event.error):
             self._device_lost()
         self._batches.add((event, version, steps))
-        if event.traced or chain.bench.changes != self._health_seen or chain.bench.any:
+        if event.traced or chain.quarantine.changes != self._health_seen or chain.quarantine.any:
             after_answer(self._published, event, chain)
 
     def _published(self, event: BatchEvent, chain: BackendChain) -> None:
@@ -107,7 +107,7 @@ class Publisher:
     def backends(self, chain: BackendChain) -> None:
         """The serving backends (the active one, and the light batches' where they have their
         own), once they change: mha_backend_info, and readiness on the required device."""
-        self._health_seen = chain.bench.changes
+        self._health_seen = chain.quarantine.changes
         serving = [(b.name, b.device) for b in chain.serving()]
         if serving != self._serving:
             self._serving = serving

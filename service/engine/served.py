@@ -16,7 +16,7 @@ if TYPE_CHECKING:
 
     from model import MHAConfig
     from service.backends.base import Backend
-    from service.engine.magnitude import MagnitudeBound
+    from service.numerics import MagnitudeBound
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,7 @@ from service.protocol.inference import (
     check_sequence_header,
     decode_input,
     names_shared_memory,
-    output_placement,
+    output_slice,
     queue_request,
     sequence_control,
 )
@@ -67,13 +67,13 @@ async def answer_infer(
         call.version = version.version  # counted in its statistics
     model = version.model
     x = decode_input(request, model, regions)
-    target = output_placement(request, x.shape, regions)
+    target = output_slice(request, x.shape, regions)
     _hold(core, call, x.nbytes)
     if control is None:
         y, timing = await core.infer(x, deadline, version, queue, request.id)
         return answered(request, model, y, timing.backend, target, regions)
     y, timing, length = await core.step(control, x, version, deadline)
-    extra: dict[str, int | str] = {SEQUENCE_LENGTH: length, **core.placement}  # and where the sequence lives
+    extra: dict[str, int | str] = {SEQUENCE_LENGTH: length, **core.location}  # and where the sequence lives
     response = answered(request, model, y, timing.backend, target, regions, extra)
     response.model_name = entry  # the entry the step was sent to: mha or mha_sequence
     return response
@@ -126,7 +126,7 @@ async def _handed_over(
     peers, worker = owner
     model = core.loaded.model
     x = decode_input(request, model, regions)
-    target = output_placement(request, x.shape, regions)
+    target = output_slice(request, x.shape, regions)
     _hold(core, call, x.nbytes)
     if names_shared_memory(request):
         request.inputs[0] = InputTensor(model.input_name, DATATYPE, list(x.shape), raw=x.tobytes())  # (B, T, C)

@@ -29,7 +29,7 @@ from service.protocol.inference import (
     Value,
     Words,
 )
-from service.protocol.shm import Placement
+from service.protocol.shm import RegionSlice
 
 WORDS = Words(raw="raw_input_contents", values="contents.fp32_contents")
 TYPED_FIELDS = ("bool", "int", "int64", "uint", "uint64", "fp32", "fp64", "bytes")
@@ -89,12 +89,12 @@ def _typed_fields(tensor: pb.ModelInferRequest.InferInputTensor) -> list[str]:
 
 
 def response_to_proto(response: InferResponse) -> pb.ModelInferResponse:
-    """The reply: y in raw_output_contents, or, when it went to shared memory, the placement in
+    """The reply: y in raw_output_contents, or, when it went to shared memory, the slice in
     the output's parameters and an empty contents entry (Triton's clients read one per output)."""
     reply = pb.ModelInferResponse(model_name=response.model_name, model_version=response.model_version, id=response.id)
     out = reply.outputs.add(name=response.output_name, datatype=DATATYPE, shape=list(response.y.shape))
     _set_parameters(reply.parameters, response.parameters)
-    target = response.placement
+    target = response.slice
     if target is None:
         reply.raw_output_contents.append(response.y.tobytes())
         return reply
@@ -140,7 +140,7 @@ def request_to_proto(request: InferRequest) -> pb.ModelInferRequest:
 
 def response_from_proto(reply: pb.ModelInferResponse) -> InferResponse:
     """A worker's answer to a handed-over request; when the output went to shared memory, its
-    placement (and, for y, a read-only stand-in of its shape that holds no memory)."""
+    slice (and, for y, a read-only stand-in of its shape that holds no memory)."""
     parameters = {k: v for k, v in parameter_values(reply.parameters).items() if isinstance(v, int | str)}
     out = reply.outputs[0]
     shape = list(out.shape)
@@ -148,7 +148,7 @@ def response_from_proto(reply: pb.ModelInferResponse) -> InferResponse:
         y = np.frombuffer(reply.raw_output_contents[0], dtype=FLOAT32).reshape(shape)  # (B, T, C)
         return InferResponse(reply.model_name, reply.model_version, reply.id, out.name, y, parameters)
     placed = parameter_values(out.parameters)
-    target = Placement(str(placed[SHM_REGION]), int(placed[SHM_SIZE] or 0), int(placed.get(SHM_OFFSET) or 0))
+    target = RegionSlice(str(placed[SHM_REGION]), int(placed[SHM_SIZE] or 0), int(placed.get(SHM_OFFSET) or 0))
     y = np.broadcast_to(np.zeros((), FLOAT32), shape)  # (B, T, C), no bytes behind it
     return InferResponse(reply.model_name, reply.model_version, reply.id, out.name, y, parameters, target)
 

@@ -162,7 +162,7 @@ def response_to_http(response: InferResponse, binary: bool) -> web.Response:
         "parameters": response.parameters,
         "outputs": [tensor],
     }
-    if (target := response.placement) is not None:  # the placement, and no data: binary_data_size 0,
+    if (target := response.slice) is not None:  # the slice, and no data: binary_data_size 0,
         placed = {SHM_REGION: target.region, SHM_SIZE: response.y.nbytes, SHM_OFFSET: target.offset}
         tensor["parameters"] = {**placed, "binary_data_size": 0}  # which Triton's C++ client reads
         return web.json_response(doc)

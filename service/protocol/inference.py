@@ -17,7 +17,7 @@ import numpy as np
 
 from service.decode.control import SequenceControl
 from service.errors import FeatureOff, InvalidInput, quote
-from service.protocol.shm import OFF_MESSAGE, Placement, SystemRegions
+from service.protocol.shm import OFF_MESSAGE, RegionSlice, SystemRegions
 
 if TYPE_CHECKING:
     from service.engine.served import ServedModel
@@ -74,7 +74,7 @@ class InferRequest:
 
 @dataclass(slots=True)
 class InferResponse:
-    """`y` (B, T, C), in the answer or, when `placement` is set, already written there."""
+    """`y` (B, T, C), in the answer or, when `slice` is set, already written there."""
 
     model_name: str
     model_version: str
@@ -82,7 +82,7 @@ class InferResponse:
     output_name: str
     y: np.ndarray
     parameters: dict[str, int | str] = field(default_factory=dict)
-    placement: Placement | None = None
+    slice: RegionSlice | None = None
 
 
 def described(value: Value) -> str:
@@ -118,7 +118,7 @@ def decode_input(request: InferRequest, model: ServedModel, regions: SystemRegio
                     f"output {out.name!r} parameter {key!r} is not supported by this server; "
                     "send the request without it"
                 )
-    where = placement(tensor.parameters, f"input {tensor.name!r}", regions)
+    where = region_slice(tensor.parameters, f"input {tensor.name!r}", regions)
     if where is None:
         return _read_data(tensor, shape, request.words)
     return _read_region(tensor, shape, where, regions)  # its values are the core's to check (see core)
@@ -172,7 +172,7 @@ def _read_data(tensor: InputTensor, shape: tuple[int, int, int], words: Words) -
 
 
 def _read_region(
-    tensor: InputTensor, shape: tuple[int, int, int], where: Placement, regions: SystemRegions | None
+    tensor: InputTensor, shape: tuple[int, int, int], where: RegionSlice, regions: SystemRegions | None
 ) -> np.ndarray:
     if tensor.raw is not None or (tensor.values is not None and len(tensor.values)):
         raise InvalidInput(f"input {tensor.name!r} names a shared memory region and also carries data; send one")
@@ -182,7 +182,7 @@ def _read_region(
             f"input {tensor.name!r}: {SHM_SIZE} {where.byte_size}; shape {list(shape)} of FP32 needs exactly "
             f"{x.nbytes} bytes"
         )
-    assert regions is not None  # placement() refused the request otherwise
+    assert regions is not None  # region_slice() refused the request otherwise
     regions.read(where, x)
     return x
 
@@ -262,13 +262,13 @@ def queue_request(request: InferRequest) -> tuple[int, float | None]:
 
 
 def names_shared_memory(request: InferRequest) -> bool:
-    """Does an input or a requested output name a shared memory placement?"""
+    """Does an input or a requested output name a shared memory slice?"""
     tensors: list[InputTensor | RequestedOutput] = [*request.inputs, *request.outputs]
     return any(key in t.parameters for t in tensors for key in SHM_KEYS)
 
 
-def placement(parameters: Parameters, where: str, regions: SystemRegions | None) -> Placement | None:
-    """The shared memory placement that a tensor's parameters name, or None when they name none."""
+def region_slice(parameters: Parameters, where: str, regions: SystemRegions | None) -> RegionSlice | None:
+    """The shared memory slice that a tensor's parameters name, or None when they name none."""
     if not parameters or not any(key in parameters for key in SHM_KEYS):  # most tensors carry none
         return None
     if regions is None or not regions.enabled:
@@ -280,7 +280,7 @@ def placement(parameters: Parameters, where: str, regions: SystemRegions | None)
         raise InvalidInput(f"{where}: {SHM_REGION!r} must be a string naming a registered region")
     size = count_parameter(parameters, SHM_SIZE, where)
     offset = count_parameter(parameters, SHM_OFFSET, where) if SHM_OFFSET in parameters else 0
-    return Placement(region, size, offset)
+    return RegionSlice(region, size, offset)
 
 
 def count_parameter(parameters: Parameters, key: str, where: str, unit: str = "byte count") -> int:
@@ -293,11 +293,11 @@ def count_parameter(parameters: Parameters, key: str, where: str, unit: str = "b
     return value
 
 
-def output_placement(request: InferRequest, shape: tuple[int, ...], regions: SystemRegions | None) -> Placement | None:
+def output_slice(request: InferRequest, shape: tuple[int, ...], regions: SystemRegions | None) -> RegionSlice | None:
     """Where the output goes when the request asks for it in shared memory: checked before the
-    compute, so that a bad placement costs nothing."""
+    compute, so that a bad slice costs nothing."""
     for out in request.outputs:
-        where = placement(out.parameters, f"output {out.name!r}", regions)
+        where = region_slice(out.parameters, f"output {out.name!r}", regions)
         if where is not None and regions is not None:
             need = int(np.prod(shape)) * FLOAT32.itemsize
             if where.byte_size < need:
@@ -315,7 +315,7 @@ def answered(
     model: ServedModel,
     y: np.ndarray,
     backend: str,
-    target: Placement | None = None,
+    target: RegionSlice | None = None,
     regions: SystemRegions | None = None,
     extra: dict[str, int | str] | None = None,
 ) -> InferResponse:

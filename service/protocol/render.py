@@ -10,8 +10,8 @@ from importlib.metadata import PackageNotFoundError, version
 
 import grpc
 
-from service.engine.repository import VersionPolicy
 from service.engine.served import ModelIdentity, ServedModel, Serving
+from service.engine.sources import VersionPolicy
 from service.engine.stats import Duration, ModelStats
 from service.proto import grpc_service_pb2 as pb
 from service.protocol.inference import DATATYPE

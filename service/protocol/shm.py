@@ -47,7 +47,7 @@ class Region:
 
 
 @dataclass(frozen=True)
-class Placement:
+class RegionSlice:
     """Where a request's tensor lives: `byte_size` bytes at `offset` inside region `region`."""
 
     region: str
@@ -102,12 +102,12 @@ class SystemRegions:
             return list(self._regions.values())
         return [self._lookup(name)]
 
-    def check(self, where: Placement, nbytes: int) -> None:
+    def check(self, where: RegionSlice, nbytes: int) -> None:
         """Refuse an access of `nbytes` at `where` that the region or its object cannot hold."""
         self._bounds(where, nbytes)
 
-    def read(self, where: Placement, out: np.ndarray) -> None:
-        """Fill `out` (C-contiguous) with the placement's bytes."""
+    def read(self, where: RegionSlice, out: np.ndarray) -> None:
+        """Fill `out` (C-contiguous) with the slice's bytes."""
         region, start = self._bounds(where, out.nbytes)
         try:
             got = os.preadv(region.fd, [out.data.cast("B")], start)
@@ -116,8 +116,8 @@ class SystemRegions:
         if got != out.nbytes:
             raise InvalidInput(f"region {quote(region.name)}: read {got} of {out.nbytes} bytes; its object shrank")
 
-    def write(self, where: Placement, data: np.ndarray) -> None:
-        """Write `data` at the placement, all of it or an error that names the region: the
+    def write(self, where: RegionSlice, data: np.ndarray) -> None:
+        """Write `data` at the slice, all of it or an error that names the region: the
         object's file may refuse bytes (the host's shared memory is full: tmpfs allocates pages
         on the first write; a file size limit), and an answer with part of its output would be
         a silent wrong answer."""
@@ -156,7 +156,7 @@ class SystemRegions:
             raise RegionNotFound(f"no shared memory region named {quote(name)} is registered on this server")
         return region
 
-    def _bounds(self, where: Placement, nbytes: int) -> tuple[Region, int]:
+    def _bounds(self, where: RegionSlice, nbytes: int) -> tuple[Region, int]:
         """The region and the object offset of an access of `nbytes`, checked against the region
         as registered and against the object's size now."""
         region = self._lookup(where.region)

@@ -1,8 +1,11 @@
-"""The graph ORT-CPU serves: model.onnx in 6 nodes instead of 21, computing the same numbers
-(against model.onnx itself and both float64 references), for every shape of model we export."""
+"""The graph ORT serves: `mha export` rewrites model.onnx for serving before it verifies it (6
+nodes instead of 21), so that manifest.json vouches for the file ORT serves. The rewritten graph
+computes the same numbers as the exported one and both float64 references, for every shape of
+model we export."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import numpy as np
@@ -12,9 +15,10 @@ import pytest
 import torch
 from onnx import TensorProto, helper, numpy_helper
 
+from export.onnx_export import export_onnx
 from export.pipeline import export_model_dir
 from export.serving_graph import serving_graph
-from export.verify import check_parity, parity_grid
+from export.verify import check_parity, parity_grid, sha256_file
 from model import MHAConfig
 from model.checkpoint import init_weights, load_checkpoint
 from model.reference import attention_view, relative_error
@@ -39,11 +43,26 @@ def model_dir(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathF
     return out
 
 
-def test_the_rewritten_graph_computes_what_model_onnx_computes(model_dir: Path) -> None:
-    model = onnx.load(str(model_dir / "model.onnx"))
-    rewritten, done = serving_graph(model)
-    assert done == BOTH and len(rewritten.graph.node) < len(model.graph.node)
-    assert {n.op_type for n in rewritten.graph.node} <= {"MatMul", "Add", "Split", "Attention"}
+def _exported(model_dir: Path, tmp_path: Path) -> onnx.ModelProto:
+    """The graph the exporter writes before the serving rewrites, for the model in `model_dir`."""
+    config, weights = load_checkpoint(model_dir / "weights.safetensors")
+    export_onnx(config, weights, tmp_path / "exported.onnx")
+    return onnx.load(str(tmp_path / "exported.onnx"))
+
+
+def test_the_manifest_vouches_for_the_rewritten_file(model_dir: Path) -> None:
+    manifest = json.loads((model_dir / "manifest.json").read_text())
+    assert manifest["serving_rewrites"] == BOTH
+    assert manifest["files"]["model.onnx"]["sha256"] == sha256_file(model_dir / "model.onnx")
+    served = onnx.load(str(model_dir / "model.onnx"))
+    assert {n.op_type for n in served.graph.node} <= {"MatMul", "Add", "Split", "Attention"}
+    assert serving_graph(served)[1] == [], "nothing is left to rewrite at load"
+
+
+def test_the_rewritten_graph_computes_what_the_exported_graph_computes(model_dir: Path, tmp_path: Path) -> None:
+    model = _exported(model_dir, tmp_path)
+    rewritten = onnx.load(str(model_dir / "model.onnx"))
+    assert len(rewritten.graph.node) < len(model.graph.node)
     config, weights = load_checkpoint(model_dir / "weights.safetensors")
     plain, served = _session(model), _session(rewritten)
     report = check_parity(lambda x: served.run(None, {"x": x})[0], config, weights, parity_grid(config.max_seq_len))
@@ -55,7 +74,6 @@ def test_the_rewritten_graph_computes_what_model_onnx_computes(model_dir: Path) 
 
 def test_the_cpu_backend_serves_the_rewritten_graph_exactly(small_model_dir: Path) -> None:
     backend = OrtCpuBackend(small_model_dir / "model.onnx", threads=2, width=32)
-    assert backend.rewrites == BOTH
     config, weights = load_checkpoint(small_model_dir / "weights.safetensors")
     x = np.random.default_rng(2).standard_normal((2, 23, 32), dtype=np.float32)
     reference = attention_view(torch.from_numpy(x), weights, config)
@@ -76,10 +94,10 @@ def test_a_graph_of_another_shape_is_served_as_it_is() -> None:
     assert done == [] and rewritten == model
 
 
-def test_heads_merged_to_another_width_are_left_as_they_are(small_model_dir: Path) -> None:
+def test_heads_merged_to_another_width_are_left_as_they_are(small_model_dir: Path, tmp_path: Path) -> None:
     """The heads are handed to Attention only when the Reshape after it merges them back into
     exactly nh x hs: a graph that reshapes to anything else keeps its own nodes."""
-    model = onnx.load(str(small_model_dir / "model.onnx"))
+    model = _exported(small_model_dir, tmp_path)
     merge = next(n for n in model.graph.node if n.op_type == "Reshape" and n.input[0].startswith("transpose"))
     concat = next(n for n in model.graph.node if merge.input[1] in n.output)
     width = next(t for t in model.graph.initializer if t.name == concat.input[-1])

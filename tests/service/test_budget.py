@@ -9,7 +9,7 @@ import pytest
 
 from service.budget import MIB, InflightBudget
 from service.errors import Overloaded, TooLarge
-from service.memory import memory_limit_bytes
+from service.resources import memory_limit_bytes
 
 
 def test_leases_add_up_to_the_limit_and_go_back_once() -> None:

@@ -296,26 +296,26 @@ def test_chain_falls_back_benches_and_recovers(small_model_dir: Path) -> None:
         y, used = chain.run(x)
         assert used is second and relative_error(torch.from_numpy(y), ref) < 1e-5
     assert fallbacks == [("ort-cpu", "torch-cpu", "error")] * 2
-    assert chain.benched() == ["ort-cpu"] and chain.active is second and chain.bench.any
+    assert chain.quarantined() == ["ort-cpu"] and chain.active is second and chain.quarantine.any
 
     calls = first.calls
-    chain.run(x)  # benched: not even tried
+    chain.run(x)  # quarantined: not even tried
     assert first.calls == calls and len(fallbacks) == 2
 
-    clock.now += 11  # cool-down over, still broken: the probe fails, benched again
+    clock.now += 11  # cool-down over, still broken: the probe fails, quarantined again
     chain.run(x)
-    assert first.calls == calls + 1 and chain.benched() == ["ort-cpu"] and chain.bench.any
+    assert first.calls == calls + 1 and chain.quarantined() == ["ort-cpu"] and chain.quarantine.any
 
     first.broken = False
     clock.now += 11  # cool-down over, repaired: the probe passes and it serves again
     y, used = chain.run(x)
-    assert used is first and chain.benched() == [] and chain.active is first and not chain.bench.any
+    assert used is first and chain.quarantined() == [] and chain.active is first and not chain.quarantine.any
     assert relative_error(torch.from_numpy(y), ref) < 1e-5
 
 
 def test_backend_info_follows_a_backend_benched_at_run_time_and_back(small_model_dir: Path) -> None:
     """The serving backends are looked at again only when they may have changed (a backend's
-    health changed, or one is benched): mha_backend_info still follows every change."""
+    health changed, or one is quarantined): mha_backend_info still follows every change."""
     config, weights = load_checkpoint(small_model_dir / "weights.safetensors")
     first = Flaky("ort-cpu", OrtCpuBackend(small_model_dir / "model.onnx", threads=1))
     clock, metrics = Clock(), Metrics(CollectorRegistry())
@@ -338,8 +338,8 @@ def test_backend_info_follows_a_backend_benched_at_run_time_and_back(small_model
 
     assert batch() == {"ort-cpu": 1, "torch-cpu": 0}
     first.broken = True
-    assert batch() == {"ort-cpu": 1, "torch-cpu": 0}  # one failure: not benched yet
-    assert batch() == {"ort-cpu": 0, "torch-cpu": 1}  # benched
+    assert batch() == {"ort-cpu": 1, "torch-cpu": 0}  # one failure: not quarantined yet
+    assert batch() == {"ort-cpu": 0, "torch-cpu": 1}  # quarantined
     clock.now += 11  # the cool-down ends with the clock: ort-cpu is first in line again (to be probed)
     first.broken = False
     assert batch() == {"ort-cpu": 1, "torch-cpu": 0}  # probed, passed, serving

@@ -85,7 +85,7 @@ def test_a_failing_step_backend_falls_back_and_is_benched(small_model_dir: Path)
         (y,), backend = chain.run_steps([Step(cache, x)])
         assert backend is torch_cpu
     assert relative_error(torch.from_numpy(y), attention_view(torch.from_numpy(x), weights, config)) < 1e-5
-    assert failing.calls == 2 and chain.benched() == ["ort-cpu"]  # benched after 2: the third went straight on
+    assert failing.calls == 2 and chain.quarantined() == ["ort-cpu"]  # quarantined after 2: the third went straight on
     assert fallbacks == [("ort-cpu", "torch-cpu", "error")] * 2
 
 

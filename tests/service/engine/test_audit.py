@@ -1,6 +1,6 @@
 """Answers re-verified in production: sampling, the bounds that keep the audit off the clients'
 path (queue, CPU allowance, busy), and, behind a real server, a corrupting backend caught,
-counted, logged and benched while the fallback answers correctly; at rate 1.0 every answer of a
+counted, logged and quarantined while the fallback answers correctly; at rate 1.0 every answer of a
 grid checked and none found wrong, on both CPU backends and fp16."""
 
 from __future__ import annotations
@@ -63,12 +63,12 @@ class Depth:
 
 
 class Chain:
-    """What the auditor reads of a version's backends: their devices, and how to bench one."""
+    """What the auditor reads of a version's backends: their devices, and how to quarantine one."""
 
     def __init__(self) -> None:
         self.backends = [SimpleNamespace(name="ort-cpu", device="cpu")]
-        self.benched: list[str] = []
-        self.bench = SimpleNamespace(bench_now=self.benched.append)
+        self.quarantined: list[str] = []
+        self.quarantine = SimpleNamespace(enter=self.quarantined.append)
 
 
 @dataclass
@@ -226,8 +226,8 @@ def test_a_corrupting_backend_is_caught_counted_logged_and_benched(
         while (registry.get_sample_value("mha_audit_mismatches_total", mismatches) or 0) < 1:
             assert time.monotonic() < deadline, "the audit never reported the corrupt answer"
             time.sleep(0.01)
-        while chain.benched() != [victim.name]:  # benched on the compute thread
-            assert time.monotonic() < deadline, "the corrupt backend was never benched"
+        while chain.quarantined() != [victim.name]:  # quarantined on the compute thread
+            assert time.monotonic() < deadline, "the corrupt backend was never quarantined"
             client.infer(x)
         for _ in range(6):  # the fallback answers now, exactly
             y, backend = client.infer_with_backend(x)

@@ -1,5 +1,5 @@
 """One client cannot hurt the others: inputs that overflow attention, or hold NaN or inf, fail
-alone and bench nothing."""
+alone and quarantine nothing."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from service.proto import grpc_service_pb2_grpc as pb_grpc
 from service.protocol.grpc_codec import decode_infer_response, encode_infer_request
 from tests.support import ComputeGate, ServerThread, make_settings
 
-POISONS = {  # both backends overflow on these (checked in the tests: nothing may be benched)
+POISONS = {  # both backends overflow on these (checked in the tests: nothing may be quarantined)
     "1e20": np.random.default_rng(3).standard_normal((1, 8, 32), dtype=np.float32) * np.float32(1e20),
     "max": np.full((1, 8, 32), 3.4e38, np.float32),
 }
@@ -47,7 +47,7 @@ def server(request: pytest.FixtureRequest, small_model_dir: Path) -> Iterator[Se
 
 
 def _nothing_benched(server: ServerThread) -> None:
-    assert server.core.loaded.chain.benched() == []
+    assert server.core.loaded.chain.quarantined() == []
     fallbacks = [s for m in server.registry.collect() if m.name == "mha_backend_fallbacks" for s in m.samples]
     assert all(s.value == 0 for s in fallbacks if s.name.endswith("_total")), fallbacks
 
@@ -55,7 +55,7 @@ def _nothing_benched(server: ServerThread) -> None:
 @pytest.mark.parametrize("poison", POISONS.values(), ids=POISONS.keys())
 def test_an_overflowing_input_is_the_clients_mistake(server: ServerThread, small_model_dir: Path, poison) -> None:
     with MHAClient(server.url) as client:
-        for _ in range(5):  # more than --fallback-failures: a backend blamed for these would be benched
+        for _ in range(5):  # more than --fallback-failures: a backend blamed for these would be quarantined
             with pytest.raises(InferenceError) as info:
                 client.infer(poison)
             assert info.value.code == grpc.StatusCode.INVALID_ARGUMENT

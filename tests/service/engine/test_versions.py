@@ -1,5 +1,5 @@
 """Which version a request goes to, and which versions a policy serves (the routing rules of
-service/engine/versions.py and service/engine/repository.py; tests/e2e/test_model_updates.py
+service/engine/versions.py and service/engine/sources.py; tests/e2e/test_model_updates.py
 runs them in a real server while versions load and retire)."""
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ from export.layout import ModelFiles
 from model import MHAConfig
 from service.decode.control import SequenceControl
 from service.decode.sequences import SequenceLimits, SequenceStore
-from service.engine.repository import ModelSource, VersionPolicy, version_number
 from service.engine.served import ModelIdentity, ServedModel
+from service.engine.sources import ModelSource, VersionPolicy, version_number
 from service.engine.versions import Loaded, Versions, VersionState
 from service.errors import InvalidInput, ModelNotFound, NotReady
 

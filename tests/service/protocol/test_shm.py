@@ -23,8 +23,8 @@ from service.errors import FeatureOff, InvalidInput, Overloaded, RegionExists, R
 from service.proto import grpc_service_pb2 as pb
 from service.proto import grpc_service_pb2_grpc as pb_grpc
 from service.protocol.grpc_codec import encode_infer_request, request_from_proto
-from service.protocol.inference import answered, output_placement
-from service.protocol.shm import Placement, SystemRegions
+from service.protocol.inference import answered, output_slice
+from service.protocol.shm import RegionSlice, SystemRegions
 from tests.service.protocol.test_codec import SPEC
 from tests.support import ServerThread, http_raw, make_settings
 
@@ -219,7 +219,7 @@ def _bad_requests(region: str, nbytes: int) -> dict[str, tuple[pb.ModelInferRequ
     return cases
 
 
-def test_every_bad_placement_is_refused_precisely(stub, objects, small_model_dir: Path) -> None:
+def test_every_bad_slice_is_refused_precisely(stub, objects, small_model_dir: Path) -> None:
     nbytes = 1024
     shm = _object(objects, nbytes)
     np.ndarray((nbytes // 4,), np.float32, shm.buf)[:] = 0.5
@@ -296,7 +296,7 @@ def test_region_bounds(tmp_path_factory, object_size, region_offset, region_size
     out = np.empty(count, np.uint8)
     fits = offset + count <= region_size and region_offset + offset + count <= size_now
     try:
-        regions.read(Placement("r", count, offset), out)
+        regions.read(RegionSlice("r", count, offset), out)
     except InvalidInput:
         assert not fits
     else:
@@ -324,15 +324,15 @@ def test_registry_errors_are_domain_errors(tmp_path: Path) -> None:
 
 
 def test_a_region_unregistered_while_its_request_computes_is_not_found(tmp_path: Path) -> None:
-    """The output placement is checked before the compute and looked up again to write."""
+    """The output slice is checked before the compute and looked up again to write."""
     x = np.ones((1, 2, C), np.float32)
     (tmp_path / "out").write_bytes(bytes(x.nbytes))
     regions = SystemRegions(True, 4, tmp_path)
     regions.register("out", "/out", 0, x.nbytes)
     request = _shm_request(x.shape, "in", out=("out", 0))
     neutral = request_from_proto(request)
-    target = output_placement(neutral, x.shape, regions)
-    assert target == Placement("out", x.nbytes, 0)
+    target = output_slice(neutral, x.shape, regions)
+    assert target == RegionSlice("out", x.nbytes, 0)
     regions.unregister("out")  # meanwhile, the client unregisters it
     with pytest.raises(RegionNotFound, match="'out'"):
         answered(neutral, SPEC, x, "torch", target, regions)
@@ -376,7 +376,7 @@ import resource, signal, sys
 from pathlib import Path
 import numpy as np
 from service.errors import Overloaded
-from service.protocol.shm import Placement, SystemRegions
+from service.protocol.shm import RegionSlice, SystemRegions
 
 directory = Path(sys.argv[1])
 (directory / "out").write_bytes(bytes(256))
@@ -385,7 +385,7 @@ resource.setrlimit(resource.RLIMIT_FSIZE, (200, 200))  # the file takes bytes up
 regions = SystemRegions(True, 2, directory)
 regions.register("out", "/out", 0, 256)
 try:
-    regions.write(Placement("out", 128, 128), np.ones(32, np.float32))  # bytes 128..256: 72 fit
+    regions.write(RegionSlice("out", 128, 128), np.ones(32, np.float32))  # bytes 128..256: 72 fit
 except Overloaded as exc:
     print("refused:", exc)
 else:

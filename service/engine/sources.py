@@ -56,7 +56,7 @@ def version_number(name: str) -> int | None:
 @dataclass(frozen=True)
 class ModelSource:
     """The versions of one model: in `repository/<name>/` (read again at each load or poll), or
-    the one `directory` (None with no repository: the default model, exported at first load)."""
+    the one `directory`."""
 
     name: str
     repository: Path | None = None

@@ -10,9 +10,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from service.arrays import ONE_PASS_MAX, all_finite, sum_of_squares
-from service.engine.magnitude import MagnitudeBound
 from service.errors import InvalidInput
+from service.numerics import ONE_PASS_MAX, MagnitudeBound, all_finite, sum_of_squares
 
 SPECIAL = st.sampled_from([np.nan, np.inf, -np.inf, 3e38, -3e38, 1e20, 0.0]) | st.floats(-1e15, 1e15)  # spikes
 

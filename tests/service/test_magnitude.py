@@ -24,7 +24,7 @@ from model import MHAConfig
 from model.checkpoint import Weights, init_weights, load_checkpoint
 from model.reference import attention_view, relative_error
 from service.client.client import InferenceError, MHAClient
-from service.engine.magnitude import magnitude_bound
+from service.numerics import magnitude_bound
 from tests.support import ComputeGate, ServerThread, make_settings
 
 TOLERANCE = 1e-4  # float32 against float64, at every scale the server accepts

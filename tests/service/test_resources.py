@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from service.cpus import available_cpus, cgroup_cpu_limit, cpu_budget
+from service.resources import available_cpus, cgroup_cpu_limit, cpu_budget
 
 
 def _write(path: Path, **files: str) -> None:

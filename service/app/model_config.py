@@ -10,8 +10,8 @@ from pathlib import Path
 
 from google.protobuf import text_format
 
-from service.engine.core import InferenceCore, single_source
-from service.engine.repository import ModelSource, VersionPolicy
+from service.engine.core import InferenceCore, ModelLoadError, single_source
+from service.engine.sources import ModelSource, VersionPolicy
 from service.proto import grpc_service_pb2 as pb
 from service.scheduling import QueuePolicy, SchedulePolicy
 from service.settings import Settings, schedule_policy
@@ -75,6 +75,36 @@ def _queue_policy(policy: pb.ModelQueuePolicy) -> QueuePolicy:
         allow_timeout_override=policy.allow_timeout_override,
         max_queue_size=policy.max_queue_size,
     )
+
+
+def serves_default_model(settings: Settings) -> bool:
+    """No --model-dir and no repository: the default model, in --default-model-dir."""
+    return settings.model_repository is None and settings.model_dir is None
+
+
+def export_default_model(settings: Settings) -> Path:
+    """The default model's directory, exported there first if it holds no complete export
+    (blocking: about 15 s on 2 CPUs). The app does this before the first load; the engine only
+    loads what exists."""
+    from export.pipeline import ensure_default_model
+
+    if settings.default_model_dir is None:
+        raise ModelLoadError("no model directory to serve: give --model-dir, or --default-model-dir")
+    try:
+        return ensure_default_model(settings.default_model_dir)
+    except OSError as exc:
+        raise ModelLoadError(
+            f"cannot export the default model into {settings.default_model_dir}: {exc.strerror or exc}; "
+            "give --default-model-dir (or MHA_DEFAULT_MODEL_DIR) a writable directory"
+        ) from exc
+
+
+async def load(core: InferenceCore, settings: Settings) -> None:
+    """The model's versions loaded, the default model exported first (off the event loop) when
+    it is the one served."""
+    if serves_default_model(settings):
+        await asyncio.to_thread(export_default_model, settings)
+    await core.load()
 
 
 def model_source(settings: Settings) -> ModelSource:

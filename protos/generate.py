@@ -1,4 +1,6 @@
-"""Generate service/proto/ from protos/*.proto with grpcio-tools (`make proto`)."""
+"""Generate service/proto/ from protos/*.proto with grpcio-tools (`make proto`); `--check` lists
+the generated files that differ from what the sources generate now, and exits 1 if any does.
+A development tool, not part of the installed package."""
 
 from __future__ import annotations
 
@@ -41,6 +43,11 @@ def drift() -> list[str]:
 
 def main() -> int:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
+    if sys.argv[1:] == ["--check"]:
+        drifted = drift()
+        for name in drifted:
+            log.error("service/proto/%s differs from what protos/ generates: run `make proto`", name)
+        return 1 if drifted else 0
     out = generate(ROOT)
     (out / "__init__.py").write_text('"""Generated from protos/ by `make proto`; do not edit."""\n')
     log.info("generated %s", ", ".join(OUTPUTS))

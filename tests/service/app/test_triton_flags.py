@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
+from service.app.triton_flags import REFUSED, translated
 from service.cli import build_parser
 from service.settings import settings_from_namespace
-from service.triton_flags import REFUSED, translated
 
 
 class Refused(Exception):

@@ -1,14 +1,21 @@
-"""How many CPUs this process may use: its affinity mask (a container's cpuset), capped by the CPU
-limit of its cgroups (a container's `--cpus` or a pod's `resources.limits.cpu`, a CFS quota).
+"""What this container allows the process: CPUs and memory, from its affinity mask and its
+cgroups (v1 and v2), and how freed memory goes back to the system.
 
-A pod limited to 2 CPUs on a 64-core node sees 64 CPUs in its affinity mask; sizing thread pools
-from that gives 64 threads that the quota throttles. cgroup v2 (`cpu.max`) and v1
-(`cpu.cfs_quota_us` / `cpu.cfs_period_us`) are read; the smallest limit along the hierarchy wins.
-Unreadable or absent files mean no limit.
+CPUs: the affinity mask (a container's cpuset), capped by the CPU limit of its cgroups (a
+container's `--cpus` or a pod's `resources.limits.cpu`, a CFS quota). A pod limited to 2 CPUs on a
+64-core node sees 64 CPUs in its affinity mask; sizing thread pools from that gives 64 threads that
+the quota throttles. cgroup v2 (`cpu.max`) and v1 (`cpu.cfs_quota_us` / `cpu.cfs_period_us`) are
+read; the smallest limit along the hierarchy wins. Unreadable or absent files mean no limit.
+
+Memory: the cgroup's memory limit (a container's `--memory` or a pod's
+`resources.limits.memory`), cgroup v2 (`memory.max`) or v1 (`memory.limit_in_bytes`), the
+smallest along the hierarchy; else the machine's memory (MemTotal). What the in-flight budget is
+derived from by default.
 """
 
 from __future__ import annotations
 
+import ctypes
 import math
 import os
 from collections.abc import Callable
@@ -38,7 +45,7 @@ def cpu_budget(cgroup_root: Path = CGROUP_ROOT, self_cgroup: Path = SELF_CGROUP)
 def cgroup_cpu_limit(membership: str, root: Path) -> float | None:
     """The CPU limit (quota / period) of the cgroups listed in `membership` (the text of
     /proc/self/cgroup) under the mount `root`; None when none is set."""
-    limits = cgroup_limits(membership, root, "cpu", _v2_limit, _v1_limit)
+    limits = cgroup_limits(membership, root, "cpu", _v2_cpu_limit, _v1_cpu_limit)
     return min(limits) if limits else None
 
 
@@ -72,7 +79,7 @@ def along_hierarchy(mount: Path, path: str, read: Callable[[Path], float | None]
     return [limit for limit in found if limit is not None]
 
 
-def _v2_limit(cgroup: Path) -> float | None:
+def _v2_cpu_limit(cgroup: Path) -> float | None:
     """cpu.max: "max 100000" (no limit) or "<quota> <period>" in microseconds."""
     try:
         quota, period = (cgroup / "cpu.max").read_text().split()[:2]
@@ -81,7 +88,7 @@ def _v2_limit(cgroup: Path) -> float | None:
         return None
 
 
-def _v1_limit(cgroup: Path) -> float | None:
+def _v1_cpu_limit(cgroup: Path) -> float | None:
     """cpu.cfs_quota_us (-1: no limit) over cpu.cfs_period_us."""
     try:
         quota = int((cgroup / "cpu.cfs_quota_us").read_text())
@@ -93,3 +100,62 @@ def _v1_limit(cgroup: Path) -> float | None:
 
 def _ratio(quota: int, period: int) -> float | None:
     return quota / period if quota > 0 and period > 0 else None
+
+
+MEMINFO = Path("/proc/meminfo")
+V1_UNLIMITED = 2**60  # cgroup v1 writes a huge number (a page-rounded 2**63 - 1) for "no limit"
+
+
+def memory_limit_bytes(
+    cgroup_root: Path = CGROUP_ROOT, self_cgroup: Path = SELF_CGROUP, meminfo: Path = MEMINFO
+) -> int:
+    """The cgroup memory limit, else MemTotal, else 4 GiB when neither can be read."""
+    try:
+        membership = self_cgroup.read_text()
+    except OSError:
+        membership = ""
+    limits = cgroup_limits(membership, cgroup_root, "memory", _v2_memory_limit, _v1_memory_limit)
+    return int(min(limits)) if limits else _total(meminfo)
+
+
+def _v2_memory_limit(cgroup: Path) -> float | None:
+    try:
+        text = (cgroup / "memory.max").read_text().strip()
+        return None if text == "max" else float(int(text))
+    except (OSError, ValueError):
+        return None
+
+
+def _v1_memory_limit(cgroup: Path) -> float | None:
+    try:
+        value = int((cgroup / "memory.limit_in_bytes").read_text())
+    except (OSError, ValueError):
+        return None
+    return None if value >= V1_UNLIMITED else float(value)
+
+
+def _total(meminfo: Path) -> int:
+    try:
+        for line in meminfo.read_text().splitlines():
+            if line.startswith("MemTotal:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return 4 * 2**30
+
+
+M_MMAP_THRESHOLD = -3  # mallopt(3)
+MMAP_THRESHOLD = 128 * 1024  # glibc's initial threshold, kept
+
+
+def freed_buffers_go_back() -> bool:
+    """Keep glibc's mmap threshold at 128 KiB. glibc raises it each time a large block is freed
+    (up to 32 MiB), after which the blocks of requests and answers come from the heap and stay
+    with the process after a burst; a fixed threshold (setting it turns the raising off) keeps
+    every block over 128 KiB in a mapping of its own, returned to the system when freed
+    (docs/benchmarks.md measures it). False where the C library has no mallopt."""
+    try:
+        mallopt = ctypes.CDLL(None).mallopt
+    except (OSError, AttributeError):
+        return False
+    return bool(mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD))
