@@ -3,7 +3,7 @@
 A server is started in this process (the real core, batcher, backends and metrics, its gRPC port
 bound but not used); its servicer's ModelInfer is called directly on the event loop with a
 minimal context, as gRPC would call it once the request is parsed. Each stage (the whole call,
-answer_infer, core.infer, the batcher, the codec, the checks, one turn of the loop) runs N times
+Answers.infer, core.infer, the batcher, the codec, the checks, one turn of the loop) runs N times
 in a row, in R rounds that alternate the stages' order; the median of the rounds' means is
 reported, in microseconds of the loop thread's CPU (the compute of a lone small request runs on
 it). Warm caches flatter every stage against a server between two requests (there the same work
@@ -39,9 +39,10 @@ from prometheus_client import CollectorRegistry
 
 from service.app.server import Running, drain_and_stop, load_and_serve, start
 from service.backends.base import Backend
+from service.engine.door import Door
 from service.numerics import all_finite
 from service.proto import grpc_service_pb2 as pb
-from service.protocol.answer import answer_infer
+from service.protocol.answer import Answers
 from service.protocol.calls import Calls
 from service.protocol.grpc_codec import encode_infer_request, request_from_proto, response_to_proto
 from service.protocol.grpc_servicer import InferenceServicer
@@ -70,7 +71,9 @@ def stages(running: Running, x: np.ndarray) -> dict[str, Stage]:
     core, regions = running.core, running.regions
     assert regions is not None
     model, batcher = core.loaded.model, core.loaded.batcher
-    servicer = InferenceServicer(core, Calls(core), regions)
+    door = Door(core)
+    answers = Answers(door, regions)
+    servicer = InferenceServicer(door, answers, Calls(door, core.metrics, core.tracing))
     request, context = encode_infer_request(x, model.name, "", "bench"), QuietContext()
 
     async def whole() -> Any:
@@ -79,7 +82,7 @@ def stages(running: Running, x: np.ndarray) -> dict[str, Stage]:
     neutral = request_from_proto(request)
 
     async def answer() -> Any:
-        return await answer_infer(core, regions, request_from_proto(request), None)
+        return await answers.infer(request_from_proto(request), None)
 
     async def infer() -> Any:
         return await core.infer(x, None, core.loaded)
@@ -105,7 +108,7 @@ def stages(running: Running, x: np.ndarray) -> dict[str, Stage]:
 
     return {
         "ModelInfer (servicer, no gRPC)": whole,
-        "answer_infer (protocol)": answer,
+        "Answers.infer (protocol)": answer,
         "core.infer (engine)": infer,
         "batcher.submit": submit,
         "request_from_proto + decode_input": decode,

@@ -152,3 +152,36 @@ def test_importing_a_layer_brings_nothing_it_must_not_know(module: str, forbidde
     run = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stderr
     assert run.stdout.strip() == "", f"{module} imports {run.stdout.strip()}"
+
+
+DOOR = "service.engine.door"  # the one interface between the wire and the model
+VALUES = ("service.decode.control",)  # what a request says of its sequence: a value the door takes
+
+
+def _past_the_door() -> list[str]:
+    """Imports of protocol/ that reach the engine, decoding or the backends other than by the door."""
+    modules = _service_modules()
+    found = []
+    for module, path in modules.items():
+        if layer_of(module) != "protocol" or module == GENERATED or module.startswith(GENERATED + "."):
+            continue
+        for line, name in _imports(path, module):
+            target = _service_target(name, modules)
+            if target is None or target in (DOOR, *VALUES):
+                continue
+            if layer_of(target) in ("engine", "decode", "backends"):
+                found.append(f"{path.relative_to(ROOT)}:{line}: imports {target}")
+    return sorted(set(found))
+
+
+def test_the_wire_reaches_the_model_only_through_the_door() -> None:
+    assert DOOR in _service_modules()
+    assert _past_the_door() == []
+
+
+def test_the_door_check_sees_a_module_past_the_door() -> None:
+    """The walk itself: the servicer's imports resolve, and one of the engine's would be reported."""
+    path = ROOT / "service" / "protocol" / "grpc_servicer.py"
+    names = {_service_target(name, _service_modules()) for _, name in _imports(path, "service.protocol.grpc_servicer")}
+    assert DOOR in names
+    assert layer_of("service.engine.core") == "engine" and "service.engine.core" not in (DOOR, *VALUES)

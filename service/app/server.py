@@ -24,8 +24,10 @@ from prometheus_client import CollectorRegistry
 from service.app.model_config import load, model_source, poll, read_schedule
 from service.batching import Clock
 from service.engine.core import ComputeHook, InferenceCore, State
+from service.engine.door import Door
 from service.metrics import Metrics
 from service.proto import grpc_service_pb2 as pb
+from service.protocol.answer import Answering, Answers
 from service.protocol.auth import BearerToken, BearerTokenInterceptor, read_token
 from service.protocol.calls import Calls
 from service.protocol.grpc_handlers import generic_handler
@@ -36,6 +38,7 @@ from service.protocol.http_wire import quiet_client_mistakes
 from service.protocol.metrics_http import MetricsServer
 from service.protocol.peers import WorkerPeers, socket_path
 from service.protocol.shm import SystemRegions
+from service.protocol.workers import WorkerAnswers
 from service.resources import freed_buffers_go_back
 from service.settings import Settings
 from service.tracing import TraceSettings, Tracing
@@ -135,21 +138,24 @@ async def start(
     health_servicer = health.aio.HealthServicer()
     for service in HEALTH_SERVICES:
         await health_servicer.set(service, health_pb2.HealthCheckResponse.NOT_SERVING)
-    calls = Calls(core)
+    door = Door(core)
+    calls = Calls(door, metrics, core.tracing)
     regions = SystemRegions(settings.shared_memory == "system", settings.max_shared_memory_regions)
     peers = _peers(settings)
-    server = _grpc_server(settings, InferenceServicer(core, calls, regions, peers), calls, token, health_servicer)
+    local = Answers(door, regions)
+    answers: Answering = local if peers is None else WorkerAnswers(local, peers)  # workers at the edge
+    server = _grpc_server(settings, InferenceServicer(door, answers, calls), calls, token, health_servicer)
     port = _bind(server, settings.host, settings.grpc_port, credentials, "--grpc-port", settings.reuse_port)
     running = Running(server, core, health_servicer, grpc_port=port, metrics_port=0, regions=regions, peers=peers)
     if peers is not None:  # where the other workers hand over the steps of this worker's sequences
-        running.handover = Handover(core, calls, regions, peers)
+        running.handover = Handover(local, answers, calls)
         await running.handover.start(socket_path(peers.directory, peers.index))
     if settings.metrics_port is not None:
         await _start_metrics(running, settings, metrics)
     if settings.health_port is not None:
         await _start_health_port(running, settings)
     if settings.http_port is not None:
-        await _start_http(running, settings, HttpApi(core, calls, token, regions, peers))
+        await _start_http(running, settings, HttpApi(door, answers, calls, token))
     await server.start()
     running.tasks.add(asyncio.get_running_loop().create_task(_not_serving_when_lost(running)))
     if worker is not None:  # the supervisor reads this worker's files, never its registry

@@ -6,7 +6,7 @@ readiness under --require-device), fallbacks as they happen. No serving decision
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 
 from service.backends import BackendChain
@@ -79,6 +79,17 @@ class Publisher:
         every record applied, held still while the caller reads."""
         with self.metrics.ledger.folded():
             yield self.stats(version, steps)
+
+    def requests_closed(self, records: Iterable[tuple[str, bool, str, float]], latest: str) -> None:
+        """Closed inference calls (version, step, code, seconds) into their version's statistics
+        and Triton's request counters (a request refused before it reached a version: `latest`'s)."""
+        grouped: dict[tuple[str, bool], list[tuple[str, float]]] = {}
+        for version, step, code, s in records:
+            grouped.setdefault((version or latest, step), []).append((code, s))
+        for (version, step), done in grouped.items():
+            ok_s, failed_s = [s for c, s in done if c == "OK"], [s for c, s in done if c != "OK"]
+            self.stats(version, step).observe_requests(ok_s, failed_s)
+            self.metrics.triton.requests(self.entry(step), version, ok_s, [c for c, _ in done if c != "OK"])
 
     def entry(self, steps: bool) -> str:
         return self.entries[1] if steps else self.entries[0]

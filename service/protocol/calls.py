@@ -17,19 +17,17 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import TracebackType
-from typing import TYPE_CHECKING
 
 import grpc
 
 from service.budget import Lease
 from service.deferred import after_answer
+from service.engine.door import Door
 from service.errors import ServiceError
 from service.logs import new_request_id, request_id_var
+from service.metrics import Metrics
 from service.protocol.status import SERVER_FAULTS, http_status, to_status
-from service.tracing import CallSpan
-
-if TYPE_CHECKING:
-    from service.engine.core import InferenceCore
+from service.tracing import CallSpan, Tracing
 
 log = logging.getLogger(__name__)
 LEFT = (asyncio.CancelledError, GeneratorExit)  # the client left, or its deadline passed
@@ -72,10 +70,9 @@ def _ended_code(context: grpc.aio.ServicerContext | None) -> grpc.StatusCode:
 
 
 class Calls:
-    def __init__(self, core: InferenceCore) -> None:
-        self._core = core
-        self.tracing = core.tracing
-        self._book = core.metrics.ledger.book(self._fold)
+    def __init__(self, door: Door, metrics: Metrics, tracing: Tracing) -> None:
+        self._door, self._metrics, self.tracing = door, metrics, tracing
+        self._book = metrics.ledger.book(self._fold)
 
     def unary(
         self, method: str, context: grpc.aio.ServicerContext, client_id: str = "", inference: bool = False
@@ -109,7 +106,7 @@ class Calls:
     def opened(self, call: Call, traced: bool = False, carrier: Mapping[str, str] | None = None) -> None:
         """A call begins: counted in flight; traced (continuing the trace `carrier` names) if asked."""
         if call.inference:
-            self._core.requests.started()
+            self._door.opened()
         if traced:
             call.span = self.tracing.start_call(call.method, carrier, _span_attributes(call))
 
@@ -118,7 +115,7 @@ class Calls:
         for company, though it stays in flight until its answer is written."""
         if call.inference and not call.computed:
             call.computed = True
-            self._core.requests.computed()
+            self._door.computed()
 
     def failed(self, call: Call, exc: BaseException) -> None:
         call.error = exc
@@ -134,7 +131,7 @@ class Calls:
         for lease in call.leases:
             lease.release()
         if call.inference:
-            self._core.requests.finished(call.computed)
+            self._door.closed(call.computed)
         span = call.span
         trace = (span.trace_id or "") if span else ""
         self._book.add((call.method, call.code, elapsed, call.inference, trace, call.step, call.version))
@@ -148,19 +145,10 @@ class Calls:
     def _fold(self, records: list[ClosedCall]) -> None:
         """Calls, in bulk: into the metrics, and the inference requests into their version's
         statistics (a request refused before it reached a version: the latest's)."""
-        self._core.metrics.observe_calls((method, code.name, s, trace) for method, code, s, _, trace, _, _ in records)
-        ok, publish = grpc.StatusCode.OK, self._core.publish
-        latest = self._core.versions.latest()
-        fallback = latest.version if latest is not None else ""
-        inferences: dict[tuple[str, bool], list[tuple[grpc.StatusCode, float]]] = {}
-        for _, code, s, inference, _, step, version in records:
-            if inference:
-                inferences.setdefault((version or fallback, step), []).append((code, s))
-        for (version, step), done in inferences.items():
-            ok_s, failed_s = [s for c, s in done if c is ok], [s for c, s in done if c is not ok]
-            publish.stats(version, step).observe_requests(ok_s, failed_s)
-            failed_codes = [c.name for c, _ in done if c is not ok]
-            self._core.metrics.triton.requests(publish.entry(step), version, ok_s, failed_codes)
+        self._metrics.observe_calls((method, code.name, s, trace) for method, code, s, _, trace, _, _ in records)
+        inferences = [(version, step, code.name, s) for _, code, s, inference, _, step, version in records if inference]
+        if inferences:
+            self._door.requests_closed(inferences)
 
     @staticmethod
     def _log(call: Call, elapsed: float, level: int) -> None:

@@ -15,20 +15,16 @@ from typing import TypeAlias
 
 import grpc
 
-from service.batching import Clock
-from service.engine.core import InferenceCore
+from service.engine.door import Door
 from service.errors import FeatureOff, NotReady, RegionNotFound, quote
 from service.proto import grpc_service_pb2 as pb
 from service.proto import grpc_service_pb2_grpc as pb_grpc
 from service.protocol import log_calls, model_calls, render, trace_calls
-from service.protocol.answer import answer_infer
+from service.protocol.answer import Answering
 from service.protocol.calls import Call, Calls, StreamItemScope
 from service.protocol.grpc_codec import request_from_proto, response_to_proto
 from service.protocol.grpc_streams import answer_concurrently
 from service.protocol.inference import SEQUENCE_HEADER
-from service.protocol.peers import WorkerPeers
-from service.protocol.regions import RegionDirectory
-from service.protocol.shm import SystemRegions
 
 log = logging.getLogger(__name__)
 Context: TypeAlias = grpc.aio.ServicerContext
@@ -38,10 +34,10 @@ CUDA_SHM_OFF = (
 )
 
 
-def _deadline(context: Context, clock: Clock) -> float | None:
-    """The call's deadline on the batcher's clock."""
+def _deadline(context: Context, door: Door) -> float | None:
+    """The call's deadline on the door's clock."""
     remaining = context.time_remaining()
-    return clock.now() + remaining if remaining is not None else None
+    return door.now() + remaining if remaining is not None else None
 
 
 def _sequence_header(context: Context) -> str | None:
@@ -53,11 +49,8 @@ def _sequence_header(context: Context) -> str | None:
 
 
 class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
-    def __init__(
-        self, core: InferenceCore, calls: Calls, regions: SystemRegions, peers: WorkerPeers | None = None
-    ) -> None:
-        self.core, self.calls, self.regions, self.peers = core, calls, regions, peers
-        self.directory = RegionDirectory(regions, peers)  # the regions of every worker, kept by one
+    def __init__(self, door: Door, answers: Answering, calls: Calls) -> None:
+        self.door, self.answers, self.calls = door, answers, calls
 
     async def ServerLive(self, request: pb.ServerLiveRequest, context: Context) -> pb.ServerLiveResponse:
         async with self.calls.unary("ServerLive", context):
@@ -65,48 +58,48 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
 
     async def ServerReady(self, request: pb.ServerReadyRequest, context: Context) -> pb.ServerReadyResponse:
         async with self.calls.unary("ServerReady", context):
-            return pb.ServerReadyResponse(ready=self.core.serving_ok())
+            return pb.ServerReadyResponse(ready=self.door.ready())
 
     async def ModelReady(self, request: pb.ModelReadyRequest, context: Context) -> pb.ModelReadyResponse:
         async with self.calls.unary("ModelReady", context):
-            return pb.ModelReadyResponse(ready=model_calls.model_ready(self.core, request.name, request.version))
+            return pb.ModelReadyResponse(ready=self.door.model_ready(request.name, request.version))
 
     async def ServerMetadata(self, request: pb.ServerMetadataRequest, context: Context) -> pb.ServerMetadataResponse:
         async with self.calls.unary("ServerMetadata", context):
-            return model_calls.server_metadata(self.core)
+            return model_calls.server_metadata(self.door.settings)
 
     async def ModelMetadata(self, request: pb.ModelMetadataRequest, context: Context) -> pb.ModelMetadataResponse:
         async with self.calls.unary("ModelMetadata", context):
-            return model_calls.metadata(self.core, request.name, request.version)
+            return model_calls.metadata(self.door, request.name, request.version)
 
     async def ModelConfig(self, request: pb.ModelConfigRequest, context: Context) -> pb.ModelConfigResponse:
         async with self.calls.unary("ModelConfig", context):
-            return pb.ModelConfigResponse(config=model_calls.config(self.core, request.name, request.version))
+            return pb.ModelConfigResponse(config=model_calls.config(self.door, request.name, request.version))
 
     async def ModelStatistics(self, request: pb.ModelStatisticsRequest, context: Context) -> pb.ModelStatisticsResponse:
         async with self.calls.unary("ModelStatistics", context):
-            stats = model_calls.statistics(self.core, request.name, request.version)
+            stats = model_calls.statistics(self.door, request.name, request.version)
             return pb.ModelStatisticsResponse(model_stats=stats)
 
     async def SystemSharedMemoryRegister(
         self, request: pb.SystemSharedMemoryRegisterRequest, context: Context
     ) -> pb.SystemSharedMemoryRegisterResponse:
         async with self.calls.unary("SystemSharedMemoryRegister", context):
-            await self.directory.register(request.name, request.key, request.offset, request.byte_size)
+            await self.answers.register(request.name, request.key, request.offset, request.byte_size)
             return pb.SystemSharedMemoryRegisterResponse()
 
     async def SystemSharedMemoryUnregister(
         self, request: pb.SystemSharedMemoryUnregisterRequest, context: Context
     ) -> pb.SystemSharedMemoryUnregisterResponse:
         async with self.calls.unary("SystemSharedMemoryUnregister", context):
-            await self.directory.unregister(request.name)
+            await self.answers.unregister(request.name)
             return pb.SystemSharedMemoryUnregisterResponse()
 
     async def SystemSharedMemoryStatus(
         self, request: pb.SystemSharedMemoryStatusRequest, context: Context
     ) -> pb.SystemSharedMemoryStatusResponse:
         async with self.calls.unary("SystemSharedMemoryStatus", context):
-            return render.system_shm_status(await self.directory.status(request.name))
+            return render.system_shm_status(await self.answers.status(request.name))
 
     async def CudaSharedMemoryRegister(
         self, request: pb.CudaSharedMemoryRegisterRequest, context: Context
@@ -130,33 +123,33 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
 
     async def RepositoryIndex(self, request: pb.RepositoryIndexRequest, context: Context) -> pb.RepositoryIndexResponse:
         async with self.calls.unary("RepositoryIndex", context):
-            return model_calls.index(self.core, request.ready)
+            return model_calls.index(self.door, request.ready)
 
     async def RepositoryModelLoad(
         self, request: pb.RepositoryModelLoadRequest, context: Context
     ) -> pb.RepositoryModelLoadResponse:
         async with self.calls.unary("RepositoryModelLoad", context):
-            await model_calls.load(self.core, request.model_name, self.peers)
+            await self.answers.load(request.model_name)
             return pb.RepositoryModelLoadResponse()
 
     async def RepositoryModelUnload(
         self, request: pb.RepositoryModelUnloadRequest, context: Context
     ) -> pb.RepositoryModelUnloadResponse:
         async with self.calls.unary("RepositoryModelUnload", context):
-            await model_calls.unload(self.core, request.model_name, self.peers)
+            await self.answers.unload(request.model_name)
             return pb.RepositoryModelUnloadResponse()
 
     async def LogSettings(self, request: pb.LogSettingsRequest, context: Context) -> pb.LogSettingsResponse:
         async with self.calls.unary("LogSettings", context):
             changes = log_calls.from_proto(request.settings)
-            return log_calls.to_proto(await log_calls.change(changes, self.peers))
+            return log_calls.to_proto(await self.answers.log_settings(changes))
 
     async def TraceSetting(self, request: pb.TraceSettingRequest, context: Context) -> pb.TraceSettingResponse:
         async with self.calls.unary("TraceSetting", context):
             if request.model_name:
-                self.core.identity.check(request.model_name)
+                self.door.entry(request.model_name)
             changes = trace_calls.from_proto(request.settings)
-            return trace_calls.to_proto(await trace_calls.change(self.core.tracing.control, changes, self.peers))
+            return trace_calls.to_proto(await self.answers.trace_settings(changes))
 
     async def ModelInfer(self, request: pb.ModelInferRequest, context: Context) -> pb.ModelInferResponse:
         async with self.calls.unary("ModelInfer", context, request.id, inference=True) as call:
@@ -180,9 +173,9 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
     ) -> AsyncGenerator[tuple[pb.ModelStreamInferResponse, StreamItemScope], None]:
         """The stream's answers as they complete; reading stops while --stream-window requests are
         read and not yet written, and once the server drains."""
-        draining = (self.core.draining, NotReady("the server is draining for shutdown; reconnect to another replica"))
+        draining = (self.door.draining, NotReady("the server is draining for shutdown; reconnect to another replica"))
         one = partial(self._stream_one, context=context)
-        return answer_concurrently(requests, one, draining, _settle_stream_item, self.core.settings.stream_window)
+        return answer_concurrently(requests, one, draining, _settle_stream_item, self.door.settings.stream_window)
 
     async def _stream_one(
         self, request: pb.ModelInferRequest, context: Context
@@ -193,9 +186,8 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         return render.stream_error(request, call.code, call.message), scope
 
     async def _infer(self, request: pb.ModelInferRequest, context: Context, call: Call) -> pb.ModelInferResponse:
-        deadline, header = _deadline(context, self.core.clock), _sequence_header(context)
-        inference = request_from_proto(request)
-        answer = await answer_infer(self.core, self.regions, inference, deadline, header, self.peers, call)
+        deadline, header = _deadline(context, self.door), _sequence_header(context)
+        answer = await self.answers.infer(request_from_proto(request), deadline, header, call)
         return response_to_proto(answer)
 
 

@@ -1,7 +1,8 @@
 """The receiving side of a hand-over (`--workers N`): the steps of this worker's sequences that
-reached another worker, and (on the region keeper) the shared memory calls and the requests
-that name a region, answered here as if they had arrived here (service/protocol/peers.py has
-the other side and the frame format)."""
+reached another worker, (on the region keeper) the shared memory calls and the requests that name
+a region, and another worker's load, unload and settings calls, answered here as if they had
+arrived here (peers.py has the sending side and the frame format, workers.py the wrapper that
+decides what goes where)."""
 
 from __future__ import annotations
 
@@ -14,10 +15,9 @@ from typing import Any
 import grpc
 from google.protobuf.message import DecodeError, Message
 
-from service.engine.core import InferenceCore
 from service.proto import grpc_service_pb2 as pb
-from service.protocol import log_calls, model_calls, render, trace_calls
-from service.protocol.answer import answer_infer
+from service.protocol import log_calls, render, trace_calls
+from service.protocol.answer import Answering, Answers
 from service.protocol.calls import Call, Calls
 from service.protocol.grpc_codec import request_from_proto, response_to_proto
 from service.protocol.peers import (
@@ -30,18 +30,18 @@ from service.protocol.peers import (
     TRACE,
     UNLOAD,
     UNREGISTER,
-    WorkerPeers,
     answer_frame,
     read_request,
 )
-from service.protocol.shm import SystemRegions
 
 log = logging.getLogger(__name__)
 
 
 class Handover:
-    def __init__(self, core: InferenceCore, calls: Calls, regions: SystemRegions, peers: WorkerPeers) -> None:
-        self.core, self.calls, self.regions, self.peers = core, calls, regions, peers
+    def __init__(self, local: Answers, answers: Answering, calls: Calls) -> None:
+        """`local`: this worker's answers; `answers`: the same behind the workers' wrapper, for
+        inference requests (a region keeper's hand-over of a step goes on to its owner)."""
+        self.local, self.answers, self.calls = local, answers, calls
         self._server: asyncio.Server | None = None
 
     async def start(self, path: Path) -> None:
@@ -76,28 +76,28 @@ class Handover:
     async def _respond(self, kind: int, request: Any, header: str | None, seconds: float | None, call: Call) -> Message:
         """What this worker answers, as if the call had reached it: requests naming a sequence
         this worker does not own go on to their owner (the region keeper's hand-overs do)."""
+        local = self.local
         if kind == INFER:
-            deadline = None if seconds is None else self.core.clock.now() + seconds
-            inference = request_from_proto(request)
-            answer = await answer_infer(self.core, self.regions, inference, deadline, header, self.peers, call)
+            deadline = None if seconds is None else local.door.now() + seconds
+            answer = await self.answers.infer(request_from_proto(request), deadline, header, call)
             return response_to_proto(answer)
         if kind == REGISTER:
-            self.regions.register(request.name, request.key, request.offset, request.byte_size)
+            await local.register(request.name, request.key, request.offset, request.byte_size)
             return pb.SystemSharedMemoryRegisterResponse()
         if kind == UNREGISTER:
-            self.regions.unregister(request.name)
+            await local.unregister(request.name)
             return pb.SystemSharedMemoryUnregisterResponse()
         if kind == LOAD:  # another worker's load call: this worker's part of it
-            await model_calls.load(self.core, request.model_name)
+            await local.load(request.model_name)
             return pb.RepositoryModelLoadResponse()
         if kind == UNLOAD:
-            await model_calls.unload(self.core, request.model_name)
+            await local.unload(request.model_name)
             return pb.RepositoryModelUnloadResponse()
         if kind == LOG:  # another worker's log settings call: this worker's part of it
-            return log_calls.to_proto(log_calls.apply(log_calls.from_proto(request.settings)))
+            return log_calls.to_proto(await local.log_settings(log_calls.from_proto(request.settings)))
         if kind == TRACE:  # another worker's trace settings call
-            return trace_calls.to_proto(self.core.tracing.control.change(trace_calls.from_proto(request.settings)))
-        return render.system_shm_status(self.regions.status(request.name))
+            return trace_calls.to_proto(await local.trace_settings(trace_calls.from_proto(request.settings)))
+        return render.system_shm_status(await local.status(request.name))
 
     async def stop(self) -> None:
         if self._server is not None:

@@ -18,10 +18,10 @@ from typing import Any
 
 from aiohttp import web
 
-from service.engine.core import InferenceCore
+from service.engine.door import Door
 from service.errors import ClientGone, InvalidInput, NotReady, TooLarge, quote
-from service.protocol import log_calls, model_calls, trace_calls
-from service.protocol.answer import answer_infer
+from service.protocol import model_calls, trace_calls
+from service.protocol.answer import Answering
 from service.protocol.auth import HTTP_HOW, BearerToken
 from service.protocol.calls import Call, Calls
 from service.protocol.http_codec import (
@@ -35,9 +35,6 @@ from service.protocol.http_codec import (
 )
 from service.protocol.http_wire import route_errors
 from service.protocol.inference import SEQUENCE_HEADER
-from service.protocol.peers import WorkerPeers
-from service.protocol.regions import RegionDirectory
-from service.protocol.shm import SystemRegions
 from service.protocol.status import http_status
 from service.settings import Settings
 
@@ -57,20 +54,12 @@ def error_response(call: Call) -> web.Response:
 
 
 class HttpApi:
-    def __init__(
-        self,
-        core: InferenceCore,
-        calls: Calls,
-        token: str | None,
-        regions: SystemRegions,
-        peers: WorkerPeers | None = None,
-    ) -> None:
-        self.core, self.calls, self.regions, self.peers = core, calls, regions, peers
-        self.directory = RegionDirectory(regions, peers)  # the regions of every worker, kept by one
+    def __init__(self, door: Door, answers: Answering, calls: Calls, token: str | None) -> None:
+        self.door, self.answers, self.calls = door, answers, calls
         self._token = BearerToken(token) if token else None
 
     def app(self) -> web.Application:
-        app = web.Application(client_max_size=self.core.settings.max_message_mb * 2**20, middlewares=[route_errors])
+        app = web.Application(client_max_size=self.door.settings.max_message_mb * 2**20, middlewares=[route_errors])
         model = "/v2/models/{name}"
         versioned = "/v2/models/{name}/versions/{version}"
         app.router.add_get("/v2/health/live", self._live)
@@ -99,14 +88,14 @@ class HttpApi:
 
     def _guard(self, method: str, handler: Handler, inference: bool = False) -> Handler:
         """The call scope every RPC goes through, with the bearer token checked first, and the
-        model the path names (an inference's is checked with the request, by answer_infer)."""
+        model the path names (an inference's is checked with the request, by Answers.infer)."""
 
         async def handle(request: web.Request) -> web.StreamResponse:
             async with self.calls.in_band(method, None, inference=inference, headers=request.headers) as call:
                 request[CALL_KEY] = call  # the handler's call (an inference marks whether it was a step)
                 self._authorize(request)
                 if not inference and "name" in request.match_info:
-                    self.core.identity.check(request.match_info["name"])
+                    self.door.entry(request.match_info["name"])
                 return await handler(request)
             return error_response(call)
 
@@ -120,28 +109,28 @@ class HttpApi:
         return web.json_response({"live": True})
 
     async def _ready(self, request: web.Request) -> web.Response:
-        ready = self.core.serving_ok()
+        ready = self.door.ready()
         return web.json_response({"ready": ready}, status=200 if ready else 503)
 
     async def _server_metadata(self, request: web.Request) -> web.Response:
-        return web.json_response(proto_json(model_calls.server_metadata(self.core)))
+        return web.json_response(proto_json(model_calls.server_metadata(self.door.settings)))
 
     async def _model_metadata(self, request: web.Request) -> web.Response:
         name, version = _named(request)
-        return web.json_response(proto_json(model_calls.metadata(self.core, name, version)))
+        return web.json_response(proto_json(model_calls.metadata(self.door, name, version)))
 
     async def _model_ready(self, request: web.Request) -> web.Response:
         name, version = _named(request)
-        if not model_calls.model_ready(self.core, name, version):
-            reason = self.core.readiness() or f"version {quote(version)} of model {name!r} does not serve"
+        if not self.door.model_ready(name, version):
+            reason = self.door.why_not_ready() or f"version {quote(version)} of model {name!r} does not serve"
             raise NotReady(reason)
         return web.json_response({"name": name, "ready": True})
 
     async def _model_config(self, request: web.Request) -> web.Response:
-        return web.json_response(proto_json(model_calls.config(self.core, *_named(request))))
+        return web.json_response(proto_json(model_calls.config(self.door, *_named(request))))
 
     async def _model_stats(self, request: web.Request) -> web.Response:
-        stats = model_calls.statistics(self.core, *_named(request))
+        stats = model_calls.statistics(self.door, *_named(request))
         return web.json_response({"model_stats": [proto_json(s) for s in stats]})
 
     async def _repository_index(self, request: web.Request) -> web.Response:
@@ -149,15 +138,15 @@ class HttpApi:
         ready = doc.get("ready", False)
         if not isinstance(ready, bool):
             raise InvalidInput('"ready" must be a JSON boolean (true or false)')
-        index = model_calls.index(self.core, ready)
+        index = model_calls.index(self.door, ready)
         return web.json_response([proto_json(model) for model in index.models])
 
     async def _model_load(self, request: web.Request) -> web.Response:
-        await model_calls.load(self.core, request.match_info["model"], self.peers)
+        await self.answers.load(request.match_info["model"])
         return web.json_response({})
 
     async def _model_unload(self, request: web.Request) -> web.Response:
-        await model_calls.unload(self.core, request.match_info["model"], self.peers)
+        await self.answers.unload(request.match_info["model"])
         return web.json_response({})
 
     async def _shm_register(self, request: web.Request) -> web.Response:
@@ -165,26 +154,26 @@ class HttpApi:
         key, offset, size = doc.get("key"), doc.get("offset", 0), doc.get("byte_size")
         if not isinstance(key, str) or not is_int64(offset) or not is_int64(size) or offset < 0:
             raise InvalidInput('expected {"key": "/name", "offset": bytes >= 0, "byte_size": bytes}')
-        await self.directory.register(request.match_info["region"], key, offset, size)
+        await self.answers.register(request.match_info["region"], key, offset, size)
         return web.json_response({})
 
     async def _shm_unregister(self, request: web.Request) -> web.Response:
-        await self.directory.unregister(request.match_info.get("region", ""))
+        await self.answers.unregister(request.match_info.get("region", ""))
         return web.json_response({})
 
     async def _shm_status(self, request: web.Request) -> web.Response:
-        regions = await self.directory.status(request.match_info.get("region", ""))
+        regions = await self.answers.status(request.match_info.get("region", ""))
         return web.json_response([region.described() for region in regions])
 
     async def _infer(self, request: web.Request) -> web.Response:
         call = request[CALL_KEY]
         if request.content_length:  # held from before it is read: a body the budget cannot take is never read
             parsed = 1 if HEADER_LENGTH in request.headers else JSON_PARSE_FACTOR  # JSON: its text, then its values
-            call.leases.append(self.core.budget.take(parsed * request.content_length, "its body, parsed"))
+            call.leases.append(self.door.hold(parsed * request.content_length, "its body, parsed"))
         try:
             body = await request.read()
         except web.HTTPRequestEntityTooLarge as exc:
-            limit = self.core.settings.max_message_mb
+            limit = self.door.settings.max_message_mb
             raise TooLarge(f"the request body is larger than this server's limit of {limit} MiB") from exc
         except ConnectionError as exc:  # the client left while sending: nobody waits for an answer
             raise ClientGone(f"the client closed the connection before its body was whole ({exc})") from exc
@@ -194,10 +183,10 @@ class HttpApi:
         name, version = request.match_info["name"], request.match_info.get("version", "")
         inference, binary = request_from_json(body, int(header) if header else None, name, version)
         header = request.headers.get(SEQUENCE_HEADER)
-        answer = await answer_infer(self.core, self.regions, inference, None, header, self.peers, call)
+        answer = await self.answers.infer(inference, None, header, call)
         response = response_to_http(answer, binary)
         self.calls.computed(call)  # its answer may wait for a slow reader: no batch waits for it
-        await written(request, response, self.core.settings.http_write_timeout_s)
+        await written(request, response, self.door.settings.http_write_timeout_s)
         return response
 
 
@@ -241,14 +230,12 @@ async def _settings_body(request: web.Request, what: str) -> dict[str, Any]:
 
 async def _log_settings(api: HttpApi, request: web.Request) -> web.Response:
     changes = await _settings_body(request, "the log settings")
-    return web.json_response(await log_calls.change(changes, api.peers))
+    return web.json_response(await api.answers.log_settings(changes))
 
 
 async def _trace_settings(api: HttpApi, request: web.Request) -> web.Response:
     changes = trace_calls.from_json(await _settings_body(request, "the trace settings"))
-    return web.json_response(
-        trace_calls.to_json(await trace_calls.change(api.core.tracing.control, changes, api.peers))
-    )
+    return web.json_response(trace_calls.to_json(await api.answers.trace_settings(changes)))
 
 
 SETTINGS = (  # Triton's settings extensions: (path, method, handler)

@@ -20,7 +20,7 @@ from service.errors import FeatureOff, InvalidInput, quote
 from service.protocol.shm import OFF_MESSAGE, RegionSlice, SystemRegions
 
 if TYPE_CHECKING:
-    from service.engine.served import ServedModel
+    from service.engine.door import ServedModel
 
 Value = bool | int | float | str | None
 Parameters = dict[str, Value]
@@ -94,7 +94,7 @@ def described(value: Value) -> str:
 
 def decode_input(request: InferRequest, model: ServedModel, regions: SystemRegions | None = None) -> np.ndarray:
     """The request's (B, T, C) float32 input, checked against the served model's tensors (its
-    name and version are checked once, by answer_infer); read from a shared memory region when
+    name and version are checked once, by Answers.infer); read from a shared memory region when
     the input names one."""
     if len(request.inputs) != 1:
         names = ", ".join(quote(i.name, 32) for i in request.inputs[:3]) + (", ..." if len(request.inputs) > 3 else "")

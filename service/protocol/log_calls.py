@@ -3,14 +3,12 @@ and change this server's verbosity while it runs, in every worker."""
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Mapping
 from typing import Any
 
 from service.errors import InvalidInput
 from service.logs import LogSetting, change_log_settings, log_settings
 from service.proto import grpc_service_pb2 as pb
-from service.protocol.peers import LOG, WorkerPeers
 
 PARAMETER = {bool: "bool_param", int: "uint32_param", str: "string_param"}
 
@@ -47,10 +45,6 @@ def apply(changes: dict[str, LogSetting]) -> dict[str, LogSetting]:
         raise InvalidInput(str(exc)) from exc
 
 
-async def change(changes: dict[str, LogSetting], peers: WorkerPeers | None) -> dict[str, LogSetting]:
-    """Apply `changes` here and in every other worker; this worker's settings after them."""
-    settings = apply(changes)
-    if changes and peers is not None:
-        request = _filled(pb.LogSettingsRequest(), changes)
-        await asyncio.gather(*(peers.call(worker, LOG, request) for worker in peers.others))
-    return settings
+def request(changes: Mapping[str, LogSetting]) -> pb.LogSettingsRequest:
+    """The LogSettingsRequest that makes `changes` in another worker."""
+    return _filled(pb.LogSettingsRequest(), changes)

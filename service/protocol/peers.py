@@ -24,15 +24,18 @@ import logging
 import struct
 import zlib
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import grpc
 from google.protobuf.message import Message
 
-from service.decode.control import SequenceId
 from service.errors import DeadlineExceeded, NotReady, Relayed
 from service.proto import grpc_service_pb2 as pb
 from service.protocol.grpc_codec import request_to_proto, response_from_proto
 from service.protocol.inference import InferRequest, InferResponse
+
+if TYPE_CHECKING:
+    from service.engine.door import SequenceId
 
 log = logging.getLogger(__name__)
 

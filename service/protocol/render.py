@@ -10,9 +10,7 @@ from importlib.metadata import PackageNotFoundError, version
 
 import grpc
 
-from service.engine.served import ModelIdentity, ServedModel, Serving
-from service.engine.sources import VersionPolicy
-from service.engine.stats import Duration, ModelStats
+from service.engine.door import Duration, ModelIdentity, ModelStats, ServedModel, Serving, VersionPolicy
 from service.proto import grpc_service_pb2 as pb
 from service.protocol.inference import DATATYPE
 from service.protocol.shm import Region
@@ -168,16 +166,6 @@ def model_statistics(name: str, version: str, stats: ModelStats) -> pb.ModelStat
             for rows, p in sorted(stats.batches.items())
         ],
     )
-
-
-MODEL_CONTROL_OFF = (
-    "model control is off: this server serves the versions it found at start (--model-control-mode none); "
-    "start it with --model-control-mode explicit to load and unload on request, or poll to follow the repository"
-)
-MODEL_CONTROL_POLLED = (
-    "this server follows its repository (--model-control-mode poll): change the repository and the next poll "
-    "loads it; load and unload calls are for --model-control-mode explicit"
-)
 
 
 def repository_index(

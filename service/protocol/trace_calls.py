@@ -4,14 +4,12 @@ every worker. The server has one model, so a model's settings are the server's."
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Mapping
 from typing import Any
 
 from service.errors import InvalidInput
 from service.proto import grpc_service_pb2 as pb
-from service.protocol.peers import TRACE, WorkerPeers
-from service.tracing import TraceControl, TraceValues
+from service.tracing import TraceValues
 
 Changes = dict[str, list[str] | None]  # None: back to the value at start (Triton: the global value)
 
@@ -48,12 +46,9 @@ def to_json(settings: TraceValues) -> dict[str, str | list[str]]:
     return {key: values if key == "trace_level" else values[0] for key, values in settings.items()}
 
 
-async def change(control: TraceControl, changes: Changes, peers: WorkerPeers | None) -> TraceValues:
-    """Apply `changes` here and in every other worker; this worker's settings after them."""
-    settings = control.change(changes) if changes else control.settings()
-    if changes and peers is not None:
-        request = pb.TraceSettingRequest()
-        for key, values in changes.items():
-            request.settings[key].value.extend(values or [])
-        await asyncio.gather(*(peers.call(worker, TRACE, request) for worker in peers.others))
-    return settings
+def request(changes: Changes) -> pb.TraceSettingRequest:
+    """The TraceSettingRequest that makes `changes` in another worker."""
+    message = pb.TraceSettingRequest()
+    for key, values in changes.items():
+        message.settings[key].value.extend(values or [])
+    return message

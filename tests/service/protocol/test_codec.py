@@ -123,7 +123,7 @@ def test_structural_mistakes() -> None:
 
 
 def test_unknown_model() -> None:
-    """The one name check every model-scoped call makes (answer_infer for inferences); versions
+    """The one name check every model-scoped call makes (Answers.infer for inferences); versions
     are checked by the versions loaded (tests/service/engine/test_versions.py)."""
     with pytest.raises(ModelNotFound, match="unknown model 'gpt'; this server serves 'mha' and 'mha_sequence'"):
         SPEC.identity.check("gpt")

@@ -208,9 +208,11 @@ def test_a_stream_closed_under_its_generator_is_cancelled_not_a_fault(
 ) -> None:
     """gRPC closes a stream's generator from another task when the client leaves while it waits
     at a `yield` (GeneratorExit, in another context): that is the client's departure."""
+    from service.engine.door import Door
     from service.protocol.calls import Calls
 
-    calls = Calls(server.core)
+    core = server.core
+    calls = Calls(Door(core), core.metrics, core.tracing)
 
     async def scenario() -> None:
         async def stream():  # type: ignore[no-untyped-def]

@@ -1,0 +1,149 @@
+"""Workers at the edge (`--workers N`): one wrapper in front of this worker's answers that hands
+to another worker what only it can answer, and tells every worker what changes them all.
+
+- A step of a sequence another worker owns goes to its owner (peers.owner_of: the same answer in
+  every process). Its tensor is checked here first, so that a refusal is worded for the client's
+  protocol; when it lives in regions this worker keeps, the owner gets the tensor itself, and its
+  output is written here.
+- System shared memory regions are kept by one worker (REGION_KEEPER) for all of them: the
+  registrations, the status requests and every inference request that names a region are handed
+  to it, so that a region registered through any connection is usable through every connection,
+  and Status and Unregister see one set.
+- Load and unload calls, and log and trace settings, act in every worker at once; the first
+  refusal is the answer.
+
+The wire's handlers call `WorkerAnswers` exactly as they call `Answers` (the `Answering`
+interface): they do not know workers exist. peers.py is the sending side and the frame format;
+handover.py the receiving side.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable
+
+from google.protobuf.message import Message
+
+from service.logs import LogSetting
+from service.proto import grpc_service_pb2 as pb
+from service.protocol import log_calls, trace_calls
+from service.protocol.answer import Answers, Changes
+from service.protocol.calls import Call
+from service.protocol.inference import (
+    DATATYPE,
+    SHM_KEYS,
+    InferRequest,
+    InferResponse,
+    InputTensor,
+    answered,
+    check_sequence_header,
+    decode_input,
+    names_shared_memory,
+    output_slice,
+    sequence_control,
+)
+from service.protocol.peers import LOAD, LOG, REGISTER, STATUS, TRACE, UNLOAD, UNREGISTER, WorkerPeers
+from service.protocol.shm import Region
+from service.tracing import TraceValues
+
+
+class WorkerAnswers:
+    def __init__(self, local: Answers, peers: WorkerPeers) -> None:
+        self.local, self.peers = local, peers
+
+    async def infer(
+        self, request: InferRequest, deadline: float | None, header: str | None = None, call: Call | None = None
+    ) -> InferResponse:
+        """This worker's answer, or the one of the worker that holds the request's sequence or regions."""
+        control = sequence_control(request)
+        keeper, owner = self.peers.region_keeper, None if control is None else self.peers.owner(control.id)
+        shared = keeper is not None and names_shared_memory(request)
+        if not shared and owner is None:
+            return await self.local.infer(request, deadline, header, call)
+        check_sequence_header(control, header)
+        if call is not None:
+            call.step = control is not None  # counted in the sequence model's statistics
+        timeout = None if deadline is None else max(0.0, deadline - self.local.door.now())
+        if shared and keeper is not None:
+            self._check_carried_tensor(request)
+            return await self.peers.forward(keeper, request, header, timeout)
+        assert owner is not None
+        return await self._handed_over(request, owner, header, timeout, call)
+
+    def _check_carried_tensor(self, request: InferRequest) -> None:
+        """A tensor carried in the request (not in a region) is checked before the request is
+        handed over, so that a refusal is worded for the client's protocol (the worker it goes to
+        reads it as gRPC)."""
+        if not any(key in tensor.parameters for tensor in request.inputs for key in SHM_KEYS):
+            route = self.local.door.route(request.model_name, request.model_version, sequence_control(request))
+            decode_input(request, route.model)
+
+    async def _handed_over(
+        self, request: InferRequest, owner: int, header: str | None, timeout: float | None, call: Call | None
+    ) -> InferResponse:
+        """A step of a sequence `owner` holds, its tensor read here (from the request or from this
+        worker's regions), its output written here where a region of this worker's takes it."""
+        local = self.local
+        model = local.door.route(request.model_name, request.model_version, sequence_control(request)).model
+        x = decode_input(request, model, local.regions)
+        target = output_slice(request, x.shape, local.regions)
+        local.hold(call, x.nbytes)
+        if names_shared_memory(request):
+            request.inputs[0] = InputTensor(model.input_name, DATATYPE, list(x.shape), raw=x.tobytes())  # (B, T, C)
+            request.outputs = []
+        response = await self.peers.forward(owner, request, header, timeout)
+        if target is None:
+            return response
+        parameters = response.parameters
+        backend = str(parameters.pop("backend", ""))
+        placed = answered(request, model, response.y, backend, target, local.regions, parameters)
+        placed.model_name = response.model_name
+        return placed
+
+    async def load(self, name: str) -> None:
+        await self._everywhere(self.local.load(name), LOAD, pb.RepositoryModelLoadRequest(model_name=name))
+
+    async def unload(self, name: str) -> None:
+        await self._everywhere(self.local.unload(name), UNLOAD, pb.RepositoryModelUnloadRequest(model_name=name))
+
+    async def log_settings(self, changes: dict[str, LogSetting]) -> dict[str, LogSetting]:
+        settings = await self.local.log_settings(changes)
+        if changes:
+            await self._others(LOG, log_calls.request(changes))
+        return settings
+
+    async def trace_settings(self, changes: Changes) -> TraceValues:
+        settings = await self.local.trace_settings(changes)
+        if changes:
+            await self._others(TRACE, trace_calls.request(changes))
+        return settings
+
+    async def register(self, name: str, key: str, offset: int, byte_size: int) -> None:
+        if (keeper := self.peers.region_keeper) is None:
+            return await self.local.register(name, key, offset, byte_size)
+        request = pb.SystemSharedMemoryRegisterRequest(name=name, key=key, offset=offset, byte_size=byte_size)
+        await self.peers.call(keeper, REGISTER, request)
+
+    async def unregister(self, name: str) -> None:
+        if (keeper := self.peers.region_keeper) is None:
+            return await self.local.unregister(name)
+        await self.peers.call(keeper, UNREGISTER, pb.SystemSharedMemoryUnregisterRequest(name=name))
+
+    async def status(self, name: str) -> list[Region]:
+        """The regions named `name`, or all of them for an empty name (fd -1: kept by another worker)."""
+        if (keeper := self.peers.region_keeper) is None:
+            return await self.local.status(name)
+        answer = await self.peers.call(keeper, STATUS, pb.SystemSharedMemoryStatusRequest(name=name))
+        regions = pb.SystemSharedMemoryStatusResponse.FromString(answer).regions.values()
+        return [Region(r.name, r.key, int(r.offset), int(r.byte_size), -1) for r in regions]
+
+    async def _everywhere(self, here: Awaitable[None], kind: int, request: Message) -> None:
+        """A repository call here and, at the same time, in every other worker (each reads the
+        same repository): every worker acts, and the first refusal is the answer."""
+        others = [self.peers.call(w, kind, request, timeout=None) for w in self.peers.others]
+        for result in await asyncio.gather(here, *others, return_exceptions=True):
+            if isinstance(result, BaseException):
+                raise result
+
+    async def _others(self, kind: int, request: Message) -> None:
+        await asyncio.gather(*(self.peers.call(worker, kind, request) for worker in self.peers.others))
