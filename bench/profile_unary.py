@@ -34,7 +34,7 @@ def main() -> int:
     results = common.RESULTS
     profile = results / "profile_unary.prof"
     server = ServerProcess(["--model-dir", args.model_dir, "--backend", "ort-cpu"])
-    server.args[1:3] = ["-m", "cProfile", "-o", str(profile), "-m", "service.cli"]
+    server.args[1:4] = ["-P", "-m", "cProfile", "-o", str(profile), "-m", "service.cli"]
     try:
         server.start(results / "profile_unary.log")
         result = run_load(server.url, args.clients, args.seconds, [64])

@@ -14,7 +14,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -24,8 +24,19 @@ PACKAGE_ROOT = Path(__file__).resolve().parents[2]  # the folder that holds `ser
 
 
 def serve_command(args: list[str]) -> list[str]:
-    """The command line of `mha serve ARGS` in this interpreter: a server process, or a worker."""
-    return [sys.executable, "-m", "service.cli", "serve", *args]
+    """The command line of `mha serve ARGS` in this interpreter: a server process, or a worker.
+    `-P`: the working directory is not put on sys.path, so that a `service/`, `model/` or
+    `export/` folder where the server is started is never imported in place of the package this
+    process runs (`package_path` names where that is)."""
+    return [sys.executable, "-P", "-m", "service.cli", "serve", *args]
+
+
+def package_path(environ: Mapping[str, str]) -> str:
+    """PYTHONPATH for a process started from this one: the folder this process's `service`
+    package was imported from first, so that the child runs the same code whatever its working
+    directory and however the package was installed."""
+    inherited = environ.get("PYTHONPATH", "")
+    return os.pathsep.join([str(PACKAGE_ROOT), *([inherited] if inherited else [])])
 
 
 def free_port() -> int:
@@ -69,7 +80,7 @@ class ServerProcess:
             ]
         )
         self.env = {**os.environ, **(env or {})}
-        self.env["PYTHONPATH"] = str(PACKAGE_ROOT)
+        self.env["PYTHONPATH"] = package_path(os.environ)
         self.cwd = cwd
         self.proc: subprocess.Popen[str] | None = None
         self.log_path: Path | None = None

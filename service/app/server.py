@@ -138,10 +138,10 @@ async def start(
     health_servicer = health.aio.HealthServicer()
     for service in HEALTH_SERVICES:
         await health_servicer.set(service, health_pb2.HealthCheckResponse.NOT_SERVING)
-    door = Door(core)
+    peers = _peers(settings)
+    door = Door(core, None if peers is None else peers.all_listening)  # ready once every worker is
     calls = Calls(door, metrics, core.tracing)
     regions = SystemRegions(settings.shared_memory == "system", settings.max_shared_memory_regions)
-    peers = _peers(settings)
     local = Answers(door, regions)
     answers: Answering = local if peers is None else WorkerAnswers(local, peers)  # workers at the edge
     server = _grpc_server(settings, InferenceServicer(door, answers, calls), calls, token, health_servicer)

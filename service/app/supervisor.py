@@ -33,7 +33,7 @@ from prometheus_client import CollectorRegistry, Counter, ProcessCollector
 from prometheus_client.core import Metric
 from prometheus_client.multiprocess import MultiProcessCollector, mark_process_dead
 
-from service.app.launch import free_ports, serve_command
+from service.app.launch import free_ports, package_path, serve_command
 from service.protocol.metrics_http import MetricsServer
 from service.resources import available_cpus
 from service.settings import Settings
@@ -141,6 +141,7 @@ class Supervisor:
     def environment(self, worker: Worker) -> dict[str, str]:
         """A worker's environment: one GPU of its own where the workers are one per GPU."""
         env = {**os.environ, "MHA_LOG_LEVEL": self.settings.log_level, MULTIPROC_ENV: str(self.metrics_dir)}
+        env["PYTHONPATH"] = package_path(os.environ)  # the supervisor's own code, never the working directory's
         if len(self.gpus) == len(self.workers):
             env["CUDA_VISIBLE_DEVICES"] = cuda_devices(len(self.gpus), os.environ)[worker.index]  # its cuda:0
         return env

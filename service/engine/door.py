@@ -94,8 +94,11 @@ class ModelView:
 
 
 class Door:
-    def __init__(self, core: InferenceCore) -> None:
+    def __init__(self, core: InferenceCore, others_ready: Callable[[], bool] | None = None) -> None:
+        """`others_ready`: whether every other part this server answers for can take every
+        request (with --workers, every other worker: the app passes that in); None: there is none."""
         self._core = core
+        self._others_ready = others_ready
 
     @property
     def settings(self) -> Settings:
@@ -111,10 +114,13 @@ class Door:
         return self._core.clock.now()
 
     def ready(self) -> bool:
-        return self._core.serving_ok()
+        """The one readiness every signal answers: ServerReady, ModelReady, HTTP ready."""
+        return self._core.serving_ok() and (self._others_ready is None or self._others_ready())
 
     def why_not_ready(self) -> str:
-        return self._core.readiness()
+        if (why := self._core.readiness()) or self.ready():
+            return why
+        return "the other workers of this replica are still loading; retry shortly"
 
     def entry(self, name: str) -> str:
         """The entry `name` names; NOT_FOUND for any other."""
@@ -152,9 +158,9 @@ class Door:
         if name not in core.identity.names:
             return False
         if not version:
-            return core.serving_ok()
+            return self.ready()
         loaded = core.versions.get(version)
-        return core.serving_ok() and loaded is not None and loaded.state is VersionState.SERVING
+        return self.ready() and loaded is not None and loaded.state is VersionState.SERVING
 
     def describe(self, name: str, version: str) -> ModelView:
         core = self._core
@@ -165,7 +171,7 @@ class Door:
     def index(self) -> tuple[ModelIdentity, list[tuple[str, str]], str]:
         """The entries, each version loaded with its state, and why the server is not ready ("")."""
         versions = [(loaded.version, loaded.state.value) for loaded in self._core.versions]
-        return self._core.identity, versions, self._core.readiness()
+        return self._core.identity, versions, self.why_not_ready()
 
     def statistics(self, name: str, version: str, render: Callable[[str, str, ModelStats], T]) -> list[T]:
         """Each entry's (`name`'s, or every one's) statistics in the version named or in every

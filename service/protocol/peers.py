@@ -87,6 +87,7 @@ class WorkerPeers:
     def __init__(self, index: int, workers: int, directory: Path) -> None:
         self.index, self.workers, self.directory = index, workers, directory
         self._idle: dict[int, list[Connection]] = {}
+        self._all_listening = False
 
     def owner(self, sequence_id: SequenceId) -> int | None:
         """The owner of `sequence_id` when it is another worker; None when it is this one."""
@@ -98,8 +99,12 @@ class WorkerPeers:
         return [worker for worker in range(self.workers) if worker != self.index]
 
     def all_listening(self) -> bool:
-        """Does every other worker listen for handed-over steps (each does once it has loaded)?"""
-        return all(socket_path(self.directory, worker).exists() for worker in self.others)
+        """Does every other worker listen for handed-over steps (each does once it has loaded)?
+        Once they all have, the answer stays yes: a worker that restarts later is waited for by
+        the calls handed to it, not by the replica's readiness."""
+        if not self._all_listening:
+            self._all_listening = all(socket_path(self.directory, worker).exists() for worker in self.others)
+        return self._all_listening
 
     @property
     def region_keeper(self) -> int | None:
