@@ -43,6 +43,7 @@ class Handover:
         inference requests (a region keeper's hand-over of a step goes on to its owner)."""
         self.local, self.answers, self.calls = local, answers, calls
         self._server: asyncio.Server | None = None
+        self._connections: set[asyncio.StreamWriter] = set()  # open peer connections, closed at stop
 
     async def start(self, path: Path) -> None:
         """Listen on `path` (a socket left there by this worker's previous life is replaced)."""
@@ -50,7 +51,11 @@ class Handover:
         self._server = await asyncio.start_unix_server(self._serve, path)
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        """One peer connection: frames answered one after another until the peer closes it."""
+        """One peer connection: frames answered one after another until the peer closes it, or
+        until this worker stops. asyncio runs this as a task of its own and reports how that
+        task ended: a cancellation (this worker stopping) ends the connection here, as a normal
+        end, so that a clean stop logs no error for each open connection."""
+        self._connections.add(writer)
         try:
             while True:
                 kind, body, header, seconds = await read_request(reader)
@@ -58,7 +63,10 @@ class Handover:
                 await writer.drain()
         except (asyncio.IncompleteReadError, ConnectionError):
             pass  # the peer closed the connection (or gave up on a step): nothing to answer
+        except asyncio.CancelledError:
+            log.debug("a hand-over connection ended: this worker is stopping")
         finally:
+            self._connections.discard(writer)
             writer.close()
 
     async def _answer(self, kind: int, body: bytes, header: str | None, seconds: float | None) -> bytes:
@@ -100,6 +108,9 @@ class Handover:
         return render.system_shm_status(await local.status(request.name))
 
     async def stop(self) -> None:
+        """No new connections; the open ones closed, so that their readers end as the peer's close."""
+        for writer in list(self._connections):
+            writer.close()
         if self._server is not None:
             self._server.close()
             with contextlib.suppress(Exception):
