@@ -16,7 +16,8 @@ from typing import Protocol
 from service.engine.door import Door, SequenceControl
 from service.errors import InvalidInput
 from service.logs import LogSetting
-from service.protocol import log_calls
+from service.proto import grpc_service_pb2 as pb
+from service.protocol import log_calls, model_calls
 from service.protocol.calls import Call
 from service.protocol.inference import (
     SEQUENCE_LENGTH,
@@ -46,6 +47,7 @@ class Answering(Protocol):
     async def register(self, name: str, key: str, offset: int, byte_size: int) -> None: ...
     async def unregister(self, name: str) -> None: ...
     async def status(self, name: str) -> list[Region]: ...
+    async def statistics(self, name: str, version: str) -> list[pb.ModelStatistics]: ...
 
 
 class Answers:
@@ -121,6 +123,10 @@ class Answers:
 
     async def status(self, name: str) -> list[Region]:
         return self.regions.status(name)
+
+    async def statistics(self, name: str, version: str) -> list[pb.ModelStatistics]:
+        """Triton's statistics of one entry (`name`) or every entry, in one version or every one."""
+        return model_calls.statistics(self.door, name, version)
 
 
 __all__ = ["SEQUENCE_LENGTH", "Answering", "Answers", "Changes", "SequenceControl"]

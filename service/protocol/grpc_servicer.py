@@ -78,7 +78,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
 
     async def ModelStatistics(self, request: pb.ModelStatisticsRequest, context: Context) -> pb.ModelStatisticsResponse:
         async with self.calls.unary("ModelStatistics", context):
-            stats = model_calls.statistics(self.door, request.name, request.version)
+            stats = await self.answers.statistics(request.name, request.version)
             return pb.ModelStatisticsResponse(model_stats=stats)
 
     async def SystemSharedMemoryRegister(

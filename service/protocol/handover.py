@@ -27,6 +27,7 @@ from service.protocol.peers import (
     LOG,
     REGISTER,
     REQUESTS,
+    STATS,
     TRACE,
     UNLOAD,
     UNREGISTER,
@@ -105,6 +106,8 @@ class Handover:
             return log_calls.to_proto(await local.log_settings(log_calls.from_proto(request.settings)))
         if kind == TRACE:  # another worker's trace settings call
             return trace_calls.to_proto(await local.trace_settings(trace_calls.from_proto(request.settings)))
+        if kind == STATS:  # another worker's statistics call: this worker's part of the sums
+            return pb.ModelStatisticsResponse(model_stats=await local.statistics(request.name, request.version))
         return render.system_shm_status(await local.status(request.name))
 
     async def stop(self) -> None:

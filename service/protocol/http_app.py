@@ -130,7 +130,7 @@ class HttpApi:
         return web.json_response(proto_json(model_calls.config(self.door, *_named(request))))
 
     async def _model_stats(self, request: web.Request) -> web.Response:
-        stats = model_calls.statistics(self.door, *_named(request))
+        stats = await self.answers.statistics(*_named(request))
         return web.json_response({"model_stats": [proto_json(s) for s in stats]})
 
     async def _repository_index(self, request: web.Request) -> web.Response:

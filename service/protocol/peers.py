@@ -41,7 +41,7 @@ log = logging.getLogger(__name__)
 
 FORWARDED_METHOD = "HandedOver"  # the metric label, on the receiving worker, of calls handed over by another
 REQUEST_HEAD = struct.Struct("!BIHd")  # kind, request bytes, header bytes, seconds left (< 0: no deadline)
-INFER, REGISTER, UNREGISTER, STATUS, LOAD, UNLOAD, LOG, TRACE = range(8)  # inference, regions, repository, settings
+INFER, REGISTER, UNREGISTER, STATUS, LOAD, UNLOAD, LOG, TRACE, STATS = range(9)  # ..., statistics
 REQUESTS: dict[int, type[Message]] = {
     INFER: pb.ModelInferRequest,
     REGISTER: pb.SystemSharedMemoryRegisterRequest,
@@ -51,6 +51,7 @@ REQUESTS: dict[int, type[Message]] = {
     UNLOAD: pb.RepositoryModelUnloadRequest,
     LOG: pb.LogSettingsRequest,
     TRACE: pb.TraceSettingRequest,
+    STATS: pb.ModelStatisticsRequest,
 }
 REGION_KEEPER = 0  # the worker that keeps the shared memory regions of all workers
 ANSWER_HEAD = struct.Struct("!BI")  # status code (0: OK), then the response's bytes or the error message

@@ -20,7 +20,7 @@ handover.py the receiving side.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Iterable
 
 from google.protobuf.message import Message
 
@@ -42,7 +42,7 @@ from service.protocol.inference import (
     output_slice,
     sequence_control,
 )
-from service.protocol.peers import LOAD, LOG, REGISTER, STATUS, TRACE, UNLOAD, UNREGISTER, WorkerPeers
+from service.protocol.peers import LOAD, LOG, REGISTER, STATS, STATUS, TRACE, UNLOAD, UNREGISTER, WorkerPeers
 from service.protocol.shm import Region
 from service.tracing import TraceValues
 
@@ -137,6 +137,16 @@ class WorkerAnswers:
         regions = pb.SystemSharedMemoryStatusResponse.FromString(answer).regions.values()
         return [Region(r.name, r.key, int(r.offset), int(r.byte_size), -1) for r in regions]
 
+    async def statistics(self, name: str, version: str) -> list[pb.ModelStatistics]:
+        """The replica's statistics: every worker's, summed, whichever worker is asked (a client
+        reading them twice on two connections sees counts that only grow, as perf_analyzer needs)."""
+        here = await self.local.statistics(name, version)  # an unknown model or version: refused here
+        request = pb.ModelStatisticsRequest(name=name, version=version)
+        answers = await asyncio.gather(*(self.peers.call(w, STATS, request) for w in self.peers.others))
+        for answer in answers:
+            _add_statistics(here, pb.ModelStatisticsResponse.FromString(answer).model_stats)
+        return here
+
     async def _everywhere(self, here: Awaitable[None], kind: int, request: Message) -> None:
         """A repository call here and, at the same time, in every other worker (each reads the
         same repository): every worker acts, and the first refusal is the answer."""
@@ -147,3 +157,43 @@ class WorkerAnswers:
 
     async def _others(self, kind: int, request: Message) -> None:
         await asyncio.gather(*(self.peers.call(worker, kind, request) for worker in self.peers.others))
+
+
+def _add_statistics(into: list[pb.ModelStatistics], other: Iterable[pb.ModelStatistics]) -> None:
+    """Another worker's statistics added into `into`, entry by entry ((name, version))."""
+    mine = {(s.name, s.version): s for s in into}
+    for stats in other:
+        if (kept := mine.get((stats.name, stats.version))) is None:
+            into.append(stats)
+        else:
+            _add(kept, stats)
+
+
+PHASES = ("compute_input", "compute_infer", "compute_output")
+
+
+def _add(into: pb.ModelStatistics, other: pb.ModelStatistics) -> None:
+    """Counts and nanoseconds summed; the last inference the latest of the two; batch statistics
+    summed batch size by batch size."""
+    into.last_inference = max(into.last_inference, other.last_inference)
+    into.inference_count += other.inference_count
+    into.execution_count += other.execution_count
+    for name in ("success", "fail", "queue", *PHASES):
+        _add_duration(getattr(into.inference_stats, name), getattr(other.inference_stats, name))
+    sizes = {b.batch_size: b for b in into.batch_stats}
+    for batch in other.batch_stats:
+        if (kept := sizes.get(batch.batch_size)) is None:
+            into.batch_stats.add().CopyFrom(batch)
+        else:
+            for name in PHASES:
+                _add_duration(getattr(kept, name), getattr(batch, name))
+    ordered = [pb.InferBatchStatistics() for _ in into.batch_stats]  # copies, smallest batch first, as rendered
+    for copy, batch in zip(ordered, sorted(into.batch_stats, key=lambda b: b.batch_size), strict=True):
+        copy.CopyFrom(batch)
+    del into.batch_stats[:]
+    into.batch_stats.extend(ordered)
+
+
+def _add_duration(into: pb.StatisticDuration, other: pb.StatisticDuration) -> None:
+    into.count += other.count
+    into.ns += other.ns

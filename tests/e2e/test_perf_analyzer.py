@@ -56,3 +56,26 @@ def test_perf_analyzer_runs_to_completion(server: ServerProcess, mode: str) -> N
     assert run.returncode == 0, f"{mode}: exit {run.returncode}\n{run.stdout[-2000:]}\n{run.stderr[-2000:]}"
     assert "Server:" in run.stdout and "Successful request count" in run.stdout, run.stdout[-2000:]
     assert "Throughput:" in run.stdout
+
+
+RUNS = 10  # perf_analyzer reads the statistics before and after each run, on connections of its own
+
+
+def test_perf_analyzer_over_http_at_concurrency_1_against_two_workers(
+    default_model_dir: Path, tmp_path: Path
+) -> None:
+    """Each HTTP statistics read may reach either worker: the replica's statistics are every
+    worker's summed, so the counts perf_analyzer reads only grow (worker-local statistics went
+    down between two reads, and perf_analyzer stopped: "failed to find the requested model
+    version")."""
+    args = ["--model-dir", str(default_model_dir), "--workers", "2"]
+    with server_process(args, tmp_path / "server.log") as server:
+        env = {**os.environ, "LD_LIBRARY_PATH": ":".join(str(p) for p in LIBRARIES)}
+        url = f"127.0.0.1:{server.http_port}"
+        command = [str(PERF_ANALYZER), "-u", url, "-i", "http", *SHORT, *STATELESS, "--concurrency-range", "1"]
+        failed = []
+        for attempt in range(RUNS):
+            run = subprocess.run(command, env=env, capture_output=True, text=True, timeout=180)
+            if run.returncode != 0:
+                failed.append(f"run {attempt}: exit {run.returncode}: {(run.stdout + run.stderr)[-300:]}")
+        assert failed == [], failed
