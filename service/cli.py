@@ -592,12 +592,41 @@ def build_parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
     _add_client_args(p)
     p.set_defaults(func=cmd_bench)
 
+    p = sub.add_parser("tune", help="the settings that meet a p99 target with the most req/s, measured here")
+    p.add_argument("--model-dir", required=True, help="model directory to serve (`mha export --out`)")
+    p.add_argument(
+        "--shape", action="append", required=True, help="B,T,C of the requests to expect (repeat, or B,T,C,B,T,C)"
+    )
+    p.add_argument("--p99-ms", type=float, required=True, help="the p99 latency target, in ms")
+    p.add_argument("--concurrency", default="1,8", help="clients per load point, comma-separated (default 1,8)")
+    p.add_argument("--seconds", type=float, default=3.0, help="seconds per load point and mode (default 3)")
+    p.add_argument("--budget-s", type=float, default=240.0, help="time for the whole search (default 240 s)")
+    p.add_argument("--rounds", type=int, default=3, help="interleaved rounds beside the defaults (default 3)")
+    p.add_argument("--out", default="tune", help="folder for config.env, the tables and the plot (default ./tune)")
+    p.add_argument("--grpc-port", type=int, default=0, help="gRPC port of the candidates (default: a free one)")
+    p.set_defaults(func=cmd_tune)
+
     p = sub.add_parser("pod-cost", help="sidecar: the pod's deletion cost kept at the server's live sequences")
     p.add_argument("--metrics-url", default="127.0.0.1:8002", help="HOST:PORT of the server's /metrics")
     p.add_argument("--pod", default=None, help="this pod's name (default: MHA_POD_NAME, else the host name)")
     p.add_argument("--interval-s", type=float, default=5.0, help="seconds between looks (default 5)")
     p.set_defaults(func=cmd_pod_cost)
     return parser
+
+
+def cmd_tune(args: argparse.Namespace) -> int:
+    """Search the serving settings on this machine; write config.env, the tables and the plot."""
+    from dataclasses import replace
+
+    from service.app.tune import Request, TuneError, parse_shapes, tune
+
+    try:
+        concurrency = _int_list(args.concurrency, "--concurrency")
+        shapes = parse_shapes(args.shape)
+        request = Request(Path(args.model_dir), shapes, args.p99_ms, concurrency, args.seconds, args.budget_s)
+        return tune(replace(request, rounds=args.rounds, out=Path(args.out), grpc_port=args.grpc_port))
+    except TuneError as exc:
+        raise CliError(str(exc), exc.code) from exc
 
 
 def cmd_pod_cost(args: argparse.Namespace) -> int:

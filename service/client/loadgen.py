@@ -64,6 +64,12 @@ def input_pool(seq_lens: Sequence[int], batch: int, d_model: int, seed: int = 0)
     }
 
 
+def shape_pool(shapes: Sequence[tuple[int, int, int]], seed: int = 0) -> list[np.ndarray]:
+    """VARIANTS float32 inputs of each (B, T, C) shape, drawn before a run's clock starts."""
+    rng = np.random.default_rng(seed)
+    return [rng.standard_normal(shape, dtype=np.float32) for shape in shapes for _ in range(VARIANTS)]
+
+
 def run_load(
     url: str,
     concurrency: int,
@@ -72,9 +78,11 @@ def run_load(
     batch: int = 1,
     d_model: int = 128,
     progress: Callable[[float, int], None] | None = None,
+    shapes: Sequence[tuple[int, int, int]] = (),
     **client_kwargs: object,
 ) -> LoadResult:
-    """Each of `concurrency` clients sends (batch, T, d_model) requests, T drawn from seq_lens;
+    """Each of `concurrency` clients sends (batch, T, d_model) requests, T drawn from seq_lens
+    (or, when `shapes` are given, requests of those (B, T, C) shapes, each as often);
     `progress(elapsed_s, requests)` is called about 4 times a second while they run.
 
     Each client has a connection of its own, as separate client processes would (gRPC would
@@ -86,8 +94,11 @@ def run_load(
     errors: dict[str, int] = {}
     stopped: list[str] = []
     lock = threading.Lock()
-    pool = input_pool(seq_lens, batch, d_model)
-    choices = [x for T in seq_lens for x in pool[int(T)]]  # T as often as seq_lens names it
+    if shapes:
+        choices = shape_pool(shapes)
+    else:
+        pool = input_pool(seq_lens, batch, d_model)
+        choices = [x for T in seq_lens for x in pool[int(T)]]  # T as often as seq_lens names it
     stop_at = time.monotonic() + seconds
 
     def worker(i: int) -> None:

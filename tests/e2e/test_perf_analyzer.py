@@ -61,9 +61,7 @@ def test_perf_analyzer_runs_to_completion(server: ServerProcess, mode: str) -> N
 RUNS = 10  # perf_analyzer reads the statistics before and after each run, on connections of its own
 
 
-def test_perf_analyzer_over_http_at_concurrency_1_against_two_workers(
-    default_model_dir: Path, tmp_path: Path
-) -> None:
+def test_perf_analyzer_over_http_at_concurrency_1_against_two_workers(default_model_dir: Path, tmp_path: Path) -> None:
     """Each HTTP statistics read may reach either worker: the replica's statistics are every
     worker's summed, so the counts perf_analyzer reads only grow (worker-local statistics went
     down between two reads, and perf_analyzer stopped: "failed to find the requested model

@@ -42,6 +42,14 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 
 {{- define "mha-serve.config" -}}
 {{- $config := deepCopy .Values.config -}}
+{{- /* `mha tune`'s config.env, as written (helm --set-file tuned=config.env): its MHA_* lines win */ -}}
+{{- range $line := splitList "\n" (.Values.tuned | default "") -}}
+{{- $line = trim $line -}}
+{{- if and $line (not (hasPrefix "#" $line)) (contains "=" $line) -}}
+{{- $pair := splitn "=" 2 $line -}}
+{{- $_ := set $config (trim $pair._0) (trim $pair._1) -}}
+{{- end -}}
+{{- end -}}
 {{- if eq .Values.model.source "checkpoint" -}}
 {{- $_ := set $config "MHA_MODEL_DIR" "/models/custom" -}}
 {{- else if eq .Values.model.source "repository" -}}
