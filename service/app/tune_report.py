@@ -84,7 +84,8 @@ def plot(summary: Mapping[str, Any], path: Path) -> None:
     axes.axhline(summary["target_p99_ms"], color="tab:red", linestyle="--", label="p99 target")
     if best is not None:
         axes.scatter([best["throughput_rps"]], [best["p99_ms"]], s=120, marker="*", color="tab:orange", label="chosen")
-    axes.set(yscale="log", xlabel="requests / s", ylabel="p99 (ms)", title="mha tune: p99 against req/s")
+    axes.set(xlabel="requests / s", ylabel="p99 (ms)", title="mha tune: p99 against req/s")
+    axes.set_ylim(bottom=0)
     axes.grid(True, alpha=0.3)
     axes.legend()
     fig.savefig(path, dpi=100)
