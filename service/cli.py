@@ -210,17 +210,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
         except StartupError as exc:
             log.error("cannot start: %s", exc)
             return exc.exit_code
-        if single and settings.model_dir is None:  # exported once, here, rather than by every worker at once
-            from service.app.model_config import export_default_model
-            from service.engine.core import ModelLoadError
-
-            try:
-                settings = replace(settings, model_dir=export_default_model(settings))
-            except ModelLoadError as exc:
-                log.error("cannot start: %s", exc)
-                return 1
         argv = to_argv(replace(settings, workers="1"))
-        return asyncio.run(Supervisor(settings, argv, count, gpus).run())
+        default_model = single and settings.model_dir is None  # the first worker binds, exports, loads
+        return asyncio.run(Supervisor(settings, argv, count, gpus, bind_first=default_model).run())
     try:
         return asyncio.run(serve(settings))
     except StartupError as exc:

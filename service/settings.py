@@ -94,6 +94,9 @@ class Settings:
     worker_index: int = setting(0, "this process's index among --workers (set by the supervisor)", low=0)
     worker_peers: int = setting(1, "workers sharing the ports, this one included (set by the supervisor)", low=1)
     worker_socket_dir: Path | None = setting(None, "directory of the workers' Unix sockets (set by the supervisor)")
+    worker_bind_first: bool = setting(
+        False, "a worker that binds before it loads, NOT_SERVING meanwhile (set by the supervisor for its first)"
+    )
     threads: int = setting(
         0, "intra-op threads of the CPU backends; 0: the CPUs this process may use (affinity, cgroup CPU limit)", low=0
     )

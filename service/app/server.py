@@ -130,7 +130,7 @@ async def start(
     source, schedule = model_source(settings), read_schedule(settings)
     core = InferenceCore(settings, metrics, clock, _tracing(settings), compute_hook, source, schedule)
     token, credentials = _token(settings), _credentials(settings)  # read before a worker's long load
-    if settings.reuse_port:
+    if settings.reuse_port and not settings.worker_bind_first:
         try:
             await load(core, settings)
         except Exception as exc:
@@ -149,7 +149,8 @@ async def start(
     running = Running(server, core, health_servicer, grpc_port=port, metrics_port=0, regions=regions, peers=peers)
     if peers is not None:  # where the other workers hand over the steps of this worker's sequences
         running.handover = Handover(local, answers, calls)
-        await running.handover.start(socket_path(peers.directory, peers.index))
+        if core.state is not State.LOADING:  # else once it has loaded: its socket says it has
+            await running.handover.start(socket_path(peers.directory, peers.index))
     if settings.metrics_port is not None:
         await _start_metrics(running, settings, metrics)
     if settings.health_port is not None:
@@ -341,6 +342,8 @@ async def load_and_serve(running: Running) -> None:
     core = running.core
     if core.state is State.LOADING:  # a worker of several has loaded before it bound its ports
         await load(core, core.settings)
+        if running.handover is not None and running.peers is not None:  # the first worker, bound first
+            await running.handover.start(socket_path(running.peers.directory, running.peers.index))
     if running.peers is not None:  # a replica serves once every worker can take its sequences' steps
         while not running.peers.all_listening():
             await asyncio.sleep(PEERS_POLL_S)

@@ -24,7 +24,7 @@ import sys
 import tempfile
 import time
 import urllib.request
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
@@ -35,6 +35,7 @@ from prometheus_client.multiprocess import MultiProcessCollector, mark_process_d
 
 from service.app.launch import free_ports, package_path, serve_command
 from service.protocol.metrics_http import MetricsServer
+from service.protocol.peers import socket_path
 from service.resources import available_cpus
 from service.settings import Settings
 
@@ -102,8 +103,14 @@ class WorkerProcesses:
 
 
 class Supervisor:
-    def __init__(self, settings: Settings, argv: Sequence[str], count: int, gpus: Sequence[int] = ()) -> None:
+    def __init__(
+        self, settings: Settings, argv: Sequence[str], count: int, gpus: Sequence[int] = (), bind_first: bool = False
+    ) -> None:
+        """`bind_first`: the first worker binds the ports at once and answers NOT_SERVING while
+        it loads (the default model, exported first where it is missing); the others start once
+        it has loaded."""
         self.settings = settings
+        self.bind_first = bind_first
         self._argv = list(argv)  # `mha serve` arguments, without --workers
         promised = frozenset(p for p in (settings.grpc_port, settings.http_port, settings.metrics_port) if p)
         self.workers = [Worker(i, port) for i, port in enumerate(free_ports(count, avoid=promised))]
@@ -120,8 +127,9 @@ class Supervisor:
         self._stopping = False
         self.sockets = Path(tempfile.mkdtemp(prefix="mha-workers-"))  # 0700: the workers' hand-over sockets
 
-    def _command(self, worker: Worker) -> list[str]:
-        own = [
+    def _command(self, worker: Worker, first: bool = False) -> list[str]:
+        own = ["--worker-bind-first"] if first and self.bind_first else []
+        own += [
             "--workers",
             "1",
             "--reuse-port",
@@ -146,11 +154,12 @@ class Supervisor:
             env["CUDA_VISIBLE_DEVICES"] = cuda_devices(len(self.gpus), os.environ)[worker.index]  # its cuda:0
         return env
 
-    async def _spawn(self, worker: Worker, announce: bool = True) -> None:
+    async def _spawn(self, worker: Worker, announce: bool = True, first: bool = False) -> None:
         env = self.environment(worker)
         die_with_me = partial(_die_with_parent, os.getpid())
         worker.answered, worker.started = False, time.monotonic()
-        worker.process = await asyncio.create_subprocess_exec(*self._command(worker), env=env, preexec_fn=die_with_me)
+        command = self._command(worker, first)
+        worker.process = await asyncio.create_subprocess_exec(*command, env=env, preexec_fn=die_with_me)
         if announce:
             _announce(worker)
 
@@ -195,8 +204,10 @@ class Supervisor:
         The first starts alone: where it cannot (a setting, the model), neither could the others,
         and its exit code and the one line it printed are the supervisor's."""
         first, *others = self.workers
-        await self._spawn(first, announce=False)  # a start that fails says why in the worker's one line
-        if (code := await _first_answer(first, stop)) is not None:
+        await self._spawn(first, announce=False, first=True)  # a start that fails says why in its one line
+        loaded = partial(socket_path(self.sockets, first.index).exists)  # it listens for hand-overs once loaded
+        ready = loaded if self.bind_first else partial(_answers, first.metrics_port, WATCHDOG_PERIOD_S)
+        if (code := await _first_answer(first, stop, ready)) is not None:
             if first.process is not None and first.process.returncode is None:  # asked to stop, or stuck
                 await self._stop_all()
             return code
@@ -252,14 +263,14 @@ class Supervisor:
                     await worker.process.wait()
 
 
-async def _first_answer(worker: Worker, stop: asyncio.Event) -> int | None:
-    """Wait until the started `worker` answers (None), exits (its exit code), is asked to stop
-    (0) or has not answered in WORKER_START_S (1)."""
+async def _first_answer(worker: Worker, stop: asyncio.Event, ready: Callable[[], bool]) -> int | None:
+    """Wait until the started `worker` is `ready()` (None: it answers, or, bound first, it has
+    loaded), exits (its exit code), is asked to stop (0) or is not ready in WORKER_START_S (1)."""
     assert worker.process is not None
     exited = asyncio.create_task(worker.process.wait())
     stopping = asyncio.create_task(stop.wait())
     try:
-        while not await asyncio.to_thread(_answers, worker.metrics_port, WATCHDOG_PERIOD_S):
+        while not await asyncio.to_thread(ready):
             if exited.done():
                 return exited.result() or 1
             if stopping.done() or time.monotonic() - worker.started > WORKER_START_S:

@@ -49,3 +49,45 @@ def test_serve_outside_a_checkout_binds_first_then_exports_into_the_users_cache(
     ready = next(m for m in messages if m.startswith("ready:"))
     mha = "mha" if shutil.which("mha") == str(ROOT / ".venv" / "bin" / "mha") else ROOT / ".venv" / "bin" / "mha"
     assert f"try `{mha} infer --url 127.0.0.1:" in ready  # the venv's mha (started as python -m service.cli)
+
+
+def test_with_workers_the_first_binds_at_once_and_every_worker_serves(tmp_path: Path) -> None:
+    """The default worker count's way (`make serve` on 2 CPUs): the first worker binds the ports
+    at once and answers NOT_SERVING while it exports the default model; the others start once it
+    has loaded, and the replica is ready only then, every sequence's owner reachable."""
+    from service.client.client import MHAClient
+    from service.protocol.peers import owner_of
+
+    elsewhere, cache = tmp_path / "elsewhere", tmp_path / "cache"
+    elsewhere.mkdir()
+    env = {"XDG_CACHE_HOME": str(cache), "MHA_LOG_LEVEL": "DEBUG"}
+    server = ServerProcess(["--backend", "torch", "--workers", "2"], env=env, cwd=elsewhere)
+    seen: list[int] = []
+
+    def health_while_exporting() -> None:
+        with grpc.insecure_channel(server.url) as channel:
+            check = health_pb2_grpc.HealthStub(channel).Check
+            seen.append(check(health_pb2.HealthCheckRequest(service=""), wait_for_ready=True, timeout=60).status)
+
+    asker = threading.Thread(target=health_while_exporting)
+    asker.start()
+    try:
+        server.start(tmp_path / "server.log", ready_timeout=300)
+        asker.join(60)
+        with MHAClient(server.url) as client:
+            import numpy as np
+
+            x = np.ones((1, 2, 128), np.float32)
+            owners = {owner_of(i, 2) for i in range(1, 9)}
+            workers = {client.step(i, x, offset=0, start=True).worker for i in range(1, 9)}
+        messages = _messages(server.log())
+    finally:
+        server.kill()
+    assert seen == [health_pb2.HealthCheckResponse.NOT_SERVING], messages[-20:]
+    assert workers == owners == {0, 1}
+    home = cache / "mha-serve" / "models" / "default"
+    assert (home / "manifest.json").is_file()
+    exporting = [i for i, m in enumerate(messages) if m.startswith(f"no default model in {home}: exporting")]
+    assert len(exporting) == 1, messages  # one export, by the first worker
+    listening = next(i for i, m in enumerate(messages) if m.startswith("listening"))
+    assert listening < exporting[0], messages  # before: exported first, and only then bound
