@@ -158,7 +158,8 @@ class InferenceCore:
         the request's (priority, timeout in seconds) under the schedule policy."""
         loaded.model.check_magnitude(x)
         y, timing = await loaded.batcher.submit(x, deadline, *queue)
-        refuse_non_finite(x, y, known_finite=timing.finite)  # the chain found this input to blame (BackendChain)
+        if not timing.finite:  # the chain found this input to blame (BackendChain)
+            refuse_non_finite(x, y)
         self.publish.answered(x.shape, timing, loaded.version)
         self.audit.offer(x, y, timing.backend, request_id, loaded)  # sampled, checked off the hot path
         return y, timing

@@ -27,6 +27,7 @@ import numpy as np
 from service.budget import Lease
 from service.decode.control import SequenceControl, SequenceId
 from service.engine.core import InferenceCore
+from service.engine.inflight import InFlight
 from service.engine.served import ModelIdentity, ServedModel, Serving
 from service.engine.sources import VersionPolicy
 from service.engine.stats import Duration, ModelStats
@@ -39,6 +40,7 @@ __all__ = [
     "Answer",
     "Door",
     "Duration",
+    "InFlight",
     "ModelIdentity",
     "ModelStats",
     "ModelView",
@@ -61,7 +63,7 @@ MODEL_CONTROL_POLLED = (
 )
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Route:
     """Where a request goes: the entry it named (the model or its sequence entry), the version
     that computes it, and, for a step, its sequence."""
@@ -75,7 +77,7 @@ class Route:
         return self.version.model
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Answer:
     y: np.ndarray  # (B, T, C)
     backend: str  # the backend that computed it
@@ -126,10 +128,10 @@ class Door:
         """The entry `name` names; NOT_FOUND for any other."""
         return self._core.identity.check(name)
 
-    def route(self, name: str, version: str, control: SequenceControl | None) -> Route:
-        """The entry and version a request goes to; a sequence's later steps to the version it began on."""
+    def route(self, entry: str, version: str, control: SequenceControl | None) -> Route:
+        """The version a request to `entry` (as `entry()` returned it) goes to; a sequence's later
+        steps to the version it began on."""
         identity = self._core.identity
-        entry = identity.check(name)
         if control is None and identity.is_sequence_model(entry):
             raise InvalidInput(
                 f"model {entry!r} takes the steps of sequences: send sequence_id (with sequence_start on the first "
@@ -210,17 +212,10 @@ class Door:
         control = self._core.tracing.control
         return control.change(changes) if changes else control.settings()
 
-    def opened(self) -> None:
-        """An inference request entered the server."""
-        self._core.requests.started()
-
-    def computed(self) -> None:
-        """Its answer is computed (or it failed): it will join no batch any more."""
-        self._core.requests.computed()
-
-    def closed(self, computed: bool) -> None:
-        """Its call ended."""
-        self._core.requests.finished(computed)
+    @property
+    def requests(self) -> InFlight:
+        """The inference requests in the server: each call opens and closes its own count."""
+        return self._core.requests
 
     def requests_closed(self, records: Iterable[tuple[str, bool, str, float]]) -> None:
         """Closed inference calls (version, step, status code's name, seconds) into their

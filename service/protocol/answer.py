@@ -59,7 +59,7 @@ class Answers:
     ) -> InferResponse:
         """`deadline` is on the door's clock (None: none); `header` the request's mha-sequence-id
         header, if it carries one; `call` its call scope (None: a benchmark of this layer alone)."""
-        self.door.entry(request.model_name)  # the model named, checked first
+        entry = self.door.entry(request.model_name)  # the model named, checked first
         control = sequence_control(request)
         if call is not None:
             call.step = control is not None  # counted in the sequence model's statistics
@@ -67,7 +67,7 @@ class Answers:
         queue = queue_request(request)  # the stateless model's priority and queue timeout
         if control is not None:
             deadline = self._step_deadline(queue, deadline)
-        route = self.door.route(request.model_name, request.model_version, control)  # ready; which version
+        route = self.door.route(entry, request.model_version, control)  # ready; which version
         if call is not None:
             call.version = route.version.version  # counted in its statistics
         x = decode_input(request, route.model, self.regions)

@@ -72,6 +72,7 @@ def _ended_code(context: grpc.aio.ServicerContext | None) -> grpc.StatusCode:
 class Calls:
     def __init__(self, door: Door, metrics: Metrics, tracing: Tracing) -> None:
         self._door, self._metrics, self.tracing = door, metrics, tracing
+        self._requests = door.requests  # opened, computed and closed by every inference call
         self._book = metrics.ledger.book(self._fold)
 
     def unary(
@@ -106,7 +107,7 @@ class Calls:
     def opened(self, call: Call, traced: bool = False, carrier: Mapping[str, str] | None = None) -> None:
         """A call begins: counted in flight; traced (continuing the trace `carrier` names) if asked."""
         if call.inference:
-            self._door.opened()
+            self._requests.started()
         if traced:
             call.span = self.tracing.start_call(call.method, carrier, _span_attributes(call))
 
@@ -115,7 +116,7 @@ class Calls:
         for company, though it stays in flight until its answer is written."""
         if call.inference and not call.computed:
             call.computed = True
-            self._door.computed()
+            self._requests.computed()
 
     def failed(self, call: Call, exc: BaseException) -> None:
         call.error = exc
@@ -131,7 +132,7 @@ class Calls:
         for lease in call.leases:
             lease.release()
         if call.inference:
-            self._door.closed(call.computed)
+            self._requests.finished(call.computed)
         span = call.span
         trace = (span.trace_id or "") if span else ""
         self._book.add((call.method, call.code, elapsed, call.inference, trace, call.step, call.version))

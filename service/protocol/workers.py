@@ -24,6 +24,7 @@ from collections.abc import Awaitable, Iterable
 
 from google.protobuf.message import Message
 
+from service.engine.door import ServedModel
 from service.logs import LogSetting
 from service.proto import grpc_service_pb2 as pb
 from service.protocol import log_calls, trace_calls
@@ -70,12 +71,19 @@ class WorkerAnswers:
         assert owner is not None
         return await self._handed_over(request, owner, header, timeout, call)
 
+    def _model(self, request: InferRequest) -> ServedModel:
+        """The served model the request's version names (the latest when it names none)."""
+        door = self.local.door
+        return door.route(door.entry(request.model_name), request.model_version, sequence_control(request)).model
+
     def _check_carried_tensor(self, request: InferRequest) -> None:
         """A tensor carried in the request (not in a region) is checked before the request is
         handed over, so that a refusal is worded for the client's protocol (the worker it goes to
         reads it as gRPC)."""
         if not any(key in tensor.parameters for tensor in request.inputs for key in SHM_KEYS):
-            route = self.local.door.route(request.model_name, request.model_version, sequence_control(request))
+            route = self.local.door.route(
+                self.local.door.entry(request.model_name), request.model_version, sequence_control(request)
+            )
             decode_input(request, route.model)
 
     async def _handed_over(
@@ -84,7 +92,9 @@ class WorkerAnswers:
         """A step of a sequence `owner` holds, its tensor read here (from the request or from this
         worker's regions), its output written here where a region of this worker's takes it."""
         local = self.local
-        model = local.door.route(request.model_name, request.model_version, sequence_control(request)).model
+        model = local.door.route(
+            local.door.entry(request.model_name), request.model_version, sequence_control(request)
+        ).model
         x = decode_input(request, model, local.regions)
         target = output_slice(request, x.shape, local.regions)
         local.hold(call, x.nbytes)

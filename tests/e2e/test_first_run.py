@@ -18,20 +18,26 @@ def _messages(log: str) -> list[str]:
     return [json.loads(line)["msg"] for line in log.splitlines() if line.startswith("{")]
 
 
+def _health_while_exporting(server: ServerProcess, seen: list[int]) -> threading.Thread:
+    """Health asked as soon as the port is bound, while the export runs; its answer into `seen`."""
+
+    def ask() -> None:
+        with grpc.insecure_channel(server.url) as channel:
+            check = health_pb2_grpc.HealthStub(channel).Check
+            seen.append(check(health_pb2.HealthCheckRequest(service=""), wait_for_ready=True, timeout=60).status)
+
+    asker = threading.Thread(target=ask)
+    asker.start()
+    return asker
+
+
 def test_serve_outside_a_checkout_binds_first_then_exports_into_the_users_cache(tmp_path: Path) -> None:
     elsewhere, cache = tmp_path / "elsewhere", tmp_path / "cache"
     elsewhere.mkdir()
     env = {"XDG_CACHE_HOME": str(cache), "MHA_LOG_LEVEL": "DEBUG"}  # "listening" is a DEBUG line
     server = ServerProcess(["--backend", "torch"], env=env, cwd=elsewhere)
     seen: list[int] = []
-
-    def health_while_exporting() -> None:  # asked as soon as the port is bound, while the export runs
-        with grpc.insecure_channel(server.url) as channel:
-            check = health_pb2_grpc.HealthStub(channel).Check
-            seen.append(check(health_pb2.HealthCheckRequest(service=""), wait_for_ready=True, timeout=60).status)
-
-    asker = threading.Thread(target=health_while_exporting)
-    asker.start()
+    asker = _health_while_exporting(server, seen)
     try:
         server.start(tmp_path / "server.log", ready_timeout=300)
         asker.join(60)
@@ -63,14 +69,7 @@ def test_with_workers_the_first_binds_at_once_and_every_worker_serves(tmp_path: 
     env = {"XDG_CACHE_HOME": str(cache), "MHA_LOG_LEVEL": "DEBUG"}
     server = ServerProcess(["--backend", "torch", "--workers", "2"], env=env, cwd=elsewhere)
     seen: list[int] = []
-
-    def health_while_exporting() -> None:
-        with grpc.insecure_channel(server.url) as channel:
-            check = health_pb2_grpc.HealthStub(channel).Check
-            seen.append(check(health_pb2.HealthCheckRequest(service=""), wait_for_ready=True, timeout=60).status)
-
-    asker = threading.Thread(target=health_while_exporting)
-    asker.start()
+    asker = _health_while_exporting(server, seen)
     try:
         server.start(tmp_path / "server.log", ready_timeout=300)
         asker.join(60)
