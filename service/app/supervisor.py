@@ -128,23 +128,8 @@ class Supervisor:
         self.sockets = Path(tempfile.mkdtemp(prefix="mha-workers-"))  # 0700: the workers' hand-over sockets
 
     def _command(self, worker: Worker, first: bool = False) -> list[str]:
-        own = ["--worker-bind-first"] if first and self.bind_first else []
-        own += [
-            "--workers",
-            "1",
-            "--reuse-port",
-            "--metrics-port",
-            str(worker.metrics_port),
-            "--metrics-host",
-            "127.0.0.1",
-            "--worker-index",
-            str(worker.index),
-            "--worker-peers",
-            str(len(self.workers)),
-            "--worker-socket-dir",
-            str(self.sockets),
-        ]
-        return serve_command([*self._argv, *own])
+        own = worker_flags(worker.index, len(self.workers), worker.metrics_port, self.sockets)
+        return serve_command([*self._argv, *own, *(["--worker-bind-first"] if first and self.bind_first else [])])
 
     def environment(self, worker: Worker) -> dict[str, str]:
         """A worker's environment: one GPU of its own where the workers are one per GPU."""
@@ -261,6 +246,15 @@ class Supervisor:
                     log.error("worker %d did not stop in time; killing it", worker.index)
                     worker.process.kill()
                     await worker.process.wait()
+
+
+def worker_flags(index: int, workers: int, metrics_port: int, sockets: Path) -> list[str]:
+    """What makes `mha serve` worker `index` of `workers`: one process on the shared ports, its
+    own loopback metrics port, the others' hand-over sockets in `sockets`."""
+    return [
+        *("--workers", "1", "--reuse-port", "--metrics-port", str(metrics_port), "--metrics-host", "127.0.0.1"),
+        *("--worker-index", str(index), "--worker-peers", str(workers), "--worker-socket-dir", str(sockets)),
+    ]
 
 
 async def _first_answer(worker: Worker, stop: asyncio.Event, ready: Callable[[], bool]) -> int | None:

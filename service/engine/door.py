@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TypeVar
 
 import numpy as np
@@ -41,14 +41,15 @@ __all__ = [
     "Door",
     "Duration",
     "InFlight",
+    "Loaded",
     "ModelIdentity",
     "ModelStats",
     "ModelView",
-    "Route",
     "SequenceControl",
     "SequenceId",
     "ServedModel",
     "Serving",
+    "StepAnswer",
     "VersionPolicy",
 ]
 T = TypeVar("T")
@@ -63,25 +64,8 @@ MODEL_CONTROL_POLLED = (
 )
 
 
-@dataclass(slots=True)
-class Route:
-    """Where a request goes: the entry it named (the model or its sequence entry), the version
-    that computes it, and, for a step, its sequence."""
-
-    entry: str
-    version: Loaded
-    control: SequenceControl | None
-
-    @property
-    def model(self) -> ServedModel:
-        return self.version.model
-
-
-@dataclass(slots=True)
-class Answer:
-    y: np.ndarray  # (B, T, C)
-    backend: str  # the backend that computed it
-    extra: dict[str, int | str] = field(default_factory=dict)  # a step's: its sequence's length and home
+Answer = tuple[np.ndarray, str]  # (B, T, C) and the backend that computed it
+StepAnswer = tuple[np.ndarray, str, dict[str, int | str]]  # ... and the sequence's length and home
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,6 +85,10 @@ class Door:
         request (with --workers, every other worker: the app passes that in); None: there is none."""
         self._core = core
         self._others_ready = others_ready
+        # The calls every request makes, bound once: the door adds no call of its own to them.
+        self.entry: Callable[[str], str] = core.identity.check  # the entry a name names; NOT_FOUND else
+        self.hold: Callable[..., Lease] = core.budget.take  # (nbytes, what): bytes in flight until released
+        self.now: Callable[[], float] = core.clock.now  # the clock request deadlines are given on
 
     @property
     def settings(self) -> Settings:
@@ -111,10 +99,6 @@ class Door:
         """Set once draining began: open streams stop reading."""
         return self._core.draining
 
-    def now(self) -> float:
-        """The batcher's clock, which request deadlines are given on."""
-        return self._core.clock.now()
-
     def ready(self) -> bool:
         """The one readiness every signal answers: ServerReady, ModelReady, HTTP ready."""
         return self._core.serving_ok() and (self._others_ready is None or self._others_ready())
@@ -124,34 +108,29 @@ class Door:
             return why
         return "the other workers of this replica are still loading; retry shortly"
 
-    def entry(self, name: str) -> str:
-        """The entry `name` names; NOT_FOUND for any other."""
-        return self._core.identity.check(name)
-
-    def route(self, entry: str, version: str, control: SequenceControl | None) -> Route:
-        """The version a request to `entry` (as `entry()` returned it) goes to; a sequence's later
-        steps to the version it began on."""
+    def route(self, entry: str, version: str, control: SequenceControl | None) -> Loaded:
+        """The version a request to `entry` (as `entry()` returned it) goes to, ready to take it;
+        a sequence's later steps to the version it began on."""
         identity = self._core.identity
         if control is None and identity.is_sequence_model(entry):
             raise InvalidInput(
                 f"model {entry!r} takes the steps of sequences: send sequence_id (with sequence_start on the first "
                 f"step), or send whole sequences to model {identity.name!r}"
             )
-        return Route(entry, self._core.route(control, version), control)
+        return self._core.route(control, version)
 
-    def hold(self, nbytes: int, what: str = "its input and its answer") -> Lease:
-        """`nbytes` in the in-flight budget until the lease is released; refused when it is full."""
-        return self._core.budget.take(nbytes, what)
-
-    async def infer(self, route: Route, x: np.ndarray, deadline: float | None, queue: Queue, request_id: str) -> Answer:
+    async def infer(
+        self, version: Loaded, x: np.ndarray, deadline: float | None, queue: Queue, request_id: str
+    ) -> Answer:
         """(B, T, C) -> (B, T, C); `deadline` on `now()`'s clock."""
-        y, timing = await self._core.infer(x, deadline, route.version, queue, request_id)
-        return Answer(y, timing.backend)
+        y, timing = await self._core.infer(x, deadline, version, queue, request_id)
+        return y, timing.backend
 
-    async def step(self, route: Route, x: np.ndarray, deadline: float | None) -> Answer:
-        assert route.control is not None, "a step's route names its sequence"
-        y, timing, length = await self._core.step(route.control, x, route.version, deadline)
-        return Answer(y, timing.backend, {"sequence_length": length, **self._core.location})
+    async def step(
+        self, version: Loaded, control: SequenceControl, x: np.ndarray, deadline: float | None
+    ) -> StepAnswer:
+        y, timing, length = await self._core.step(control, x, version, deadline)
+        return y, timing.backend, {"sequence_length": length, **self._core.location}
 
     def model_ready(self, name: str, version: str) -> bool:
         """The server serves, and the version named (or any) takes requests; a model or version

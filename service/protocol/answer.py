@@ -67,18 +67,19 @@ class Answers:
         queue = queue_request(request)  # the stateless model's priority and queue timeout
         if control is not None:
             deadline = self._step_deadline(queue, deadline)
-        route = self.door.route(entry, request.model_version, control)  # ready; which version
+        version = self.door.route(entry, request.model_version, control)  # ready; which version
         if call is not None:
-            call.version = route.version.version  # counted in its statistics
-        x = decode_input(request, route.model, self.regions)
+            call.version = version.version  # counted in its statistics
+        model = version.model
+        x = decode_input(request, model, self.regions)
         target = output_slice(request, x.shape, self.regions)
         self.hold(call, x.nbytes)
         if control is None:
-            answer = await self.door.infer(route, x, deadline, queue, request.id)
-            return answered(request, route.model, answer.y, answer.backend, target, self.regions)
-        answer = await self.door.step(route, x, deadline)
-        response = answered(request, route.model, answer.y, answer.backend, target, self.regions, answer.extra)
-        response.model_name = route.entry  # the entry the step was sent to: mha or mha_sequence
+            y, backend = await self.door.infer(version, x, deadline, queue, request.id)
+            return answered(request, model, y, backend, target, self.regions)
+        y, backend, extra = await self.door.step(version, control, x, deadline)
+        response = answered(request, model, y, backend, target, self.regions, extra)
+        response.model_name = entry  # the entry the step was sent to: mha or mha_sequence
         return response
 
     def _step_deadline(self, queue: tuple[int, float | None], deadline: float | None) -> float | None:

@@ -81,10 +81,7 @@ class WorkerAnswers:
         handed over, so that a refusal is worded for the client's protocol (the worker it goes to
         reads it as gRPC)."""
         if not any(key in tensor.parameters for tensor in request.inputs for key in SHM_KEYS):
-            route = self.local.door.route(
-                self.local.door.entry(request.model_name), request.model_version, sequence_control(request)
-            )
-            decode_input(request, route.model)
+            decode_input(request, self._model(request))
 
     async def _handed_over(
         self, request: InferRequest, owner: int, header: str | None, timeout: float | None, call: Call | None
@@ -92,9 +89,7 @@ class WorkerAnswers:
         """A step of a sequence `owner` holds, its tensor read here (from the request or from this
         worker's regions), its output written here where a region of this worker's takes it."""
         local = self.local
-        model = local.door.route(
-            local.door.entry(request.model_name), request.model_version, sequence_control(request)
-        ).model
+        model = self._model(request)
         x = decode_input(request, model, local.regions)
         target = output_slice(request, x.shape, local.regions)
         local.hold(call, x.nbytes)
