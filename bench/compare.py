@@ -18,7 +18,8 @@ served it is measured in this process.
 Writes bench/results/compare.json and prints a table. Not a test.
 
 `--runs N` (N > 1) interleaves instead: every server is started at once, each on its own port,
-and each run visits them in turn, case by case (A B C A B C ...), so that a loaded spell of the
+and each run visits them in turn, case by case (A B C A B C ..., the order reversed every other
+run: C B A C B A ..., so that no server is always measured first), so that a loaded spell of the
 machine falls on all of them; the medians over the N runs are reported, with each run's ratio of
 mha-serve to KServe and to the in-line floor, and their spread (bench/results/compare_runs.json).
 
@@ -422,8 +423,9 @@ def interleaved(
             run_load(server.url, 1, 1.0, [64])  # warm-up
             per_run[server.name] = {case: [] for case, *_ in cases}
         for run in range(runs):
+            order = started if run % 2 == 0 else started[::-1]  # no server always first, or always last
             for case in cases:
-                for server in started:
+                for server in order:
                     per_run[server.name][case[0]].append(visit(server, case, seconds, max_steal))
             log.info("run %d of %d done", run + 1, runs)
     finally:
