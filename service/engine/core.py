@@ -22,7 +22,7 @@ from export.layout import ModelFiles, precision_file
 from export.verify import check_manifest, sha256_file
 from model import MHAConfig
 from model.checkpoint import CheckpointError, load_checkpoint
-from service.backends import Backend, BackendChain, BackendSpec, Selection, select_backends
+from service.backends import BackendChain, BackendSpec, Selection, select_backends
 from service.backends.chain import REASONS, FallbackHook
 from service.batch_engine import Timing
 from service.batching import BatcherConfig, Clock, MonotonicClock
@@ -111,11 +111,6 @@ class InferenceCore:
                 raise NotReady("the model is still loading; retry shortly")
             raise NotReady(f"no version of model {self.identity.name!r} is loaded; retry once one is")
         return latest
-
-    def active_backend(self) -> Backend | None:
-        """The backend serving now; None until the model is loaded and ready."""
-        latest = self.versions.latest()
-        return latest.chain.active if self.state is State.READY and latest is not None else None
 
     def serving(self, loaded: Loaded | None = None) -> Serving:
         return _serving(loaded or self.loaded, self.settings, self.schedule)
