@@ -60,25 +60,23 @@ def free_ports(count: int, avoid: frozenset[int] = frozenset()) -> list[int]:
 class ServerProcess:
     """`mha serve` as a child process, for signals and for clients that need their own process."""
 
-    def __init__(self, args: list[str], env: dict[str, str] | None = None, cwd: Path | None = None) -> None:
-        self.port, self.metrics_port, self.http_port = free_ports(3)
-        self.args = serve_command(
-            [
-                "--host",
-                "127.0.0.1",
-                "--grpc-port",
-                str(self.port),
-                "--metrics-port",
-                str(self.metrics_port),
-                "--http-port",
-                str(self.http_port),
-                "--log-format",
-                "json",
-                "--workers",  # one process unless the caller asks for more (its args come after)
-                "1",
-                *args,
-            ]
-        )
+    def __init__(
+        self,
+        args: list[str],
+        env: dict[str, str] | None = None,
+        cwd: Path | None = None,
+        grpc_port: int = 0,
+        http_port: int = 0,
+        workers: str | None = "1",
+    ) -> None:
+        """Free loopback ports unless `grpc_port` or `http_port` names one; `workers`: one
+        process unless the caller asks for more (None: what the settings or MHA_WORKERS say)."""
+        free_grpc, self.metrics_port, free_http = free_ports(3)
+        self.port, self.http_port = grpc_port or free_grpc, http_port or free_http
+        ports = ["--grpc-port", str(self.port), "--metrics-port", str(self.metrics_port)]
+        ports += ["--http-port", str(self.http_port)]
+        processes = ["--workers", workers] if workers is not None else []
+        self.args = serve_command(["--host", "127.0.0.1", *ports, "--log-format", "json", *processes, *args])
         self.env = {**os.environ, **(env or {})}
         self.env["PYTHONPATH"] = package_path(os.environ)
         self.cwd = cwd

@@ -198,12 +198,8 @@ class Tuner:
 
     def server(self, candidate: Candidate, port: int | None = None) -> ServerProcess:
         args = ["--model-dir", str(self.model_dir), *candidate.args()]
-        server = ServerProcess(args, env={"MHA_LOG_LEVEL": "WARNING"})
         chosen = self.grpc_port if port is None else port
-        if chosen:
-            server.port = chosen
-            server.args[server.args.index("--grpc-port") + 1] = str(chosen)
-        return server
+        return ServerProcess(args, env={"MHA_LOG_LEVEL": "WARNING"}, grpc_port=chosen)
 
     def started(self, candidate: Candidate, log_dir: Path, port: int | None = None) -> ServerProcess:
         server, began = self.server(candidate, port), time.monotonic()

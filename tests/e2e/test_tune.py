@@ -78,9 +78,7 @@ def test_the_chosen_settings_serve_what_mha_verify_passes(tuned: tuple[Path, Any
     out, _ = tuned
     settings = _env_file(out / "config.env")
     assert set(settings) >= {"MHA_BACKEND", "MHA_WORKERS", "MHA_MAX_BATCH_SIZE", "MHA_MAX_QUEUE_DELAY_MS"}
-    server = ServerProcess(["--model-dir", str(small_model_dir)], env=settings)
-    position = server.args.index("--workers")  # the file's MHA_WORKERS, not ServerProcess's --workers 1
-    del server.args[position : position + 2]
+    server = ServerProcess(["--model-dir", str(small_model_dir)], env=settings, workers=None)  # the file's
     server.start(out / "verify-server.log")
     try:
         verify = subprocess.run(

@@ -200,10 +200,7 @@ def test_no_worker_outlives_its_supervisor(small_model_dir: Path, tmp_path: Path
         _until(lambda: not any(_alive(pid) for pid in pids), timeout_s=30)
     finally:
         server.kill()
-    alone = ServerProcess(args)
-    alone.port, alone.http_port = server.port, server.http_port  # the same ports: nobody holds them now
-    alone.args[alone.args.index("--grpc-port") + 1] = str(server.port)
-    alone.args[alone.args.index("--http-port") + 1] = str(server.http_port)
+    alone = ServerProcess(args, grpc_port=server.port, http_port=server.http_port)  # nobody holds them now
     alone.start(tmp_path / "alone.log")
     try:
         with MHAClient(alone.url) as client:
