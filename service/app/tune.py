@@ -105,13 +105,9 @@ class Measured:
             return max(within, key=lambda p: p.throughput_rps)
         return min(self.points, key=lambda p: p.p99_ms) if self.points else None
 
-    def rank(self, target_ms: float) -> tuple[int, float]:
-        """Higher is better: within the target by req/s, else by how close its p99 came."""
-        score = self.score(target_ms)
-        if score is not None:
-            return 1, score
-        best = self.best_point(target_ms)
-        return 0, -(best.p99_ms if best is not None else float("inf"))
+    def closest_p99_ms(self) -> float:
+        """The lowest p99 it reached (inf when nothing was measured)."""
+        return min((p.p99_ms for p in self.points), default=float("inf"))
 
     def row(self, target_ms: float) -> dict[str, object]:
         best = self.best_point(target_ms)
@@ -152,12 +148,12 @@ MIN_GAIN = 0.03  # what a candidate must gain over the best so far to replace it
 def better(a: Measured, b: Measured, target_ms: float) -> bool:
     """Is `a` better than `b` by more than MIN_GAIN: more req/s within the target, or, neither
     within it, a lower p99?"""
-    (a_meets, a_value), (b_meets, b_value) = a.rank(target_ms), b.rank(target_ms)
-    if a_meets != b_meets:
-        return a_meets > b_meets
-    if a_meets:
-        return a_value > b_value * (1 + MIN_GAIN)
-    return -a_value < -b_value * (1 - MIN_GAIN)  # rank holds -p99 when the target is not met
+    a_score, b_score = a.score(target_ms), b.score(target_ms)
+    if a_score is not None and b_score is not None:
+        return a_score > b_score * (1 + MIN_GAIN)
+    if a_score is None and b_score is None:
+        return a.closest_p99_ms() < b.closest_p99_ms() * (1 - MIN_GAIN)
+    return a_score is not None
 
 
 def worse_of(results: Sequence[LoadResult]) -> Point:
