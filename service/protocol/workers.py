@@ -56,7 +56,7 @@ class WorkerAnswers:
         self, request: InferRequest, deadline: float | None, header: str | None = None, call: Call | None = None
     ) -> InferResponse:
         """This worker's answer, or the one of the worker that holds the request's sequence or regions."""
-        control = sequence_control(request)
+        control = sequence_control(request) if "sequence_id" in request.parameters else None  # else: checked there
         keeper, owner = self.peers.region_keeper, None if control is None else self.peers.owner(control.id)
         shared = keeper is not None and names_shared_memory(request)
         if not shared and owner is None:
