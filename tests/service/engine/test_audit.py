@@ -214,7 +214,10 @@ def test_a_corrupting_backend_is_caught_counted_logged_and_benched(
     with ServerThread(settings) as server, MHAClient(server.url) as client:
         chain = server.core.loaded.chain
         assert len(chain.backends) == 2, "both CPU backends serve: one to corrupt, one to fall back on"
-        victim = chain.backends[0] = Corrupting(chain.backends[0], every=3)
+        serving = chain.order_for(*x.shape[:2])[0]  # the backend this shape goes to, by size
+        victim = Corrupting(serving, every=3)
+        for order in chain.orders():  # the chain's order and the light route's hold the same backend
+            order[:] = [victim if b is serving else b for b in order]
         errors = []
         for _ in range(3):
             y, backend = client.infer_with_backend(x)
