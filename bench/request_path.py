@@ -1,9 +1,9 @@
 """What one unary ModelInfer costs in mha-serve's own layers, without gRPC: stage by stage, in process.
 
-A server is started in this process (the real core, batcher, backends and metrics, its gRPC port
+A server is started in this process (the real engine, batcher, backends and metrics, its gRPC port
 bound but not used); its servicer's ModelInfer is called directly on the event loop with a
 minimal context, as gRPC would call it once the request is parsed. Each stage (the whole call,
-Answers.infer, core.infer, the batcher, the codec, the checks, one turn of the loop) runs N times
+Answers.infer, Door.infer, the batcher, the codec, the checks, one turn of the loop) runs N times
 in a row, in R rounds that alternate the stages' order; the median of the rounds' means is
 reported, in microseconds of the loop thread's CPU (the compute of a lone small request runs on
 it). Warm caches flatter every stage against a server between two requests (there the same work
@@ -39,7 +39,6 @@ from prometheus_client import CollectorRegistry
 
 from service.app.server import Running, drain_and_stop, load_and_serve, start
 from service.backends.base import Backend
-from service.engine.door import Door
 from service.numerics import all_finite
 from service.proto import grpc_service_pb2 as pb
 from service.protocol.answer import Answers
@@ -68,12 +67,12 @@ class QuietContext:
 
 
 def stages(running: Running, x: np.ndarray) -> dict[str, Stage]:
-    core, regions = running.core, running.regions
+    engine, regions = running.engine, running.regions
     assert regions is not None
-    model, batcher = core.loaded.model, core.loaded.batcher
-    door = Door(core)
+    version = engine.loaded
+    model, batcher, door = version.model, version.batcher, engine.door
     answers = Answers(door, regions)
-    servicer = InferenceServicer(door, answers, Calls(door, core.metrics, core.tracing))
+    servicer = InferenceServicer(door, answers, Calls(door, engine.metrics, engine.tracing))
     request, context = encode_infer_request(x, model.name, "", "bench"), QuietContext()
 
     async def whole() -> Any:
@@ -85,7 +84,7 @@ def stages(running: Running, x: np.ndarray) -> dict[str, Stage]:
         return await answers.infer(request_from_proto(request), None)
 
     async def infer() -> Any:
-        return await core.infer(x, None, core.loaded)
+        return await door.infer(version, x, None, (0, None), "")
 
     async def submit() -> Any:
         return await batcher.submit(x, None)
@@ -101,7 +100,7 @@ def stages(running: Running, x: np.ndarray) -> dict[str, Stage]:
         return all_finite(x)
 
     async def chain() -> Any:
-        return core.loaded.chain.run(x)
+        return version.chain.run(x)
 
     async def turn() -> None:
         await asyncio.sleep(0)
@@ -109,7 +108,7 @@ def stages(running: Running, x: np.ndarray) -> dict[str, Stage]:
     return {
         "ModelInfer (servicer, no gRPC)": whole,
         "Answers.infer (protocol)": answer,
-        "core.infer (engine)": infer,
+        "Door.infer (engine)": infer,
         "batcher.submit": submit,
         "request_from_proto + decode_input": decode,
         "answered + response_to_proto": encode,
@@ -181,7 +180,7 @@ async def run(
     running = await start(settings, CollectorRegistry())
     try:
         await load_and_serve(running)
-        chain = running.core.loaded.chain
+        chain = running.engine.loaded.chain
         if not compute:  # the chain answers with a copy: the layers around the compute alone
 
             def copy(x: np.ndarray) -> tuple[np.ndarray, Backend]:

@@ -22,7 +22,7 @@ from prometheus_client import CollectorRegistry
 from service.app.launch import ServerProcess, free_port, free_ports, server_process, wait_serving
 from service.app.server import Running, drain_and_stop, load_and_serve, start
 from service.batching import Clock
-from service.engine.core import ComputeHook
+from service.engine.keeper import ComputeHook
 from service.settings import Settings
 
 __all__ = ["ROOT", "ManualClock", "ServerProcess", "ServerThread", "free_port", "free_ports", "make_settings"]
@@ -132,10 +132,10 @@ class ServerThread:
         return self.running.health_port
 
     @property
-    def core(self):
+    def engine(self):
         assert self.running is not None
         self.settle()
-        return self.running.core
+        return self.running.engine
 
     @property
     def registry(self) -> CollectorRegistry:

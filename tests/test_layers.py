@@ -5,7 +5,7 @@ service/ is built in layers, lowest first; a module imports only from its own la
     ground     service/*.py (settings, errors, arrays, logs, metrics, batching primitives)
     backends   service/backends/    compute: ORT, PyTorch, the chain, selection
     decode     service/decode/      incremental decoding: sequences, the step scheduler and runner
-    engine     service/engine/      the served model, numpy in and numpy out: core, batcher
+    engine     service/engine/      the served model, numpy in and numpy out: door, keeper, batcher
     protocol   service/protocol/    the wire: gRPC, HTTP, protobuf, JSON, status codes, shared memory
     client     service/client/      what a user runs against a server
     app        service/app/         the composition root: server, supervisor, processes
@@ -107,13 +107,13 @@ def test_no_import_runs_from_a_lower_layer_to_a_higher_one() -> None:
 
 def test_the_check_sees_an_upward_import(tmp_path: Path) -> None:
     """The walk itself: a relative import and a name imported from a package both resolve."""
-    path = ROOT / "service" / "engine" / "core.py"
-    names = {name for _, name in _imports(path, "service.engine.core")}
+    path = ROOT / "service" / "engine" / "keeper.py"
+    names = {name for _, name in _imports(path, "service.engine.keeper")}
     assert "service.engine.batcher.Batcher" in names
     modules = _service_modules()
     assert _service_target("service.engine.batcher.Batcher", modules) == "service.engine.batcher"
     assert _service_target("service.protocol.render", modules) == "service.protocol.render"
-    assert LAYERS.index(layer_of("service.protocol.render")) > LAYERS.index(layer_of("service.engine.core"))
+    assert LAYERS.index(layer_of("service.protocol.render")) > LAYERS.index(layer_of("service.engine.keeper"))
 
 
 def _packages_below_the_wire() -> list[str]:
@@ -125,7 +125,7 @@ def _packages_below_the_wire() -> list[str]:
 def test_nothing_below_the_wire_imports_grpc_protobuf_or_aiohttp() -> None:
     """Importing every module of ground, backends, decode and engine, in one fresh process."""
     modules = _packages_below_the_wire()
-    assert "service.engine.core" in modules and "service.decode.scheduler" in modules
+    assert "service.engine.keeper" in modules and "service.decode.scheduler" in modules
     code = (
         "import importlib, sys\n"
         f"for m in {modules!r}: importlib.import_module(m)\n"
@@ -184,4 +184,4 @@ def test_the_door_check_sees_a_module_past_the_door() -> None:
     path = ROOT / "service" / "protocol" / "grpc_servicer.py"
     names = {_service_target(name, _service_modules()) for _, name in _imports(path, "service.protocol.grpc_servicer")}
     assert DOOR in names
-    assert layer_of("service.engine.core") == "engine" and "service.engine.core" not in (DOOR, *VALUES)
+    assert layer_of("service.engine.keeper") == "engine" and "service.engine.keeper" not in (DOOR, *VALUES)

@@ -7,14 +7,18 @@ from __future__ import annotations
 import asyncio
 import logging
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from google.protobuf import text_format
 
-from service.engine.core import InferenceCore, ModelLoadError, single_source
+from service.engine.keeper import ModelLoadError, VersionKeeper, single_source
 from service.engine.sources import ModelSource, VersionPolicy
 from service.proto import grpc_service_pb2 as pb
 from service.scheduling import QueuePolicy, SchedulePolicy
 from service.settings import Settings, schedule_policy
+
+if TYPE_CHECKING:
+    from service.app.engine import Engine
 
 log = logging.getLogger(__name__)
 CONFIG_FILE = "config.pbtxt"  # Triton's name for it; the other fields are Triton's business
@@ -99,12 +103,12 @@ def export_default_model(settings: Settings) -> Path:
         ) from exc
 
 
-async def load(core: InferenceCore, settings: Settings) -> None:
+async def load(engine: Engine, settings: Settings) -> None:
     """The model's versions loaded, the default model exported first (off the event loop) when
     it is the one served."""
     if serves_default_model(settings):
         await asyncio.to_thread(export_default_model, settings)
-    await core.load()
+    await engine.keeper.load_at_start()
 
 
 def model_source(settings: Settings) -> ModelSource:
@@ -112,15 +116,15 @@ def model_source(settings: Settings) -> ModelSource:
     return single_source(settings, read_policy)
 
 
-async def poll(core: InferenceCore, stop: asyncio.Event) -> None:
+async def poll(keeper: VersionKeeper, stop: asyncio.Event) -> None:
     """--model-control-mode poll: read the repository again every --repository-poll-secs, until
     `stop` is set. A refused version is said once, and tried again once its files change."""
-    period = core.settings.repository_poll_secs
+    period, clock = keeper.settings.repository_poll_secs, keeper.compute.clock
     while not stop.is_set():
-        await core.clock.wait(stop, core.clock.now() + period)
+        await clock.wait(stop, clock.now() + period)
         if stop.is_set():
             return
         try:
-            await core.keeper.sync(polled=True)
+            await keeper.sync(polled=True)
         except Exception as exc:  # draining, or a fault: the next poll tries again
             log.warning("polling the repository failed: %s", exc)

@@ -21,10 +21,11 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from prometheus_client import CollectorRegistry
 
+from service.app.engine import Engine, build_engine
 from service.app.model_config import load, model_source, poll, read_schedule
 from service.batching import Clock
-from service.engine.core import ComputeHook, InferenceCore, State
-from service.engine.door import Door
+from service.engine.keeper import ComputeHook
+from service.engine.readiness import State
 from service.metrics import Metrics
 from service.proto import grpc_service_pb2 as pb
 from service.protocol.answer import Answering, Answers
@@ -63,7 +64,7 @@ class StartupError(RuntimeError):
 @dataclass
 class Running:
     server: grpc.aio.Server
-    core: InferenceCore
+    engine: Engine
     health: health.aio.HealthServicer
     grpc_port: int
     metrics_port: int  # 0 when disabled
@@ -123,33 +124,34 @@ async def start(
     shared ports only once it can serve: the kernel gives a bound worker new connections, and a
     restarting worker would otherwise answer them UNAVAILABLE while the others could serve them.
     `clock` is the batcher's (tests inject one); by default time.monotonic(). `compute_hook`: see
-    InferenceCore (tests hold computes and inject failures with it).
+    ComputeHook (tests hold computes and inject failures with it).
     """
     worker = settings.worker_index if settings.worker_peers > 1 else None  # one of several: multiprocess metrics
     metrics = Metrics(registry if registry is not None else CollectorRegistry(auto_describe=True), worker)
     source, schedule = model_source(settings), read_schedule(settings)
-    core = InferenceCore(settings, metrics, clock, _tracing(settings), compute_hook, source, schedule)
+    peers = _peers(settings)
+    others_ready = None if peers is None else peers.all_listening  # ready once every worker is
+    engine = build_engine(settings, metrics, source, schedule, clock, _tracing(settings), compute_hook, others_ready)
     token, credentials = _token(settings), _credentials(settings)  # read before a worker's long load
     if settings.reuse_port and not settings.worker_bind_first:
         try:
-            await load(core, settings)
+            await load(engine, settings)
         except Exception as exc:
             raise StartupError(f"cannot serve: {exc}", 1) from exc
     health_servicer = health.aio.HealthServicer()
     for service in HEALTH_SERVICES:
         await health_servicer.set(service, health_pb2.HealthCheckResponse.NOT_SERVING)
-    peers = _peers(settings)
-    door = Door(core, None if peers is None else peers.all_listening)  # ready once every worker is
-    calls = Calls(door, metrics, core.tracing)
+    door = engine.door
+    calls = Calls(door, metrics, engine.tracing)
     regions = SystemRegions(settings.shared_memory == "system", settings.max_shared_memory_regions)
     local = Answers(door, regions)
     answers: Answering = local if peers is None else WorkerAnswers(local, peers)  # workers at the edge
     server = _grpc_server(settings, InferenceServicer(door, answers, calls), calls, token, health_servicer)
     port = _bind(server, settings.host, settings.grpc_port, credentials, "--grpc-port", settings.reuse_port)
-    running = Running(server, core, health_servicer, grpc_port=port, metrics_port=0, regions=regions, peers=peers)
+    running = Running(server, engine, health_servicer, grpc_port=port, metrics_port=0, regions=regions, peers=peers)
     if peers is not None:  # where the other workers hand over the steps of this worker's sequences
         running.handover = Handover(local, answers, calls)
-        if core.state is not State.LOADING:  # else once it has loaded: its socket says it has
+        if engine.life.state is not State.LOADING:  # else once it has loaded: its socket says it has
             await running.handover.start(socket_path(peers.directory, peers.index))
     if settings.metrics_port is not None:
         await _start_metrics(running, settings, metrics)
@@ -339,18 +341,18 @@ async def load_and_serve(running: Running) -> None:
     """Load the model; SERVING only once it passed its self-check, every other worker (--workers)
     listens for the steps it hands over, and while it serves on the required device
     (--require-device)."""
-    core = running.core
-    if core.state is State.LOADING:  # a worker of several has loaded before it bound its ports
-        await load(core, core.settings)
+    engine, life = running.engine, running.engine.life
+    if life.state is State.LOADING:  # a worker of several has loaded before it bound its ports
+        await load(engine, engine.settings)
         if running.handover is not None and running.peers is not None:  # the first worker, bound first
             await running.handover.start(socket_path(running.peers.directory, running.peers.index))
     if running.peers is not None:  # a replica serves once every worker can take its sequences' steps
         while not running.peers.all_listening():
             await asyncio.sleep(PEERS_POLL_S)
-    core.device.on_serving = lambda ok: _health_task(running, ok)
-    if core.settings.model_control_mode == "poll":  # until draining begins
-        running.tasks.add(asyncio.get_running_loop().create_task(poll(core, core.draining)))
-    ok = core.serving_ok()
+    life.device.on_serving = lambda ok: _health_task(running, ok)
+    if engine.settings.model_control_mode == "poll":  # until draining begins
+        running.tasks.add(asyncio.get_running_loop().create_task(poll(engine.keeper, life.draining)))
+    ok = life.serving_ok()
     await _set_health(running, ok)
     if not ok:
         refuse_readiness(running)
@@ -361,12 +363,12 @@ async def load_and_serve(running: Running) -> None:
 def ready_line(running: Running) -> str:
     """What a person reads once the server serves: where, and the command that tries it. A worker
     of several names the ports it shares and the supervisor's merged /metrics, not its own."""
-    settings = running.core.settings
+    settings = running.engine.settings
     host = "127.0.0.1" if settings.host in ("0.0.0.0", "::", "") else settings.host
     http = running.http_port or "off"
     token = f" --token-file {settings.auth_token_file}" if settings.auth_token_file else ""
     try_it = f"try `{client_command()} infer --url {host}:{running.grpc_port}{token}`"
-    name = running.core.identity.name
+    name = running.engine.life.identity.name
     if settings.worker_peers > 1:
         return (
             f"worker {settings.worker_index} ready: serving {name} on {settings.host}, gRPC :{running.grpc_port}, "
@@ -393,19 +395,19 @@ def client_command() -> str:
 
 async def _not_serving_when_lost(running: Running) -> None:
     """A lost device: both health services NOT_SERVING, so that the liveness probe fails too."""
-    await running.core.device.lost.wait()
+    await running.engine.life.device.lost.wait()
     for service in HEALTH_SERVICES:
         await running.health.set(service, health_pb2.HealthCheckResponse.NOT_SERVING)
 
 
 def refuse_readiness(running: Running) -> None:
-    if (latest := running.core.versions.latest()) is None:
-        log.warning("not ready: %s", running.core.readiness())
+    if (latest := running.engine.life.versions.latest()) is None:
+        log.warning("not ready: %s", running.engine.life.readiness())
         return
     active = latest.chain.active
     log.error(
         "refusing readiness: --require-device %s, but %s on %s serves; %s",
-        running.core.settings.require_device,
+        running.engine.settings.require_device,
         active.name,
         active.device,
         latest.selection.summary(),
@@ -413,7 +415,7 @@ def refuse_readiness(running: Running) -> None:
 
 
 def _health_task(running: Running, ok: bool) -> None:
-    """Health follows the core (a fallback off the required device, or back onto it)."""
+    """Health follows readiness (a fallback off the required device, or back onto it)."""
     if not ok:
         refuse_readiness(running)
     running.tasks.add(task := asyncio.get_running_loop().create_task(_set_health(running, ok)))
@@ -422,7 +424,7 @@ def _health_task(running: Running, ok: bool) -> None:
 
 async def _set_health(running: Running, ok: bool) -> None:
     """The process is alive (service ""); the inference service is ready only when `ok`."""
-    if running.core.state is State.DRAINING or running.core.device.lost.is_set():
+    if running.engine.life.state is State.DRAINING or running.engine.life.device.lost.is_set():
         return  # draining and a lost device set health themselves
     serving, not_serving = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
     await running.health.set("", serving)
@@ -438,12 +440,12 @@ async def drain_and_stop(running: Running, grace_s: float, announce: bool = True
     """
     for service in HEALTH_SERVICES:
         await running.health.set(service, health_pb2.HealthCheckResponse.NOT_SERVING)
-    running.core.start_draining(announce)
+    running.engine.life.start_draining(announce)
     started = time.monotonic()
-    if running.core.requests.count and not await running.core.requests.wait_idle(grace_s):
-        log.warning("grace period over with %d requests in flight: stopping anyway", running.core.requests.count)
+    if running.engine.requests.count and not await running.engine.requests.wait_idle(grace_s):
+        log.warning("grace period over with %d requests in flight: stopping anyway", running.engine.requests.count)
     await running.server.stop(max(0.0, grace_s - (time.monotonic() - started)))
-    await running.core.close()
+    await running.engine.close()
     if running.regions is not None:
         running.regions.close()
     if running.handover is not None:
@@ -458,8 +460,8 @@ async def drain_and_stop(running: Running, grace_s: float, announce: bool = True
         await running.health_server.stop(0)
     for task in running.tasks:
         task.cancel()
-    running.core.metrics.refresh()  # a worker's last requests reach its files before it exits
-    running.core.tracing.shutdown()  # the last spans, flushed
+    running.engine.metrics.refresh()  # a worker's last requests reach its files before it exits
+    running.engine.tracing.shutdown()  # the last spans, flushed
     log.log(logging.INFO if announce else logging.DEBUG, "stopped")
 
 
@@ -474,7 +476,7 @@ async def serve(settings: Settings) -> int:
         loop.add_signal_handler(sig, stop.set)
     loader = asyncio.create_task(load_and_serve(running))
     stopper = asyncio.create_task(stop.wait())
-    lost = asyncio.create_task(running.core.device.lost.wait())
+    lost = asyncio.create_task(running.engine.life.device.lost.wait())
     await asyncio.wait({loader, stopper}, return_when=asyncio.FIRST_COMPLETED)
     if loader.done() and loader.exception() is not None:
         log.error("cannot serve: %s", loader.exception())  # the one line a failed start prints
@@ -482,11 +484,11 @@ async def serve(settings: Settings) -> int:
         return 1
     await asyncio.wait({stopper, lost}, return_when=asyncio.FIRST_COMPLETED)
     if lost.done() and not stop.is_set():
-        log.error("exiting: the device is lost (%s)", running.core.device.lost_reason)
+        log.error("exiting: the device is lost (%s)", running.engine.life.device.lost_reason)
         await drain_and_stop(running, settings.grace_s)
         return 1
     log.info("signal received: draining (grace %.1f s)", settings.grace_s)
     loader.cancel()
     lost.cancel()
     await drain_and_stop(running, settings.grace_s)
-    return 0 if running.core.state in (State.DRAINING, State.READY) else 1
+    return 0 if running.engine.life.state in (State.DRAINING, State.READY) else 1

@@ -14,7 +14,7 @@ from functools import partial
 
 import numpy as np
 
-from service.backends.base import Step
+from service.backends.base import Backend, Step
 from service.batch_engine import BatchEngine, Computed, Item, Timing
 from service.batching import BatchEvent, Clock, Plan, plan_steps
 from service.decode.control import SequenceControl
@@ -28,7 +28,7 @@ log = logging.getLogger(__name__)
 StepInput = Step[LiveSequence]  # a step of a live sequence: its cache is the sequence
 
 
-RunSteps = Callable[[Sequence[StepInput]], tuple[list[np.ndarray], str]]  # -> (y of each step, backend)
+RunSteps = Callable[[Sequence[StepInput]], tuple[list[np.ndarray], Backend]]  # -> (y of each step, backend)
 
 
 @dataclass(frozen=True)
@@ -73,7 +73,7 @@ class StepBatcher(BatchEngine[StepInput, np.ndarray]):
 
 def _computed(run: RunSteps, steps: list[StepInput]) -> Computed:
     ys, backend = run(steps)  # the backend reads and writes the caches itself: all of it is inference
-    return Computed(ys, backend)
+    return Computed(ys, backend.name)
 
 
 def _plan(max_rows: int, queue: Sequence[Item], now: float) -> Plan[Item]:

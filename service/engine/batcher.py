@@ -9,6 +9,7 @@ import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Executor
 from functools import partial
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -17,9 +18,12 @@ from service.batching import BatcherConfig, BatchEvent, Clock, Plan, form_at, me
 from service.numerics import all_finite
 from service.scheduling import SchedulePolicy
 
+if TYPE_CHECKING:
+    from service.backends.base import Backend
+
 __all__ = ["Answer", "Batcher", "RunBatch", "Timing"]
 
-RunBatch = Callable[[np.ndarray], tuple[np.ndarray, str]]  # (B, T, C) -> ((B, T, C), backend name)
+RunBatch = Callable[[np.ndarray], tuple[np.ndarray, "Backend"]]  # (B, T, C) -> ((B, T, C), the backend that ran it)
 Answer = tuple[np.ndarray, Timing]
 
 
@@ -74,4 +78,4 @@ def _compute(run_batch: RunBatch, xs: list[np.ndarray]) -> Computed:
     ran = time.perf_counter()
     outputs = split(y, [(int(x.shape[0]), int(x.shape[1])) for x in xs])
     finite = all_finite(y)  # once for the batch, here rather than per request on the event loop
-    return Computed(outputs, backend, merged - began, time.perf_counter() - ran, finite)
+    return Computed(outputs, backend.name, merged - began, time.perf_counter() - ran, finite)

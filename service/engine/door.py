@@ -5,7 +5,9 @@ into the core, its versions, batchers or metrics (tests/test_layers.py checks th
 a request may ask of the model, all of it here:
 
     route       which entry and version a request goes to (readiness, the sequence entry's rules)
-    infer/step  a stateless request through the batcher; a decode step of a live sequence
+    infer/step  a stateless request through its version's batcher; a decode step of a live
+                sequence through its version's decoder: the numerics policy's bound before,
+                the answer's finiteness after, reported, and (sampled) audited
     hold        its bytes in the in-flight budget
     ready       readiness, and why not
     describe    metadata, config, the repository index, statistics
@@ -24,15 +26,19 @@ from typing import TypeVar
 
 import numpy as np
 
-from service.budget import Lease
+from service.budget import InflightBudget, Lease
 from service.decode.control import SequenceControl, SequenceId
-from service.engine.core import InferenceCore
+from service.engine.audit import Auditor
 from service.engine.inflight import InFlight
+from service.engine.keeper import VersionKeeper
+from service.engine.publishing import Publisher
+from service.engine.readiness import Lifecycle
 from service.engine.served import ModelIdentity, ServedModel, Serving
 from service.engine.sources import VersionPolicy
 from service.engine.stats import Duration, ModelStats
 from service.engine.versions import Loaded, VersionState
-from service.errors import FeatureOff, InvalidInput, ModelNotFound, quote
+from service.errors import DeviceLost, FeatureOff, InvalidInput
+from service.numerics import refuse_non_finite
 from service.settings import Settings
 from service.tracing import TraceValues
 
@@ -54,13 +60,9 @@ __all__ = [
 ]
 T = TypeVar("T")
 Queue = tuple[int, float | None]  # a request's (priority, queue timeout in seconds) under the schedule policy
-MODEL_CONTROL_OFF = (
-    "model control is off: this server serves the versions it found at start (--model-control-mode none); "
-    "start it with --model-control-mode explicit to load and unload on request, or poll to follow the repository"
-)
-MODEL_CONTROL_POLLED = (
-    "this server follows its repository (--model-control-mode poll): change the repository and the next poll "
-    "loads it; load and unload calls are for --model-control-mode explicit"
+NO_STEPS = (
+    "no backend of this server computes decode steps: its model directory has no step.onnx and PyTorch is not "
+    "among --backend's; re-export the model with `mha export`, or send whole sequences"
 )
 
 
@@ -80,124 +82,148 @@ class ModelView:
 
 
 class Door:
-    def __init__(self, core: InferenceCore, others_ready: Callable[[], bool] | None = None) -> None:
+    def __init__(
+        self,
+        life: Lifecycle,
+        keeper: VersionKeeper,
+        publish: Publisher,
+        audit: Auditor,
+        budget: InflightBudget,
+        others_ready: Callable[[], bool] | None = None,
+    ) -> None:
         """`others_ready`: whether every other part this server answers for can take every
         request (with --workers, every other worker: the app passes that in); None: there is none."""
-        self._core = core
+        self._life, self._keeper, self._publish, self._audit = life, keeper, publish, audit
+        self._tracing = keeper.compute.tracing
         self._others_ready = others_ready
-        # The calls every request makes, bound once: the door adds no call of its own to them.
-        self.entry: Callable[[str], str] = core.identity.check  # the entry a name names; NOT_FOUND else
-        self.hold: Callable[..., Lease] = core.budget.take  # (nbytes, what): bytes in flight until released
-        self.now: Callable[[], float] = core.clock.now  # the clock request deadlines are given on
+        self.hold: Callable[..., Lease] = budget.take  # (nbytes, what): bytes in flight until released
+        self.now: Callable[[], float] = keeper.compute.clock.now  # the clock request deadlines are given on
 
     @property
     def settings(self) -> Settings:
-        return self._core.settings
+        return self._keeper.settings
 
     @property
     def draining(self) -> asyncio.Event:
         """Set once draining began: open streams stop reading."""
-        return self._core.draining
+        return self._life.draining
+
+    def entry(self, name: str) -> str:
+        """The entry a request's model name names; NOT_FOUND else."""
+        return self._life.identity.check(name)
 
     def ready(self) -> bool:
         """The one readiness every signal answers: ServerReady, ModelReady, HTTP ready."""
-        return self._core.serving_ok() and (self._others_ready is None or self._others_ready())
+        return self._life.serving_ok() and (self._others_ready is None or self._others_ready())
 
     def why_not_ready(self) -> str:
-        if (why := self._core.readiness()) or self.ready():
+        if (why := self._life.readiness()) or self.ready():
             return why
         return "the other workers of this replica are still loading; retry shortly"
 
     def route(self, entry: str, version: str, control: SequenceControl | None) -> Loaded:
-        """The version a request to `entry` (as `entry()` returned it) goes to, ready to take it;
-        a sequence's later steps to the version it began on."""
-        identity = self._core.identity
-        if control is None and identity.is_sequence_model(entry):
+        """The version a request to `entry` (as `entry()` returned it) goes to, ready to take it: the
+        one it names, else the latest; a sequence's later steps to the version it began on."""
+        life = self._life
+        if control is None and life.identity.is_sequence_model(entry):
             raise InvalidInput(
                 f"model {entry!r} takes the steps of sequences: send sequence_id (with sequence_start on the first "
-                f"step), or send whole sequences to model {identity.name!r}"
+                f"step), or send whole sequences to model {life.identity.name!r}"
             )
-        return self._core.route(control, version)
+        life.check_ready()
+        return life.versions.for_request(version) if control is None else life.versions.for_step(control, version)
 
     async def infer(
         self, version: Loaded, x: np.ndarray, deadline: float | None, queue: Queue, request_id: str
     ) -> Answer:
-        """(B, T, C) -> (B, T, C); `deadline` on `now()`'s clock."""
-        y, timing = await self._core.infer(x, deadline, version, queue, request_id)
+        """(B, T, C) -> (B, T, C) through `version`'s queue; `deadline` on `now()`'s clock; `queue`
+        the request's (priority, timeout in seconds) under the schedule policy."""
+        version.model.check_magnitude(x)
+        y, timing = await version.batcher.submit(x, deadline, *queue)
+        if not timing.finite:  # the chain found this input to blame (BackendChain)
+            refuse_non_finite(x, y)
+        self._publish.answered(x.shape, timing, version.version)
+        self._audit.offer(x, y, timing.backend, request_id, version)  # sampled, checked off the hot path
         return y, timing.backend
 
     async def step(
         self, version: Loaded, control: SequenceControl, x: np.ndarray, deadline: float | None
     ) -> StepAnswer:
-        y, timing, length = await self._core.step(control, x, version, deadline)
-        return y, timing.backend, {"sequence_length": length, **self._core.location}
+        """A decode step of a live sequence: (B, t, C) new tokens -> their (B, t, C) outputs, the
+        backend, and the tokens the sequence holds after the step and where it lives."""
+        if version.chain.steps_device is None:
+            raise FeatureOff(NO_STEPS)
+        version.model.check_magnitude(x)  # the cached keys and values were checked with their own steps
+        try:
+            with self._tracing.step(control.label, int(x.shape[1])) as span:
+                stepped = await version.decoder.step(control, x, deadline)
+                if span is not None:
+                    span.set_attribute("mha.sequence.tokens_held", stepped.length)
+        except DeviceLost as exc:  # the caches' device is gone: stop serving, as a lost batch does
+            if self._life.device.observe(exc):
+                self._life.fail()
+            raise
+        self._publish.answered(x.shape, stepped.timing, version.version, steps=True)
+        s = self.settings
+        return (
+            stepped.y,
+            stepped.timing.backend,
+            {"sequence_length": stepped.length, "replica": s.replica, "worker": s.worker_index},
+        )
 
     def model_ready(self, name: str, version: str) -> bool:
         """The server serves, and the version named (or any) takes requests; a model or version
         that is not loaded is not ready (Triton answers so, not NOT_FOUND)."""
-        core = self._core
-        if name not in core.identity.names:
+        if name not in self._life.identity.names:
             return False
         if not version:
             return self.ready()
-        loaded = core.versions.get(version)
+        loaded = self._life.versions.get(version)
         return self.ready() and loaded is not None and loaded.state is VersionState.SERVING
 
     def describe(self, name: str, version: str) -> ModelView:
-        core = self._core
-        entry, loaded = core.identity.check(name), core.versions.for_request(version)
-        serving = [v.version for v in core.versions.serving()]
-        return ModelView(entry, loaded.model, core.serving(loaded), core.loader.policy, serving)
+        life = self._life
+        entry, loaded = life.identity.check(name), life.versions.for_request(version)
+        serving = [v.version for v in life.versions.serving()]
+        return ModelView(entry, loaded.model, self._keeper.serving(loaded), self._keeper.policy, serving)
 
     def index(self) -> tuple[ModelIdentity, list[tuple[str, str]], str]:
         """The entries, each version loaded with its state, and why the server is not ready ("")."""
-        versions = [(loaded.version, loaded.state.value) for loaded in self._core.versions]
-        return self._core.identity, versions, self.why_not_ready()
+        versions = [(loaded.version, loaded.state.value) for loaded in self._life.versions]
+        return self._life.identity, versions, self.why_not_ready()
 
     def statistics(self, name: str, version: str, render: Callable[[str, str, ModelStats], T]) -> list[T]:
         """Each entry's (`name`'s, or every one's) statistics in the version named or in every
         version loaded, rendered by `render(entry, version, stats)` while they are held still."""
-        core = self._core
-        names = [core.identity.check(name)] if name else list(core.identity.names)
-        versions = [core.versions.for_request(version).version] if version else [v.version for v in core.versions]
+        identity, versions = self._life.identity, self._life.versions
+        names = [identity.check(name)] if name else list(identity.names)
+        numbers = [versions.for_request(version).version] if version else [v.version for v in versions]
         rendered = []
         for entry in names:
-            for number in versions or [""]:
-                with core.publish.statistics(number, steps=core.identity.is_sequence_model(entry)) as held:
+            for number in numbers or [""]:
+                with self._publish.statistics(number, steps=identity.is_sequence_model(entry)) as held:
                     rendered.append(render(entry, number, held))
         return rendered
 
     async def load(self, name: str) -> None:
         """Load what the repository names now (explicit mode): new versions beside the serving ones."""
-        self._controlled(name)
-        await self._core.keeper.load_call()
+        await self._keeper.load_call(name)
 
     async def unload(self, name: str) -> None:
-        self._controlled(name)
-        await self._core.keeper.unload_call()
-
-    def _controlled(self, name: str) -> None:
-        """Load and unload calls: only in explicit mode, and only for this server's model."""
-        mode = self._core.settings.model_control_mode
-        if mode == "none":
-            raise FeatureOff(MODEL_CONTROL_OFF)
-        if mode == "poll":
-            raise FeatureOff(MODEL_CONTROL_POLLED)
-        if name not in self._core.identity.names:
-            raise ModelNotFound(f"unknown model {quote(name)}; this server serves {self._core.identity.name!r}")
+        await self._keeper.unload_call(name)
 
     def trace_settings(self, changes: Mapping[str, list[str] | None]) -> TraceValues:
         """Triton's trace settings, changed by `changes` (empty: read), as they are now."""
-        control = self._core.tracing.control
+        control = self._tracing.control
         return control.change(changes) if changes else control.settings()
 
     @property
     def requests(self) -> InFlight:
         """The inference requests in the server: each call opens and closes its own count."""
-        return self._core.requests
+        return self._keeper.compute.requests
 
     def requests_closed(self, records: Iterable[tuple[str, bool, str, float]]) -> None:
         """Closed inference calls (version, step, status code's name, seconds) into their
         version's statistics (a request refused before it reached a version: the latest's)."""
-        latest = self._core.versions.latest()
-        self._core.publish.requests_closed(records, latest.version if latest is not None else "")
+        latest = self._life.versions.latest()
+        self._publish.requests_closed(records, latest.version if latest is not None else "")

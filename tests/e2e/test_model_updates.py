@@ -140,7 +140,7 @@ def test_versions_load_beside_serving_and_sequences_finish_where_they_began(tmp_
         for _ in range(3):
             first.step()
             second.step()
-        one = weakref.ref(server.core.versions.get("1"))
+        one = weakref.ref(server.engine.life.versions.get("1"))
 
         weights["2"] = _export(repo, 2)
         loaded = _triton(server, "grpc", "load", tmp_path)
@@ -165,11 +165,11 @@ def test_versions_load_beside_serving_and_sequences_finish_where_they_began(tmp_
         third.step()  # version 2 serves on
 
         first.step(end=True)
-        assert server.core.versions.get("1") is not None  # the second sequence still holds it
+        assert server.engine.life.versions.get("1") is not None  # the second sequence still holds it
         second.step(end=True)
         third.step(end=True)
-        server.call(server.core.loader.settled())
-        assert server.core.versions.get("1") is None
+        server.call(server.engine.keeper.loader.settled())
+        assert server.engine.life.versions.get("1") is None
         gc.collect()
         assert one() is None, "version 1's model, backends and caches are released"
         with grpc.insecure_channel(server.url) as channel:
@@ -211,7 +211,7 @@ def test_poll_mode_follows_the_repository_and_skips_a_half_written_version(tmp_p
     )
     with ServerThread(settings) as server:
         assert _version_of_answer(server.url) == "1"
-        first = server.core.loaded.model.labels()
+        first = server.engine.loaded.model.labels()
         half = repo / "mha" / "2"
         half.mkdir()
         shutil.copy(tmp_path / "staging" / "mha" / "2" / "model.onnx", half)  # no weights yet: refused
@@ -221,7 +221,7 @@ def test_poll_mode_follows_the_repository_and_skips_a_half_written_version(tmp_p
         assert _sample(server, "mha_model_loads_total", result="refused") == 1
         for path in (tmp_path / "staging" / "mha" / "2").iterdir():
             shutil.copy(path, half)
-        _until(lambda: [v.version for v in server.core.versions] == ["2"])
+        _until(lambda: [v.version for v in server.engine.life.versions] == ["2"])
         assert _version_of_answer(server.url) == "2"
         assert _sample(server, "mha_model_info", **first) == 0  # unloaded: its memory went with it
 

@@ -243,7 +243,7 @@ def test_latency_buckets_carry_trace_ids_that_prometheus_stores_as_exemplars(
                             end=str(time.time() + 60),
                         )
                         found = [e for series in result.get("data") or [] for e in series["exemplars"]]
-                assert server.core.tracing.flush()
+                assert server.engine.tracing.flush()
             finally:
                 prom.terminate()
                 prom.wait(30)

@@ -21,7 +21,7 @@ from model.checkpoint import init_weights, load_checkpoint
 from model.reference import attention_view, relative_error
 from service.cli import verify_server
 from service.client.client import MHAClient
-from service.engine.core import ModelLoadError
+from service.engine.keeper import ModelLoadError
 from tests.support import ServerThread, make_settings
 
 SMALL = MHAConfig(d_model=32, n_head=4, max_seq_len=64)

@@ -138,7 +138,7 @@ def test_tritons_series_count_what_model_statistics_counts(traffic: tuple[Server
     mha = (("model", "mha"), ("version", "1"))
     nv = lambda name, *labels: s.get((name, tuple(sorted(mha + labels))), -1)  # noqa: E731
     close = partial(pytest.approx, abs=0.1)  # µs; the statistics keep whole ns per request
-    with server.core.publish.statistics("1") as stats:
+    with server.engine.publish.statistics("1") as stats:
         assert nv("nv_inference_request_success") == stats.success.count == len(SHAPES) + 2  # + the stream's
         assert nv("nv_inference_count") == stats.inference_count == sum(B for B, _ in SHAPES) + 2
         assert nv("nv_inference_exec_count") == stats.execution_count
@@ -157,7 +157,7 @@ def test_tritons_series_count_what_model_statistics_counts(traffic: tuple[Server
 def test_labels_of_backends_model_and_fallbacks(traffic: tuple[ServerThread, str]) -> None:
     server, text = traffic
     s = samples(text)
-    chain = server.core.loaded.chain
+    chain = server.engine.loaded.chain
     info = {dict(k[1])["backend"]: v for k, v in s.items() if k[0] == "mha_backend_info"}
     assert info == {b.name: (1.0 if b in chain.serving() else 0.0) for b in chain.backends}
     assert chain.backends[0] in chain.serving()

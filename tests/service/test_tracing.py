@@ -31,7 +31,7 @@ def receiver() -> Iterator[OtlpReceiver]:
 
 
 def _flush(server: ServerThread) -> None:
-    assert server.core.tracing.flush(), "the exporter did not deliver in time"
+    assert server.engine.tracing.flush(), "the exporter did not deliver in time"
 
 
 def _children(spans: list[ReceivedSpan], parent: ReceivedSpan, name: str) -> list[ReceivedSpan]:
@@ -85,7 +85,7 @@ def test_a_batch_of_eight_is_one_span_linked_from_eight_request_spans(
         small_model_dir, backend="torch", max_batch_size=8, max_queue_delay_ms=10_000, otlp_endpoint=receiver.endpoint
     )
     with ServerThread(settings) as server:
-        server.core.requests.started()  # one more request in the server: the batcher waits for company
+        server.engine.requests.started()  # one more request in the server: the batcher waits for company
         try:
             barrier = threading.Barrier(8)
 
@@ -100,7 +100,7 @@ def test_a_batch_of_eight_is_one_span_linked_from_eight_request_spans(
             for t in threads:
                 t.join(90)
         finally:
-            server.core.requests.finished()
+            server.engine.requests.finished()
         _flush(server)
     calls = receiver.named("ModelInfer")
     batches = receiver.named("batch")
@@ -138,7 +138,7 @@ def test_decode_steps_are_spans_with_their_sequence(receiver: OtlpReceiver, smal
 
 def test_off_by_default(small_model_dir: Path) -> None:
     with ServerThread(make_settings(small_model_dir, backend="torch")) as server:
-        assert not server.core.tracing.enabled
+        assert not server.engine.tracing.enabled
         with MHAClient(server.url) as client:
             client.infer(np.ones((1, 2, 32), np.float32))
 
@@ -161,7 +161,7 @@ def test_each_request_of_a_stream_is_a_span_and_nothing_logs_an_error(
             next(call)
             call.cancel()
         deadline = time.monotonic() + 30
-        while server.core.requests.count and time.monotonic() < deadline:
+        while server.engine.requests.count and time.monotonic() < deadline:
             time.sleep(0.02)
         _flush(server)
     assert len(outputs) == 5

@@ -149,14 +149,14 @@ def test_model_config_says_which_backend_and_why(server: ServerThread, client: M
     assert config.name == "mha" and config.max_batch_size == 64
     assert [(i.name, i.data_type, list(i.dims)) for i in config.input] == [("x", pb.TYPE_FP32, [-1, 32])]
     params = {k: v.string_value for k, v in config.parameters.items()}
-    assert params["backend"] == server.core.loaded.chain.active.name
+    assert params["backend"] == server.engine.loaded.chain.active.name
     assert "self-check relative error" in params["selection"]
     assert params["max_seq_len"] == "64"
     # As a Triton tool reads them: the largest B per request, the batcher's own row limit beside
     # it, and a platform that does not change with the backend measured at start
     assert (config.platform, config.backend) == ("onnxruntime_onnx", "onnxruntime")  # as Triton fills them
-    assert params["max_batch_rows"] == str(server.core.settings.max_batch_size)
-    assert params["backend_platform"] == server.core.loaded.chain.active.platform
+    assert params["max_batch_rows"] == str(server.engine.settings.max_batch_size)
+    assert params["backend_platform"] == server.engine.loaded.chain.active.platform
 
 
 def test_statistics_count_rows_and_executions(client: MHAClient) -> None:
@@ -178,7 +178,7 @@ def test_statistics_hold_tritons_invariants_for_requests_and_steps(small_model_d
     gate = ComputeGate(held=())
     settings = make_settings(small_model_dir, backend="torch", max_batch_size=8, max_queue_delay_ms=20)
     with ServerThread(settings, compute_hook=gate) as server, MHAClient(server.url) as client:
-        gate.hold_next(lambda: server.core.loaded.batcher.depth >= 3)  # the first batch waits: 3 more queue
+        gate.hold_next(lambda: server.engine.loaded.batcher.depth >= 3)  # the first batch waits: 3 more queue
         xs = [np.random.default_rng(i).standard_normal((1 + i % 2, 5, 32), dtype=np.float32) for i in range(4)]
         with ThreadPoolExecutor(4) as pool:
             list(pool.map(client.infer, xs))
@@ -291,11 +291,11 @@ def test_a_drain_answers_what_is_in_flight_and_refuses_what_comes_after(small_mo
         threads = [threading.Thread(target=one, args=(i,)) for i in range(4)]
         for thread in threads:
             thread.start()
-        while server.core.requests.count < 4:  # all four in the server, none computed
+        while server.engine.requests.count < 4:  # all four in the server, none computed
             threading.Event().wait(0.01)
         assert server.running is not None
         draining = server.submit(drain_and_stop(server.running, 30.0))
-        while not server.core.draining.is_set():
+        while not server.engine.life.draining.is_set():
             threading.Event().wait(0.01)
         with MHAClient(server.url) as late, pytest.raises(InferenceError) as info:
             late.infer(xs[0], timeout=10)

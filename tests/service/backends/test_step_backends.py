@@ -31,7 +31,7 @@ def test_a_step_is_computed_by_the_chosen_backend_and_says_so(small_model_dir: P
     config, weights = load_checkpoint(small_model_dir / "weights.safetensors")
     x = np.random.default_rng(3).standard_normal((1, 6, 32), dtype=np.float32)
     with ServerThread(make_settings(small_model_dir, backend=backend)) as server, MHAClient(server.url) as client:
-        serving = server.core.loaded.chain.step_backends[0].name
+        serving = server.engine.loaded.chain.step_backends[0].name
         said, ys = [], []
         for start, end in ((0, 4), (4, 5), (5, 6)):
             request = encode_infer_request(x[:, start:end])

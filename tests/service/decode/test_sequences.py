@@ -105,7 +105,7 @@ def test_eight_concurrent_sequences_are_exact_step_by_step(server: ServerThread,
         return sample("mha_batch_size_sum", v1) or 0.0, sample("mha_batch_size_count", v1) or 0.0
 
     before = batches()
-    steps = server.core.loaded.decoder.steps  # the first compute waits until other steps queue behind it
+    steps = server.engine.loaded.decoder.steps  # the first compute waits until other steps queue behind it
     GATE.hold_next(lambda: steps.depth >= 2)
     threads = [threading.Thread(target=run, args=(plan, i)) for i, plan in enumerate(plans)]
     for t in threads:
@@ -117,7 +117,7 @@ def test_eight_concurrent_sequences_are_exact_step_by_step(server: ServerThread,
     rows, executed = (after - first for after, first in zip(batches(), before, strict=True))
     assert 0 < executed <= 8 * 13, "decode batches are in the batch metrics"
     assert rows > executed, "steps of different sequences never shared a batch"
-    assert len(server.core.loaded.decoder.sequences) == 0, "every sequence ended"
+    assert len(server.engine.loaded.decoder.sequences) == 0, "every sequence ended"
 
 
 def test_a_step_with_nan_or_inf_is_refused_and_leaves_its_sequence_as_it_was(stub, small_model_dir: Path) -> None:
@@ -271,10 +271,10 @@ def _backend(model_dir: Path, name: str, config: MHAConfig | None = None, weight
 
 
 def _run_on(backend: Backend):  # type: ignore[no-untyped-def]
-    """What the engine hands the step batcher: steps -> (outputs, the backend's name)."""
+    """What the engine hands the step batcher: steps -> (outputs, the backend)."""
 
     def run(steps):  # type: ignore[no-untyped-def]
-        return backend.step(steps), backend.name
+        return backend.step(steps), backend
 
     return run
 

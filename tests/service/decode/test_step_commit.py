@@ -46,12 +46,12 @@ def test_a_step_cancelled_while_its_batch_computes_commits_nothing(small_model_d
         blocker = _step_future(client, "c", tokens["c"][:, 2:3], 2)
         gate.arrived()  # c's step computes (held): a's and b's steps queue behind it, and share a batch
         a, b = (_step_future(client, s, tokens[s][:, 2:3], 2) for s in "ab")
-        _until(lambda: server.core.requests.count == 3, "a's and b's steps are queued")
+        _until(lambda: server.engine.requests.count == 3, "a's and b's steps are queued")
         gate.permits.release()
         gate.arrived()  # the batch of a's and b's steps is computing
         assert gate.computed[-1] == ("steps", 1), gate.computed  # c's, let through
         b.cancel()  # b's client leaves while its step computes
-        _until(lambda: server.core.requests.count == 1, "the server saw b's cancellation (a's step alone in flight)")
+        _until(lambda: server.engine.requests.count == 1, "the server saw b's cancellation (a's step alone in flight)")
         gate.held = ()
         gate.permits.release()
         assert blocker.result().parameters[SEQUENCE_LENGTH].int64_param == 3

@@ -212,7 +212,7 @@ def test_a_corrupting_backend_is_caught_counted_logged_and_benched(
     x = np.random.default_rng(5).standard_normal((1, 12, 32), dtype=np.float32)
     ref = attention_view(torch.from_numpy(x), weights, config)
     with ServerThread(settings) as server, MHAClient(server.url) as client:
-        chain = server.core.loaded.chain
+        chain = server.engine.loaded.chain
         assert len(chain.backends) == 2, "both CPU backends serve: one to corrupt, one to fall back on"
         serving = chain.order_for(*x.shape[:2])[0]  # the backend this shape goes to, by size
         victim = Corrupting(serving, every=3)

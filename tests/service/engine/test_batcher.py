@@ -175,14 +175,14 @@ class Gated:
         if open_:
             self.gate.set()
 
-    def __call__(self, x: np.ndarray) -> tuple[np.ndarray, str]:
+    def __call__(self, x: np.ndarray) -> tuple[np.ndarray, TorchBackend]:
         self.batches.append(x.shape)
         self.threads.append(threading.current_thread() is threading.main_thread())
         self.entered.release()
         self.gate.wait(30)
         if self.fail or (self.poison is not None and bool((x == self.poison).any())):
             raise RuntimeError("device lost")
-        return self.backend.run(x), "torch-cpu"
+        return self.backend.run(x), self.backend
 
 
 def _x(B: int, T: int, seed: int = 0) -> np.ndarray:
@@ -355,7 +355,7 @@ def test_concurrent_clients_mixed_shapes_batch_and_stay_exact(small_model_dir: P
     barrier = threading.Barrier(len(shapes))
     gate = ComputeGate(held=())
     with ServerThread(settings, compute_hook=gate) as server:
-        batcher = server.core.loaded.batcher
+        batcher = server.engine.loaded.batcher
         gate.hold_next(lambda: batcher.depth >= 8)  # the first compute waits until others queue
 
         def one(i: int) -> None:
@@ -377,7 +377,7 @@ def test_concurrent_clients_mixed_shapes_batch_and_stay_exact(small_model_dir: P
             t.start()
         for t in threads:
             t.join(120)
-        with server.core.publish.statistics("1") as held:
+        with server.engine.publish.statistics("1") as held:
             stats = copy.deepcopy(held)
     assert not failures, failures[:3]
     assert len(errors) == 3 * len(shapes) and max(errors) < 1e-5

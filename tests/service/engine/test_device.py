@@ -126,7 +126,7 @@ def test_a_sticky_cuda_error_does_not_fall_back(small_model_dir: Path) -> None:
 
 def test_a_lost_device_stops_the_replica(small_model_dir: Path) -> None:
     with ServerThread(make_settings(small_model_dir, backend="torch")) as server:
-        chain = server.core.loaded.chain
+        chain = server.engine.loaded.chain
         broken = BrokenCuda()
         chain.backends.insert(0, broken)  # as if ort-cuda served, then broke
         with MHAClient(server.url) as client:
@@ -165,7 +165,7 @@ def _step(client_stub: pb_grpc.GRPCInferenceServiceStub, start: bool) -> None:
 
 def test_a_lost_device_under_the_caches_stops_the_replica(small_model_dir: Path) -> None:
     with ServerThread(make_settings(small_model_dir, backend="torch")) as server:
-        chain = server.core.loaded.chain
+        chain = server.engine.loaded.chain
         broken = BrokenCudaSteps()
         chain.step_backends.insert(0, broken)  # as if the steps ran on CUDA, then it broke
         with grpc.insecure_channel(server.url) as channel:

@@ -14,7 +14,7 @@ from model import MHAConfig
 from model.checkpoint import init_weights
 from service.cli import verify_server
 from service.client.client import MHAClient
-from service.engine.core import ModelLoadError
+from service.engine.keeper import ModelLoadError
 from tests.support import ServerThread, make_settings
 
 SMALL = MHAConfig(d_model=32, n_head=4, max_seq_len=64)
@@ -101,9 +101,9 @@ def test_allow_unverified_serves_and_says_so_everywhere(
     shutil.copy(other_seed / "weights.safetensors", d / "weights.safetensors")
     with ServerThread(make_settings(d, backend="torch", allow_unverified=True)) as server, MHAClient(server.url) as c:
         parameters = c.model_config().parameters
-        info = server.registry.get_sample_value("mha_model_info", {**server.core.loaded.model.labels()})
+        info = server.registry.get_sample_value("mha_model_info", {**server.engine.loaded.model.labels()})
     assert parameters["verified"].string_value == "false" and info == 1.0
-    assert server.core.loaded.model.labels()["verified"] == "false"
+    assert server.engine.loaded.model.labels()["verified"] == "false"
     assert any(r.levelname == "ERROR" and "UNVERIFIED" in r.getMessage() for r in caplog.records)
 
 

@@ -47,7 +47,7 @@ def server(request: pytest.FixtureRequest, small_model_dir: Path) -> Iterator[Se
 
 
 def _nothing_benched(server: ServerThread) -> None:
-    assert server.core.loaded.chain.quarantined() == []
+    assert server.engine.loaded.chain.quarantined() == []
     fallbacks = [s for m in server.registry.collect() if m.name == "mha_backend_fallbacks" for s in m.samples]
     assert all(s.value == 0 for s in fallbacks if s.name.endswith("_total")), fallbacks
 
@@ -86,7 +86,7 @@ def test_innocent_requests_sharing_a_batch_with_a_poison_are_answered(
     poisons = [POISONS["1e20"], NON_FINITE["nan"]]
     xs = [poisons[i % 2] if i % 3 == 0 else rng.standard_normal((1, 8, 32), dtype=np.float32) for i in range(45)]
     requests = [encode_infer_request(x, request_id=str(i)) for i, x in enumerate(xs)]
-    batcher = server.core.loaded.batcher
+    batcher = server.engine.loaded.batcher
     GATE.hold_next(lambda: batcher.depth >= 8)  # the first compute waits: the stream queues up
     with grpc.insecure_channel(server.url) as channel:
         responses = list(pb_grpc.GRPCInferenceServiceStub(channel).ModelStreamInfer(iter(requests), timeout=60))
@@ -99,7 +99,7 @@ def test_innocent_requests_sharing_a_batch_with_a_poison_are_answered(
         else:
             assert not response.error_message, response.error_message
             assert _exact(small_model_dir, xs[i], decode_infer_response(response.infer_response))
-    with server.core.publish.statistics("1") as stats:
+    with server.engine.publish.statistics("1") as stats:
         batches = dict(stats.batches)
     assert max(batches) > 1, "the stream's requests never shared a batch: the test proves nothing"
     _nothing_benched(server)
@@ -111,7 +111,7 @@ def test_a_request_over_the_attention_budget_is_refused_before_compute(small_mod
         assert client.infer(np.zeros((16, 64, 32), np.float32)).shape == (16, 64, 32)
         with pytest.raises(InferenceError) as info:
             client.infer(np.zeros((17, 64, 32), np.float32))
-        with server.core.publish.statistics("1") as stats:
+        with server.engine.publish.statistics("1") as stats:
             executed = stats.execution_count
     assert info.value.code == grpc.StatusCode.INVALID_ARGUMENT
     assert "attention needs 1 MiB" in str(info.value) and "limit is 1 MiB per request" in str(info.value)
@@ -132,7 +132,7 @@ def test_a_batch_that_fails_fails_only_the_request_to_blame(small_model_dir: Pat
         gate.arrived()  # the first request computes (held): the others queue behind it
         futures = [client.stub.ModelInfer.future(encode_infer_request(x), timeout=60) for x in xs[1:]]
         deadline = time.monotonic() + 30
-        while server.core.requests.count < len(answers := [blocker, *futures]):
+        while server.engine.requests.count < len(answers := [blocker, *futures]):
             assert time.monotonic() < deadline, "the requests never queued"
             time.sleep(0.002)
         gate.held = ()

@@ -158,7 +158,7 @@ def test_draining_answers_503(small_model_dir: Path) -> None:
     settings = make_settings(small_model_dir, backend="torch", http_port=0)
     with ServerThread(settings) as s:
         assert s.running is not None
-        s.running.core.start_draining()
+        s.running.engine.life.start_draining()
         code, _, answer = _call(s.http_port, "/v2/models/mha/infer", _infer_json(np.zeros((1, 2, 32), np.float32)))
         ready = _call(s.http_port, "/v2/health/ready")[0]
         s.call(drain_and_stop(s.running, 1.0))

@@ -138,7 +138,7 @@ def test_answers_waiting_for_a_slow_reader_keep_no_batch_waiting_for_company(sma
     with ServerThread(settings, clock=clock) as server, grpc.insecure_channel(server.url) as channel:
         stub = pb_grpc.GRPCInferenceServiceStub(channel)
         stream = stub.ModelStreamInfer(iter([big] * 16), timeout=60)  # and nothing read
-        requests = server.core.requests
+        requests = server.engine.requests
         _until(lambda: requests.count >= 4 and requests.uncomputed == 0)  # answers waiting to be written
         with MHAClient(server.url) as client:
             x = np.ones((1, 8, C), np.float32)

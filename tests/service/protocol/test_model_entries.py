@@ -41,7 +41,7 @@ def test_each_entry_has_the_one_scheduler_it_uses(server: ServerThread) -> None:
         assert stepped.HasField("sequence_batching") and not stepped.HasField("dynamic_batching")
         schedulers = (plain.WhichOneof("scheduling_choice"), stepped.WhichOneof("scheduling_choice"))
         assert schedulers == ("dynamic_batching", "sequence_batching")  # as tritonclient reads them
-        assert stepped.sequence_batching.oldest.max_candidate_sequences == server.core.settings.max_sequences
+        assert stepped.sequence_batching.oldest.max_candidate_sequences == server.engine.settings.max_sequences
         assert sequences.model_metadata().name == "mha_sequence"
     assert "sequence_batching" not in _http(server, "/v2/models/mha/config")
     assert "dynamic_batching" not in _http(server, "/v2/models/mha_sequence/config")

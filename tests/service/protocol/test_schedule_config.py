@@ -104,7 +104,7 @@ def test_max_batch_size_bounds_requests_and_batches_as_in_triton(small_model_dir
     with ServerThread(settings) as server, MHAClient(server.url) as client:
         config = client.model_config()
         assert config.max_batch_size == 4 and list(config.dynamic_batching.preferred_batch_size) == [4]
-        assert server.core.loaded.batcher.config.max_batch_size == 4
+        assert server.engine.loaded.batcher.config.max_batch_size == 4
         assert client.infer(np.ones((4, 2, 32), np.float32)).shape == (4, 2, 32)
         with pytest.raises(Exception, match="exceeds this server's limit of 4 rows"):
             client.infer(np.ones((5, 2, 32), np.float32))

@@ -152,9 +152,9 @@ def _steady(count: Callable[[], int], timeout_s: float = 60.0) -> int:
 
 def _settle(server: ServerThread) -> None:
     deadline = time.monotonic() + 60
-    while server.core.requests.count and time.monotonic() < deadline:
+    while server.engine.requests.count and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert server.core.requests.count == 0
+    assert server.engine.requests.count == 0
 
 
 def _stream_counts(server: ServerThread) -> dict[str, float]:
@@ -208,11 +208,10 @@ def test_a_stream_closed_under_its_generator_is_cancelled_not_a_fault(
 ) -> None:
     """gRPC closes a stream's generator from another task when the client leaves while it waits
     at a `yield` (GeneratorExit, in another context): that is the client's departure."""
-    from service.engine.door import Door
     from service.protocol.calls import Calls
 
-    core = server.core
-    calls = Calls(Door(core), core.metrics, core.tracing)
+    engine = server.engine
+    calls = Calls(engine.door, engine.metrics, engine.tracing)
 
     async def scenario() -> None:
         async def stream():  # type: ignore[no-untyped-def]
@@ -263,7 +262,7 @@ def test_a_stream_that_never_reads_is_held_at_its_window_and_what_was_never_writ
     x = np.random.default_rng(1).standard_normal((1, 1024, 128), dtype=np.float32)  # 512 KiB answers
     gate = _gate(server)
     gate.permits.release(N)
-    window = server.core.settings.stream_window
+    window = server.engine.settings.stream_window
     with grpc.insecure_channel(server.url) as channel:
         requests = (encode_infer_request(x, request_id=str(i)) for i in range(N))
         call = pb_grpc.GRPCInferenceServiceStub(channel).ModelStreamInfer(requests, timeout=120)

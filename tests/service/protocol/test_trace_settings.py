@@ -47,7 +47,7 @@ def _calls_traced(server: ServerThread, receiver: OtlpReceiver, count: int = 3) 
     with MHAClient(server.url) as client:
         for _ in range(count):
             client.infer(X)
-    assert server.core.tracing.flush(), "the exporter did not deliver in time"
+    assert server.engine.tracing.flush(), "the exporter did not deliver in time"
     return len(receiver.named("ModelInfer")) - before
 
 

@@ -1,0 +1,146 @@
+"""The engine as the app builds it from the settings: the versions and their keeper, what they
+report to (metrics, statistics, the audit), the door the wire calls, and the gauges read at each
+scrape. The one place these parts meet."""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from functools import partial
+
+from service.batching import Clock, MonotonicClock
+from service.budget import MIB, InflightBudget
+from service.engine.audit import AuditLimits, Auditor, Reference, Sample, mismatch_message
+from service.engine.door import Door
+from service.engine.inflight import InFlight
+from service.engine.keeper import Compute, ComputeHook, VersionKeeper, merged_rows
+from service.engine.publishing import Publisher
+from service.engine.readiness import DeviceHealth, Lifecycle
+from service.engine.served import ModelIdentity
+from service.engine.sources import ModelSource
+from service.engine.versions import Loaded, Versions
+from service.metrics import Metrics
+from service.resources import memory_limit_bytes
+from service.scheduling import SchedulePolicy
+from service.settings import Settings
+from service.tracing import Tracing
+
+log = logging.getLogger(__name__)
+INFLIGHT_SHARE = 4  # by default, a quarter of the memory limit goes to requests and answers in flight
+
+
+@dataclass(frozen=True)
+class Engine:
+    """What the app holds of the engine: to load, drain and close it, and to hand the wire its door."""
+
+    settings: Settings
+    metrics: Metrics
+    life: Lifecycle
+    keeper: VersionKeeper
+    publish: Publisher
+    audit: Auditor
+    door: Door
+
+    @property
+    def loaded(self) -> Loaded:
+        """The latest version serving."""
+        return self.life.loaded
+
+    @property
+    def requests(self) -> InFlight:
+        return self.keeper.compute.requests
+
+    @property
+    def tracing(self) -> Tracing:
+        return self.keeper.compute.tracing
+
+    async def close(self) -> None:
+        """Every version's loads, sequences and batchers stopped (what they queued finished), the
+        audit, the compute thread, then the backends."""
+        await self.keeper.loader.close()
+        for loaded in list(self.life.versions):
+            await loaded.decoder.close()
+            await loaded.batcher.stop()
+        self.audit.close()  # before the compute thread's: a mismatch quarantines its backend there
+        self.keeper.compute.executor.shutdown(wait=True)
+        for loaded in list(self.life.versions):
+            for backend in loaded.chain.backends:
+                backend.close()
+
+
+def build_engine(
+    settings: Settings,
+    metrics: Metrics,
+    source: ModelSource,
+    schedule: SchedulePolicy,
+    clock: Clock | None = None,
+    tracing: Tracing | None = None,
+    hook: ComputeHook | None = None,
+    others_ready: Callable[[], bool] | None = None,
+) -> Engine:
+    """`clock` is the batchers' (request deadlines are converted to it); `hook` see ComputeHook;
+    `others_ready` the door's (with --workers: whether every other worker listens)."""
+    s = settings
+    identity = ModelIdentity(s.model_name, s.model_version, s.sequence_model_name or f"{s.model_name}_sequence")
+    device = DeviceHealth(s.require_device, metrics)  # the server's health follows serving_ok()
+    life = Lifecycle(identity, Versions(s.model_name), device)
+    tracing = tracing or Tracing()
+    publish = Publisher(metrics, device, life.serving_ok, life.fail, tracing, (identity.name, identity.sequence_name))
+    executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="infer")  # every version's batches
+    compute = Compute(executor, clock or MonotonicClock(), InFlight(), schedule, tracing, hook)
+    keeper = VersionKeeper(s, life, compute, publish, metrics, source)
+    audit = Auditor(_audit_limits(s), _audited(metrics, executor), metrics.audit.skipped_one)
+    budget = InflightBudget(_inflight_limit(s))  # bytes of requests and answers held at once
+    door = Door(life, keeper, publish, audit, budget, others_ready)
+    _follow(metrics, s, life, keeper, budget)
+    return Engine(s, metrics, life, keeper, publish, audit, door)
+
+
+def _follow(metrics: Metrics, s: Settings, life: Lifecycle, keeper: VersionKeeper, budget: InflightBudget) -> None:
+    """The gauges read from the engine at each scrape."""
+    requests = keeper.compute.requests
+    metrics.queue_capacity.set(s.max_queue_size)
+    metrics.follow(metrics.inflight, lambda: requests.count)
+    metrics.follow(metrics.inflight_bytes, lambda: budget.held)
+    metrics.follow(metrics.queue_depth, lambda: sum(v.batcher.depth for v in life.versions))
+    metrics.inflight_budget.set(budget.limit)
+    metrics.follow(metrics.ready, lambda: 1 if life.serving_ok() else 0)  # the one readiness, as every signal
+    metrics.on_refresh(partial(_pending, metrics, life.versions, keeper.publish.entries))
+
+
+def _pending(metrics: Metrics, versions: Versions, entries: tuple[str, str]) -> None:
+    """Triton's pending requests of each version: its stateless queue, its queued decode steps."""
+    pending, (stateless, steps) = metrics.triton.pending, entries
+    for loaded in versions:
+        pending.labels(stateless, loaded.version).set(loaded.batcher.depth)
+        pending.labels(steps, loaded.version).set(loaded.decoder.steps.depth)
+
+
+def _audit_limits(s: Settings) -> AuditLimits:
+    limits = (s.audit_rate, s.audit_max_cpu, s.audit_queue, s.audit_max_tokens, s.audit_when_busy)
+    return AuditLimits(*limits, busy_depth=merged_rows(s))
+
+
+def _audited(metrics: Metrics, executor: ThreadPoolExecutor) -> Callable[[Sample, Reference, float, float], None]:
+    """An audit's verdict (on the audit thread): counted; a mismatch logged, counted by backend,
+    device and precision, and its backend quarantined on the compute thread (where the chain runs)."""
+
+    def audited(sample: Sample, reference: Reference, error: float, spent_s: float) -> None:
+        metrics.audit.checked_one(spent_s)
+        if math.isfinite(error) and error <= reference.tolerance:
+            return
+        metrics.audit.mismatch(sample.backend, sample.device, sample.precision)
+        log.error(mismatch_message(sample, reference, error))
+        executor.submit(sample.quarantine, sample.backend)
+
+    return audited
+
+
+def _inflight_limit(settings: Settings) -> int:
+    """--max-inflight-mb, or a quarter of the memory limit, shared by the workers."""
+    if settings.max_inflight_mb:
+        return max(1, int(settings.max_inflight_mb * MIB))
+    return max(MIB, memory_limit_bytes() // INFLIGHT_SHARE // settings.worker_peers)
