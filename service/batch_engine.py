@@ -1,10 +1,10 @@
 """The one batching engine, for stateless requests and decode steps alike.
 
 A bounded queue in front of a worker thread: requests wait as `Pending`, a batch is formed (when,
-and of which requests, is passed in: `form_at` and `plan`), computed off the event loop
-(`compute`, given the batch's payloads), reported once (`on_batch`, a `BatchEvent`) and answered
-request by request (`deliver` turns an output into the caller's answer: a decode step commits
-there). One deadline path, one message; requests nobody waits for any more are never computed;
+and of which requests, is the subclass's to say: `form_at` and `plan`), computed off the event
+loop (`compute`, given the batch's payloads), reported once (`on_batch`, a `BatchEvent`) and
+answered request by request (`deliver` turns an output into the caller's answer: a decode step
+commits there). One deadline path, one message; requests nobody waits for any more are never computed;
 a failed batch is computed again request by request, so that one request's failure never fails
 another's, unless the device itself is lost (every request fails alike).
 """
@@ -48,57 +48,71 @@ class Computed(NamedTuple):
 
 
 Item = Pending[Any, tuple[Any, Timing]]
-Planner = Callable[[Sequence[Item], float], Plan[Item]]  # (queue, now) -> the next batch
-FormAt = Callable[[Sequence[Item], bool], float]  # (queue, more may come) -> clock time to form at
-Compute = Callable[[list[Any]], Computed]  # payloads -> an output each, and more; on the worker thread
+
+
+class Hooks(NamedTuple):
+    """What the engine tells the server, and asks it."""
+
+    on_batch: Callable[[BatchEvent], None] | None = None  # each batch, once
+    in_flight: Callable[[], int] | None = None  # requests in the server, queued or not; None: more may come
+    current_trace: Callable[[], object] | None = None  # the calling request's span (tracing on), for the batch's
 
 
 class BatchEngine(Generic[P, A]):
+    """Subclasses say how batches form (`plan`, `form_at`), compute and answer (`compute`, `deliver`)."""
+
     def __init__(
         self,
-        plan: Planner,
-        form_at: FormAt,
-        compute: Compute,
         executor: Executor,
         max_queue_size: int,
-        deliver: Callable[[P, Any], A] | None = None,
         on_batch: Callable[[BatchEvent], None] | None = None,
         in_flight: Callable[[], int] | None = None,
         clock: Clock | None = None,
         current_trace: Callable[[], object] | None = None,
         schedule: SchedulePolicy | None = None,
     ) -> None:
-        self._plan, self._form_at, self._compute, self._executor = plan, form_at, compute, executor
-        self._deliver = deliver  # None: the output is the answer
-        self._on_batch = on_batch
-        self._in_flight = in_flight  # requests in the server, queued or not; None: assume more may come
+        self._executor = executor
+        self._hooks = Hooks(on_batch, in_flight, current_trace)
         self.clock: Clock = clock or MonotonicClock()
-        self._current_trace = current_trace  # the calling request's span (tracing on), for the batch's
-        self._waiting = WaitQueue[Item](schedule or SchedulePolicy(), max_queue_size)
-        self._wakeup = asyncio.Event()
+        self._waiting = Waiting(WaitQueue[Item](schedule or SchedulePolicy(), max_queue_size), self.clock)
         self._task: asyncio.Task[None] | None = None
-        self._timeouts = QueueTimeouts(self._waiting, self.clock, self._wakeup.set)
         self._closed = False
+
+    def plan(self, queue: Sequence[Item], now: float) -> Plan[Item]:
+        """The next batch of `queue` (in order), what stays, and what expired."""
+        raise NotImplementedError
+
+    def form_at(self, queue: Sequence[Item], more_may_come: bool) -> float:
+        """The clock time to form the next batch at."""
+        raise NotImplementedError
+
+    def compute(self, payloads: list[Any]) -> Computed:
+        """The batch's payloads -> an output each, and more; on the worker thread."""
+        raise NotImplementedError
+
+    def deliver(self, payload: P, output: Any) -> A:
+        """An output turned into its caller's answer (by default, the output itself)."""
+        return output  # type: ignore[no-any-return]
 
     @property
     def depth(self) -> int:
-        return len(self._waiting)
+        return len(self._waiting.queue)
 
     @property
     def _queue(self) -> list[Item]:
-        return self._waiting.items
+        return self._waiting.queue.items
 
     def start(self) -> None:
         self._task = asyncio.get_running_loop().create_task(self._loop(), name="batch-engine")
-        self._timeouts.start()
+        self._waiting.start()
 
     async def stop(self) -> None:
         """Stop taking requests, finish what is queued, then end the loop."""
         self._closed = True
-        self._wakeup.set()
+        self._waiting.wakeup.set()
         if self._task is not None:
             await self._task
-        await self._timeouts.stop()
+        await self._waiting.stop()
 
     async def submit(
         self,
@@ -113,53 +127,48 @@ class BatchEngine(Generic[P, A]):
         when the queue (or its level's) is full, NotReady once stopping."""
         if self._closed or self._task is None:
             raise NotReady("the server is draining; retry on another replica")
-        trace = self._current_trace() if self._current_trace is not None else None
+        current_trace, waiting = self._hooks.current_trace, self._waiting
+        trace = current_trace() if current_trace is not None else None
         future: asyncio.Future[tuple[A, Timing]] = asyncio.get_running_loop().create_future()
         now = self.clock.now()
-        if self._waiting.admit(Pending(payload, shape, future, now, deadline, trace), priority, timeout_s, now):
-            self._timeouts.sooner()
-        self._wakeup.set()
+        if waiting.queue.admit(Pending(payload, shape, future, now, deadline, trace), priority, timeout_s, now):
+            waiting.sooner()
+        waiting.wakeup.set()
         return await future
 
     async def _loop(self) -> None:
         while self._queue or not self._closed:
             if not self._queue:
-                self._wakeup.clear()
-                await self._wakeup.wait()
+                self._waiting.wakeup.clear()
+                await self._waiting.wakeup.wait()
                 continue
             forming = self.clock.now()
             await self._wait_for_company()
             now = self.clock.now()
-            self._timeouts.apply(now)
-            plan = self._plan(self._waiting.in_order(), now)
-            self._waiting.leave(plan.batch, plan.rest)
-            self._expire(plan.expired)
+            self._waiting.apply(now)
+            plan = self.plan(self._waiting.queue.in_order(), now)
+            self._waiting.queue.leave(plan.batch, plan.rest)
+            _expire(plan.expired, self.clock.now())
             if plan.batch:
                 await self._execute(plan.batch, forming)
 
     async def _wait_for_company(self) -> None:
         while self._queue and not self._closed:
-            more_may_come = self._in_flight is None or self._in_flight() > len(self._queue)
-            until = self._form_at(self._queue, more_may_come)
+            in_flight = self._hooks.in_flight
+            more_may_come = in_flight is None or in_flight() > len(self._queue)
+            until = self.form_at(self._queue, more_may_come)
             if until <= self.clock.now():
                 return
-            self._wakeup.clear()
-            await self.clock.wait(self._wakeup, until)
-
-    def _expire(self, expired: Sequence[Item]) -> None:
-        now = self.clock.now()
-        for item in expired:
-            waited_ms = (now - item.enqueued) * 1e3
-            item.future.set_exception(DeadlineExceeded(f"deadline passed after {waited_ms:.1f} ms in the queue"))
+            self._waiting.wakeup.clear()
+            await self.clock.wait(self._waiting.wakeup, until)
 
     async def _execute(self, batch: list[Item], forming: float) -> None:
-        shapes = [(item.rows, item.seq) for item in batch]
         started = self.clock.now()
         payloads = [item.payload for item in batch]
         try:
-            computed = await asyncio.get_running_loop().run_in_executor(self._executor, self._compute, payloads)
+            computed = await asyncio.get_running_loop().run_in_executor(self._executor, self.compute, payloads)
         except Exception as exc:
-            self._report(shapes, (forming, started), "", exc, batch)
+            self._report(batch, (forming, started), exc)
             if len(batch) > 1 and not isinstance(exc, DeviceLost):  # isolate the culprit
                 for item in batch:
                     if not item.gone:
@@ -169,7 +178,7 @@ class BatchEngine(Generic[P, A]):
                 if not item.gone:
                     item.future.set_exception(exc)
             return
-        event = self._report(shapes, (forming, started), computed.backend, None, batch, computed)
+        event = self._report(batch, (forming, started), None, computed)
         phases = (event.input_s, event.infer_s, event.output_s)
         for item, output in zip(batch, computed.outputs, strict=True):
             timing = Timing(started - item.enqueued, computed.backend, phases, computed.finite)
@@ -181,35 +190,38 @@ class BatchEngine(Generic[P, A]):
         if item.gone:
             return
         try:
-            answer = self._deliver(item.payload, output) if self._deliver is not None else output
+            answer = self.deliver(item.payload, output)
         except Exception as exc:  # the output says the request was the client's mistake
             item.future.set_exception(exc)
             return
         item.future.set_result((answer, timing))
 
     def _report(
-        self,
-        shapes: list[tuple[int, int]],
-        times: tuple[float, float],
-        backend: str,
-        error: BaseException | None,
-        batch: list[Item],
-        computed: Computed | None = None,
+        self, batch: list[Item], times: tuple[float, float], error: BaseException | None, out: Computed | None = None
     ) -> BatchEvent:
-        phases = (computed.input_s, computed.output_s) if computed is not None else (0.0, 0.0)
+        shapes = [(item.rows, item.seq) for item in batch]
+        backend, phases = (out.backend, (out.input_s, out.output_s)) if out is not None else ("", (0.0, 0.0))
         event = batch_event(shapes, times, self.clock.now(), backend, error, traced(batch), phases)
-        if self._on_batch is not None:
-            self._on_batch(event)
+        if self._hooks.on_batch is not None:
+            self._hooks.on_batch(event)
         return event
 
 
-class QueueTimeouts:
-    """Queue timeouts fired on time, whether or not a batch is forming or computing (Triton's fire
-    only when the next batch forms): a task sleeps on the engine's clock until the earliest one;
-    REJECT answers DEADLINE_EXCEEDED there and then, DELAY moves the request behind its level."""
+def _expire(expired: Sequence[Item], now: float) -> None:
+    for item in expired:
+        waited_ms = (now - item.enqueued) * 1e3
+        item.future.set_exception(DeadlineExceeded(f"deadline passed after {waited_ms:.1f} ms in the queue"))
 
-    def __init__(self, waiting: WaitQueue[Item], clock: Clock, changed: Callable[[], None]) -> None:
-        self._waiting, self._clock, self._changed = waiting, clock, changed
+
+class Waiting:
+    """The requests waiting: their queue, the event that wakes the engine's loop when it changes,
+    and its queue timeouts, fired on time whether or not a batch is forming or computing (Triton's
+    fire only when the next batch forms): a task sleeps on the engine's clock until the earliest
+    one; REJECT answers DEADLINE_EXCEEDED there and then, DELAY moves the request behind its level."""
+
+    def __init__(self, queue: WaitQueue[Item], clock: Clock) -> None:
+        self.queue, self._clock = queue, clock
+        self.wakeup = asyncio.Event()  # the queue changed: the engine's loop looks again
         self._sooner = asyncio.Event()  # a sooner timeout to watch, or stopping
         self._task: asyncio.Task[None] | None = None
         self._stopping = False
@@ -229,7 +241,7 @@ class QueueTimeouts:
     async def _watch(self) -> None:
         while not self._stopping:
             self._sooner.clear()
-            if (until := self._waiting.next_timeout) == float("inf"):
+            if (until := self.queue.next_timeout) == float("inf"):
                 await self._sooner.wait()
             else:
                 await self._clock.wait(self._sooner, until)
@@ -237,10 +249,10 @@ class QueueTimeouts:
 
     def apply(self, now: float) -> None:
         """Apply the timeouts passed by `now` (also just before a batch is planned)."""
-        if self._waiting.next_timeout > now:
+        if self.queue.next_timeout > now:
             return
-        for item in self._waiting.time_out(now):
+        for item in self.queue.time_out(now):
             waited_ms = (now - item.enqueued) * 1e3
             message = f"queue timeout passed after {waited_ms:.1f} ms in the queue (priority level {item.level})"
             item.future.set_exception(DeadlineExceeded(message))
-        self._changed()  # the queue changed: the engine looks again
+        self.wakeup.set()

@@ -65,17 +65,25 @@ class Ledger:
         self._bound = bound
         self._books: list[Book[object]] = []
         self._lock = threading.RLock()  # a fold that reads (a collector) may fold again: reentrant
+        self._after: list[Callable[[], None]] = []  # what follows each fold (the gauges that follow the server)
 
     def book(self, apply: Callable[[list[R]], None]) -> Book[R]:
         book: Book[R] = Book(self, apply, self._bound)
         self._books.append(book)  # type: ignore[arg-type]
         return book
 
+    def after_fold(self, update: Callable[[], None]) -> None:
+        """Call `update` after every fold of the whole ledger."""
+        self._after.append(update)
+
     def fold(self) -> None:
-        """Apply every record added so far, book by book, in the order the books were opened."""
+        """Apply every record added so far, book by book, in the order the books were opened; then
+        what follows each fold."""
         with self._lock:
             for book in self._books:
                 book._fold()
+            for update in self._after:
+                update()
 
     @contextlib.contextmanager
     def folded(self) -> Iterator[None]:

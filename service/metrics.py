@@ -125,11 +125,16 @@ class TritonSeries:
         self.count = counter("nv_inference_count", "Number of inferences performed (rows; B per request).", model)
         self.executions = counter("nv_inference_exec_count", "Number of model executions (batches).", model)
         us = "Cumulative {} duration in microseconds."
-        self.request_us = counter("nv_inference_request_duration_us", us.format("inference request"), model)
-        self.queue_us = counter("nv_inference_queue_duration_us", us.format("inference queuing"), model)
-        self.input_us = counter("nv_inference_compute_input_duration_us", us.format("compute input"), model)
-        self.infer_us = counter("nv_inference_compute_infer_duration_us", us.format("compute inference"), model)
-        self.output_us = counter("nv_inference_compute_output_duration_us", us.format("compute output"), model)
+        self.durations = {  # cumulative microseconds, by phase
+            phase: counter(f"nv_inference_{name}_duration_us", us.format(what), model)
+            for phase, name, what in (
+                ("request", "request", "inference request"),
+                ("queue", "queue", "inference queuing"),
+                ("input", "compute_input", "compute input"),
+                ("infer", "compute_infer", "compute inference"),
+                ("output", "compute_output", "compute output"),
+            )
+        }
         self.pending = Gauge(
             "nv_inference_pending_request_count",
             "Instantaneous number of pending requests awaiting execution.",
@@ -140,22 +145,20 @@ class TritonSeries:
 
     def requests(self, model: str, version: str, succeeded: Sequence[float], failed_codes: Sequence[str]) -> None:
         self.success.labels(model, version).inc(len(succeeded))
-        self.request_us.labels(model, version).inc(sum(succeeded) * 1e6)
+        self.durations["request"].labels(model, version).inc(sum(succeeded) * 1e6)
         for reason, n in collections.Counter(failure_reason(code) for code in failed_codes).items():
             self.failure.labels(model, version, reason).inc(n)
 
     def answers(self, model: str, version: str, rows: int, queue_s: float, phases: Sequence[float]) -> None:
         self.count.labels(model, version).inc(rows)
-        self.queue_us.labels(model, version).inc(queue_s * 1e6)
-        for series, seconds in zip((self.input_us, self.infer_us, self.output_us), phases, strict=True):
-            series.labels(model, version).inc(seconds * 1e6)
+        self.durations["queue"].labels(model, version).inc(queue_s * 1e6)
+        for phase, seconds in zip(("input", "infer", "output"), phases, strict=True):
+            self.durations[phase].labels(model, version).inc(seconds * 1e6)
 
     def loaded(self, models: Sequence[str], version: str) -> None:
         """Zero series for a version's entries, so that rates and alerts see them from the start."""
         for model in models:
-            for series in (self.success, self.count, self.executions, self.request_us, self.queue_us):
-                series.labels(model, version)
-            for series in (self.input_us, self.infer_us, self.output_us):
+            for series in (self.success, self.count, self.executions, *self.durations.values()):
                 series.labels(model, version)
             for reason in FAILURE_REASONS:
                 self.failure.labels(model, version, reason)
@@ -226,27 +229,28 @@ class AuditSeries:
         self.skipped.labels(reason).inc()
 
 
-class Metrics:
-    """Every series the service exports; names are a public interface (dashboards, alerts).
-    What requests leave is written in `ledger` and applied in bulk before each read (`refresh`).
+def _gauge(registry: CollectorRegistry, worker: str | None, name: str, documentation: str) -> Gauge:
+    """A gauge of this process; a worker's carries its `worker` label."""
+    if worker is None:
+        return Gauge(name, documentation, registry=registry)
+    gauge = Gauge(name, documentation, ["worker"], registry=registry, multiprocess_mode="livemax")
+    return gauge.labels(worker=worker)
 
-    A worker of several (`worker` set) writes prometheus-client's multiprocess files (the
-    supervisor sets PROMETHEUS_MULTIPROC_DIR for it and merges them): its gauges carry a `worker`
-    label and leave the merge when it dies; counters and histograms add up over every worker that
-    ever ran. Nobody reads a worker's registry then, so it refreshes on a timer (server.py)."""
 
-    def __init__(self, registry: CollectorRegistry, worker: int | None = None) -> None:
-        _disable_created()
-        self.registry = registry
-        self.ledger = Ledger()
-        self._followed: list[tuple[Gauge, Callable[[], float]]] = []
-        self._updates: list[Callable[[], None]] = []
-        registry.register(_FoldFirst(self))  # type: ignore[arg-type]  # first: it folds before the rest
-        for collector in (PROCESS_COLLECTOR, PLATFORM_COLLECTOR, GC_COLLECTOR):  # process_*, python_*: memory, CPU
-            registry.register(collector)
+def _labelled_gauge(
+    registry: CollectorRegistry, worker: str | None, name: str, documentation: str, labels: list[str]
+) -> _Labelled:
+    if worker is None:
+        return Gauge(name, documentation, labels, registry=registry)
+    gauge = Gauge(name, documentation, [*labels, "worker"], registry=registry, multiprocess_mode="livemax")
+    return _WorkerGauge(gauge, worker)
+
+
+class RequestSeries:
+    """Requests, and the batches that computed them: counted, timed, sized, and the fallbacks."""
+
+    def __init__(self, registry: CollectorRegistry, counter: Callable[..., Counter]) -> None:
         seconds = partial(Histogram, buckets=LATENCY_BUCKETS, registry=registry)
-        counter = partial(Counter, registry=registry)
-        self._worker = None if worker is None else str(worker)
         self.requests = counter("mha_requests", "Requests answered, by RPC and final code.", ["method", "code"])
         self.request_duration = seconds("mha_request_duration_seconds", "Time in the server per request.", ["method"])
         version = ["model", "version"]  # the model entry (mha, mha_sequence) and its version that did the work
@@ -257,75 +261,9 @@ class Metrics:
             "mha_batch_size", "Rows (sum of B) per executed batch.", version, buckets=BATCH_BUCKETS, registry=registry
         )
         self.tokens = counter("mha_tokens", "Tokens served: the sum of B*T over successful requests.", version)
-        gauge, labelled = self._gauge, self._labelled_gauge
-        self.inflight = gauge("mha_inflight_requests", "Inference requests in the server now.")
-        self.queue_depth = gauge("mha_queue_depth", "Requests waiting in the batching queue.")
-        self.inflight_bytes = gauge("mha_inflight_bytes", "Bytes of requests and answers held now.")
-        self.inflight_budget = gauge("mha_inflight_budget_bytes", "Bytes held at most before RESOURCE_EXHAUSTED.")
-        self.queue_capacity = gauge("mha_queue_capacity", "Requests the queue holds before RESOURCE_EXHAUSTED.")
         self.fallbacks = counter(
             "mha_backend_fallbacks", "Batches sent on to the next backend.", ["from", "to", "reason"]
         )
-        self.backend_info = labelled(
-            "mha_backend_info",
-            "1 for each backend serving now (light and heavy batches may have their own), 0 for fallbacks.",
-            ["backend", "device"],
-        )
-        self.ready = gauge("mha_ready", "1 when the model is loaded, self-checked and serving.")
-        self.device_required = labelled(
-            "mha_device_required", "1 for the device this server must serve on (--require-device).", ["device"]
-        )
-        self.sequences_active = gauge("mha_sequences_active", "Live sequences whose keys and values are kept.")
-        self.sequence_state_bytes = gauge("mha_sequence_state_bytes", "Bytes of the live sequences' keys and values.")
-        self.sequences_capacity = gauge("mha_sequences_capacity", "Live sequences the server keeps (--max-sequences).")
-        self.sequence_state_budget = gauge(
-            "mha_sequence_state_budget_bytes", "Bytes the live sequences' state may take (--max-sequence-state-mb)."
-        )
-        self.sequence_evictions = counter(
-            "mha_sequence_evictions", "Live sequences evicted, by reason (idle timeout, state budget).", ["reason"]
-        )
-        for reason in EVICTION_REASONS:
-            self.sequence_evictions.labels(reason)
-        self.versions = VersionSeries(labelled, counter)
-        self.triton, self.audit = TritonSeries(registry), AuditSeries(counter)
-
-    def _gauge(self, name: str, documentation: str) -> Gauge:
-        if self._worker is None:
-            return Gauge(name, documentation, registry=self.registry)
-        gauge = Gauge(name, documentation, ["worker"], registry=self.registry, multiprocess_mode="livemax")
-        return gauge.labels(worker=self._worker)
-
-    def _labelled_gauge(self, name: str, documentation: str, labels: list[str]) -> _Labelled:
-        if self._worker is None:
-            return Gauge(name, documentation, labels, registry=self.registry)
-        gauge = Gauge(name, documentation, [*labels, "worker"], registry=self.registry, multiprocess_mode="livemax")
-        return _WorkerGauge(gauge, self._worker)
-
-    def follow(self, gauge: Gauge, value: Callable[[], float]) -> None:
-        """Set `gauge` to `value()` whenever the metrics are read (or refreshed)."""
-        self._followed.append((gauge, value))
-
-    def on_refresh(self, update: Callable[[], None]) -> None:
-        """Call `update` whenever the metrics are read (or refreshed): gauges of changing label sets."""
-        self._updates.append(update)
-
-    def refresh(self) -> None:
-        """Apply what the ledger holds, and set the gauges that follow the server's state."""
-        self.ledger.fold()
-        for gauge, value in self._followed:
-            gauge.set(value())
-        for update in self._updates:
-            update()
-
-    def sequence_limits(self, sequences: int, state_bytes: int) -> None:
-        self.sequences_capacity.set(sequences)
-        self.sequence_state_budget.set(state_bytes)
-
-    def sequences_changed(self, active: int, state_bytes: int, evicted: str | None) -> None:
-        self.sequences_active.set(active)
-        self.sequence_state_bytes.set(state_bytes)
-        if evicted is not None:
-            self.sequence_evictions.labels(evicted).inc()
 
     def observe_calls(self, records: Iterable[CallRecord]) -> None:
         """Answered calls, in bulk: counted by method and code, timed by method; a traced call's
@@ -371,6 +309,95 @@ class Metrics:
             for reason in reasons:
                 self.fallbacks.labels(source, target, reason)
 
+
+class ServingSeries:
+    """What serves now and what it holds: requests and bytes in flight, the queue, readiness, the
+    backends serving and the device required. Gauges of this process (a worker's carry its label)."""
+
+    def __init__(
+        self, gauge: Callable[[str, str], Gauge], labelled: Callable[[str, str, list[str]], _Labelled]
+    ) -> None:
+        self.inflight = gauge("mha_inflight_requests", "Inference requests in the server now.")
+        self.queue_depth = gauge("mha_queue_depth", "Requests waiting in the batching queue.")
+        self.inflight_bytes = gauge("mha_inflight_bytes", "Bytes of requests and answers held now.")
+        self.inflight_budget = gauge("mha_inflight_budget_bytes", "Bytes held at most before RESOURCE_EXHAUSTED.")
+        self.queue_capacity = gauge("mha_queue_capacity", "Requests the queue holds before RESOURCE_EXHAUSTED.")
+        self.ready = gauge("mha_ready", "1 when the model is loaded, self-checked and serving.")
+        self.backend_info = labelled(
+            "mha_backend_info",
+            "1 for each backend serving now (light and heavy batches may have their own), 0 for fallbacks.",
+            ["backend", "device"],
+        )
+        self.device_required = labelled(
+            "mha_device_required", "1 for the device this server must serve on (--require-device).", ["device"]
+        )
+
     def set_backends(self, serving: list[tuple[str, str]], loaded: list[tuple[str, str]]) -> None:
         for name, device in loaded:
             self.backend_info.labels(backend=name, device=device).set(1 if (name, device) in serving else 0)
+
+
+class SequenceSeries:
+    """The live sequences: how many, their bytes, their limits, and the evictions."""
+
+    def __init__(self, gauge: Callable[[str, str], Gauge], counter: Callable[..., Counter]) -> None:
+        self.active = gauge("mha_sequences_active", "Live sequences whose keys and values are kept.")
+        self.state_bytes = gauge("mha_sequence_state_bytes", "Bytes of the live sequences' keys and values.")
+        self.capacity = gauge("mha_sequences_capacity", "Live sequences the server keeps (--max-sequences).")
+        self.state_budget = gauge(
+            "mha_sequence_state_budget_bytes", "Bytes the live sequences' state may take (--max-sequence-state-mb)."
+        )
+        self.evictions = counter(
+            "mha_sequence_evictions", "Live sequences evicted, by reason (idle timeout, state budget).", ["reason"]
+        )
+        for reason in EVICTION_REASONS:
+            self.evictions.labels(reason)
+
+    def limits(self, sequences: int, state_bytes: int) -> None:
+        self.capacity.set(sequences)
+        self.state_budget.set(state_bytes)
+
+    def changed(self, active: int, state_bytes: int, evicted: str | None) -> None:
+        self.active.set(active)
+        self.state_bytes.set(state_bytes)
+        if evicted is not None:
+            self.evictions.labels(evicted).inc()
+
+
+class Metrics:
+    """Every series the service exports, by what they describe; names are a public interface
+    (dashboards, alerts). What requests leave is written in `ledger` and applied in bulk before
+    each read (`refresh`), with the gauges that follow the server's state.
+
+    A worker of several (`worker` set) writes prometheus-client's multiprocess files (the
+    supervisor sets PROMETHEUS_MULTIPROC_DIR for it and merges them): its gauges carry a `worker`
+    label and leave the merge when it dies; counters and histograms add up over every worker that
+    ever ran. Nobody reads a worker's registry then, so it refreshes on a timer (server.py)."""
+
+    def __init__(self, registry: CollectorRegistry, worker: int | None = None) -> None:
+        _disable_created()
+        self.registry = registry
+        self.ledger = Ledger()
+        registry.register(_FoldFirst(self))  # type: ignore[arg-type]  # first: it folds before the rest
+        for collector in (PROCESS_COLLECTOR, PLATFORM_COLLECTOR, GC_COLLECTOR):  # process_*, python_*: memory, CPU
+            registry.register(collector)
+        counter = partial(Counter, registry=registry)
+        label = None if worker is None else str(worker)
+        gauge, labelled = partial(_gauge, registry, label), partial(_labelled_gauge, registry, label)
+        self.requests = RequestSeries(registry, counter)
+        self.serving = ServingSeries(gauge, labelled)
+        self.sequences = SequenceSeries(gauge, counter)
+        self.versions = VersionSeries(labelled, counter)
+        self.triton, self.audit = TritonSeries(registry), AuditSeries(counter)
+
+    def follow(self, gauge: Gauge, value: Callable[[], float]) -> None:
+        """Set `gauge` to `value()` whenever the metrics are read (or refreshed)."""
+        self.ledger.after_fold(lambda: gauge.set(value()))
+
+    def on_refresh(self, update: Callable[[], None]) -> None:
+        """Call `update` whenever the metrics are read (or refreshed): gauges of changing label sets."""
+        self.ledger.after_fold(update)
+
+    def refresh(self) -> None:
+        """Apply what the ledger holds, and set the gauges that follow the server's state."""
+        self.ledger.fold()

@@ -17,7 +17,7 @@ from service.engine.audit import AuditLimits, Auditor, Reference, Sample, mismat
 from service.engine.door import Door
 from service.engine.inflight import InFlight
 from service.engine.keeper import Compute, ComputeHook, VersionKeeper, merged_rows
-from service.engine.publishing import Publisher
+from service.engine.publishing import Publisher, ServingBackends
 from service.engine.readiness import DeviceHealth, Lifecycle
 from service.engine.served import ModelIdentity
 from service.engine.sources import ModelSource
@@ -88,7 +88,8 @@ def build_engine(
     device = DeviceHealth(s.require_device, metrics)  # the server's health follows serving_ok()
     life = Lifecycle(identity, Versions(s.model_name), device)
     tracing = tracing or Tracing()
-    publish = Publisher(metrics, device, life.serving_ok, life.fail, tracing, (identity.name, identity.sequence_name))
+    serving = ServingBackends(metrics, device, life.serving_ok, life.fail)
+    publish = Publisher(metrics, serving, tracing, (identity.name, identity.sequence_name))
     executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="infer")  # every version's batches
     compute = Compute(executor, clock or MonotonicClock(), InFlight(), schedule, tracing, hook)
     keeper = VersionKeeper(s, life, compute, publish, metrics, source)
@@ -102,12 +103,12 @@ def build_engine(
 def _follow(metrics: Metrics, s: Settings, life: Lifecycle, keeper: VersionKeeper, budget: InflightBudget) -> None:
     """The gauges read from the engine at each scrape."""
     requests = keeper.compute.requests
-    metrics.queue_capacity.set(s.max_queue_size)
-    metrics.follow(metrics.inflight, lambda: requests.count)
-    metrics.follow(metrics.inflight_bytes, lambda: budget.held)
-    metrics.follow(metrics.queue_depth, lambda: sum(v.batcher.depth for v in life.versions))
-    metrics.inflight_budget.set(budget.limit)
-    metrics.follow(metrics.ready, lambda: 1 if life.serving_ok() else 0)  # the one readiness, as every signal
+    metrics.serving.queue_capacity.set(s.max_queue_size)
+    metrics.follow(metrics.serving.inflight, lambda: requests.count)
+    metrics.follow(metrics.serving.inflight_bytes, lambda: budget.held)
+    metrics.follow(metrics.serving.queue_depth, lambda: sum(v.batcher.depth for v in life.versions))
+    metrics.serving.inflight_budget.set(budget.limit)
+    metrics.follow(metrics.serving.ready, lambda: 1 if life.serving_ok() else 0)  # the one readiness, as every signal
     metrics.on_refresh(partial(_pending, metrics, life.versions, keeper.publish.entries))
 
 
@@ -133,7 +134,7 @@ def _audited(metrics: Metrics, executor: ThreadPoolExecutor) -> Callable[[Sample
         if math.isfinite(error) and error <= reference.tolerance:
             return
         metrics.audit.mismatch(sample.backend, sample.device, sample.precision)
-        log.error(mismatch_message(sample, reference, error))
+        log.error(mismatch_message(sample, reference.tolerance, error))
         executor.submit(sample.quarantine, sample.backend)
 
     return audited

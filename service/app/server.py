@@ -31,8 +31,7 @@ from service.proto import grpc_service_pb2 as pb
 from service.protocol.answer import Answering, Answers
 from service.protocol.auth import BearerToken, BearerTokenInterceptor, read_token
 from service.protocol.calls import Calls
-from service.protocol.grpc_handlers import generic_handler
-from service.protocol.grpc_servicer import InferenceServicer
+from service.protocol.grpc_servicer import InferenceServicer, generic_handler
 from service.protocol.handover import Handover
 from service.protocol.http_app import HttpApi, ssl_context
 from service.protocol.http_wire import quiet_client_mistakes
@@ -62,16 +61,23 @@ class StartupError(RuntimeError):
 
 
 @dataclass
+class SideServers:
+    """What serves beside the gRPC port, each None when off."""
+
+    metrics: MetricsServer | None = None
+    health: grpc.aio.Server | None = None  # plaintext, health only (--health-port)
+    http: web.AppRunner | None = None
+
+
+@dataclass
 class Running:
     server: grpc.aio.Server
     engine: Engine
     health: health.aio.HealthServicer
     grpc_port: int
     metrics_port: int  # 0 when disabled
-    metrics_server: MetricsServer | None = None
-    health_server: grpc.aio.Server | None = None  # plaintext, health only (--health-port)
+    side: SideServers = field(default_factory=lambda: SideServers())
     health_port: int = 0
-    http_runner: web.AppRunner | None = None
     http_port: int = 0  # 0 when disabled
     regions: SystemRegions | None = None
     peers: WorkerPeers | None = None  # the other workers (--workers), when there are any
@@ -229,10 +235,10 @@ def _grpc_server(
 
 async def _start_metrics(running: Running, settings: Settings, metrics: Metrics) -> None:
     assert settings.metrics_port is not None  # called only when the port is on
-    running.metrics_server = MetricsServer(metrics.registry)
+    running.side.metrics = MetricsServer(metrics.registry)
     host = settings.metrics_host if settings.metrics_host is not None else settings.host
     try:
-        running.metrics_port = await running.metrics_server.start(host, settings.metrics_port)
+        running.metrics_port = await running.side.metrics.start(host, settings.metrics_port)
     except OSError as exc:
         raise StartupError(f"--metrics-port {settings.metrics_port} on {host}: {exc.strerror}", 1) from exc
 
@@ -246,10 +252,10 @@ async def _refresh_metrics(metrics: Metrics) -> None:
 
 async def _start_http(running: Running, settings: Settings, api: HttpApi) -> None:
     quiet_client_mistakes()
-    running.http_runner = web.AppRunner(api.app(), access_log=None, handle_signals=False)
-    await running.http_runner.setup()
+    running.side.http = web.AppRunner(api.app(), access_log=None, handle_signals=False)
+    await running.side.http.setup()
     site = web.TCPSite(
-        running.http_runner,
+        running.side.http,
         settings.host,
         settings.http_port,
         ssl_context=ssl_context(settings),
@@ -259,16 +265,16 @@ async def _start_http(running: Running, settings: Settings, api: HttpApi) -> Non
         await site.start()
     except OSError as exc:
         raise StartupError(f"--http-port {settings.http_port} on {settings.host}: {exc.strerror}", 1) from exc
-    running.http_port = int(running.http_runner.addresses[0][1])
+    running.http_port = int(running.side.http.addresses[0][1])
 
 
 async def _start_health_port(running: Running, settings: Settings) -> None:
     """Health only, plaintext: kubelet's gRPC probes cannot present a client certificate."""
-    running.health_server = grpc.aio.server()
-    health_pb2_grpc.add_HealthServicer_to_server(running.health, running.health_server)
+    running.side.health = grpc.aio.server()
+    health_pb2_grpc.add_HealthServicer_to_server(running.health, running.side.health)
     assert settings.health_port is not None
-    running.health_port = _bind(running.health_server, settings.host, settings.health_port, None, "--health-port")
-    await running.health_server.start()
+    running.health_port = _bind(running.side.health, settings.host, settings.health_port, None, "--health-port")
+    await running.side.health.start()
 
 
 def _bind(
@@ -452,12 +458,12 @@ async def drain_and_stop(running: Running, grace_s: float, announce: bool = True
         await running.handover.stop()
     if running.peers is not None:
         await running.peers.close()
-    if running.http_runner is not None:
-        await running.http_runner.cleanup()
-    if running.metrics_server is not None:
-        await running.metrics_server.stop()
-    if running.health_server is not None:
-        await running.health_server.stop(0)
+    if running.side.http is not None:
+        await running.side.http.cleanup()
+    if running.side.metrics is not None:
+        await running.side.metrics.stop()
+    if running.side.health is not None:
+        await running.side.health.stop(0)
     for task in running.tasks:
         task.cancel()
     running.engine.metrics.refresh()  # a worker's last requests reach its files before it exits

@@ -102,6 +102,22 @@ class WorkerProcesses:
         yield from families.values()
 
 
+class MergedMetrics:
+    """The workers' metrics as the supervisor's port serves them: their multiprocess files merged,
+    which workers run, and how often each was restarted."""
+
+    def __init__(self, workers: list[Worker]) -> None:
+        self.directory = Path(tempfile.mkdtemp(prefix="mha-metrics-"))  # the workers' multiprocess files
+        self.registry = CollectorRegistry(auto_describe=False)
+        MultiProcessCollector(self.registry, str(self.directory))
+        self.registry.register(WorkerProcesses(workers))  # type: ignore[arg-type]
+        self.restarts = Counter(
+            "mha_worker_restarts", "Workers restarted after they died, by worker.", ["worker"], registry=self.registry
+        )
+        for worker in workers:
+            self.restarts.labels(str(worker.index))
+
+
 class Supervisor:
     def __init__(
         self, settings: Settings, argv: Sequence[str], count: int, gpus: Sequence[int] = (), bind_first: bool = False
@@ -114,15 +130,7 @@ class Supervisor:
         self._argv = list(argv)  # `mha serve` arguments, without --workers
         promised = frozenset(p for p in (settings.grpc_port, settings.http_port, settings.metrics_port) if p)
         self.workers = [Worker(i, port) for i, port in enumerate(free_ports(count, avoid=promised))]
-        self.metrics_dir = Path(tempfile.mkdtemp(prefix="mha-metrics-"))  # the workers' multiprocess files
-        self.registry = CollectorRegistry(auto_describe=False)
-        MultiProcessCollector(self.registry, str(self.metrics_dir))
-        self.registry.register(WorkerProcesses(self.workers))  # type: ignore[arg-type]
-        self.restarts = Counter(
-            "mha_worker_restarts", "Workers restarted after they died, by worker.", ["worker"], registry=self.registry
-        )
-        for worker in self.workers:
-            self.restarts.labels(str(worker.index))
+        self.merged = MergedMetrics(self.workers)
         self.gpus = list(gpus)  # with --workers auto on a GPU host: worker i computes on GPU gpus[i]
         self._stopping = False
         self.sockets = Path(tempfile.mkdtemp(prefix="mha-workers-"))  # 0700: the workers' hand-over sockets
@@ -133,7 +141,7 @@ class Supervisor:
 
     def environment(self, worker: Worker) -> dict[str, str]:
         """A worker's environment: one GPU of its own where the workers are one per GPU."""
-        env = {**os.environ, "MHA_LOG_LEVEL": self.settings.log_level, MULTIPROC_ENV: str(self.metrics_dir)}
+        env = {**os.environ, "MHA_LOG_LEVEL": self.settings.log_level, MULTIPROC_ENV: str(self.merged.directory)}
         env["PYTHONPATH"] = package_path(os.environ)  # the supervisor's own code, never the working directory's
         if len(self.gpus) == len(self.workers):
             env["CUDA_VISIBLE_DEVICES"] = cuda_devices(len(self.gpus), os.environ)[worker.index]  # its cuda:0
@@ -162,8 +170,8 @@ class Supervisor:
                     "worker %d died %d times within %.0f s; giving up", worker.index, MAX_RESTARTS, RESTART_WINDOW_S
                 )
                 raise RuntimeError(f"worker {worker.index} keeps dying (last exit code {code})")
-            self.restarts.labels(str(worker.index)).inc()
-            mark_process_dead(worker.process.pid, str(self.metrics_dir))  # its gauges leave; counters stay
+            self.merged.restarts.labels(str(worker.index)).inc()
+            mark_process_dead(worker.process.pid, str(self.merged.directory))  # its gauges leave; counters stay
             log.error(
                 "worker %d (pid %d) died with exit code %s; restarting it", worker.index, worker.process.pid, code
             )
@@ -174,7 +182,7 @@ class Supervisor:
         stop = asyncio.Event()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
-        metrics = MetricsServer(self.registry)
+        metrics = MetricsServer(self.merged.registry)
         try:
             if self.settings.metrics_port is not None:
                 await metrics.start(self.settings.metrics_host or self.settings.host, self.settings.metrics_port)
@@ -182,7 +190,7 @@ class Supervisor:
         finally:  # the hand-over sockets' and metrics' folders go however the supervisor ends (but SIGKILL)
             await metrics.stop()
             shutil.rmtree(self.sockets, ignore_errors=True)
-            shutil.rmtree(self.metrics_dir, ignore_errors=True)
+            shutil.rmtree(self.merged.directory, ignore_errors=True)
 
     async def _supervise(self, stop: asyncio.Event) -> int:
         """Start the workers, keep them running until `stop` (0) or one cannot be (1), stop them.

@@ -166,35 +166,51 @@ def worse_of(results: Sequence[LoadResult]) -> Point:
     )
 
 
+@dataclass(frozen=True)
+class Request:
+    """What the operator asked, checked."""
+
+    model_dir: Path
+    shapes: list[Shape]
+    target_ms: float
+    concurrency: list[int]
+    seconds: float
+    budget_s: float
+    rounds: int = 3
+    out: Path = Path("tune")
+    grpc_port: int = 0
+
+
+@dataclass(frozen=True)
+class Confirmation:
+    concurrency: int
+    rounds: list[dict[str, float]]  # per round: chosen and default req/s and p99
+
+    def ratio(self, key: str) -> float:
+        chosen = statistics.median(r[f"chosen_{key}"] for r in self.rounds)
+        default = statistics.median(r[f"default_{key}"] for r in self.rounds)
+        return chosen / default if default else float("nan")
+
+
 Progress = Callable[[str], None]
 
 
 class Tuner:
     """Measures candidates on servers it starts, within a time budget."""
 
-    def __init__(
-        self,
-        model_dir: Path,
-        shapes: Sequence[Shape],
-        target_ms: float,
-        concurrency: Sequence[int],
-        seconds: float,
-        grpc_port: int = 0,
-        progress: Progress | None = None,
-    ) -> None:
-        self.model_dir, self.shapes, self.target_ms = model_dir, list(shapes), target_ms
-        self.concurrency, self.seconds, self.grpc_port = list(concurrency), seconds, grpc_port
+    def __init__(self, request: Request, progress: Progress | None = None) -> None:
+        self.request = request
         self.progress = progress or (lambda line: None)
         self.start_s = 10.0  # a server's start, until one is timed
         self.measured: dict[Candidate, Measured] = {}
 
     def cost_s(self) -> float:
         """What measuring one more candidate is expected to take."""
-        return self.start_s + len(self.concurrency) * len(MODES) * (self.seconds + 0.5)
+        return self.start_s + len(self.request.concurrency) * len(MODES) * (self.request.seconds + 0.5)
 
     def server(self, candidate: Candidate, port: int | None = None) -> ServerProcess:
-        args = ["--model-dir", str(self.model_dir), *candidate.args()]
-        chosen = self.grpc_port if port is None else port
+        args = ["--model-dir", str(self.request.model_dir), *candidate.args()]
+        chosen = self.request.grpc_port if port is None else port
         return ServerProcess(args, env={"MHA_LOG_LEVEL": "WARNING"}, grpc_port=chosen)
 
     def started(self, candidate: Candidate, log_dir: Path, port: int | None = None) -> ServerProcess:
@@ -208,13 +224,13 @@ class Tuner:
         self.start_s = time.monotonic() - began
         return server
 
-    def load(self, url: str) -> list[Point]:
-        """Each concurrency in each connection mode, the worse mode kept."""
-        points = []
-        for clients in self.concurrency:
+    def load(self, url: str, concurrency: Sequence[int] = ()) -> list[Point]:
+        """Each concurrency (the request's by default) in each connection mode, the worse mode kept."""
+        points, r = [], self.request
+        for clients in concurrency or r.concurrency:
             runs = []
             for mode in MODES:
-                result = run_load(url, clients, self.seconds, [], shapes=self.shapes, own_connection=mode != MODES[0])
+                result = run_load(url, clients, r.seconds, [], shapes=r.shapes, own_connection=mode != MODES[0])
                 if result.stopped or not result.requests:
                     raise TuneError(f"the requests failed: {result.stopped or result.errors}", 1)
                 runs.append(result)
@@ -248,7 +264,7 @@ class Tuner:
             raise TuneError(f"no candidate could be measured: {errors}", 1)
         best = candidates[0]
         for measured in candidates[1:]:
-            if better(measured, best, self.target_ms):
+            if better(measured, best, self.request.target_ms):
                 best = measured
         return best
 
@@ -268,54 +284,40 @@ class Tuner:
                 if candidate in self.measured:
                     continue
                 best = self.best()
-                self.progress(f"[{len(self.measured) + 1}] {candidate.label()} | best so far: {_said(best, self)}")
-                if better(self.measure(candidate, log_dir), best, self.target_ms):
+                self.progress(f"[{len(self.measured) + 1}] {candidate.label()} | best so far: {self._said(best)}")
+                if better(self.measure(candidate, log_dir), best, self.request.target_ms):
                     improved = True
         return self.best()
 
+    def _said(self, measured: Measured) -> str:
+        point = measured.best_point(self.request.target_ms)
+        if point is None:
+            return "none yet"
+        return f"{point.throughput_rps:.0f} req/s, p99 {point.p99_ms:.2f} ms at {point.concurrency} clients"
 
-def _said(measured: Measured, tuner: Tuner) -> str:
-    point = measured.best_point(tuner.target_ms)
-    if point is None:
-        return "none yet"
-    return f"{point.throughput_rps:.0f} req/s, p99 {point.p99_ms:.2f} ms at {point.concurrency} clients"
-
-
-@dataclass(frozen=True)
-class Confirmation:
-    concurrency: int
-    rounds: list[dict[str, float]]  # per round: chosen and default req/s and p99
-
-    def ratio(self, key: str) -> float:
-        chosen = statistics.median(r[f"chosen_{key}"] for r in self.rounds)
-        default = statistics.median(r[f"default_{key}"] for r in self.rounds)
-        return chosen / default if default else float("nan")
-
-
-def confirm(tuner: Tuner, chosen: Measured, rounds: int, log_dir: Path) -> Confirmation:
-    """The chosen settings and the defaults, both serving, measured in turn at the chosen point's
-    concurrency, round by round (the order alternating)."""
-    point = chosen.best_point(tuner.target_ms)
-    assert point is not None, "a chosen candidate was measured"
-    tuner.concurrency = [point.concurrency]
-    servers = {
-        "chosen": tuner.started(chosen.candidate, log_dir, tuner.grpc_port or None),
-        "default": tuner.started(Candidate(), log_dir, 0),
-    }
-    results = []
-    try:
-        for n in range(rounds):
-            order = ("chosen", "default") if n % 2 == 0 else ("default", "chosen")
-            tuner.progress(f"confirming: round {n + 1} of {rounds}")
-            row: dict[str, float] = {}
-            for name in order:
-                (measured,) = tuner.load(servers[name].url)
-                row[f"{name}_rps"], row[f"{name}_p99_ms"] = measured.throughput_rps, measured.p99_ms
-            results.append(row)
-    finally:
-        for server in servers.values():
-            server.kill()
-    return Confirmation(point.concurrency, results)
+    def confirm(self, chosen: Measured, log_dir: Path) -> Confirmation:
+        """The chosen settings and the defaults, both serving, measured in turn at the chosen
+        point's concurrency, round by round (the order alternating)."""
+        point, rounds = chosen.best_point(self.request.target_ms), self.request.rounds
+        assert point is not None, "a chosen candidate was measured"
+        servers = {
+            "chosen": self.started(chosen.candidate, log_dir, self.request.grpc_port or None),
+            "default": self.started(Candidate(), log_dir, 0),
+        }
+        results = []
+        try:
+            for n in range(rounds):
+                order = ("chosen", "default") if n % 2 == 0 else ("default", "chosen")
+                self.progress(f"confirming: round {n + 1} of {rounds}")
+                row: dict[str, float] = {}
+                for name in order:
+                    (measured,) = self.load(servers[name].url, [point.concurrency])
+                    row[f"{name}_rps"], row[f"{name}_p99_ms"] = measured.throughput_rps, measured.p99_ms
+                results.append(row)
+        finally:
+            for server in servers.values():
+                server.kill()
+        return Confirmation(point.concurrency, results)
 
 
 def progress_line(out: TextIO | None = None) -> Progress:
@@ -337,15 +339,18 @@ def _confirmation_row(confirmation: Confirmation | None) -> dict[str, object] | 
     return {**asdict(confirmation), **ratios}
 
 
-def write_results(out: Path, tuner: Tuner, chosen: Measured, confirmation: Confirmation | None) -> list[Path]:
-    """config.env, candidates.json, candidates.md and pareto.png in `out`."""
+def write_results(
+    request: Request, measured: Sequence[Measured], chosen: Measured, confirmation: Confirmation | None
+) -> list[Path]:
+    """config.env, candidates.json, candidates.md and pareto.png in the request's `out`."""
     from service.app.tune_report import config_env, markdown, plot
 
+    out = request.out
     out.mkdir(parents=True, exist_ok=True)
-    target, rows = tuner.target_ms, [m.row(tuner.target_ms) for m in tuner.measured.values()]
+    target, rows = request.target_ms, [m.row(request.target_ms) for m in measured]
     summary = {
         "target_p99_ms": target,
-        "shapes": tuner.shapes,
+        "shapes": request.shapes,
         "chosen": chosen.row(target),
         "meets_target": chosen.score(target) is not None,
         "confirmation": _confirmation_row(confirmation),
@@ -357,21 +362,6 @@ def write_results(out: Path, tuner: Tuner, chosen: Measured, confirmation: Confi
     paths[2].write_text(markdown(summary))
     plot(summary, paths[3])
     return paths
-
-
-@dataclass(frozen=True)
-class Request:
-    """What the operator asked, checked."""
-
-    model_dir: Path
-    shapes: list[Shape]
-    target_ms: float
-    concurrency: list[int]
-    seconds: float
-    budget_s: float
-    rounds: int = 3
-    out: Path = Path("tune")
-    grpc_port: int = 0
 
 
 def parse_shapes(texts: Sequence[str]) -> list[Shape]:
@@ -444,15 +434,7 @@ def tune(request: Request, progress: Progress | None = None) -> int:
     config, precisions = checked_model(request.model_dir)
     check_request(request, config)
     began = time.monotonic()
-    tuner = Tuner(
-        request.model_dir,
-        request.shapes,
-        request.target_ms,
-        request.concurrency,
-        request.seconds,
-        request.grpc_port,
-        progress or progress_line(),
-    )
+    tuner = Tuner(request, progress or progress_line())
     points_per_round = 2 * len(MODES) * (request.seconds + 0.5)
 
     def deadline() -> float:  # the confirmation's time kept aside
@@ -461,19 +443,19 @@ def tune(request: Request, progress: Progress | None = None) -> int:
     logs = request.out / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     chosen = tuner.search(dimensions(available_cpus(), backends_here(), precisions), deadline, logs)
-    confirmation = confirm(tuner, chosen, request.rounds, logs) if chosen.candidate != Candidate() else None
-    paths = write_results(request.out, tuner, chosen, confirmation)
+    confirmation = tuner.confirm(chosen, logs) if chosen.candidate != Candidate() else None
+    paths = write_results(request, list(tuner.measured.values()), chosen, confirmation)
     tuner.progress(f"done: {len(tuner.measured)} candidates in {time.monotonic() - began:.0f} s")
-    sys.stdout.write(verdict(tuner, chosen, confirmation) + f"wrote {', '.join(str(p) for p in paths)}\n")
+    sys.stdout.write(verdict(request.target_ms, chosen, confirmation) + f"wrote {', '.join(str(p) for p in paths)}\n")
     return 0 if chosen.score(request.target_ms) is not None else 1
 
 
-def verdict(tuner: Tuner, chosen: Measured, confirmation: Confirmation | None) -> str:
-    point = chosen.best_point(tuner.target_ms)
+def verdict(target_ms: float, chosen: Measured, confirmation: Confirmation | None) -> str:
+    point = chosen.best_point(target_ms)
     assert point is not None
     said = f"{point.throughput_rps:.0f} req/s, p99 {point.p99_ms:.2f} ms at {point.concurrency} clients"
-    if chosen.score(tuner.target_ms) is None:
-        text = f"no candidate meets p99 <= {tuner.target_ms:g} ms; the closest: {chosen.candidate.label()} ({said})\n"
+    if chosen.score(target_ms) is None:
+        text = f"no candidate meets p99 <= {target_ms:g} ms; the closest: {chosen.candidate.label()} ({said})\n"
     else:
         text = f"chosen: {chosen.candidate.label()} ({said})\n"
     if confirmation is None:

@@ -78,6 +78,7 @@ class Quarantine:
         self._probe, self._threshold, self._cooldown, self._clock = probe, threshold, cooldown_s, clock
         self.changes = 0
         self._quarantined = 0  # backends quarantined now: read after every batch, so kept, not counted
+        self._verdicts: dict[str, tuple[float, bool]] = {}  # backend -> (when, passed): the last blame probe
 
     def _of(self, backend: Backend) -> _Health:
         """A backend's health; one the chain gained after it was built starts healthy."""
@@ -144,6 +145,16 @@ class Quarantine:
         health.quarantined_until = self._clock() + self._cooldown
         self.changes += 1
 
+    def blame_probe(self, backend: Backend) -> bool:
+        """The backend's self-check, run at most once per cool-down to judge who is to blame for
+        non-finite rows: a client sending such rows cannot make the server check itself at will."""
+        now = self._clock()
+        when, passed = self._verdicts.get(backend.name, (-float("inf"), False))
+        if now - when >= self._cooldown:
+            passed = self._probe(backend)[0]
+            self._verdicts[backend.name] = (now, passed)
+        return passed
+
 
 class BackendChain:
     def __init__(
@@ -162,12 +173,8 @@ class BackendChain:
         self.backends = backends
         self.step_backends = step_backends or []  # decode steps' order: every one on the caches' device
         self._light = light
-        self._probe = probe
-        self._cooldown = cooldown_s
         self._on_fallback = on_fallback
-        self._clock = clock
         self.quarantine = Quarantine(backends, probe, failure_threshold, cooldown_s, clock)
-        self._verdicts: dict[str, tuple[float, bool]] = {}  # backend -> (when, passed): the last blame probe
 
     @property
     def active(self) -> Backend:
@@ -271,17 +278,7 @@ class BackendChain:
                 return not bool(np.isfinite(other.run(rows)).all())
             except Exception:  # a failing witness says nothing: ask the next
                 continue
-        return self._blame_probe(backend)
-
-    def _blame_probe(self, backend: Backend) -> bool:
-        """The backend's self-check, run at most once per cool-down to judge who is to blame for
-        non-finite rows: a client sending such rows cannot make the server check itself at will."""
-        now = self._clock()
-        when, passed = self._verdicts.get(backend.name, (-float("inf"), False))
-        if now - when >= self._cooldown:
-            passed = self._probe(backend)[0]
-            self._verdicts[backend.name] = (now, passed)
-        return passed
+        return self.quarantine.blame_probe(backend)
 
     def _fallback(self, source: str, target: str, reason: str) -> None:
         log.warning("falling back from %s to %s (%s)", source, target, reason)

@@ -74,7 +74,6 @@ class OrtCpuBackend(Backend):
         self._session = _load_session(model_path, _cpu_options(threads, spinning), ["CPUExecutionProvider"])
         self._input = self._session.get_inputs()[0].name
         self._outputs = [self._session.get_outputs()[0].name]  # named: ORT lists them on every run otherwise
-        self.threads = threads
         self._shrink = ort.RunOptions()
         self._shrink.add_run_config_entry("memory.enable_memory_arena_shrinkage", "cpu:0")
         # Small batches run on a second, single-threaded session when that measures faster (waking
@@ -256,7 +255,6 @@ class OrtCudaBackend(Backend):
         self.placements = node_placements(model_path, cuda)
         if stray := off_device(self.placements, "CUDAExecutionProvider"):
             raise BackendLoadError(f"ONNX Runtime placed {', '.join(stray)} off the GPU: {self.placements}")
-        self.placement = describe_placements(self.placements)  # reported in the selection reason
         self._session = session
         self.providers: list[str] = providers  # confirmed: CUDAExecutionProvider first
         self._input = session.get_inputs()[0].name
@@ -264,6 +262,11 @@ class OrtCudaBackend(Backend):
         self.device = f"cuda:{device_id}"
         self._device_id = device_id
         self._steps = _cuda_steps(step_path, options, cuda) if step_path is not None else None
+
+    @property
+    def placement(self) -> str:
+        """Where ORT placed the graph's nodes, as the selection's reason reports it."""
+        return describe_placements(self.placements)
 
     @property
     def steps(self) -> bool:

@@ -10,7 +10,6 @@ import logging
 from collections.abc import Callable, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass
-from functools import partial
 
 import numpy as np
 
@@ -51,18 +50,8 @@ class StepBatcher(BatchEngine[StepInput, np.ndarray]):
         on_batch: Callable[[BatchEvent], None] | None = None,
         clock: Clock | None = None,
     ) -> None:
-        self.max_rows = max_rows
-        super().__init__(
-            plan=partial(_plan, max_rows),
-            form_at=_at_once,
-            compute=partial(_computed, run),
-            executor=executor,
-            max_queue_size=max_queue_size,
-            deliver=_commit,
-            on_batch=on_batch,
-            in_flight=in_flight,
-            clock=clock,
-        )
+        self.max_rows, self._run = max_rows, run
+        super().__init__(executor, max_queue_size, on_batch=on_batch, in_flight=in_flight, clock=clock)
 
     async def submit(self, step: StepInput, deadline: float | None = None) -> tuple[np.ndarray, Timing]:  # type: ignore[override]
         """y (B, t, C) of the step and its Timing; the sequence's length advances only if the
@@ -70,28 +59,24 @@ class StepBatcher(BatchEngine[StepInput, np.ndarray]):
         answered DEADLINE_EXCEEDED and never computed."""
         return await super().submit(step, step.x.shape, deadline)
 
+    def plan(self, queue: Sequence[Item], now: float) -> Plan[Item]:
+        return plan_steps(queue, self.max_rows, now)
 
-def _computed(run: RunSteps, steps: list[StepInput]) -> Computed:
-    ys, backend = run(steps)  # the backend reads and writes the caches itself: all of it is inference
-    return Computed(ys, backend.name)
+    def form_at(self, queue: Sequence[Item], more_may_come: bool) -> float:
+        """Steps do not wait for company: each one's client waits for it before sending the next."""
+        return -float("inf")
 
+    def compute(self, payloads: list[StepInput]) -> Computed:
+        ys, backend = self._run(payloads)  # the backend reads and writes the caches itself: all of it is inference
+        return Computed(ys, backend.name)
 
-def _plan(max_rows: int, queue: Sequence[Item], now: float) -> Plan[Item]:
-    return plan_steps(queue, max_rows, now)
-
-
-def _at_once(queue: Sequence[Item], more_may_come: bool) -> float:
-    """Steps do not wait for company: each one's client waits for it before sending the next."""
-    return -float("inf")
-
-
-def _commit(step: StepInput, y: np.ndarray) -> np.ndarray:
-    """The sequence grows by the step's t tokens; a non-finite output commits nothing, so the
-    sequence stays as it was. NaN or inf in the step's input always reach its output (as on the
-    stateless path), so they are found here, and named, without a pass over every input."""
-    refuse_non_finite(step.x, y, then="the step was not added to the sequence")
-    step.cache.length += step.x.shape[1]
-    return y
+    def deliver(self, payload: StepInput, output: np.ndarray) -> np.ndarray:
+        """The sequence grows by the step's t tokens; a non-finite output commits nothing, so the
+        sequence stays as it was. NaN or inf in the step's input always reach its output (as on the
+        stateless path), so they are found here, and named, without a pass over every input."""
+        refuse_non_finite(payload.x, output, then="the step was not added to the sequence")
+        payload.cache.length += payload.x.shape[1]
+        return output
 
 
 class Decoder:
@@ -135,7 +120,7 @@ class Decoder:
             )
         sequence = self.sequences.open(control, int(x.shape[0]), int(x.shape[2]))
         async with sequence.lock:  # this sequence's steps one at a time, in arrival order
-            _check_offset(control, sequence.length, self.sequences.process_label)
+            _check_offset(control, sequence.length, self.sequences.home.label)
             self.sequences.check_room(sequence, int(x.shape[1]))
             y, timing = await self.steps.submit(StepInput(sequence, x), deadline)
             self.sequences.touch(sequence)

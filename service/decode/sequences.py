@@ -17,6 +17,7 @@ import logging
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 
@@ -69,6 +70,13 @@ def _cache(rows: int, config: MHAConfig, capacity: int, device: str) -> torch.Te
     return torch.zeros(rows, config.n_head, capacity, config.head_size, device=device)  # (B, nh, capacity, hs)
 
 
+class Home(NamedTuple):
+    """Where a store's sequences live."""
+
+    device: str  # where the caches live: the step backends' device
+    label: str  # this process, as messages name it for operators (replica and worker)
+
+
 class SequenceStore:
     """The live sequences of this process, within their count, idle time and byte budget."""
 
@@ -82,8 +90,7 @@ class SequenceStore:
         process_label: str = "this server",
     ) -> None:
         self.config, self.limits, self.now = config, limits, now
-        self.device = device  # where the caches live: the step backends' device
-        self.process_label = process_label  # this process, as messages name it for operators (replica and worker)
+        self.home = Home(device, process_label)
         self._live: OrderedDict[SequenceId, LiveSequence] = OrderedDict()  # least recently used first
         self._gone: OrderedDict[SequenceId, str] = OrderedDict()  # id -> what became of it
         self._on_change = on_change  # (store, eviction reason or None): metrics
@@ -109,7 +116,7 @@ class SequenceStore:
         if sequence is None:
             what = self._gone.get(control.id, "is not known")
             raise SequenceNotFound(
-                f"sequence {control.label()} {what} on {self.process_label}; start it again with sequence_start "
+                f"sequence {control.label()} {what} on {self.home.label}; start it again with sequence_start "
                 "and its whole prefix"
             )
         if rows != sequence.rows:
@@ -123,7 +130,7 @@ class SequenceStore:
         if not sequence.live:
             raise SequenceNotFound(
                 f"sequence {quote(str(sequence.id), 48)} {self._gone.get(sequence.id, 'ended')} on "
-                f"{self.process_label} while this step waited; start it again with sequence_start and its whole prefix"
+                f"{self.home.label} while this step waited; start it again with sequence_start and its whole prefix"
             )
         need = sequence.length + new_tokens
         if need > self.config.max_seq_len:
@@ -156,8 +163,8 @@ class SequenceStore:
             self._drop(old, "was restarted (sequence_start)", None)
         capacity = min(16, self.config.max_seq_len)
         self._evict_for(count=1, nbytes=self._cache_bytes(rows, capacity))
-        cache = (_cache(rows, self.config, capacity, self.device), _cache(rows, self.config, capacity, self.device))
-        sequence = LiveSequence(sequence_id, rows, *cache, last_used=self.now())
+        keys, values = (_cache(rows, self.config, capacity, self.home.device) for _ in range(2))  # (B, nh, cap, hs)
+        sequence = LiveSequence(sequence_id, rows, keys, values, last_used=self.now())
         self._live[sequence_id] = sequence
         self._gone.pop(sequence_id, None)
         self.state_bytes += sequence.nbytes
@@ -172,7 +179,7 @@ class SequenceStore:
         self._evict_for(count=0, nbytes=extra, keep=sequence)
         for name in ("keys", "values"):
             old = getattr(sequence, name)
-            new = _cache(sequence.rows, self.config, capacity, self.device)  # (B, nh, capacity, hs)
+            new = _cache(sequence.rows, self.config, capacity, self.home.device)  # (B, nh, capacity, hs)
             new[:, :, : sequence.length] = old[:, :, : sequence.length]
             setattr(sequence, name, new)
         self.state_bytes += extra

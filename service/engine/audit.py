@@ -84,6 +84,37 @@ class Sample:
 Verdict = Callable[[Sample, Reference, float, float], None]  # (sample, its reference, relative error, seconds)
 
 
+class Allowance:
+    """What bounds the audit: the audits queued (memory), and the CPU time it may spend (a bucket
+    refilled at `max_cpu` seconds per second). Shared by the event loop and the audit thread."""
+
+    def __init__(self, limits: AuditLimits, clock: Callable[[], float]) -> None:
+        self.limits, self._clock = limits, clock
+        self._lock = threading.Lock()  # the two below
+        self._pending = 0
+        self._seconds, self._refilled = limits.max_cpu, clock()  # seconds of audit time available
+
+    def take(self, every: bool) -> str:
+        """One audit queued (""), or why not: the queue is full, or the CPU allowance spent (unless
+        `every` answer was asked for: then only the queue's bound applies)."""
+        with self._lock:
+            now = self._clock()
+            self._seconds = min(self.limits.max_cpu, self._seconds + (now - self._refilled) * self.limits.max_cpu)
+            self._refilled = now
+            if self._pending >= self.limits.queue:
+                return "queue_full"
+            if self._seconds <= 0 and not every:
+                return "cpu"
+            self._pending += 1
+        return ""
+
+    def spent(self, seconds: float) -> None:
+        """An audit done, after `seconds` of the audit thread."""
+        with self._lock:
+            self._pending -= 1
+            self._seconds -= seconds
+
+
 class Auditor:
     """Samples answers on the event loop (`offer`, O(1) unless sampled) and checks them on a
     thread of its own; `on_checked` hears every verdict, `on_skipped` every skip's reason."""
@@ -96,13 +127,11 @@ class Auditor:
         clock: Callable[[], float] = time.monotonic,
         timer: Callable[[], float] = time.perf_counter,
     ) -> None:
-        self.limits, self._on_checked, self._on_skipped, self._clock = limits, on_checked, on_skipped, clock
+        self.limits, self._on_checked, self._on_skipped = limits, on_checked, on_skipped
         self._timer = timer  # what an audit's cost is measured with
         self._credit = 1.0 - limits.rate  # the rate accumulated: the first answer, then every 1/rate-th
         self._rows = 0  # which row of a request the next audit takes, in turn
-        self._lock = threading.Lock()  # the two below, shared with the audit thread
-        self._pending = 0
-        self._allowance, self._refilled = limits.max_cpu, clock()  # seconds of audit time available
+        self._allowance = Allowance(limits, clock)
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="audit")
 
     def offer(self, x: np.ndarray, y: np.ndarray, backend: str, request_id: str, loaded: Loaded) -> str | None:
@@ -138,16 +167,7 @@ class Auditor:
             return "busy"
         if not causal and shape[1] > self.limits.max_tokens:  # without causality no prefix stands alone
             return "too_large"
-        with self._lock:
-            now = self._clock()
-            self._allowance = min(self.limits.max_cpu, self._allowance + (now - self._refilled) * self.limits.max_cpu)
-            self._refilled = now
-            if self._pending >= self.limits.queue:
-                return "queue_full"
-            if self._allowance <= 0 and not every:
-                return "cpu"
-            self._pending += 1
-        return ""
+        return self._allowance.take(every)
 
     def _check(self, sample: Sample, reference: Reference) -> None:
         began = self._timer()
@@ -157,9 +177,7 @@ class Auditor:
             log.exception("audit of request %s failed", quote(sample.request_id))
             error = None
         spent = self._timer() - began
-        with self._lock:
-            self._pending -= 1
-            self._allowance -= spent
+        self._allowance.spent(spent)
         if error is not None:
             self._on_checked(sample, reference, error, spent)
 
@@ -167,10 +185,10 @@ class Auditor:
         self._thread.shutdown(wait=True, cancel_futures=True)
 
 
-def mismatch_message(sample: Sample, reference: Reference, error: float) -> str:
+def mismatch_message(sample: Sample, tolerance: float, error: float) -> str:
     return (
         f"audit: the answer to request {quote(sample.request_id)} (shape {sample.shape}, version "
         f"{quote(sample.version)}) from {sample.backend} differs from the float64 reference: relative error "
-        f"{error:.2e} > {reference.tolerance:.0e} over a row's first {sample.x.shape[1]} tokens; {sample.backend} "
+        f"{error:.2e} > {tolerance:.0e} over a row's first {sample.x.shape[1]} tokens; {sample.backend} "
         "is quarantined until its self-check passes again"
     )

@@ -8,7 +8,6 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Executor
-from functools import partial
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -39,19 +38,8 @@ class Batcher(BatchEngine[np.ndarray, np.ndarray]):
         current_trace: Callable[[], object] | None = None,
         schedule: SchedulePolicy | None = None,
     ) -> None:
-        self.config = config
-        super().__init__(
-            plan=partial(_plan, config),
-            form_at=partial(_form_at, config),
-            compute=partial(_compute, run_batch),
-            executor=executor,
-            max_queue_size=config.max_queue_size,
-            on_batch=on_batch,
-            in_flight=in_flight,
-            clock=clock,
-            current_trace=current_trace,
-            schedule=schedule,
-        )
+        self.config, self._run = config, run_batch
+        super().__init__(executor, config.max_queue_size, on_batch, in_flight, clock, current_trace, schedule)
 
     async def submit(  # type: ignore[override]
         self, x: np.ndarray, deadline: float | None = None, priority: int = 0, timeout_s: float | None = None
@@ -60,22 +48,19 @@ class Batcher(BatchEngine[np.ndarray, np.ndarray]):
         Raises Overloaded at once when full."""
         return await super().submit(x, x.shape, deadline, priority, timeout_s)
 
+    def plan(self, queue: Sequence[Item], now: float) -> Plan[Item]:
+        return plan_batch(queue, self.config, now)
 
-def _plan(config: BatcherConfig, queue: Sequence[Item], now: float) -> Plan[Item]:
-    return plan_batch(queue, config, now)
+    def form_at(self, queue: Sequence[Item], more_may_come: bool) -> float:
+        return form_at(queue, self.config, more_may_come)
 
-
-def _form_at(config: BatcherConfig, queue: Sequence[Item], more_may_come: bool) -> float:
-    return form_at(queue, config, more_may_come)
-
-
-def _compute(run_batch: RunBatch, xs: list[np.ndarray]) -> Computed:
-    """The requests' (B_i, T_i, C) as one right-padded batch through `run_batch`; an output each."""
-    began = time.perf_counter()
-    batch = merge(xs)  # (sum B, T_max, C)
-    merged = time.perf_counter()
-    y, backend = run_batch(batch)
-    ran = time.perf_counter()
-    outputs = split(y, [(int(x.shape[0]), int(x.shape[1])) for x in xs])
-    finite = all_finite(y)  # once for the batch, here rather than per request on the event loop
-    return Computed(outputs, backend.name, merged - began, time.perf_counter() - ran, finite)
+    def compute(self, payloads: list[np.ndarray]) -> Computed:
+        """The requests' (B_i, T_i, C) as one right-padded batch through `run_batch`; an output each."""
+        began = time.perf_counter()
+        batch = merge(payloads)  # (sum B, T_max, C)
+        merged = time.perf_counter()
+        y, backend = self._run(batch)
+        ran = time.perf_counter()
+        outputs = split(y, [(int(x.shape[0]), int(x.shape[1])) for x in payloads])
+        finite = all_finite(y)  # once for the batch, here rather than per request on the event loop
+        return Computed(outputs, backend.name, merged - began, time.perf_counter() - ran, finite)

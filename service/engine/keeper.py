@@ -87,7 +87,7 @@ class VersionKeeper:
         source: ModelSource,
     ) -> None:
         self.settings, self.life, self.compute, self.publish, self.metrics = settings, life, compute, publish, metrics
-        self.loader = VersionLoader(source, life.versions, self.prepare, self.start, self.stop, self.changed)
+        self.loader = VersionLoader(source, life.versions, self)
 
     @property
     def policy(self) -> VersionPolicy:
@@ -183,7 +183,7 @@ class VersionKeeper:
         """A version's live sequences within the settings' limits, their caches where its steps run."""
         s, version = self.settings, model.version
         limits = SequenceLimits(s.max_sequences, s.sequence_idle_timeout_s, int(s.max_sequence_state_mb * 2**20))
-        self.metrics.sequence_limits(limits.max_sequences, limits.max_state_bytes)
+        self.metrics.sequences.limits(limits.max_sequences, limits.max_state_bytes)
         where = f"replica {s.replica!r} worker {s.worker_index} (version {version})"  # in every NOT_FOUND and refusal
         device = chain.steps_device or "cpu"
         changed = partial(self.sequences_changed, version)
@@ -205,7 +205,7 @@ class VersionKeeper:
     def sequences_changed(self, version: str, store: SequenceStore, evicted: str | None) -> None:
         """A version's live sequences changed: the gauges, and a retiring version may unload."""
         live = list(self.life.versions)
-        self.metrics.sequences_changed(
+        self.metrics.sequences.changed(
             sum(v.live_sequences for v in live), sum(v.decoder.sequences.state_bytes for v in live), evicted
         )
         if (loaded := self.life.versions.get(version)) is not None:
@@ -260,10 +260,10 @@ def _announce(metrics: Metrics, publish: Publisher, model: ServedModel, chain: B
     metrics.versions.loaded(model.labels())
     metrics.triton.loaded(publish.entries, model.version)
     for order in chain.orders():
-        metrics.init_fallbacks([b.name for b in order], REASONS)
+        metrics.requests.init_fallbacks([b.name for b in order], REASONS)
     for backend in chain.backends:  # 0 until an audit finds one of its answers wrong
         metrics.audit.mismatches.labels(backend.name, backend.device, model.precision)
-    publish.backends(chain)
+    publish.serving.show(chain)
 
 
 def load_model(

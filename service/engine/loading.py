@@ -12,11 +12,11 @@ from __future__ import annotations
 import asyncio
 import gc
 import logging
-from collections.abc import Callable, Coroutine
+from collections.abc import Coroutine
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Generic, TypeVar
+from typing import Generic, Protocol, TypeVar
 
 from service.engine.sources import ModelSource, VersionPolicy
 from service.engine.versions import Loaded, Versions, VersionState
@@ -49,22 +49,25 @@ def signature(directory: Path | None) -> Signature:
     return tuple((p.name, (st := p.stat()).st_size, st.st_mtime_ns) for p in files)
 
 
-class VersionLoader(Generic[Prepared]):
-    """`prepare` reads and self-checks a version (blocking: on the loader's thread), `start`
-    makes it serve (on the event loop), `stop` closes it once it has stopped serving, and
-    `on_change` hears every change of the versions."""
+class Keeping(Protocol[Prepared]):
+    """What a version's life is made of, as the loader asks for it."""
 
-    def __init__(
-        self,
-        source: ModelSource,
-        versions: Versions,
-        prepare: Callable[[str, Path | None], Prepared],
-        start: Callable[[Prepared], Loaded],
-        stop: Callable[[Loaded], None],
-        on_change: Callable[[], None],
-    ) -> None:
-        self.source, self.versions = source, versions
-        self._prepare, self._start, self._stop, self._on_change = prepare, start, stop, on_change
+    def prepare(self, version: str, directory: Path | None) -> Prepared:
+        """A version read and self-checked (blocking: on the loader's thread)."""
+
+    def start(self, prepared: Prepared) -> Loaded:
+        """It serves (on the event loop)."""
+
+    def stop(self, loaded: Loaded) -> None:
+        """It closes, once it has stopped serving."""
+
+    def changed(self) -> None:
+        """The versions changed."""
+
+
+class VersionLoader(Generic[Prepared]):
+    def __init__(self, source: ModelSource, versions: Versions, keeping: Keeping[Prepared]) -> None:
+        self.source, self.versions, self._keeping = source, versions, keeping
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="load")
         self._lock = asyncio.Lock()
         self._refused: dict[str, Signature] = {}  # versions refused, as their files were then
@@ -85,7 +88,7 @@ class VersionLoader(Generic[Prepared]):
                 await self._bring_in(version, directory, report, retry_refused)
             self._retire_unwanted(set(wanted), len(report.failed))
             log.debug("model %s: serving %s (%s)", self.source.name, [v.version for v in self.versions], policy)
-            self._on_change()
+            self._keeping.changed()
             return report
 
     async def _bring_in(self, version: str, directory: Path | None, report: LoadReport, retry: bool) -> None:
@@ -100,7 +103,7 @@ class VersionLoader(Generic[Prepared]):
             return
         try:
             loop = asyncio.get_running_loop()
-            prepared = await loop.run_in_executor(self._executor, self._prepare, version, directory)
+            prepared = await loop.run_in_executor(self._executor, self._keeping.prepare, version, directory)
         except Exception as exc:  # a version that cannot be served: refused, the others go on
             if self.source.folder is None:  # one model directory: nothing else to serve, the caller says why
                 raise
@@ -109,7 +112,7 @@ class VersionLoader(Generic[Prepared]):
             log.error("model %s version %s refused: %s", self.source.name, version, exc)
             return
         self._refused.pop(version, None)
-        self.versions.add(self._start(prepared))
+        self.versions.add(self._keeping.start(prepared))
         report.loaded.append(version)
         log.info("model %s version %s loaded from %s", self.source.name, version, directory or "the default model")
 
@@ -146,13 +149,13 @@ class VersionLoader(Generic[Prepared]):
         if loaded.state is VersionState.UNLOADING:
             return
         loaded.state = VersionState.UNLOADING
-        self._on_change()
+        self._keeping.changed()
         await self._stop_serving(loaded)
         self.versions.remove(loaded)
-        self._stop(loaded)
+        self._keeping.stop(loaded)
         gc.collect()  # the sessions and caches go now, not at the next collection
         log.info("model %s version %s unloaded", self.source.name, loaded.version)
-        self._on_change()
+        self._keeping.changed()
 
     @staticmethod
     async def _stop_serving(loaded: Loaded) -> None:

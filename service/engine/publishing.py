@@ -19,28 +19,54 @@ from service.metrics import Metrics
 from service.tracing import Tracing
 
 
+class ServingBackends:
+    """The backends serving now, as mha_backend_info and readiness under --require-device see
+    them, and the device's health as batches report it."""
+
+    def __init__(
+        self, metrics: Metrics, device: DeviceHealth, serving_ok: Callable[[], bool], device_lost: Callable[[], None]
+    ) -> None:
+        self.metrics, self.device = metrics, device
+        self._serving_ok, self._device_lost = serving_ok, device_lost
+        self._serving: list[tuple[str, str]] = []  # the backends mha_backend_info last showed as serving
+        self._health_seen = -1  # the chain's quarantine.changes when the serving backends were last looked at
+
+    def observe(self, error: BaseException) -> None:
+        """A batch's error: a sticky device error stops the server (DeviceHealth) at once."""
+        if self.device.observe(error):
+            self._device_lost()
+
+    def may_have_changed(self, chain: BackendChain) -> bool:
+        """While a backend is quarantined, or its health changed since the last look."""
+        return chain.quarantine.changes != self._health_seen or chain.quarantine.any
+
+    def show(self, chain: BackendChain) -> None:
+        """The serving backends (the active one, and the light batches' where they have their
+        own), once they change: mha_backend_info, and readiness on the required device."""
+        self._health_seen = chain.quarantine.changes
+        serving = [(b.name, b.device) for b in chain.serving()]
+        if serving != self._serving:
+            self._serving = serving
+            self.device.serving_changed(self._serving_ok())
+            self.metrics.serving.set_backends(serving, [(b.name, b.device) for b in chain.backends])
+
+
 class Publisher:
     def __init__(
         self,
         metrics: Metrics,
-        device: DeviceHealth,
-        serving_ok: Callable[[], bool],
-        device_lost: Callable[[], None],
-        tracing: Tracing | None = None,
+        serving: ServingBackends,
+        tracing: Tracing,
         entries: tuple[str, str] = ("mha", "mha_sequence"),
     ) -> None:
-        self.metrics, self.device = metrics, device
+        self.metrics, self.serving, self.tracing = metrics, serving, tracing
         self.entries = entries  # the model names of the stateless requests and of the decode steps
         self._stats: dict[tuple[str, bool], ModelStats] = {}  # (version, steps): each version's, each entry's
-        self.tracing = tracing or Tracing()
-        self._serving_ok, self._device_lost = serving_ok, device_lost
-        self._serving: list[tuple[str, str]] = []  # the backends mha_backend_info last showed as serving
-        self._health_seen = -1  # the chain's quarantine.changes when the serving backends were last looked at
         self._batches = metrics.ledger.book(self._fold_batches)
         self._answers = metrics.ledger.book(self._fold_answers)  # (tokens, rows, Timing, wall s)
 
     def fallback(self, source: str, target: str, reason: str) -> None:
-        self.metrics.fallbacks.labels(source, target, reason).inc()
+        self.metrics.requests.fallbacks.labels(source, target, reason).inc()
 
     def stats(self, version: str, steps: bool = False) -> ModelStats:
         """The statistics of `version`: of the stateless model, or (`steps`) of the sequence model."""
@@ -55,14 +81,14 @@ class Publisher:
         looked at again, and its trace reported, after the batch's answers have gone
         (after_answer), when they may have changed: while a backend is quarantined or its health
         changed since the last look, not otherwise."""
-        if self.device.observe(event.error):
-            self._device_lost()
+        if event.error is not None:
+            self.serving.observe(event.error)
         self._batches.add((event, version, steps))
-        if event.traced or chain.quarantine.changes != self._health_seen or chain.quarantine.any:
+        if event.traced or self.serving.may_have_changed(chain):
             after_answer(self._published, event, chain)
 
     def _published(self, event: BatchEvent, chain: BackendChain) -> None:
-        self.backends(chain)
+        self.serving.show(chain)
         if event.traced:  # tracing on, and a traced request in the batch
             preferred = chain.order_for(event.rows, max(event.seqs))[0].name
             fallback = f"{preferred} -> {event.backend}" if event.backend and event.backend != preferred else ""
@@ -95,7 +121,9 @@ class Publisher:
         return self.entries[1] if steps else self.entries[0]
 
     def _fold_batches(self, records: list[tuple[BatchEvent, str, bool]]) -> None:
-        self.metrics.observe_batches([(event, self.entry(steps), version) for event, version, steps in records])
+        self.metrics.requests.observe_batches(
+            [(event, self.entry(steps), version) for event, version, steps in records]
+        )
         executions = self.metrics.triton.executions
         for event, version, steps in records:
             self.stats(version, steps).observe_batch(event)
@@ -111,16 +139,6 @@ class Publisher:
             self.stats(*key).observe_answers(answered_rows, held, last_ms)
             version, steps = key
             queued = [t.queue_s for t in held]
-            self.metrics.observe_answers(self.entry(steps), version, sum(tokens[i] for i in mine), queued)
+            self.metrics.requests.observe_answers(self.entry(steps), version, sum(tokens[i] for i in mine), queued)
             phases = [sum(t.compute[k] for t in held) for k in range(3)]
             self.metrics.triton.answers(self.entry(steps), version, answered_rows, sum(queued), phases)
-
-    def backends(self, chain: BackendChain) -> None:
-        """The serving backends (the active one, and the light batches' where they have their
-        own), once they change: mha_backend_info, and readiness on the required device."""
-        self._health_seen = chain.quarantine.changes
-        serving = [(b.name, b.device) for b in chain.serving()]
-        if serving != self._serving:
-            self._serving = serving
-            self.device.serving_changed(self._serving_ok())
-            self.metrics.set_backends(serving, [(b.name, b.device) for b in chain.backends])

@@ -25,7 +25,7 @@ class DeviceHealth:
         self.lost_reason = ""
         self.on_serving: Callable[[bool], None] | None = None  # the server's health follows
         if required != "any":
-            metrics.device_required.labels(required).set(1)
+            metrics.serving.device_required.labels(required).set(1)
 
     def allows(self, active: Backend) -> bool:
         return not self.lost.is_set() and (self.required == "any" or active.device.startswith(self.required))

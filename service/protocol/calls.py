@@ -146,7 +146,9 @@ class Calls:
     def _fold(self, records: list[ClosedCall]) -> None:
         """Calls, in bulk: into the metrics, and the inference requests into their version's
         statistics (a request refused before it reached a version: the latest's)."""
-        self._metrics.observe_calls((method, code.name, s, trace) for method, code, s, _, trace, _, _ in records)
+        self._metrics.requests.observe_calls(
+            (method, code.name, s, trace) for method, code, s, _, trace, _, _ in records
+        )
         inferences = [(version, step, code.name, s) for _, code, s, inference, _, step, version in records if inference]
         if inferences:
             self._door.requests_closed(inferences)

@@ -1,7 +1,10 @@
-"""The Open Inference Protocol servicer: protobuf in, protobuf out, a few lines per RPC.
+"""The Open Inference Protocol over gRPC: the method handlers, built from the service descriptor,
+and the servicer, protobuf in and protobuf out, a few lines per RPC.
 
 Every call goes through one `Calls` scope (request id, metrics, logs, error mapping); the
-codec reads requests and `render` writes what the server knows.
+codec reads requests and `render` writes what the server knows. The handlers' request parser
+never raises: bytes that are not a valid request become INVALID_ARGUMENT through the same call
+scope as every other call (gRPC's own parser would answer UNKNOWN with a traceback logged).
 """
 
 from __future__ import annotations
@@ -9,14 +12,16 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
 from functools import partial
-from typing import TypeAlias
+from typing import Any, TypeAlias
 
 import grpc
+from google.protobuf.message import DecodeError, Message
 
 from service.engine.door import Door
-from service.errors import FeatureOff, NotReady, RegionNotFound, quote
+from service.errors import FeatureOff, InvalidInput, NotReady, RegionNotFound, quote
 from service.proto import grpc_service_pb2 as pb
 from service.proto import grpc_service_pb2_grpc as pb_grpc
 from service.protocol import log_calls, model_calls, render, trace_calls
@@ -205,3 +210,73 @@ async def _written(context: Context, response: pb.ModelStreamInferResponse) -> b
         log.info("a stream answer could not be written (the client has gone): %s", type(exc).__name__)
         return False
     return True
+
+
+# The method handlers --------------------------------------------------------------------------------
+
+SERVICE = pb.DESCRIPTOR.services_by_name["GRPCInferenceService"]
+
+
+@dataclass(frozen=True)
+class Unparsable:
+    """What the parser hands on instead of a message it could not read."""
+
+    type_name: str  # e.g. inference.ModelInferRequest
+    reason: str
+
+    def error(self) -> InvalidInput:
+        return InvalidInput(f"the request is not a valid {self.type_name}: {self.reason[:200]}")
+
+
+def _parser(message_type: type[Message]) -> Callable[[bytes], Message | Unparsable]:
+    def parse(data: bytes) -> Message | Unparsable:
+        try:
+            return message_type.FromString(data)
+        except (DecodeError, UnicodeDecodeError, RecursionError) as exc:
+            return Unparsable(message_type.DESCRIPTOR.full_name, str(exc) or type(exc).__name__)
+
+    return parse
+
+
+def _unary(name: str, behavior: Callable[..., Awaitable[Any]], calls: Calls) -> Callable[..., Awaitable[Any]]:
+    async def handle(request: Message | Unparsable, context: Context) -> Any:
+        if isinstance(request, Unparsable):
+            await calls.refuse(name, context, request.error())
+        return await behavior(request, context)
+
+    return handle
+
+
+async def _messages(requests: AsyncIterator[Message | Unparsable]) -> AsyncIterator[Message]:
+    """A stream's requests; the first unparsable one ends the reading with InvalidInput."""
+    async for request in requests:
+        if isinstance(request, Unparsable):
+            raise request.error()
+        yield request
+
+
+def _stream(behavior: Callable[..., Awaitable[None]]) -> Callable[..., Awaitable[None]]:
+    """A bidirectional stream whose behavior writes its answers (context.write)."""
+
+    async def handle(requests: AsyncIterator[Message | Unparsable], context: Context) -> None:
+        await behavior(_messages(requests), context)
+
+    return handle
+
+
+def generic_handler(servicer: object, calls: Calls) -> grpc.GenericRpcHandler:
+    """Handlers for every RPC of inference.GRPCInferenceService, served by `servicer`."""
+    handlers = {}
+    for method in SERVICE.methods:
+        behavior = getattr(servicer, method.name)
+        parse = _parser(getattr(pb, method.input_type.name))
+        serialize = getattr(pb, method.output_type.name).SerializeToString
+        if method.client_streaming and method.server_streaming:
+            handlers[method.name] = grpc.stream_stream_rpc_method_handler(_stream(behavior), parse, serialize)
+        elif not method.client_streaming and not method.server_streaming:
+            handlers[method.name] = grpc.unary_unary_rpc_method_handler(
+                _unary(method.name, behavior, calls), parse, serialize
+            )
+        else:
+            raise NotImplementedError(f"{method.name}: only unary and bidirectional streaming RPCs are served")
+    return grpc.method_handlers_generic_handler(SERVICE.full_name, handlers)

@@ -79,8 +79,8 @@ class HttpApi:
         app.router.add_post(region + "/register", self._guard("SystemSharedMemoryRegister", self._shm_register))
         app.router.add_post("/v2/repository/index", self._guard("RepositoryIndex", self._repository_index))
         for path, method, handler in SETTINGS:  # GET reads, POST changes then reads
-            app.router.add_get(path, self._guard(method, partial(handler, self)))
-            app.router.add_post(path, self._guard(method, partial(handler, self)))
+            app.router.add_get(path, self._guard(method, partial(handler, self.answers)))
+            app.router.add_post(path, self._guard(method, partial(handler, self.answers)))
         control = "/v2/repository/models/{model}"
         app.router.add_post(control + "/load", self._guard("RepositoryModelLoad", self._model_load))
         app.router.add_post(control + "/unload", self._guard("RepositoryModelUnload", self._model_unload))
@@ -228,14 +228,14 @@ async def _settings_body(request: web.Request, what: str) -> dict[str, Any]:
     return json_object(parse_json(await request.read() or b"{}", what), what)
 
 
-async def _log_settings(api: HttpApi, request: web.Request) -> web.Response:
+async def _log_settings(answers: Answering, request: web.Request) -> web.Response:
     changes = await _settings_body(request, "the log settings")
-    return web.json_response(await api.answers.log_settings(changes))
+    return web.json_response(await answers.log_settings(changes))
 
 
-async def _trace_settings(api: HttpApi, request: web.Request) -> web.Response:
+async def _trace_settings(answers: Answering, request: web.Request) -> web.Response:
     changes = trace_calls.from_json(await _settings_body(request, "the trace settings"))
-    return web.json_response(trace_calls.to_json(await api.answers.trace_settings(changes)))
+    return web.json_response(trace_calls.to_json(await answers.trace_settings(changes)))
 
 
 SETTINGS = (  # Triton's settings extensions: (path, method, handler)

@@ -166,8 +166,10 @@ def test_keda_scales_the_deployment_on_queue_over_compute_and_owns_the_hpa() -> 
     query = trigger["metadata"]["query"]
     registry = CollectorRegistry()
     metrics = Metrics(registry)
-    metrics.inference_duration.labels(backend="torch-cpu", model="mha", version="1").observe(0.001)  # a child exists
-    metrics.queue_duration.labels(model="mha", version="1").observe(0.001)
+    metrics.requests.inference_duration.labels(backend="torch-cpu", model="mha", version="1").observe(
+        0.001
+    )  # a child exists
+    metrics.requests.queue_duration.labels(model="mha", version="1").observe(0.001)
     exported = {s.name for family in registry.collect() for s in family.samples}
     used = set(re.findall(r"\b(mha_[a-z_]+)\{", query))
     assert used == {

@@ -92,7 +92,7 @@ def _samples(registry: CollectorRegistry) -> dict[tuple[str, tuple[tuple[str, st
 def test_every_read_of_the_registry_sees_what_the_ledger_holds() -> None:
     """No fold is asked for: the registry's first collector folds before the series are read."""
     metrics = Metrics(CollectorRegistry())
-    book = metrics.ledger.book(metrics.observe_calls)
+    book = metrics.ledger.book(metrics.requests.observe_calls)
     book.add(("ModelInfer", "OK", 0.0004, ""))
     book.add(("ModelInfer", "OK", 0.003, "0af7651916cd43dd8448eb211c80319c"))
     book.add(("ModelInfer", "INVALID_ARGUMENT", 0.0001, ""))
@@ -120,10 +120,10 @@ def test_batches_and_answers_fold_into_their_series() -> None:
         BatchEvent(requests=2, rows=5, seqs=(4, 2), padded_tokens=2, formation_s=0.001, compute_s=0.0, backend=""),
     ]
     events[1].error = RuntimeError("failed: counted by its requests' codes, not as a batch")
-    metrics.observe_batches([(event, "mha", "1") for event in events])
-    metrics.observe_answers("mha", "1", 12 + 7, [0.0002, 0.03])
-    metrics.observe_answers("mha", "2", 5, [0.001])  # another version: its own series
-    metrics.observe_answers("mha_sequence", "1", 3, [0.001])  # decode steps: the sequence model's
+    metrics.requests.observe_batches([(event, "mha", "1") for event in events])
+    metrics.requests.observe_answers("mha", "1", 12 + 7, [0.0002, 0.03])
+    metrics.requests.observe_answers("mha", "2", 5, [0.001])  # another version: its own series
+    metrics.requests.observe_answers("mha_sequence", "1", 3, [0.001])  # decode steps: the sequence model's
     get = metrics.registry.get_sample_value
     v1 = {"model": "mha", "version": "1"}
     assert get("mha_batch_size_count", v1) == 1 and get("mha_batch_size_bucket", {**v1, "le": "4.0"}) == 1

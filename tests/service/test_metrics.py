@@ -231,8 +231,8 @@ def test_made_up_methods_share_one_label(small_model_dir: Path, tmp_path: Path) 
 def test_the_metrics_port_serves_metrics_only_without_a_thread_per_connection(small_model_dir: Path) -> None:
     settings = make_settings(small_model_dir, metrics_port=0, metrics_host="127.0.0.1", backend="torch")
     with ServerThread(settings) as server:
-        assert server.running is not None and server.running.metrics_server is not None
-        assert server.running.metrics_server.address == ("127.0.0.1", server.metrics_port)
+        assert server.running is not None and server.running.side.metrics is not None
+        assert server.running.side.metrics.address == ("127.0.0.1", server.metrics_port)
         threads = threading.active_count()
         idle = [socket.create_connection(("127.0.0.1", server.metrics_port)) for _ in range(200)]
         try:

@@ -22,10 +22,11 @@ from service.backends.ort import OrtCpuBackend, OrtCudaBackend
 from service.backends.pytorch import ServedAttention, TorchBackend
 from service.backends.selection import SelfCheck, probe_rounds, probe_shapes, speed_order, split_by_size
 from service.batching import BatchEvent, batch_mflop
-from service.engine.publishing import Publisher
+from service.engine.publishing import Publisher, ServingBackends
 from service.engine.readiness import DeviceHealth
 from service.errors import BackendFailure
 from service.metrics import Metrics
+from service.tracing import Tracing
 
 
 def test_cpu_backends_match_reference(small_model_dir: Path) -> None:
@@ -313,6 +314,13 @@ def test_chain_falls_back_benches_and_recovers(small_model_dir: Path) -> None:
     assert relative_error(torch.from_numpy(y), ref) < 1e-5
 
 
+def _publisher(metrics: Metrics) -> Publisher:
+    """A publisher on `metrics`, its device any, always ready."""
+    return Publisher(
+        metrics, ServingBackends(metrics, DeviceHealth("any", metrics), lambda: True, lambda: None), Tracing()
+    )
+
+
 def test_backend_info_follows_a_backend_benched_at_run_time_and_back(small_model_dir: Path) -> None:
     """The serving backends are looked at again only when they may have changed (a backend's
     health changed, or one is quarantined): mha_backend_info still follows every change."""
@@ -323,8 +331,8 @@ def test_backend_info_follows_a_backend_benched_at_run_time_and_back(small_model
     chain = BackendChain(
         [first, TorchBackend(config, weights)], check.passes, failure_threshold=2, cooldown_s=10, clock=clock
     )
-    publisher = Publisher(metrics, DeviceHealth("any", metrics), lambda: True, lambda: None)
-    publisher.backends(chain)
+    publisher = _publisher(metrics)
+    publisher.serving.show(chain)
     x = np.random.default_rng(2).standard_normal((1, 4, 32), dtype=np.float32)
 
     def batch() -> dict[str, float | None]:
@@ -378,16 +386,16 @@ def test_both_backends_of_a_split_show_as_serving(small_model_dir: Path) -> None
     ort, torch_cpu = OrtCpuBackend(small_model_dir / "model.onnx", threads=1), TorchBackend(config, weights)
     check = SelfCheck(config, weights).passes
     metrics = Metrics(CollectorRegistry())
-    publisher = Publisher(metrics, DeviceHealth("any", metrics), lambda: True, lambda: None)
+    publisher = _publisher(metrics)
 
     def info() -> dict[str, float | None]:
         get = metrics.registry.get_sample_value
         return {b: get("mha_backend_info", {"backend": b, "device": "cpu"}) for b in ("torch-cpu", "ort-cpu")}
 
-    publisher.backends(BackendChain([torch_cpu, ort], probe=check))
+    publisher.serving.show(BackendChain([torch_cpu, ort], probe=check))
     assert info() == {"torch-cpu": 1, "ort-cpu": 0}
     route = LightRoute(batch_mflop(1, 8, config.d_model), [ort, torch_cpu], config.d_model)
-    publisher.backends(BackendChain([torch_cpu, ort], probe=check, light=route))
+    publisher.serving.show(BackendChain([torch_cpu, ort], probe=check, light=route))
     assert info() == {"torch-cpu": 1, "ort-cpu": 1}
 
 
