@@ -95,7 +95,11 @@ CASES = [  # (name, B, T, clients)
     ("(1, 64, 128) 8 clients", 1, 64, 8),
     ("(1, 64, 128) 32 clients", 1, 64, 32),
     ("(4, 512, 128) 1 client", 4, 512, 1),
+    ("(1, 64, 128) 8 clients, one channel", 1, 64, 8),
+    ("(1, 64, 128) 32 clients, one channel", 1, 64, 32),
 ]
+ONE_CHANNEL = "one channel"  # a case so named: its clients share one channel (one connection), as threads
+# of one gRPC application do; every other case: a connection per client, as separate processes have
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 
 
@@ -244,12 +248,15 @@ def wait_ready(url: str, proc: subprocess.Popen[bytes], timeout: float = 180) ->
     raise TimeoutError(f"{url} did not become ready")
 
 
-def load_case(pgid: int, url: str, case: tuple[int, int, int], seconds: float) -> tuple[dict[str, float], dict]:
+def load_case(
+    pgid: int, url: str, case: tuple[int, int, int], seconds: float, one_channel: bool = False
+) -> tuple[dict[str, float], dict]:
     """One case (B, T, clients) against the server leading process group `pgid`: its p50, req/s,
-    server CPU per request and the host's steal meanwhile; and the load's errors by code."""
+    server CPU per request and the host's steal meanwhile; and the load's errors by code. The
+    clients share one channel (`one_channel`), or each has a connection of its own."""
     B, T, clients = case
     before, ticks = group_cpu_seconds(pgid), common.cpu_ticks()
-    result = run_load(url, clients, seconds, [T], batch=B)
+    result = run_load(url, clients, seconds, [T], batch=B, own_connection=not one_channel)
     cpu = group_cpu_seconds(pgid) - before
     row = {
         "p50_ms": result.p50_ms,
@@ -271,7 +278,7 @@ def measure(
             rows["threads outside the servers' CPUs"] = outside  # type: ignore[assignment]
         run_load(url, 1, 1.0, [64])  # warm-up
         for case, B, T, clients in CASES:
-            row, errors = load_case(proc.pid, url, (B, T, clients), seconds)
+            row, errors = load_case(proc.pid, url, (B, T, clients), seconds, ONE_CHANNEL in case)
             rows[case] = {**{k: round(v, 3) for k, v in row.items()}, "errors": errors}
             log.info("%-20s %-26s %s", name, case, rows[case])
         if name == "mha-serve":
@@ -358,8 +365,8 @@ class Started:
         self.proc = spawn(*command, common.RESULTS / f"compare-{slug}.log", cpus)
         self.name, self.url = name, f"127.0.0.1:{port}"
 
-    def case(self, B: int, T: int, clients: int, seconds: float) -> dict:
-        return load_case(self.proc.pid, self.url, (B, T, clients), seconds)[0]
+    def case(self, B: int, T: int, clients: int, seconds: float, one_channel: bool = False) -> dict:
+        return load_case(self.proc.pid, self.url, (B, T, clients), seconds, one_channel)[0]
 
     def stop(self) -> None:
         with contextlib.suppress(ProcessLookupError):  # one that failed to start is gone already
@@ -374,7 +381,7 @@ Case = tuple[str, int, int, int]  # (name, B, T, clients)
 
 
 class Visited(Protocol):
-    def case(self, B: int, T: int, clients: int, seconds: float) -> dict: ...
+    def case(self, B: int, T: int, clients: int, seconds: float, one_channel: bool = False) -> dict: ...
 
 
 STEAL_TRIES = 3  # visits of one server and case, at most, when the host takes more than --max-steal
@@ -385,10 +392,10 @@ def visit(server: Visited, case: Case, seconds: float, max_steal: float | None) 
     more of the CPUs' time than that (steal, in percent) is measured again, up to STEAL_TRIES
     times in all, whichever the server: the one kept is the least stolen from, with how many
     `tries` were made."""
-    _, B, T, clients = case
-    rows = [server.case(B, T, clients, seconds)]
+    name, B, T, clients = case
+    rows = [server.case(B, T, clients, seconds, ONE_CHANNEL in name)]
     while max_steal is not None and rows[-1]["steal_pct"] > max_steal and len(rows) < STEAL_TRIES:
-        rows.append(server.case(B, T, clients, seconds))
+        rows.append(server.case(B, T, clients, seconds, ONE_CHANNEL in name))
     return {**min(rows, key=lambda row: row["steal_pct"]), "tries": len(rows)}
 
 
@@ -529,7 +536,8 @@ def main() -> int:
         )
     model_dir, cpus = args.model_dir.resolve(), args.server_cpus
     machine = f"{socket.gethostname()}: {len(os.sched_getaffinity(0))} CPUs, {common.idle_policy()}"
-    machine += f"; mha-serve's default processes and the floors': {mha_serve_processes()}; a connection per client"
+    machine += f"; mha-serve's default processes and the floors': {mha_serve_processes()}"
+    machine += "; clients on connections of their own, unless the case says one channel"
     if args.cpu_latency_qos:
         machine += ", PM QoS 0 µs held (idle CPUs poll)"
     if cpus is not None:

@@ -21,10 +21,11 @@ def compare(monkeypatch: pytest.MonkeyPatch) -> ModuleType:
 
 
 def test_cases_are_chosen_by_number_in_their_own_order(compare: ModuleType) -> None:
-    one_client, *_, heavy = compare.CASES
+    one_client, _, _, heavy, *_ = compare.CASES
     assert compare.case_list("4,1") == [one_client, heavy]
     assert compare.case_list("1") == [one_client]
-    for bad in ("", "0", "5", "1,x", "-1"):
+    assert all(compare.ONE_CHANNEL in case[0] for case in compare.case_list("5,6"))
+    for bad in ("", "0", str(len(compare.CASES) + 1), "1,x", "-1"):
         with pytest.raises(argparse.ArgumentTypeError):
             compare.case_list(bad)
 
@@ -109,7 +110,7 @@ class _Scripted:
     def __init__(self, steals: list[float]) -> None:
         self.steals, self.visits = list(steals), 0
 
-    def case(self, B: int, T: int, clients: int, seconds: float) -> dict:
+    def case(self, B: int, T: int, clients: int, seconds: float, one_channel: bool = False) -> dict:
         self.visits += 1
         return {"p50_ms": float(self.visits), "steal_pct": self.steals.pop(0)}
 

@@ -58,6 +58,7 @@ class Call:
         return self.code is grpc.StatusCode.OK
 
 
+HANDED_OVER = "HandedOver"  # the method, on the worker that computes it, of a request another worker handed over
 DEADLINE_SLACK_S = 0.1  # the client's deadline fires before ours by the request's transit time
 
 
@@ -149,7 +150,11 @@ class Calls:
         self._metrics.requests.observe_calls(
             (method, code.name, s, trace) for method, code, s, _, trace, _, _ in records
         )
-        inferences = [(version, step, code.name, s) for _, code, s, inference, _, step, version in records if inference]
+        inferences = [  # a handed-over request is in the statistics of the worker its client called
+            (version, step, code.name, s)
+            for method, code, s, inference, _, step, version in records
+            if inference and method != HANDED_OVER
+        ]
         if inferences:
             self._door.requests_closed(inferences)
 

@@ -31,6 +31,7 @@ from google.protobuf.message import Message
 
 from service.errors import DeadlineExceeded, NotReady, Relayed
 from service.proto import grpc_service_pb2 as pb
+from service.protocol.calls import HANDED_OVER
 from service.protocol.grpc_codec import request_to_proto, response_from_proto
 from service.protocol.inference import InferRequest, InferResponse
 
@@ -39,7 +40,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-FORWARDED_METHOD = "HandedOver"  # the metric label, on the receiving worker, of calls handed over by another
+FORWARDED_METHOD = HANDED_OVER  # the metric label, on the receiving worker, of calls handed over by another
 REQUEST_HEAD = struct.Struct("!BIHd")  # kind, request bytes, header bytes, seconds left (< 0: no deadline)
 INFER, REGISTER, UNREGISTER, STATUS, LOAD, UNLOAD, LOG, TRACE, STATS = range(9)  # ..., statistics
 REQUESTS: dict[int, type[Message]] = {

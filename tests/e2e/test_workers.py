@@ -143,7 +143,8 @@ def _http_step(
 def test_every_connection_reaches_a_sequences_state_with_two_workers(small_model_dir: Path, tmp_path: Path) -> None:
     """The issue's scenario: a prefix of 8 tokens and 24 one-token steps, each step on a new
     connection (gRPC and HTTP), with --workers 2: every step exact, none refused, and the steps
-    that reached the other worker were handed to the owner; on both model entries."""
+    that reached the other worker were handed to the owner, and counted once in the replica's
+    statistics; on both model entries."""
     server = ServerProcess(["--model-dir", str(small_model_dir), "--backend", "torch", "--workers", "2"])
     server.start(tmp_path / "server.log")
     try:
@@ -168,6 +169,9 @@ def test_every_connection_reaches_a_sequences_state_with_two_workers(small_model
                     assert said["worker"] == owner_of(sequence_id, 2)
         handed = _ok(_samples(server.metrics_port), FORWARDED_METHOD)
         assert 0 < handed < 6 * 25, handed
+        with grpc.insecure_channel(server.url) as channel:  # each step once, where its client sent it
+            stats = pb_grpc.GRPCInferenceServiceStub(channel).ModelStatistics(pb.ModelStatisticsRequest(), timeout=30)
+        assert sum(s.inference_stats.success.count for s in stats.model_stats) == 6 * 25
         for _ in range(6):  # a deadline that passes, wherever the step lands: 504, never a server fault
             x = rng.standard_normal((1, 1, 32), dtype=np.float32)
             with pytest.raises(urllib.error.HTTPError) as info:
