@@ -4,8 +4,13 @@ from __future__ import annotations
 
 import collections
 import itertools
+import json
+import math
+import os
+import time
 from collections.abc import Callable, Iterable, Sequence
 from functools import partial
+from pathlib import Path
 from typing import Protocol
 
 from prometheus_client import (
@@ -246,13 +251,46 @@ def _labelled_gauge(
     return _WorkerGauge(gauge, worker)
 
 
+LATENCY = "mha_request_duration_seconds"
+
+
+class LatencySeries:
+    """Time in the server per request, by method; a traced call's trace id rides on its bucket (an
+    OpenMetrics exemplar). prometheus-client's multiprocess mode drops exemplars, so a worker of
+    several keeps the latest of each bucket itself and writes them to `exemplars` (JSON, replaced
+    whole), where the supervisor's /metrics puts them back on the merged buckets."""
+
+    def __init__(self, seconds: Callable[..., Histogram], exemplars: Path | None = None) -> None:
+        self.histogram = seconds(LATENCY, "Time in the server per request.", ["method"])
+        self._file = exemplars
+        self._latest: dict[tuple[str, float], tuple[str, float, float]] = {}  # (method, le) -> (trace, s, when)
+        self._written = True
+
+    def traced(self, method: str, seconds: float, trace_id: str) -> None:
+        self.histogram.labels(method=method).observe(seconds, {"trace_id": trace_id})
+        if self._file is not None:
+            le = next((bound for bound in LATENCY_BUCKETS if seconds <= bound), math.inf)
+            self._latest[method, le] = (trace_id, seconds, time.time())
+            self._written = False
+
+    def write(self) -> None:
+        """A worker's exemplars, where the supervisor reads them (only when they changed)."""
+        if self._file is None or self._written:
+            return
+        rows = [[method, le, *latest] for (method, le), latest in self._latest.items()]
+        scratch = self._file.with_suffix(".tmp")
+        scratch.write_text(json.dumps(rows))
+        os.replace(scratch, self._file)  # a reader sees the old file or the new one, whole
+        self._written = True
+
+
 class RequestSeries:
     """Requests, and the batches that computed them: counted, timed, sized, and the fallbacks."""
 
-    def __init__(self, registry: CollectorRegistry, counter: Callable[..., Counter]) -> None:
+    def __init__(self, registry: CollectorRegistry, counter: Callable[..., Counter], exemplars: Path | None) -> None:
         seconds = partial(Histogram, buckets=LATENCY_BUCKETS, registry=registry)
         self.requests = counter("mha_requests", "Requests answered, by RPC and final code.", ["method", "code"])
-        self.request_duration = seconds("mha_request_duration_seconds", "Time in the server per request.", ["method"])
+        self.latency = LatencySeries(seconds, exemplars)
         version = ["model", "version"]  # the model entry (mha, mha_sequence) and its version that did the work
         self.queue_duration = seconds("mha_queue_duration_seconds", "Time waited for the batch to run.", version)
         self.batch_formation = seconds("mha_batch_formation_seconds", "Time spent forming a batch.", version)
@@ -273,13 +311,13 @@ class RequestSeries:
         for method, code, seconds, trace_id in records:
             counted[method, code] += 1
             if trace_id:
-                self.request_duration.labels(method=method).observe(seconds, {"trace_id": trace_id})
+                self.latency.traced(method, seconds, trace_id)
             else:
                 timed[method].append(seconds)
         for (method, code), n in counted.items():
             self.requests.labels(method=method, code=code).inc(n)
         for method, values in timed.items():
-            observe_all(self.request_duration.labels(method=method), values)
+            observe_all(self.latency.histogram.labels(method=method), values)
 
     def observe_batches(self, events: Sequence[tuple[BatchEvent, str, str]]) -> None:
         """Executed batches, in bulk, each with its model entry and version (failed ones are
@@ -374,7 +412,8 @@ class Metrics:
     label and leave the merge when it dies; counters and histograms add up over every worker that
     ever ran. Nobody reads a worker's registry then, so it refreshes on a timer (server.py)."""
 
-    def __init__(self, registry: CollectorRegistry, worker: int | None = None) -> None:
+    def __init__(self, registry: CollectorRegistry, worker: int | None = None, exemplars: Path | None = None) -> None:
+        """`exemplars`: where a worker of several writes its latency exemplars."""
         _disable_created()
         self.registry = registry
         self.ledger = Ledger()
@@ -384,7 +423,7 @@ class Metrics:
         counter = partial(Counter, registry=registry)
         label = None if worker is None else str(worker)
         gauge, labelled = partial(_gauge, registry, label), partial(_labelled_gauge, registry, label)
-        self.requests = RequestSeries(registry, counter)
+        self.requests = RequestSeries(registry, counter, exemplars)
         self.serving = ServingSeries(gauge, labelled)
         self.sequences = SequenceSeries(gauge, counter)
         self.versions = VersionSeries(labelled, counter)
@@ -399,5 +438,7 @@ class Metrics:
         self.ledger.after_fold(update)
 
     def refresh(self) -> None:
-        """Apply what the ledger holds, and set the gauges that follow the server's state."""
+        """Apply what the ledger holds, and set the gauges that follow the server's state; a
+        worker's exemplars written."""
         self.ledger.fold()
+        self.requests.latency.write()

@@ -23,6 +23,7 @@ from prometheus_client import CollectorRegistry
 
 from service.app.engine import Engine, build_engine
 from service.app.model_config import load, model_source, poll, read_schedule
+from service.app.supervisor import MULTIPROC_ENV, exemplars_file
 from service.batching import Clock
 from service.engine.keeper import ComputeHook
 from service.engine.readiness import State
@@ -133,7 +134,9 @@ async def start(
     ComputeHook (tests hold computes and inject failures with it).
     """
     worker = settings.worker_index if settings.worker_peers > 1 else None  # one of several: multiprocess metrics
-    metrics = Metrics(registry if registry is not None else CollectorRegistry(auto_describe=True), worker)
+    metrics = Metrics(
+        registry if registry is not None else CollectorRegistry(auto_describe=True), worker, _exemplars(worker)
+    )
     source, schedule = model_source(settings), read_schedule(settings)
     peers = _peers(settings)
     others_ready = None if peers is None else peers.all_listening  # ready once every worker is
@@ -195,6 +198,12 @@ def _tracing(settings: Settings) -> Tracing:
         return Tracing.configure(identity, os.environ)
     except ValueError as exc:  # a malformed OTEL_TRACES_SAMPLER(_ARG)
         raise StartupError(str(exc), 2) from exc
+
+
+def _exemplars(worker: int | None) -> Path | None:
+    """Where a worker of several writes its latency exemplars: beside its multiprocess files."""
+    folder = os.environ.get(MULTIPROC_ENV) if worker is not None else None
+    return Path(folder) / exemplars_file(worker) if folder and worker is not None else None
 
 
 def _peers(settings: Settings) -> WorkerPeers | None:

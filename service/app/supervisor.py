@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import ctypes
+import json
 import logging
 import os
 import shutil
@@ -32,8 +33,10 @@ from pathlib import Path
 from prometheus_client import CollectorRegistry, Counter, ProcessCollector
 from prometheus_client.core import Metric
 from prometheus_client.multiprocess import MultiProcessCollector, mark_process_dead
+from prometheus_client.samples import Exemplar, Sample
 
 from service.app.launch import free_ports, package_path, serve_command
+from service.metrics import LATENCY
 from service.protocol.metrics_http import MetricsServer
 from service.protocol.peers import socket_path
 from service.resources import available_cpus
@@ -102,6 +105,50 @@ class WorkerProcesses:
         yield from families.values()
 
 
+EXEMPLARS = "exemplars-{}.json"  # in the workers' metrics folder: a worker's latency exemplars
+
+
+def exemplars_file(worker: int) -> str:
+    """Where, in the workers' metrics folder, worker `worker` writes its latency exemplars."""
+    return EXEMPLARS.format(worker)
+
+
+class ExemplarsMerged:
+    """The workers' multiprocess files merged by prometheus-client's collector, each latency
+    bucket with the latest exemplar any worker wrote for it (the merge itself keeps none)."""
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+        self._merged = MultiProcessCollector(None, str(directory))
+
+    def collect(self) -> Iterator[Metric]:
+        exemplars = self._exemplars()
+        for family in self._merged.collect():
+            if family.name == LATENCY and exemplars:
+                family.samples = [_with_exemplar(sample, exemplars) for sample in family.samples]
+            yield family
+
+    def _exemplars(self) -> dict[tuple[str, float], Exemplar]:
+        """(method, bucket) -> the latest exemplar of any worker."""
+        latest: dict[tuple[str, float], tuple[float, Exemplar]] = {}
+        for path in self.directory.glob(EXEMPLARS.format("*")):
+            try:
+                rows = json.loads(path.read_text())
+            except (OSError, ValueError):  # a worker's file being replaced: the next scrape reads it
+                continue
+            for method, le, trace_id, seconds, when in rows:
+                if latest.get((method, le), (-1.0,))[0] < when:
+                    latest[method, le] = (when, Exemplar({"trace_id": trace_id}, seconds, when))
+        return {key: exemplar for key, (_, exemplar) in latest.items()}
+
+
+def _with_exemplar(sample: Sample, exemplars: dict[tuple[str, float], Exemplar]) -> Sample:
+    if not sample.name.endswith("_bucket"):
+        return sample
+    exemplar = exemplars.get((sample.labels.get("method", ""), float(sample.labels["le"])))
+    return sample if exemplar is None else sample._replace(exemplar=exemplar)
+
+
 class MergedMetrics:
     """The workers' metrics as the supervisor's port serves them: their multiprocess files merged,
     which workers run, and how often each was restarted."""
@@ -109,7 +156,7 @@ class MergedMetrics:
     def __init__(self, workers: list[Worker]) -> None:
         self.directory = Path(tempfile.mkdtemp(prefix="mha-metrics-"))  # the workers' multiprocess files
         self.registry = CollectorRegistry(auto_describe=False)
-        MultiProcessCollector(self.registry, str(self.directory))
+        self.registry.register(ExemplarsMerged(self.directory))  # type: ignore[arg-type]
         self.registry.register(WorkerProcesses(workers))  # type: ignore[arg-type]
         self.restarts = Counter(
             "mha_worker_restarts", "Workers restarted after they died, by worker.", ["worker"], registry=self.registry

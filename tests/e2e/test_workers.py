@@ -18,6 +18,7 @@ import grpc
 import numpy as np
 import pytest
 import torch
+from prometheus_client.openmetrics.parser import text_string_to_metric_families as openmetrics_families
 from prometheus_client.parser import text_string_to_metric_families
 
 from model.checkpoint import load_checkpoint
@@ -179,6 +180,50 @@ def test_every_connection_reaches_a_sequences_state_with_two_workers(small_model
             assert info.value.code == 504, info.value.read()
     finally:
         server.kill()
+
+
+def _exemplars(port: int) -> dict[str, str]:
+    """The trace id of each latency bucket's exemplar on /metrics, read as Prometheus reads it
+    (OpenMetrics, asked for): {le: trace id}."""
+    request = urllib.request.Request(
+        f"http://127.0.0.1:{port}/metrics", headers={"Accept": "application/openmetrics-text; version=1.0.0"}
+    )
+    with urllib.request.urlopen(request, timeout=10) as response:
+        text = response.read().decode()
+    return {
+        s.labels["le"]: s.exemplar.labels["trace_id"]
+        for family in openmetrics_families(text)
+        for s in family.samples
+        if s.name == "mha_request_duration_seconds_bucket" and s.labels.get("method") == "ModelInfer" and s.exemplar
+    }
+
+
+def test_latency_exemplars_reach_the_merged_metrics_of_several_workers(small_model_dir: Path, tmp_path: Path) -> None:
+    """Tracing on, two workers: each traced call's trace id rides on its latency bucket of the
+    supervisor's /metrics, as with one process (prometheus-client's multiprocess merge keeps none
+    of them itself), and each one names a trace the exporter delivered."""
+    from tests.otlp_receiver import OtlpReceiver
+
+    with OtlpReceiver() as receiver:
+        args = ["--model-dir", str(small_model_dir), "--backend", "torch", "--workers", "2"]
+        server = ServerProcess([*args, "--otlp-endpoint", receiver.endpoint])
+        server.start(tmp_path / "server.log")
+        try:
+            _until(lambda: _ready_workers(server) == 2)
+            for _ in range(20):  # a channel each: both workers serve some
+                with MHAClient(server.url) as client:
+                    client.infer(np.ones((1, 3, 32), np.float32))
+            found: dict[str, str] = {}
+
+            def seen() -> bool:
+                found.update(_exemplars(server.metrics_port))
+                return bool(found)
+
+            _until(seen, 30)
+            _until(lambda: set(found.values()) <= {span.trace_id for span in receiver.named("ModelInfer")}, 30)
+        finally:
+            server.kill()
+    assert all(len(trace) == 32 for trace in found.values()), found
 
 
 def _alive(pid: int) -> bool:
