@@ -76,13 +76,14 @@ import time
 from collections.abc import Iterator
 from multiprocessing import shared_memory
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Protocol
 
 import common
 import grpc
 import numpy as np
 
-from service.app.launch import free_port, free_ports
+from service.app.launch import Balancer, free_port, free_ports
 from service.client.loadgen import run_load
 from service.proto import grpc_service_pb2 as pb
 from service.proto import grpc_service_pb2_grpc as pb_grpc
@@ -188,6 +189,7 @@ SERVERS = (
     "mha-serve --backend ort-cpu",  # the backend pinned: what the start-up measurement chose aside
     "mha-serve --backend torch",  # the other CPU backend pinned
     "mha-serve --threads 1",  # one intra-op thread: the CPUs left to gRPC and the loop
+    "mha-serve behind nginx",  # a proxy that pools its upstream connections (deploy/nginx/mha-serve.conf)
     "Triton + ORT",
     "KServe + ORT",
     "MLServer + ORT",
@@ -353,22 +355,36 @@ def in_process_ms(model_dir: Path, backend: str, seconds: float) -> float:
     return round(float(np.median(times[2:])) * 1e3, 3)
 
 
+PROXIED = "mha-serve behind nginx"
+NGINX = ROOT / ".tools" / "nginx" / "usr" / "sbin" / "nginx"  # make install
+
+
 class Started:
-    """A server started for the interleaved runs: its process and address."""
+    """A server started for the interleaved runs: its process and address. `mha-serve behind
+    nginx` is mha-serve with its defaults behind deploy/nginx/mha-serve.conf (gRPC keepalive to
+    the upstream, as the docs' proxies pool connections), its clients connected to nginx; nginx's
+    own CPU is not in the server's CPU per request."""
 
     def __init__(self, name: str, model_dir: Path, cpus: set[int] | None, checkout: Path | None = None) -> None:
         port = free_port()
-        command = server_command(name, model_dir, port, checkout)
-        if command is None:
-            raise LookupError(f"{name}: its environment is not installed (make bench-servers)")
+        command = server_command("mha-serve" if name == PROXIED else name, model_dir, port, checkout)
+        if command is None or (name == PROXIED and not NGINX.exists()):
+            raise LookupError(f"{name}: its environment is not installed (make bench-servers, make install)")
         slug = "-".join(w.strip(":-@").lower() for w in name.split()[:2] if w.strip(":-+@"))
         self.proc = spawn(*command, common.RESULTS / f"compare-{slug}.log", cpus)
         self.name, self.url = name, f"127.0.0.1:{port}"
+        self.balancer: Balancer | None = None
+        if name == PROXIED:
+            upstream = SimpleNamespace(port=port, http_port=free_port())  # mha-serve's HTTP is off: unused
+            self.balancer = Balancer(NGINX, Path(tempfile.mkdtemp(prefix="mha-nginx-")), [upstream])  # type: ignore[list-item]
+            self.url = self.balancer.start().url
 
     def case(self, B: int, T: int, clients: int, seconds: float, one_channel: bool = False) -> dict:
         return load_case(self.proc.pid, self.url, (B, T, clients), seconds, one_channel)[0]
 
     def stop(self) -> None:
+        if self.balancer is not None:
+            self.balancer.stop()
         with contextlib.suppress(ProcessLookupError):  # one that failed to start is gone already
             os.killpg(self.proc.pid, signal.SIGTERM)
         try:
