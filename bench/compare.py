@@ -190,6 +190,7 @@ SERVERS = (
     "mha-serve --backend torch",  # the other CPU backend pinned
     "mha-serve --threads 1",  # one intra-op thread: the CPUs left to gRPC and the loop
     "mha-serve behind nginx",  # a proxy that pools its upstream connections (deploy/nginx/mha-serve.conf)
+    "2 replicas of mha-serve --workers 1 behind nginx",  # one process per pod, balanced request by request
     "Triton + ORT",
     "KServe + ORT",
     "MLServer + ORT",
@@ -356,27 +357,39 @@ def in_process_ms(model_dir: Path, backend: str, seconds: float) -> float:
 
 
 PROXIED = "mha-serve behind nginx"
+REPLICAS = "2 replicas of mha-serve --workers 1 behind nginx"
+BEHIND_NGINX = {PROXIED: ("mha-serve", 1), REPLICAS: ("mha-serve --workers 1", 2)}  # name -> (each server, how many)
 NGINX = ROOT / ".tools" / "nginx" / "usr" / "sbin" / "nginx"  # make install
 
 
 class Started:
-    """A server started for the interleaved runs: its process and address. `mha-serve behind
-    nginx` is mha-serve with its defaults behind deploy/nginx/mha-serve.conf (gRPC keepalive to
-    the upstream, as the docs' proxies pool connections), its clients connected to nginx; nginx's
-    own CPU is not in the server's CPU per request."""
+    """A server started for the interleaved runs: its process and address.
+
+    Behind nginx (deploy/nginx/mha-serve.conf: gRPC keepalive to the upstreams, as the docs'
+    proxies pool connections, each request balanced on its own), its clients connected to nginx:
+    `mha-serve behind nginx` is mha-serve with its defaults; `2 replicas of mha-serve --workers 1
+    behind nginx` is the same CPUs served by one process per replica, as pods of one CPU each
+    would be (their process group is one, so their CPU per request is both). nginx's own CPU is
+    not in the server's CPU per request."""
 
     def __init__(self, name: str, model_dir: Path, cpus: set[int] | None, checkout: Path | None = None) -> None:
-        port = free_port()
-        command = server_command("mha-serve" if name == PROXIED else name, model_dir, port, checkout)
-        if command is None or (name == PROXIED and not NGINX.exists()):
+        each, count = BEHIND_NGINX.get(name, (name, 1))
+        ports = free_ports(count)
+        found = [server_command(each, model_dir, port, checkout) for port in ports]
+        commands = [c for c in found if c is not None]
+        if len(commands) < count or (name in BEHIND_NGINX and not NGINX.exists()):
             raise LookupError(f"{name}: its environment is not installed (make bench-servers, make install)")
         slug = "-".join(w.strip(":-@").lower() for w in name.split()[:2] if w.strip(":-+@"))
-        self.proc = spawn(*command, common.RESULTS / f"compare-{slug}.log", cpus)
-        self.name, self.url = name, f"127.0.0.1:{port}"
+        self.proc = spawn(*commands[0], common.RESULTS / f"compare-{slug}.log", cpus)
+        log_of = [common.RESULTS / f"compare-{slug}-{n}.log" for n in range(1, count)]
+        others = [spawn(*c, path, cpus, self.proc.pid) for c, path in zip(commands[1:], log_of, strict=True)]
+        self.name, self.url = name, f"127.0.0.1:{ports[0]}"
         self.balancer: Balancer | None = None
-        if name == PROXIED:
-            upstream = SimpleNamespace(port=port, http_port=free_port())  # mha-serve's HTTP is off: unused
-            self.balancer = Balancer(NGINX, Path(tempfile.mkdtemp(prefix="mha-nginx-")), [upstream])  # type: ignore[list-item]
+        if name in BEHIND_NGINX:
+            for port, proc in zip(ports, [self.proc, *others], strict=True):
+                wait_ready(f"127.0.0.1:{port}", proc)
+            upstreams = [SimpleNamespace(port=port, http_port=free_port()) for port in ports]  # their HTTP is off
+            self.balancer = Balancer(NGINX, Path(tempfile.mkdtemp(prefix="mha-nginx-")), upstreams)  # type: ignore[arg-type]
             self.url = self.balancer.start().url
 
     def case(self, B: int, T: int, clients: int, seconds: float, one_channel: bool = False) -> dict:
@@ -457,10 +470,12 @@ def interleaved(
     return {**summarize(per_run, cases), **({"threads outside the servers' CPUs": escapes} if escapes else {})}
 
 
-def spawn(command: list[str], env: dict[str, str], log_path: Path, cpus: set[int] | None) -> subprocess.Popen[bytes]:
-    """A server process leading its own process group, its output in `log_path`; on `cpus` when
-    given, and then told how many it has (bench/servers/*: ORT's pool size, as for a pod of that
-    many CPUs; mha-serve sizes its own by the CPUs it may use)."""
+def spawn(
+    command: list[str], env: dict[str, str], log_path: Path, cpus: set[int] | None, group: int | None = None
+) -> subprocess.Popen[bytes]:
+    """A server process leading its own process group (or in `group`'s), its output in `log_path`;
+    on `cpus` when given, and then told how many it has (bench/servers/*: ORT's pool size, as for a
+    pod of that many CPUs; mha-serve sizes its own by the CPUs it may use)."""
     pinned = {} if cpus is None else {"BENCH_ORT_THREADS": str(len(cpus))}
     with open(log_path, "w") as out, common.on_cpus(cpus):
         return subprocess.Popen(
@@ -469,7 +484,7 @@ def spawn(command: list[str], env: dict[str, str], log_path: Path, cpus: set[int
             cwd=ROOT,
             stdout=out,
             stderr=subprocess.STDOUT,
-            start_new_session=True,
+            process_group=0 if group is None else group,  # a group of its own, or `group`'s (one session)
         )
 
 
