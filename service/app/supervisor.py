@@ -146,7 +146,9 @@ def _with_exemplar(sample: Sample, exemplars: dict[tuple[str, float], Exemplar])
     if not sample.name.endswith("_bucket"):
         return sample
     exemplar = exemplars.get((sample.labels.get("method", ""), float(sample.labels["le"])))
-    return sample if exemplar is None else sample._replace(exemplar=exemplar)
+    if exemplar is None:
+        return sample
+    return Sample(sample.name, sample.labels, sample.value, sample.timestamp, exemplar)
 
 
 class MergedMetrics:

@@ -10,6 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from functools import partial
 from pathlib import Path
+from typing import TypeVar
 
 import numpy as np
 
@@ -18,10 +19,9 @@ from export.verify import check_manifest, sha256_file
 from model import MHAConfig
 from model.checkpoint import CheckpointError, load_checkpoint
 from service.backends import BackendChain, BackendSpec, Selection, select_backends
-from service.backends.base import Backend
 from service.backends.chain import REASONS, FallbackHook
 from service.batching import BatcherConfig, Clock
-from service.decode.scheduler import Decoder, StepBatcher, StepInput
+from service.decode.scheduler import Decoder, StepBatcher
 from service.decode.sequences import SequenceLimits, SequenceStore
 from service.engine.audit import Reference
 from service.engine.batcher import Batcher
@@ -41,6 +41,8 @@ from service.tracing import Tracing
 
 log = logging.getLogger(__name__)
 Prepared = tuple[ServedModel, Selection, BackendChain]
+In = TypeVar("In")  # what a compute takes: a batch (B, T, C), or decode steps
+Out = TypeVar("Out")  # what it returns, with the backend that computed it
 
 # Called on the computing thread before every batch (kind "batch", its merged input) and every batch
 # of decode steps ("steps", each step's new tokens): it may block, or raise as a failing compute
@@ -153,7 +155,7 @@ class VersionKeeper:
         s, compute = self.settings, self.compute
         batcher = Batcher(
             _batching(s, model),
-            run_batch=_hooked(chain.run, "batch", compute.hook),
+            run_batch=_hooked(chain.run, "batch", compute.hook, lambda x: [x]),
             executor=compute.executor,
             on_batch=partial(self.publish.batch, chain=chain, version=model.version),
             in_flight=lambda: compute.requests.uncomputed,
@@ -162,7 +164,7 @@ class VersionKeeper:
             schedule=compute.schedule,
         )
         steps = StepBatcher(
-            _hooked_steps(chain.run_steps, compute.hook),
+            _hooked(chain.run_steps, "steps", compute.hook, lambda steps: [step.x for step in steps]),
             compute.executor,
             s.max_step_rows,
             max_queue_size=s.max_queue_size,
@@ -229,28 +231,15 @@ def single_source(s: Settings, read_policy: PolicyReader | None = None) -> Model
 
 
 def _hooked(
-    run: Callable[[np.ndarray], tuple[np.ndarray, Backend]], kind: str, hook: ComputeHook | None
-) -> Callable[[np.ndarray], tuple[np.ndarray, Backend]]:
-    """`run` itself in production; with a test's hook, the hook first."""
+    run: Callable[[In], Out], kind: str, hook: ComputeHook | None, tensors: Callable[[In], list[np.ndarray]]
+) -> Callable[[In], Out]:
+    """`run` itself in production; with a test's hook, the hook first (on `tensors` of the input)."""
     if hook is None:
         return run
 
-    def hooked(x: np.ndarray) -> tuple[np.ndarray, Backend]:
-        hook(kind, [x])
-        return run(x)
-
-    return hooked
-
-
-def _hooked_steps(
-    run: Callable[[Sequence[StepInput]], tuple[list[np.ndarray], Backend]], hook: ComputeHook | None
-) -> Callable[[Sequence[StepInput]], tuple[list[np.ndarray], Backend]]:
-    if hook is None:
-        return run
-
-    def hooked(steps: Sequence[StepInput]) -> tuple[list[np.ndarray], Backend]:
-        hook("steps", [s.x for s in steps])
-        return run(steps)
+    def hooked(inputs: In) -> Out:
+        hook(kind, tensors(inputs))
+        return run(inputs)
 
     return hooked
 
