@@ -25,7 +25,7 @@ POISONS = {  # both backends overflow on these (checked in the tests: nothing ma
 }
 
 
-NON_FINITE = {  # the server looks at the input only once the output shows them (InferenceCore.infer)
+NON_FINITE = {  # the server looks at the input only once the output shows them (Door.infer)
     "nan": np.where(np.arange(8 * 32).reshape(1, 8, 32) % 50 == 7, np.nan, 0.5).astype(np.float32),
     "-inf": np.concatenate([np.ones((1, 7, 32), np.float32), np.full((1, 1, 32), -np.inf, np.float32)], axis=1),
 }
