@@ -5,6 +5,7 @@ from __future__ import annotations
 import collections
 import itertools
 import json
+import logging
 import math
 import os
 import time
@@ -26,6 +27,8 @@ from prometheus_client import disable_created_metrics as _disable_created
 
 from service.batching import BatchEvent
 from service.ledger import Ledger
+
+log = logging.getLogger(__name__)
 
 # 100 us to 10 s, roughly x2.5 per step: resolves a T=1 request on a GPU and a cold CPU batch alike.
 LATENCY_BUCKETS = (
@@ -279,8 +282,11 @@ class LatencySeries:
             return
         rows = [[method, le, *latest] for (method, le), latest in self._latest.items()]
         scratch = self._file.with_suffix(".tmp")
-        scratch.write_text(json.dumps(rows))
-        os.replace(scratch, self._file)  # a reader sees the old file or the new one, whole
+        try:
+            scratch.write_text(json.dumps(rows))
+            os.replace(scratch, self._file)  # a reader sees the old file or the new one, whole
+        except OSError as exc:  # exemplars are a convenience: the series themselves go on
+            log.warning("latency exemplars not written to %s: %s", self._file, exc)
         self._written = True
 
 

@@ -133,8 +133,11 @@ class ExemplarsMerged:
         latest: dict[tuple[str, float], tuple[float, Exemplar]] = {}
         for path in self.directory.glob(EXEMPLARS.format("*")):
             try:
-                rows = json.loads(path.read_text())
-            except (OSError, ValueError):  # a worker's file being replaced: the next scrape reads it
+                rows = [
+                    (str(m), float(le), str(trace), float(s), float(w))
+                    for m, le, trace, s, w in json.loads(path.read_text())
+                ]
+            except (OSError, ValueError, TypeError):  # a file being replaced, or not ours: the next scrape reads it
                 continue
             for method, le, trace_id, seconds, when in rows:
                 if latest.get((method, le), (-1.0,))[0] < when:

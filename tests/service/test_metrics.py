@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import json
 import socket
 import subprocess
 import threading
@@ -15,9 +16,11 @@ from pathlib import Path
 import grpc
 import numpy as np
 import pytest
+from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 
 from service.client.client import InferenceError, MHAClient
+from service.metrics import Metrics
 from service.protocol.metrics_http import IDLE_S
 from tests.support import ROOT, ServerThread, make_settings
 
@@ -250,3 +253,21 @@ def test_the_metrics_port_serves_metrics_only_without_a_thread_per_connection(sm
             with pytest.raises(urllib.error.HTTPError) as info:
                 urllib.request.urlopen(f"http://127.0.0.1:{server.metrics_port}{path}", timeout=5)
             assert info.value.code == 404
+
+
+def test_a_worker_that_cannot_write_its_exemplars_says_so_and_its_series_go_on(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Exemplars are a convenience: a folder gone (or full) costs a warning, never the refresh
+    that writes a worker's series."""
+    metrics = Metrics(CollectorRegistry(), worker=None, exemplars=tmp_path / "gone" / "exemplars-0.json")
+    metrics.requests.observe_calls([("ModelInfer", "OK", 0.002, "0af7651916cd43dd8448eb211c80319c")])
+    metrics.refresh()
+    assert any("latency exemplars not written" in r.getMessage() for r in caplog.records)
+    written = tmp_path / "exemplars-1.json"
+    metrics = Metrics(CollectorRegistry(), worker=None, exemplars=written)
+    metrics.requests.observe_calls([("ModelInfer", "OK", 0.002, "0af7651916cd43dd8448eb211c80319c")])
+    metrics.refresh()
+    ((method, le, trace_id, seconds, when),) = json.loads(written.read_text())  # its bucket's latest
+    assert (method, le, trace_id, seconds) == ("ModelInfer", 0.0025, "0af7651916cd43dd8448eb211c80319c", 0.002)
+    assert when > 0
