@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
@@ -277,3 +278,76 @@ def test_a_stream_that_never_reads_is_held_at_its_window_and_what_was_never_writ
     assert counts["OK"] < window, counts
     errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
     assert errors == [], errors  # gRPC's failed write under a departed client is no server fault
+
+
+def _all_stream_counts(server: ServerThread) -> dict[str, float]:
+    """Every code ModelStreamInfer's requests were counted with, as /metrics reads."""
+    counts: dict[str, float] = {}
+    for family in server.registry.collect():
+        for sample in family.samples:
+            if sample.name == "mha_requests_total" and sample.labels.get("method") == "ModelStreamInfer":
+                counts[sample.labels["code"]] = counts.get(sample.labels["code"], 0.0) + sample.value
+    return {code: value for code, value in counts.items() if value}
+
+
+def test_a_stream_cut_by_its_deadline_counts_what_the_client_received(server: ServerThread) -> None:
+    """The issue's case: a stream with a deadline and many queued requests, read by a plain
+    reader. The client's tally (answers received, and the stream's end) and /metrics agree:
+    each answer it received counted OK, nothing else OK, the rest DEADLINE_EXCEEDED, and no
+    request counted with a code it was not answered with."""
+    gate = _gate(server)
+    received: list[str] = []
+    ended: list[grpc.StatusCode] = []
+    got_five = threading.Event()
+
+    def read(call: Iterator[object]) -> None:
+        try:
+            for answer in call:
+                assert not answer.error_message, answer.error_message  # type: ignore[attr-defined]
+                received.append(answer.infer_response.id)  # type: ignore[attr-defined]
+                if len(received) == 5:
+                    got_five.set()
+        except grpc.RpcError as exc:
+            ended.append(exc.code())
+
+    with grpc.insecure_channel(server.url) as channel:
+        call = pb_grpc.GRPCInferenceServiceStub(channel).ModelStreamInfer(_requests(), timeout=2.0)
+        reader = threading.Thread(target=read, args=(call,))
+        reader.start()
+        gate.permits.release(5)  # five answers computed, then nothing until the deadline has passed
+        assert got_five.wait(30), f"the client received {len(received)} of 5 answers"
+        reader.join(60)
+    assert ended == [grpc.StatusCode.DEADLINE_EXCEEDED]
+    gate.permits.release(N)
+    _settle(server)
+    counts = _all_stream_counts(server)
+    assert counts.get("OK") == len(received) == 5, (counts, received)
+    assert set(counts) == {"OK", "DEADLINE_EXCEEDED"}, counts
+
+
+def test_a_slow_reader_cut_by_its_deadline_is_counted_ok_only_for_what_grpc_took(server: ServerThread) -> None:
+    """A client that reads one answer and stops until its deadline: the server computes up to
+    --stream-window requests, writes what gRPC's flow control lets it (into the client's
+    library, which drops it when the deadline fires) and counts the rest DEADLINE_EXCEEDED.
+    OK never counts what was computed and not written; docs/operations.md says what it counts."""
+    x = np.random.default_rng(1).standard_normal((2, 512, 128), dtype=np.float32)  # 512 KiB answers
+    gate = _gate(server)
+    gate.permits.release(N)
+    window = server.engine.settings.stream_window
+    with grpc.insecure_channel(server.url) as channel:
+        requests = (encode_infer_request(x, request_id=str(i)) for i in range(N))
+        call = pb_grpc.GRPCInferenceServiceStub(channel).ModelStreamInfer(requests, timeout=3.0)
+        assert not next(call).error_message
+        computed = _steady(lambda: len(gate.computed))
+        done = threading.Event()
+        call.add_done_callback(lambda _: done.set())
+        assert done.wait(60), "the deadline never ended the call"  # not read until then
+        with pytest.raises(grpc.RpcError) as info:
+            list(call)  # what the library held is dropped with the call
+        assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    _settle(server)
+    counts = _all_stream_counts(server)
+    assert window <= computed < N, computed
+    assert set(counts) <= {"OK", "DEADLINE_EXCEEDED"}, counts
+    assert counts.get("OK", 0) + counts.get("DEADLINE_EXCEEDED", 0) >= computed, counts
+    assert 1 <= counts.get("OK", 0) < computed, counts
