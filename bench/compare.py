@@ -230,7 +230,7 @@ def _mlserver_dir(model_dir: Path, port: int) -> Path:
     return folder
 
 
-def wait_ready(url: str, proc: subprocess.Popen[bytes], timeout: float = 180) -> None:
+def wait_ready(url: str, proc: subprocess.Popen[bytes], timeout: float = 180, width: int = 128) -> None:
     deadline = time.monotonic() + timeout
     with grpc.insecure_channel(url) as channel:
         stub = pb_grpc.GRPCInferenceServiceStub(channel)
@@ -239,7 +239,7 @@ def wait_ready(url: str, proc: subprocess.Popen[bytes], timeout: float = 180) ->
                 raise RuntimeError(f"the server exited with {proc.returncode} before it was ready (see its log)")
             try:
                 if stub.ServerReady(pb.ServerReadyRequest(), timeout=2).ready:
-                    x = np.zeros((1, 4, 128), np.float32)
+                    x = np.zeros((1, 4, width), np.float32)
                     request = pb.ModelInferRequest(model_name="mha")
                     request.inputs.add(name="x", datatype="FP32", shape=list(x.shape))
                     request.raw_input_contents.append(x.tobytes())

@@ -10,15 +10,24 @@ against a server that computes nothing (the ceiling this machine's clients and g
 the p50 of a cached step against a stateless (1, 1, C) request. Writes bench/results/decode.json and
 bench/results/decode.png. Not a test.
 
+With --runs N (and --base REV), first N interleaved rounds on the d_model 512 model: each round
+generates --tokens-512 tokens with the cache and re-sending the prefix on this checkout's server
+(and with the cache on REV's, its model exported by REV's own code), visiting them in turn, the
+order alternating; per round the time per token's last 64 steps over its first 64, and the
+total time re-sending the prefix over the cached. Medians and every round go into decode.json.
+
 usage: python bench/decode.py [--tokens-512 1024] [--tokens-default 512] [--concurrent-tokens 128]
+                              [--runs 10] [--base REV]
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import multiprocessing
 import os
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -62,6 +71,56 @@ def generate(stub: pb_grpc.GRPCInferenceServiceStub, tokens: np.ndarray, cached:
         times.append(time.perf_counter() - start)
         assert y.shape[1] == (1 if cached else i + 1)
     return times
+
+
+def _flatness(cached: list[float]) -> float:
+    """The median time of the last 64 steps over that of the first 64."""
+    return round(float(np.median(cached[-64:]) / np.median(cached[:64])), 3)
+
+
+def interleaved_rounds(wide: Path, tokens: int, runs: int, base: tuple[str, Path, Path] | None) -> dict[str, object]:
+    """`runs` rounds on the d_model 512 model in `wide` (and REV's server on its own export)."""
+    from compare import Started, wait_ready
+
+    servers = {"mha-serve": Started("mha-serve", wide, None)}
+    if base is not None:
+        revision, tree, base_wide = base
+        servers[f"mha-serve @{revision}"] = Started(f"mha-serve @{revision}", base_wide, None, tree)
+    rounds: dict[str, list[dict[str, float]]] = {name: [] for name in servers}
+    x = np.random.default_rng(0).standard_normal((1, tokens, 512), dtype=np.float32)
+    try:
+        for server in servers.values():
+            wait_ready(server.url, server.proc, width=512)
+        for run in range(runs):
+            order = list(servers) if run % 2 == 0 else list(reversed(servers))
+            for name in order:
+                with grpc.insecure_channel(servers[name].url) as channel:
+                    stub = pb_grpc.GRPCInferenceServiceStub(channel)
+                    cached = generate(stub, x, cached=True, sequence_id=100 + run)
+                    seen = {"cached_total_s": round(sum(cached), 3), "last_over_first": _flatness(cached)}
+                    if name == "mha-serve":
+                        full = generate(stub, x, cached=False, sequence_id=0)
+                        seen["recompute_over_cached"] = round(sum(full) / sum(cached), 2)
+                rounds[name].append(seen)
+            log.info("round %d: %s", run + 1, {name: seen[-1] for name, seen in rounds.items()})
+    finally:
+        for server in servers.values():
+            server.stop()
+    return {
+        name: {
+            "median": {k: round(statistics.median(r[k] for r in seen), 3) for k in seen[0]},
+            "rounds": seen,
+        }
+        for name, seen in rounds.items()
+    }
+
+
+def base_export(revision: str, tree: Path, out: Path) -> Path:
+    """The d_model 512 model exported by REV's own code, for REV's server."""
+    export = [sys.executable, "-P", "-m", "service.cli", "export", "--out", str(out), "--d-model", "512"]
+    env = {**os.environ, "PYTHONPATH": str(tree)}
+    subprocess.run([*export, "--n-head", "8", "--max-seq-len", "1024"], check=True, capture_output=True, env=env)
+    return out
 
 
 def compare_one_model(model_dir: Path, tokens: int, width: int, logs: Path) -> dict[str, object]:
@@ -220,12 +279,23 @@ def main() -> int:
     parser.add_argument("--tokens-512", type=int, default=1024)
     parser.add_argument("--tokens-default", type=int, default=512)
     parser.add_argument("--concurrent-tokens", type=int, default=128)
+    parser.add_argument("--runs", type=int, default=1, help="interleaved rounds on the d_model 512 model first")
+    parser.add_argument("--base", help="with --runs: mha-serve at this git revision too")
     args = parser.parse_args()
     results = common.RESULTS
-    with tempfile.TemporaryDirectory() as tmp:
+    interleaved: dict[str, object] = {}
+    with tempfile.TemporaryDirectory() as tmp, contextlib.ExitStack() as stack:
         wide = Path(tmp) / "d512"
         export = [sys.executable, "-m", "service.cli", "export", "--out", str(wide), "--d-model", "512"]
         subprocess.run([*export, "--n-head", "8", "--max-seq-len", "1024"], check=True, capture_output=True)
+        if args.runs > 1:
+            from compare import checkout
+
+            base = None
+            if args.base:
+                tree = stack.enter_context(checkout(args.base))
+                base = (args.base, tree, base_export(args.base, tree, Path(tmp) / "d512-base"))
+            interleaved = interleaved_rounds(wide, args.tokens_512, args.runs, base)
         runs = [compare_one_model(wide, args.tokens_512, 512, results / "decode-512.log")]
     default = Path("models/default")
     runs.append(compare_one_model(default, args.tokens_default, 128, results / "decode-default.log"))
@@ -240,6 +310,7 @@ def main() -> int:
     log.info("tokens/s by concurrent sequences: %s; a cached step against a stateless (1, 1, C): %s", rates, versus)
     log.info("the same clients against a server that computes nothing: %s", floor)
     summary = {
+        "interleaved_512": interleaved,
         "models": runs,
         "tokens_per_s": rates,
         "32_over_1": round(rates[32] / rates[1], 2),

@@ -5,10 +5,10 @@ section and the next one runs, so one failure does not lose the run of a scarce 
 
 1. providers: ORT with the CUDA provider; get_providers() and where ORT placed each node.
 2. parity: ORT-CUDA and torch-CUDA against the float64 references over the (B, T) grid, and the
-   step graph (step.onnx) on ORT-CUDA over its (B, past, t) grid.
+   step graphs on ORT-CUDA over their (B, past, t) grid.
 3. selection: `select_backends(auto)` picks ort-cuda; with the CUDA provider made to fail, the
    chain falls back and keeps answering within tolerance.
-4. decode: incremental decoding through each backend's decode step (ORT-CUDA on step.onnx with
+4. decode: incremental decoding through each backend's decode step (ORT-CUDA on the step graphs with
    IOBinding and torch-CUDA, the caches in device memory; ORT-CPU and torch-CPU): 256 one-token
    steps against the float64 reference, and the time per step of each.
 5. timings: ORT-CUDA fp32 (IOBinding on device buffers, and plain session.run from host
@@ -153,24 +153,27 @@ def providers(entry: dict[str, Any], model_dir: Path) -> None:
 
 
 def parity(entry: dict[str, Any], model_dir: Path, config: Any, weights: Any) -> None:
-    import onnxruntime as ort
-
-    from export.layout import INPUT_NAME, PAST_NAMES
+    from export.layout import ModelFiles
     from export.verify import check_parity, check_step_parity, parity_grid, step_parity_grid
-    from service.backends.ort import OrtCudaBackend, cuda_provider_options
+    from service.backends.base import Step
+    from service.backends.ort import OrtCudaBackend
     from service.backends.pytorch import TorchBackend
+    from service.backends.selection import ProbeCache
 
     grid = parity_grid(config.max_seq_len)
     for backend in (OrtCudaBackend(model_dir / "model.onnx"), TorchBackend(config, weights, device="cuda")):
         report = check_parity(backend.run, config, weights, grid, seed=3)
         entry[backend.name] = report.to_dict()
         log.info("%s parity:\n%s", backend.name, report.table())
-    cuda = [("CUDAExecutionProvider", cuda_provider_options(0, 0)), "CPUExecutionProvider"]
-    session = ort.InferenceSession(str(model_dir / "step.onnx"), providers=cuda)
+    steps = OrtCudaBackend(model_dir / "model.onnx", step_paths=ModelFiles(model_dir).steps)
 
     def step(x: np.ndarray, keys: np.ndarray, values: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        y, k, v = session.run(None, {INPUT_NAME: x, PAST_NAMES[0]: keys, PAST_NAMES[1]: values})
-        return y, k, v
+        B, P, t = keys.shape[0], keys.shape[2], x.shape[1]
+        cache = ProbeCache.empty(B, config, P + t + 5, "cuda")  # room to spare beyond the new tokens
+        cache.keys[:, :, :P], cache.values[:, :, :P] = torch.from_numpy(keys), torch.from_numpy(values)
+        cache.length = P
+        (y,) = steps.step([Step(cache, x)])
+        return y, cache.keys[:, :, : P + t].cpu().numpy(), cache.values[:, :, : P + t].cpu().numpy()
 
     report = check_step_parity(step, config, weights, step_parity_grid(config.max_seq_len), seed=3)
     entry["step_graph_ort_cuda"] = report.to_dict()
@@ -203,6 +206,7 @@ def selection(entry: dict[str, Any], model_dir: Path, config: Any, weights: Any)
 
 
 def decode(entry: dict[str, Any], model_dir: Path, config: Any, weights: Any, tokens: int = 256) -> None:
+    from export.layout import ModelFiles
     from model.reference import attention_view, relative_error
     from service.backends.base import Step
     from service.backends.ort import OrtCpuBackend, OrtCudaBackend
@@ -212,11 +216,11 @@ def decode(entry: dict[str, Any], model_dir: Path, config: Any, weights: Any, to
 
     x = np.random.default_rng(6).standard_normal((2, tokens, config.d_model), dtype=np.float32)
     reference = attention_view(torch.from_numpy(x), weights, config)  # (2, tokens, C), float64
-    step_path = model_dir / "step.onnx"
+    step_paths = ModelFiles(model_dir).steps
     backends = {
-        "ort-cuda": lambda: OrtCudaBackend(model_dir / "model.onnx", step_path=step_path),
+        "ort-cuda": lambda: OrtCudaBackend(model_dir / "model.onnx", step_paths=step_paths),
         "torch-cuda": lambda: TorchBackend(config, weights, device="cuda"),
-        "ort-cpu": lambda: OrtCpuBackend(model_dir / "model.onnx", threads=4, step_path=step_path),
+        "ort-cpu": lambda: OrtCpuBackend(model_dir / "model.onnx", threads=4, step_paths=step_paths),
         "torch-cpu": lambda: TorchBackend(config, weights, device="cpu"),
     }
     for name, make in backends.items():

@@ -16,11 +16,14 @@ if TYPE_CHECKING:
 WEIGHTS_FILE = "weights.safetensors"
 MODEL_FILE = "model.onnx"
 MANIFEST_FILE = "manifest.json"
-STEP_FILE = "step.onnx"  # incremental decoding: new tokens with the past keys and values
+# incremental decoding, in two graphs so that a sequence's cache is read where it lies:
+STEP_PROJECT_FILE = "step_project.onnx"  # x (rows, new, C) -> PROJECTED_NAMES, each (rows, nh, new, hs)
+STEP_ATTEND_FILE = "step_attend.onnx"  # the query, CACHE_NAMES and PAST_LENGTH_NAME -> y (rows, new, C)
 INPUT_NAME = "x"  # (batch, seq, C) float32
 OUTPUT_NAME = "y"  # (batch, seq, C) float32
-PAST_NAMES = ("past_key", "past_value")  # (batch, n_head, past, head_size) float32, step.onnx inputs
-PRESENT_NAMES = ("present_key", "present_value")  # (batch, n_head, past + new, head_size), its outputs
+PROJECTED_NAMES = ("query", "key", "value")  # the new tokens' (rows, n_head, new, head_size) float32
+CACHE_NAMES = ("key_cache", "value_cache")  # (rows, n_head, capacity, head_size): the new keys already in
+PAST_LENGTH_NAME = "past_length"  # int64 scalar: tokens before the new ones; past + new <= capacity
 PRECISIONS = ("fp32", "fp16", "bf16")
 
 
@@ -31,7 +34,7 @@ def precision_file(precision: str) -> str:
 
 @dataclass(frozen=True)
 class ModelFiles:
-    """The three files of one model directory."""
+    """The files of one model directory."""
 
     directory: Path
 
@@ -44,8 +47,9 @@ class ModelFiles:
         return self.directory / MODEL_FILE
 
     @property
-    def step(self) -> Path:
-        return self.directory / STEP_FILE
+    def steps(self) -> tuple[Path, Path]:
+        """The step graphs: projections, then attention over the cache."""
+        return self.directory / STEP_PROJECT_FILE, self.directory / STEP_ATTEND_FILE
 
     @property
     def manifest(self) -> Path:

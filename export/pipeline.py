@@ -15,20 +15,22 @@ import onnxruntime as ort
 import torch
 
 from export.layout import (
+    CACHE_NAMES,
     INPUT_NAME,
     MANIFEST_FILE,
     MODEL_FILE,
     OUTPUT_NAME,
-    PAST_NAMES,
-    PRESENT_NAMES,
-    STEP_FILE,
+    PAST_LENGTH_NAME,
+    PROJECTED_NAMES,
+    STEP_ATTEND_FILE,
+    STEP_PROJECT_FILE,
     WEIGHTS_FILE,
     precision_file,
     precision_tolerance,
 )
 from export.onnx_export import DEFAULT_OPSET, ExportError, export_onnx
 from export.serving_graph import serving_graph
-from export.step_graph import build_precision_graph, export_step_graph
+from export.step_graph import build_precision_graph, export_step_graphs
 from export.verify import (
     TOLERANCE,
     ParityReport,
@@ -63,7 +65,7 @@ def export_model_dir(
     tolerance: float = TOLERANCE,
     precisions: tuple[str, ...] = ("fp32",),
 ) -> ParityReport:
-    """Export, verify, and only then move the files into `out`: weights, model.onnx, step.onnx
+    """Export, verify, and only then move the files into `out`: weights, model.onnx, the step graphs
     (causal models), a graph per extra precision (fp16, bf16), manifest.json last."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
@@ -87,7 +89,7 @@ def export_model_dir(
         files = [WEIGHTS_FILE, MODEL_FILE]
         step_report = _export_step(staging, config, weights, tolerance)
         if step_report is not None:
-            files.append(STEP_FILE)
+            files += [STEP_PROJECT_FILE, STEP_ATTEND_FILE]
         halves = {p: _export_precision(staging, config, weights, p) for p in precisions if p != "fp32"}
         files += [precision_file(p) for p in halves]
         manifest = _manifest(staging, config, opset, graph, report, step_report, files)
@@ -148,13 +150,15 @@ def _export_precision(staging: Path, config: MHAConfig, weights: Weights, precis
 
 
 def _export_step(staging: Path, config: MHAConfig, weights: Weights, tolerance: float) -> ParityReport | None:
-    """step.onnx for a causal model, verified on its (B, past, t) grid; None for a non-causal one."""
+    """The step graphs for a causal model, verified on their (B, past, t) grid; None for a
+    non-causal one."""
     if not config.causal:
         return None
-    export_step_graph(config, weights, staging / STEP_FILE)
+    paths = (staging / STEP_PROJECT_FILE, staging / STEP_ATTEND_FILE)
+    export_step_graphs(config, weights, paths)
     grid = step_parity_grid(config.max_seq_len)
-    log.info("checking the step graph on ONNX Runtime (CPU) over %d (B, past, t) shapes", len(grid))
-    report = check_step_parity(ort_step_runner(staging / STEP_FILE), config, weights, grid, tolerance=tolerance)
+    log.info("checking the step graphs on ONNX Runtime (CPU) over %d (B, past, t) shapes", len(grid))
+    report = check_step_parity(ort_step_runner(*paths), config, weights, grid, tolerance=tolerance)
     if not report.ok:
         raise ParityError(report)
     return report
@@ -169,7 +173,14 @@ def _manifest(
     step_report: ParityReport | None,
     files: list[str],
 ) -> dict[str, object]:
-    step = {"file": STEP_FILE, "inputs": [INPUT_NAME, *PAST_NAMES], "outputs": [OUTPUT_NAME, *PRESENT_NAMES]}
+    step = {
+        "project": {"file": STEP_PROJECT_FILE, "inputs": [INPUT_NAME], "outputs": list(PROJECTED_NAMES)},
+        "attend": {
+            "file": STEP_ATTEND_FILE,
+            "inputs": [PROJECTED_NAMES[0], *CACHE_NAMES, PAST_LENGTH_NAME],
+            "outputs": [OUTPUT_NAME],
+        },
+    }
     return {
         "format": 1,
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),

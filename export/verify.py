@@ -13,11 +13,13 @@ import numpy as np
 import torch
 
 from export.layout import (
+    CACHE_NAMES,
     INPUT_NAME,
     MANIFEST_FILE,
     MODEL_FILE,
     OUTPUT_NAME,
-    PAST_NAMES,
+    PAST_LENGTH_NAME,
+    PROJECTED_NAMES,
     WEIGHTS_FILE,
     ModelFiles,
 )
@@ -40,7 +42,7 @@ class ParityRow:
     rel_einsum: float
     abs_view: float
     abs_einsum: float
-    past: int | None = None  # a step of step.onnx: the tokens before the new ones
+    past: int | None = None  # a decode step: the tokens before the new ones
 
     @property
     def worst(self) -> float:
@@ -149,15 +151,27 @@ def _row(
     )
 
 
-def ort_step_runner(model_path: Path) -> StepRunner:
+def ort_step_runner(project_path: Path, attend_path: Path) -> StepRunner:
+    """The step graphs on ORT-CPU as a server runs them: the past placed in a cache with room to
+    spare, filled beyond with values the mask must hide; the new keys and values written into
+    it; attention over the whole cache. Returns y and the cache's first past + t positions."""
     import onnxruntime as ort
 
-    session = ort.InferenceSession(str(model_path), providers=["CPUExecutionProvider"])
-    past_key, past_value = PAST_NAMES
+    project, attend = (
+        ort.InferenceSession(str(p), providers=["CPUExecutionProvider"]) for p in (project_path, attend_path)
+    )
+    spare = np.random.default_rng(0)
 
     def run(x: np.ndarray, keys: np.ndarray, values: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        y, present_key, present_value = session.run(None, {INPUT_NAME: x, past_key: keys, past_value: values})
-        return y, present_key, present_value
+        (B, nh, P, hs), t = keys.shape, x.shape[1]
+        caches = [spare.standard_normal((B, nh, P + t + 5, hs), dtype=np.float32) for _ in range(2)]
+        q, k, v = project.run(list(PROJECTED_NAMES), {INPUT_NAME: x})  # (B, nh, t, hs) each
+        for cache, past, new in zip(caches, (keys, values), (k, v), strict=True):
+            cache[:, :, :P], cache[:, :, P : P + t] = past, new
+        feeds = {PROJECTED_NAMES[0]: q, PAST_LENGTH_NAME: np.array(P, np.int64)}
+        feeds.update(zip(CACHE_NAMES, caches, strict=True))
+        (y,) = attend.run([OUTPUT_NAME], feeds)
+        return y, caches[0][:, :, : P + t], caches[1][:, :, : P + t]
 
     return run
 
@@ -222,8 +236,8 @@ def verify_model_dir(directory: Path, grid: Sequence[tuple[int, int]] | None = N
         return ParityReport(tolerance=TOLERANCE, problems=problems)
     shapes = grid if grid is not None else parity_grid(config.max_seq_len)
     report = check_parity(ort_cpu_runner(directory / MODEL_FILE), config, weights, shapes, seed=seed)
-    if files.step.is_file():
-        steps = check_step_parity(ort_step_runner(files.step), config, weights, step_parity_grid(config.max_seq_len))
+    if all(path.is_file() for path in files.steps):
+        steps = check_step_parity(ort_step_runner(*files.steps), config, weights, step_parity_grid(config.max_seq_len))
         report.rows += steps.rows
         report.problems += steps.problems
     for precision, entry in json.loads(files.manifest.read_text()).get("precisions", {}).items():

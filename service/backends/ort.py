@@ -13,9 +13,10 @@ import numpy as np
 import onnxruntime as ort
 import torch
 
-from export.layout import INPUT_NAME, OUTPUT_NAME, PAST_NAMES, PRESENT_NAMES
+from export.layout import CACHE_NAMES, INPUT_NAME, OUTPUT_NAME, PAST_LENGTH_NAME, PROJECTED_NAMES
 from service.backends.base import Backend, BackendLoadError, Step
 from service.backends.crossover import measure_crossover
+from service.batching import merge
 
 log = logging.getLogger(__name__)
 
@@ -69,7 +70,7 @@ class OrtCpuBackend(Backend):
         threads: int,
         spinning: bool = False,
         width: int | None = None,
-        step_path: Path | None = None,
+        step_paths: tuple[Path, Path] | None = None,
     ) -> None:
         self._session = _load_session(model_path, _cpu_options(threads, spinning), ["CPUExecutionProvider"])
         self._input = self._session.get_inputs()[0].name
@@ -88,16 +89,12 @@ class OrtCpuBackend(Backend):
                 "ORT-CPU: measured at start, batches of up to %d tokens run faster on one thread (varies with load)",
                 self.single_max_tokens,
             )
-        # Decode steps on step.onnx: a single-threaded session for steps of few tokens (the same
-        # crossover as above), the pool's for the others.
+        # Decode steps on the step graphs: single-threaded sessions for steps of few tokens (the
+        # same crossover as above), the pool's for the others.
         self._step_pool = self._step_one = None
-        if step_path is not None:
-            self._step_pool = _load_session(step_path, _cpu_options(threads, spinning), ["CPUExecutionProvider"])
-            self._step_one = (
-                _load_session(step_path, _cpu_options(1, spinning), ["CPUExecutionProvider"])
-                if threads > 1
-                else self._step_pool
-            )
+        if step_paths is not None:
+            self._step_pool = CpuSteps(step_paths, _cpu_options(threads, spinning))
+            self._step_one = CpuSteps(step_paths, _cpu_options(1, spinning)) if threads > 1 else self._step_pool
 
     @property
     def steps(self) -> bool:
@@ -106,11 +103,8 @@ class OrtCpuBackend(Backend):
     def step(self, steps: Sequence[Step]) -> list[np.ndarray]:
         if self._step_pool is None or self._step_one is None:
             return super().step(steps)
-        out = []
-        for step in steps:
-            tokens = int(step.x.shape[0]) * int(step.x.shape[1])
-            out.append(_cpu_step(self._step_one if tokens <= self.single_max_tokens else self._step_pool, step))
-        return out
+        tokens = sum(int(s.x.shape[0]) * int(s.x.shape[1]) for s in steps)
+        return (self._step_one if tokens <= self.single_max_tokens else self._step_pool).run(steps)
 
     def run(self, x: np.ndarray) -> np.ndarray:
         tokens = int(x.shape[0]) * int(x.shape[1])
@@ -133,25 +127,84 @@ class OrtCpuBackend(Backend):
 
 
 def _cuda_steps(
-    step_path: Path, options: ort.SessionOptions, providers: list[str | tuple[str, dict[str, object]]]
-) -> ort.InferenceSession | None:
-    """The step graph's session on the GPU, when ORT places every compute-heavy node of it there."""
-    if stray := off_device(node_placements(step_path, providers), "CUDAExecutionProvider"):
-        log.warning("ORT-CUDA computes no decode steps: it placed %s of step.onnx off the GPU", ", ".join(stray))
-        return None
-    return _load_session(step_path, options, providers)
+    paths: tuple[Path, Path], options: ort.SessionOptions, cuda: list[str | tuple[str, dict[str, object]]], device: int
+) -> CudaSteps | None:
+    """The step graphs' sessions on the GPU, when ORT places every compute-heavy node of them there."""
+    for path in paths:
+        if stray := off_device(node_placements(path, cuda), "CUDAExecutionProvider"):
+            log.warning(
+                "ORT-CUDA computes no decode steps: it placed %s of %s off the GPU", ", ".join(stray), path.name
+            )
+            return None
+    project, attend = (_load_session(path, options, cuda) for path in paths)
+    return CudaSteps(project, attend, device)
 
 
-def _cpu_step(session: ort.InferenceSession, step: Step) -> np.ndarray:
-    """One sequence's step on step.onnx with its cache in host memory: the past read from the
-    cache (B, nh, capacity, hs) as it lies, the new keys and values written back at [P, P + t)."""
-    P, t = step.cache.length, int(step.x.shape[1])
-    keys, values = step.cache.keys.numpy(), step.cache.values.numpy()  # (B, nh, capacity, hs), views
-    feeds = {INPUT_NAME: step.x, PAST_NAMES[0]: keys[:, :, :P], PAST_NAMES[1]: values[:, :, :P]}
-    y, present_keys, present_values = session.run([OUTPUT_NAME, *PRESENT_NAMES], feeds)  # present: (B, nh, P + t, hs)
-    keys[:, :, P : P + t] = present_keys[:, :, P:]
-    values[:, :, P : P + t] = present_values[:, :, P:]
-    return y
+class CpuSteps:
+    """Decode steps on the step graphs, the caches in host memory: the new tokens of every
+    sequence projected in one run, then each sequence's attention over its cache as it lies
+    (B, nh, capacity, hs), its new keys and values written in first: nothing old is copied."""
+
+    def __init__(self, paths: tuple[Path, Path], options: ort.SessionOptions) -> None:
+        self.project, self.attend = (_load_session(path, options, ["CPUExecutionProvider"]) for path in paths)
+
+    def run(self, steps: Sequence[Step]) -> list[np.ndarray]:
+        merged = merge([s.x for s in steps])  # (R, t_max, C), right-padded: rows are projected alone
+        q, k, v = self.project.run(list(PROJECTED_NAMES), {INPUT_NAME: merged})  # (R, nh, t_max, hs) each
+        out, row = [], 0
+        for step in steps:
+            (B, t), P = step.x.shape[:2], step.cache.length
+            rows = slice(row, row + B)
+            keys, values = step.cache.keys.numpy(), step.cache.values.numpy()  # (B, nh, capacity, hs), views
+            keys[:, :, P : P + t], values[:, :, P : P + t] = k[rows, :, :t], v[rows, :, :t]
+            feeds = {PROJECTED_NAMES[0]: np.ascontiguousarray(q[rows, :, :t]), PAST_LENGTH_NAME: np.array(P, np.int64)}
+            feeds.update(zip(CACHE_NAMES, (keys, values), strict=True))
+            out.append(self.attend.run([OUTPUT_NAME], feeds)[0])  # (B, t, C)
+            row += B
+        return out
+
+
+class CudaSteps:
+    """Decode steps with the caches in device memory (torch tensors on this device), bound in
+    place with IOBinding: the new tokens of every sequence projected in one run, then each
+    sequence's attention over its whole cache; only x and y cross the bus."""
+
+    def __init__(self, project: ort.InferenceSession, attend: ort.InferenceSession, device_id: int) -> None:
+        self.project, self.attend, self.device_id = project, attend, device_id
+
+    def _bind(self, binding: ort.IOBinding, name: str, tensor: torch.Tensor, output: bool = False) -> None:
+        bind = binding.bind_output if output else binding.bind_input
+        bind(name, "cuda", self.device_id, np.float32, list(tensor.shape), tensor.data_ptr())
+
+    def run(self, steps: Sequence[Step]) -> list[np.ndarray]:
+        merged = merge([s.x for s in steps])  # (R, t_max, C), right-padded
+        _, nh, _, hs = steps[0].cache.keys.shape
+        device = steps[0].cache.keys.device
+        projected = [torch.empty((merged.shape[0], nh, merged.shape[1], hs), device=device) for _ in PROJECTED_NAMES]
+        binding = self.project.io_binding()
+        binding.bind_cpu_input(INPUT_NAME, np.ascontiguousarray(merged))
+        for name, tensor in zip(PROJECTED_NAMES, projected, strict=True):
+            self._bind(binding, name, tensor, output=True)
+        self.project.run_with_iobinding(binding)  # returns once ORT's stream is done
+        q, k, v = projected  # (R, nh, t_max, hs) each
+        out, row = [], 0
+        for step in steps:
+            (B, t), P = step.x.shape[:2], step.cache.length
+            rows = slice(row, row + B)
+            keys, values = step.cache.keys, step.cache.values  # (B, nh, capacity, hs), contiguous
+            keys.narrow(2, P, t).copy_(k[rows, :, :t])
+            values.narrow(2, P, t).copy_(v[rows, :, :t])
+            query = q[rows, :, :t].contiguous()  # (B, nh, t, hs)
+            binding = self.attend.io_binding()
+            for name, tensor in zip((PROJECTED_NAMES[0], *CACHE_NAMES), (query, keys, values), strict=True):
+                self._bind(binding, name, tensor)
+            binding.bind_cpu_input(PAST_LENGTH_NAME, np.array(P, np.int64))
+            binding.bind_output(OUTPUT_NAME, "cpu")
+            torch.cuda.current_stream(device).synchronize()  # the copies above, made on torch's stream
+            self.attend.run_with_iobinding(binding)
+            out.append(binding.get_outputs()[0].numpy())  # (B, t, C)
+            row += B
+        return out
 
 
 COMPUTE_OPS = ("Attention", "MatMul", "Gemm", "Softmax")  # where the FLOPs are: these must run on the GPU
@@ -234,7 +287,7 @@ class OrtCudaBackend(Backend):
     platform = "onnxruntime_onnx"
 
     def __init__(
-        self, model_path: Path, device_id: int = 0, mem_limit_mb: int = 0, step_path: Path | None = None
+        self, model_path: Path, device_id: int = 0, mem_limit_mb: int = 0, step_paths: tuple[Path, Path] | None = None
     ) -> None:
         if "CUDAExecutionProvider" not in ort.get_available_providers():
             raise BackendLoadError(
@@ -261,7 +314,7 @@ class OrtCudaBackend(Backend):
         self._output = session.get_outputs()[0].name
         self.device = f"cuda:{device_id}"
         self._device_id = device_id
-        self._steps = _cuda_steps(step_path, options, cuda) if step_path is not None else None
+        self._steps = _cuda_steps(step_paths, options, cuda, device_id) if step_paths is not None else None
 
     @property
     def placement(self) -> str:
@@ -275,32 +328,7 @@ class OrtCudaBackend(Backend):
     def step(self, steps: Sequence[Step]) -> list[np.ndarray]:
         if self._steps is None:
             return super().step(steps)
-        return [self._cuda_step(self._steps, step) for step in steps]
-
-    def _cuda_step(self, session: ort.InferenceSession, step: Step) -> np.ndarray:
-        """One sequence's step with its cache in device memory (torch tensors on this device):
-        the past and the present bound in place with IOBinding; only x and y cross the bus."""
-        P, t = step.cache.length, int(step.x.shape[1])
-        keys, values = step.cache.keys, step.cache.values  # (B, nh, capacity, hs), on the device
-        B, nh, _, hs = keys.shape
-        binding = session.io_binding()
-        binding.bind_cpu_input(INPUT_NAME, np.ascontiguousarray(step.x))
-        presents = [torch.empty((B, nh, P + t, hs), device=keys.device) for _ in PRESENT_NAMES]
-        pasts = [cache.narrow(2, 0, P).contiguous() for cache in (keys, values)]  # (B, nh, P, hs), alive until run
-        for name, past in zip(PAST_NAMES, pasts, strict=True):
-            if P == 0:  # an empty past: no device pointer to bind
-                empty = ort.OrtValue.ortvalue_from_shape_and_type([B, nh, 0, hs], np.float32, "cuda", self._device_id)
-                binding.bind_ortvalue_input(name, empty)
-            else:
-                binding.bind_input(name, "cuda", self._device_id, np.float32, list(past.shape), past.data_ptr())
-        for name, present in zip(PRESENT_NAMES, presents, strict=True):
-            binding.bind_output(name, "cuda", self._device_id, np.float32, list(present.shape), present.data_ptr())
-        binding.bind_output(OUTPUT_NAME, "cpu")
-        torch.cuda.current_stream(keys.device).synchronize()  # the pasts' copies, made on torch's stream
-        session.run_with_iobinding(binding)  # returns once ORT's stream is done
-        keys.narrow(2, P, t).copy_(presents[0].narrow(2, P, t))
-        values.narrow(2, P, t).copy_(presents[1].narrow(2, P, t))
-        return binding.get_outputs()[0].numpy()
+        return self._steps.run(steps)
 
     def run(self, x: np.ndarray) -> np.ndarray:
         binding = self._session.io_binding()

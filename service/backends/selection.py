@@ -35,7 +35,7 @@ class BackendSpec:
     onnx_path: Path
     config: MHAConfig
     weights: Weights
-    step_path: Path | None = None  # the step graph (step.onnx), for ORT's decode steps
+    step_paths: tuple[Path, Path] | None = None  # the step graphs, for ORT's decode steps
     threads: int = 1
     spinning: bool = False
     gpu_mem_limit_mb: int = 0
@@ -132,7 +132,7 @@ def _factories(spec: BackendSpec, cuda: bool) -> dict[str, Callable[[], Backend]
     factories: dict[str, Callable[[], Backend]] = {}
     if cuda:
         factories["ort-cuda"] = lambda: OrtCudaBackend(
-            s.onnx_path, mem_limit_mb=s.gpu_mem_limit_mb, step_path=s.step_path
+            s.onnx_path, mem_limit_mb=s.gpu_mem_limit_mb, step_paths=s.step_paths
         )
         factories["torch-cuda"] = lambda: TorchBackend(s.config, s.weights, device="cuda", precision=s.precision)
     factories["ort-cpu"] = lambda: OrtCpuBackend(
@@ -140,7 +140,7 @@ def _factories(spec: BackendSpec, cuda: bool) -> dict[str, Callable[[], Backend]
         threads=s.threads,
         spinning=s.spinning,
         width=s.config.d_model,
-        step_path=s.step_path,
+        step_paths=s.step_paths,
     )
     factories["torch-cpu"] = lambda: TorchBackend(
         s.config, s.weights, device="cpu", threads=s.threads, precision=s.precision

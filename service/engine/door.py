@@ -61,7 +61,7 @@ __all__ = [
 T = TypeVar("T")
 Queue = tuple[int, float | None]  # a request's (priority, queue timeout in seconds) under the schedule policy
 NO_STEPS = (
-    "no backend of this server computes decode steps: its model directory has no step.onnx and PyTorch is not "
+    "no backend of this server computes decode steps: its model directory has no step graphs and PyTorch is not "
     "among --backend's; re-export the model with `mha export`, or send whole sequences"
 )
 

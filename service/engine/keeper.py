@@ -280,7 +280,7 @@ def load_model(
         onnx_path,
         config,
         weights,
-        step_path=files.step if config.causal and files.step.is_file() else None,
+        step_paths=files.steps if config.causal and all(p.is_file() for p in files.steps) else None,
         threads=s.cpu_threads,
         spinning=s.thread_spinning,
         gpu_mem_limit_mb=s.gpu_mem_limit_mb,
@@ -315,7 +315,7 @@ def _log_steps(chain: BackendChain, config: MHAConfig, s: Settings, files: Model
     elif steps:
         log.info("decode steps run on %s (%s)", steps[0].name, steps[0].device)
     elif config.causal:
-        log.warning("no backend computes decode steps: %s has no step.onnx (re-export it)", files.directory)
+        log.warning("no backend computes decode steps: %s has no step graphs (re-export it)", files.directory)
 
 
 def merged_rows(s: Settings) -> int:

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 
+from export.layout import ModelFiles
 from model.checkpoint import load_checkpoint
 from model.reference import attention_view, relative_error
 from service.backends.base import Backend, Step
@@ -97,7 +98,7 @@ class WrongSteps(FailingSteps):
 def test_a_backend_whose_steps_are_wrong_fails_its_self_check(small_model_dir: Path) -> None:
     config, weights = load_checkpoint(small_model_dir / "weights.safetensors")
     check = SelfCheck(config, weights)
-    good = OrtCpuBackend(small_model_dir / "model.onnx", threads=1, step_path=small_model_dir / "step.onnx")
+    good = OrtCpuBackend(small_model_dir / "model.onnx", threads=1, step_paths=ModelFiles(small_model_dir).steps)
     ok, why = check.passes(good)
     assert ok and "steps" in why, why
     ok, why = check.passes(WrongSteps(TorchBackend(config, weights)))
@@ -107,7 +108,7 @@ def test_a_backend_whose_steps_are_wrong_fails_its_self_check(small_model_dir: P
 def test_selection_orders_the_step_backends_on_one_device(small_model_dir: Path) -> None:
     config, weights = load_checkpoint(small_model_dir / "weights.safetensors")
     spec = BackendSpec(
-        small_model_dir / "model.onnx", config, weights, step_path=small_model_dir / "step.onnx", threads=2
+        small_model_dir / "model.onnx", config, weights, step_paths=ModelFiles(small_model_dir).steps, threads=2
     )
     selection = select_backends(spec, cuda=False)
     assert sorted(b.name for b in selection.step_backends) == ["ort-cpu", "torch-cpu"]
@@ -124,7 +125,7 @@ def test_the_log_names_the_step_backend_or_why_there_is_none(
     messages = [r.getMessage() for r in caplog.records]
     assert "decode steps run on ort-cpu (cpu)" in messages
     assert not any("no backend computes decode steps" in m for m in messages)
-    bare = tmp_path / "no-step-graph"  # a model directory exported before step.onnx existed
+    bare = tmp_path / "no-step-graph"  # a model directory exported before the step graphs existed
     bare.mkdir()
     for name in ("model.onnx", "weights.safetensors", "manifest.json"):
         (bare / name).write_bytes((small_model_dir / name).read_bytes())
@@ -134,5 +135,5 @@ def test_the_log_names_the_step_backend_or_why_there_is_none(
         refused = pytest.raises(InferenceError)
         with refused as info:
             client.step("s", np.ones((1, 1, 32), np.float32), 0, start=True)
-    assert info.value.code == grpc.StatusCode.UNIMPLEMENTED and "no step.onnx" in str(info.value)
+    assert info.value.code == grpc.StatusCode.UNIMPLEMENTED and "no step graphs" in str(info.value)
     assert any("no backend computes decode steps" in r.getMessage() for r in caplog.records)

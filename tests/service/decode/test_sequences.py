@@ -15,8 +15,9 @@ import numpy as np
 import pytest
 import torch
 
+from export.layout import ModelFiles
 from export.onnx_export import export_onnx
-from export.step_graph import export_step_graph
+from export.step_graph import export_step_graphs
 from model import MHAConfig
 from model.checkpoint import init_weights, load_checkpoint
 from model.reference import attention_view, relative_error
@@ -261,12 +262,12 @@ def test_bad_offsets_and_headers_are_refused(stub) -> None:
 
 
 def _backend(model_dir: Path, name: str, config: MHAConfig | None = None, weights: dict | None = None) -> Backend:
-    """A backend that computes decode steps: torch on the CPU or CUDA, or ORT-CPU on step.onnx."""
+    """A backend that computes decode steps: torch on the CPU or CUDA, or ORT-CPU on the step graphs."""
     if config is None or weights is None:
         config, weights = load_checkpoint(model_dir / "weights.safetensors")
     if name == "ort-cpu":
-        step_path = model_dir / "step.onnx"
-        return OrtCpuBackend(model_dir / "model.onnx", threads=2, width=config.d_model, step_path=step_path)
+        steps = ModelFiles(model_dir).steps
+        return OrtCpuBackend(model_dir / "model.onnx", threads=2, width=config.d_model, step_paths=steps)
     return TorchBackend(config, weights, device="cuda" if name == "torch-cuda" else "cpu")
 
 
@@ -321,7 +322,7 @@ def test_one_token_steps_are_exact_token_by_token(tmp_path: Path, name: str, bia
     the keys the step wrote against the module's."""
     config = MHAConfig(d_model=48, n_head=6, max_seq_len=80, bias=bias)
     weights = init_weights(config, seed=21)
-    export_step_graph(config, weights, tmp_path / "step.onnx")
+    export_step_graphs(config, weights, ModelFiles(tmp_path).steps)
     export_onnx(config, weights, tmp_path / "model.onnx")
     backend = _backend(tmp_path, name, config, weights)
     store = SequenceStore(config, SequenceLimits(), ManualClock().now)
