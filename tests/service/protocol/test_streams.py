@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import grpc
 import numpy as np
@@ -253,6 +255,19 @@ def test_an_answer_counts_delivered_only_once_the_consumer_came_back_for_the_nex
     assert [a for a, delivered in settled if delivered] == [answers[0]]
 
 
+@contextlib.contextmanager
+def _read_one_then_stop(server: ServerThread, x: np.ndarray, timeout_s: float) -> Iterator[tuple[Any, int]]:
+    """A stream of N requests of `x` whose client reads one answer and stops reading: the call,
+    and how many requests the server computed by the time it stopped too."""
+    gate = _gate(server)
+    gate.permits.release(N)
+    with grpc.insecure_channel(server.url) as channel:
+        requests = (encode_infer_request(x, request_id=str(i)) for i in range(N))
+        call = pb_grpc.GRPCInferenceServiceStub(channel).ModelStreamInfer(requests, timeout=timeout_s)
+        assert not next(call).error_message
+        yield call, _steady(lambda: len(gate.computed))
+
+
 def test_a_stream_that_never_reads_is_held_at_its_window_and_what_was_never_written_is_cancelled(
     server: ServerThread, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -261,14 +276,8 @@ def test_a_stream_that_never_reads_is_held_at_its_window_and_what_was_never_writ
     client), computes only those, and when the client leaves, what was never written is
     CANCELLED; OK counts only what was written."""
     x = np.random.default_rng(1).standard_normal((1, 1024, 128), dtype=np.float32)  # 512 KiB answers
-    gate = _gate(server)
-    gate.permits.release(N)
     window = server.engine.settings.stream_window
-    with grpc.insecure_channel(server.url) as channel:
-        requests = (encode_infer_request(x, request_id=str(i)) for i in range(N))
-        call = pb_grpc.GRPCInferenceServiceStub(channel).ModelStreamInfer(requests, timeout=120)
-        assert not next(call).error_message
-        computed = _steady(lambda: len(gate.computed))
+    with _read_one_then_stop(server, x, timeout_s=120) as (call, computed):
         call.cancel()
     # beyond the window: the answers gRPC accepted for writing (its flow control buffers a few MiB)
     assert window <= computed <= window + 16 < N, f"{computed} computed for a client that read 1 (window {window})"
@@ -331,14 +340,8 @@ def test_a_slow_reader_cut_by_its_deadline_is_counted_ok_only_for_what_grpc_took
     library, which drops it when the deadline fires) and counts the rest DEADLINE_EXCEEDED.
     OK never counts what was computed and not written; docs/operations.md says what it counts."""
     x = np.random.default_rng(1).standard_normal((2, 512, 128), dtype=np.float32)  # 512 KiB answers
-    gate = _gate(server)
-    gate.permits.release(N)
     window = server.engine.settings.stream_window
-    with grpc.insecure_channel(server.url) as channel:
-        requests = (encode_infer_request(x, request_id=str(i)) for i in range(N))
-        call = pb_grpc.GRPCInferenceServiceStub(channel).ModelStreamInfer(requests, timeout=3.0)
-        assert not next(call).error_message
-        computed = _steady(lambda: len(gate.computed))
+    with _read_one_then_stop(server, x, timeout_s=3.0) as (call, computed):
         done = threading.Event()
         call.add_done_callback(lambda _: done.set())
         assert done.wait(60), "the deadline never ended the call"  # not read until then
