@@ -98,6 +98,8 @@ CASES = [  # (name, B, T, clients)
     ("(4, 512, 128) 1 client", 4, 512, 1),
     ("(1, 64, 128) 8 clients, one channel", 1, 64, 8),
     ("(1, 64, 128) 32 clients, one channel", 1, 64, 32),
+    ("(1, 256, 128) 8 clients", 1, 256, 8),  # longer sequences, and more rows a request: issue 63's
+    ("(4, 128, 128) 8 clients", 4, 128, 8),  # cases where a Python server may lead Triton
 ]
 ONE_CHANNEL = "one channel"  # a case so named: its clients share one channel (one connection), as threads
 # of one gRPC application do; every other case: a connection per client, as separate processes have
