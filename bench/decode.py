@@ -115,10 +115,13 @@ def interleaved_rounds(wide: Path, tokens: int, runs: int, base: tuple[str, Path
     }
 
 
-def base_export(revision: str, tree: Path, out: Path) -> Path:
-    """The d_model 512 model exported by REV's own code, for REV's server."""
+def export_512(out: Path, tree: Path | None = None) -> Path:
+    """The d_model 512 model (8 heads, max_seq_len 1024) exported by the code in `tree` (a
+    revision's worktree, for its own server), else by this checkout's."""
+    from compare import ROOT
+
     export = [sys.executable, "-P", "-m", "service.cli", "export", "--out", str(out), "--d-model", "512"]
-    env = {**os.environ, "PYTHONPATH": str(tree)}
+    env = {**os.environ, "PYTHONPATH": str(tree or ROOT)}
     subprocess.run([*export, "--n-head", "8", "--max-seq-len", "1024"], check=True, capture_output=True, env=env)
     return out
 
@@ -285,16 +288,14 @@ def main() -> int:
     results = common.RESULTS
     interleaved: dict[str, object] = {}
     with tempfile.TemporaryDirectory() as tmp, contextlib.ExitStack() as stack:
-        wide = Path(tmp) / "d512"
-        export = [sys.executable, "-m", "service.cli", "export", "--out", str(wide), "--d-model", "512"]
-        subprocess.run([*export, "--n-head", "8", "--max-seq-len", "1024"], check=True, capture_output=True)
+        wide = export_512(Path(tmp) / "d512")
         if args.runs > 1:
             from compare import checkout
 
             base = None
             if args.base:
                 tree = stack.enter_context(checkout(args.base))
-                base = (args.base, tree, base_export(args.base, tree, Path(tmp) / "d512-base"))
+                base = (args.base, tree, export_512(Path(tmp) / "d512-base", tree))
             interleaved = interleaved_rounds(wide, args.tokens_512, args.runs, base)
         runs = [compare_one_model(wide, args.tokens_512, 512, results / "decode-512.log")]
     default = Path("models/default")

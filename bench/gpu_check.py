@@ -161,11 +161,11 @@ def parity(entry: dict[str, Any], model_dir: Path, config: Any, weights: Any) ->
     from service.backends.selection import ProbeCache
 
     grid = parity_grid(config.max_seq_len)
-    for backend in (OrtCudaBackend(model_dir / "model.onnx"), TorchBackend(config, weights, device="cuda")):
+    steps = OrtCudaBackend(model_dir / "model.onnx", step_paths=ModelFiles(model_dir).steps)
+    for backend in (steps, TorchBackend(config, weights, device="cuda")):
         report = check_parity(backend.run, config, weights, grid, seed=3)
         entry[backend.name] = report.to_dict()
         log.info("%s parity:\n%s", backend.name, report.table())
-    steps = OrtCudaBackend(model_dir / "model.onnx", step_paths=ModelFiles(model_dir).steps)
 
     def step(x: np.ndarray, keys: np.ndarray, values: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         B, P, t = keys.shape[0], keys.shape[2], x.shape[1]
