@@ -4,10 +4,11 @@ a real L7 balancer (nginx, deploy/nginx/mha-serve.conf) spreads one channel over
 Forwarding: a decode step handed to its owner worker against one computed where it lands.
 
 `mha serve --workers 2`, one client channel (so one worker receives every step), two sequences:
-one owned by the receiving worker (local), one owned by the other (forwarded over the workers'
-Unix socket). One-token steps alternate between them (local, forwarded, local, ...), so both see
-the same machine state; the ratio of their medians is the cost of forwarding. Which sequence is
-local is found from the workers' own /metrics (HandedOver counts), not assumed.
+one started on that channel (so owned by the receiving worker: local), one started on a
+connection of its own that reached the other worker (forwarded over the workers' Unix socket).
+One-token steps alternate between them (local, forwarded, local, ...), so both see the same
+machine state; the ratio of their medians is the cost of forwarding. Where each sequence lives is
+what the server says with each step, not assumed.
 Spread: one gRPC channel to nginx in front of 3 replicas sends stateless requests (each
 replica's share, from its own /metrics), then 8 sequences of 24 steps, each step on a new
 channel (how many replicas each sequence touched: 1 is right).
@@ -19,7 +20,6 @@ usage: python bench/scaleout.py [--steps 400] [--requests 300] [--model-dir mode
 from __future__ import annotations
 
 import logging
-import re
 import statistics
 import sys
 import tempfile
@@ -32,24 +32,18 @@ import numpy as np
 from service.app.launch import Balancer, ServerProcess
 from service.client.client import ClientSequence, MHAClient
 from service.client.loadgen import requests_answered
-from service.protocol.peers import FORWARDED_METHOD, owner_of
 
 log = logging.getLogger("bench")
 NGINX = Path(__file__).resolve().parent.parent / ".tools" / "nginx" / "usr" / "sbin" / "nginx"  # make install
-STARTED = re.compile(r"worker (\d+) started \(pid \d+, metrics 127\.0\.0\.1:(\d+)\)")
 
 
-def forwarded_count(port: int) -> float:
-    return requests_answered(f"127.0.0.1:{port}", FORWARDED_METHOD)
-
-
-def ids_by_owner() -> dict[int, str]:
-    found: dict[int, str] = {}
-    n = 0
-    while len(found) < 2:
-        found.setdefault(owner_of(f"bench-{n}", 2), f"bench-{n}")
-        n += 1
-    return found
+def started_elsewhere(url: str, here: int, x: np.ndarray) -> str:
+    """A sequence started on a connection of its own that reached a worker other than `here`."""
+    for n in range(64):
+        with MHAClient(url, own_connection=True) as own:
+            if own.step(f"bench-{n}", x, offset=0, start=True).worker != here:
+                return f"bench-{n}"
+    raise RuntimeError("64 new connections all reached one worker")
 
 
 def forwarding(model_dir: str, steps: int) -> dict[str, float]:
@@ -57,17 +51,14 @@ def forwarding(model_dir: str, steps: int) -> dict[str, float]:
     server.start(common.RESULTS / "scaleout-workers.log")
     try:
         time.sleep(5)  # both workers loaded
-        ports = {int(i): int(p) for i, p in STARTED.findall(server.log())}
         with MHAClient(server.url) as client:
             C = int(client.model_metadata().inputs[0].shape[-1])
             rng = np.random.default_rng(0)
-            ids = ids_by_owner()
-            sequences = {owner: client.sequence(ids[owner]) for owner in ids}
-            before = {w: forwarded_count(p) for w, p in ports.items()}
-            sequences[0].send(rng.standard_normal((1, 1, C), dtype=np.float32))
-            after = {w: forwarded_count(p) for w, p in ports.items()}
-            local_owner = 1 if after[0] > before[0] else 0  # worker 0 counted a hand-over: this channel is on 1
-            kinds = {"local": sequences[local_owner], "forwarded": sequences[1 - local_owner]}
+            local = client.sequence("bench-local")
+            local.send(rng.standard_normal((1, 1, C), dtype=np.float32))  # started here: owned by this channel's worker
+            forwarded = client.sequence(started_elsewhere(server.url, local.worker, np.zeros((1, 1, C), np.float32)))
+            forwarded.tokens, forwarded.length = [np.zeros((1, 1, C), np.float32)], 1
+            kinds = {"local": local, "forwarded": forwarded}
             times: dict[str, list[float]] = {"local": [], "forwarded": []}
             for _ in range(min(steps, 1000)):  # a sequence holds max_seq_len (1024) tokens
                 for kind, sequence in kinds.items():

@@ -14,7 +14,7 @@ from functools import partial
 from service.batching import Clock, MonotonicClock
 from service.budget import MIB, InflightBudget
 from service.engine.audit import AuditLimits, Auditor, Reference, Sample, mismatch_message
-from service.engine.door import Door
+from service.engine.door import Door, SequenceId
 from service.engine.inflight import InFlight
 from service.engine.keeper import Compute, ComputeHook, VersionKeeper, merged_rows
 from service.engine.publishing import Publisher, ServingBackends
@@ -80,9 +80,11 @@ def build_engine(
     tracing: Tracing | None = None,
     hook: ComputeHook | None = None,
     others_ready: Callable[[], bool] | None = None,
+    sequence_gone: Callable[[SequenceId], None] | None = None,
 ) -> Engine:
     """`clock` is the batchers' (request deadlines are converted to it); `hook` see ComputeHook;
-    `others_ready` the door's (with --workers: whether every other worker listens)."""
+    `others_ready` the door's (with --workers: whether every other worker listens);
+    `sequence_gone` the keeper's (with --workers: a sequence's ownership released)."""
     s = settings
     identity = ModelIdentity(s.model_name, s.model_version, s.sequence_model_name or f"{s.model_name}_sequence")
     device = DeviceHealth(s.require_device, metrics)  # the server's health follows serving_ok()
@@ -92,7 +94,7 @@ def build_engine(
     publish = Publisher(metrics, serving, tracing, (identity.name, identity.sequence_name))
     executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="infer")  # every version's batches
     compute = Compute(executor, clock or MonotonicClock(), InFlight(), schedule, tracing, hook)
-    keeper = VersionKeeper(s, life, compute, publish, metrics, source)
+    keeper = VersionKeeper(s, life, compute, publish, metrics, source, sequence_gone)
     audit = Auditor(_audit_limits(s), _audited(metrics, executor), metrics.audit.skipped_one)
     budget = InflightBudget(_inflight_limit(s))  # bytes of requests and answers held at once
     door = Door(life, keeper, publish, audit, budget, others_ready)

@@ -140,7 +140,10 @@ async def start(
     source, schedule = model_source(settings), read_schedule(settings)
     peers = _peers(settings)
     others_ready = None if peers is None else peers.all_listening  # ready once every worker is
-    engine = build_engine(settings, metrics, source, schedule, clock, _tracing(settings), compute_hook, others_ready)
+    gone = None if peers is None else peers.release  # a sequence this worker keeps no longer: owned no longer
+    engine = build_engine(
+        settings, metrics, source, schedule, clock, _tracing(settings), compute_hook, others_ready, gone
+    )
     token, credentials = _token(settings), _credentials(settings)  # read before a worker's long load
     if settings.reuse_port and not settings.worker_bind_first:
         try:

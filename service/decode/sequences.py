@@ -85,7 +85,7 @@ class SequenceStore:
         config: MHAConfig,
         limits: SequenceLimits,
         now: Callable[[], float],
-        on_change: Callable[[SequenceStore, str | None], None] | None = None,
+        on_change: Callable[[SequenceStore, str | None, SequenceId | None], None] | None = None,
         device: str = "cpu",
         process_label: str = "this server",
     ) -> None:
@@ -93,7 +93,7 @@ class SequenceStore:
         self.home = Home(device, process_label)
         self._live: OrderedDict[SequenceId, LiveSequence] = OrderedDict()  # least recently used first
         self._gone: OrderedDict[SequenceId, str] = OrderedDict()  # id -> what became of it
-        self._on_change = on_change  # (store, eviction reason or None): metrics
+        self._on_change = on_change  # (store, eviction reason or None, the id of a sequence gone or None)
         self.state_bytes = 0
 
     def __len__(self) -> int:
@@ -159,8 +159,8 @@ class SequenceStore:
 
     def _begin(self, sequence_id: SequenceId, rows: int) -> LiveSequence:
         old = self._live.get(sequence_id)
-        if old is not None:
-            self._drop(old, "was restarted (sequence_start)", None)
+        if old is not None:  # the id stays live here: not reported gone
+            self._drop(old, "was restarted (sequence_start)", None, restarted=True)
         capacity = min(16, self.config.max_seq_len)
         self._evict_for(count=1, nbytes=self._cache_bytes(rows, capacity))
         keys, values = (_cache(rows, self.config, capacity, self.home.device) for _ in range(2))  # (B, nh, cap, hs)
@@ -209,7 +209,7 @@ class SequenceStore:
                 "every sequence is stepping; retry with backoff"
             )
 
-    def _drop(self, sequence: LiveSequence, what: str, reason: str | None) -> None:
+    def _drop(self, sequence: LiveSequence, what: str, reason: str | None, restarted: bool = False) -> None:
         if self._live.get(sequence.id) is sequence:
             del self._live[sequence.id]
             self.state_bytes -= sequence.nbytes
@@ -219,8 +219,8 @@ class SequenceStore:
             self._gone.popitem(last=False)
         if reason is not None:
             log.info("sequence %s %s", quote(str(sequence.id), 48), what)
-        self._changed(reason)
+        self._changed(reason, None if restarted else sequence.id)
 
-    def _changed(self, reason: str | None) -> None:
+    def _changed(self, reason: str | None, gone: SequenceId | None = None) -> None:
         if self._on_change is not None:
-            self._on_change(self, reason)
+            self._on_change(self, reason, gone)

@@ -21,6 +21,7 @@ from model.checkpoint import CheckpointError, load_checkpoint
 from service.backends import BackendChain, BackendSpec, Selection, select_backends
 from service.backends.chain import REASONS, FallbackHook
 from service.batching import BatcherConfig, Clock
+from service.decode.control import SequenceId
 from service.decode.scheduler import Decoder, StepBatcher
 from service.decode.sequences import SequenceLimits, SequenceStore
 from service.engine.audit import Reference
@@ -87,9 +88,11 @@ class VersionKeeper:
         publish: Publisher,
         metrics: Metrics,
         source: ModelSource,
+        sequence_gone: Callable[[SequenceId], None] | None = None,
     ) -> None:
         self.settings, self.life, self.compute, self.publish, self.metrics = settings, life, compute, publish, metrics
         self.loader = VersionLoader(source, life.versions, self)
+        self._sequence_gone = sequence_gone  # told of a sequence no version keeps any more (--workers: owned no more)
 
     @property
     def policy(self) -> VersionPolicy:
@@ -204,8 +207,13 @@ class VersionKeeper:
         self.metrics.versions.changed([v.state.value for v in self.life.versions])
         self.life.device.serving_changed(self.life.serving_ok())
 
-    def sequences_changed(self, version: str, store: SequenceStore, evicted: str | None) -> None:
-        """A version's live sequences changed: the gauges, and a retiring version may unload."""
+    def sequences_changed(
+        self, version: str, store: SequenceStore, evicted: str | None, gone: SequenceId | None
+    ) -> None:
+        """A version's live sequences changed: the gauges, a sequence no version keeps any more
+        reported gone, and a retiring version may unload."""
+        if gone is not None and self._sequence_gone is not None and not self.life.versions.hold(gone):
+            self._sequence_gone(gone)
         live = list(self.life.versions)
         self.metrics.sequences.changed(
             sum(v.live_sequences for v in live), sum(v.decoder.sequences.state_bytes for v in live), evicted

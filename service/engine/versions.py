@@ -17,7 +17,7 @@ from service.errors import InvalidInput, ModelNotFound, NotReady, quote
 
 if TYPE_CHECKING:
     from service.backends import BackendChain, Selection
-    from service.decode.control import SequenceControl
+    from service.decode.control import SequenceControl, SequenceId
     from service.decode.scheduler import Decoder
     from service.engine.audit import Reference
     from service.engine.batcher import Batcher
@@ -50,8 +50,8 @@ class Loaded:
     def live_sequences(self) -> int:
         return len(self.decoder.sequences)
 
-    def holds(self, control: SequenceControl) -> bool:
-        return self.decoder.sequences.holds(control.id)
+    def holds(self, sequence_id: SequenceId) -> bool:
+        return self.decoder.sequences.holds(sequence_id)
 
 
 def _number(version: str) -> int:
@@ -85,6 +85,10 @@ class Versions:
         """The versions new requests may go to, lowest first."""
         return [loaded for loaded in self if loaded.state is VersionState.SERVING]
 
+    def hold(self, sequence_id: SequenceId) -> bool:
+        """Does any version keep this sequence's keys and values in this process?"""
+        return any(loaded.holds(sequence_id) for loaded in self)
+
     def latest(self) -> Loaded | None:
         serving = self.serving()
         return serving[-1] if serving else None
@@ -115,7 +119,7 @@ class Versions:
         that the sequence is not known)."""
         if control.start:
             return self.for_request(version)
-        holder = next((v for v in self if v.state is not VersionState.UNLOADING and v.holds(control)), None)
+        holder = next((v for v in self if v.state is not VersionState.UNLOADING and v.holds(control.id)), None)
         if holder is None:
             return self.for_request(version)
         if version and version != holder.version:

@@ -3,12 +3,14 @@ step that reaches another worker is handed to its owner over a Unix-domain socke
 
 SO_REUSEPORT spreads connections, not sequences, over the workers: a client that reconnects
 between steps (curl, most HTTP clients, a channel that reconnects) lands on any of them. A
-sequence's state lives in one process only, its owner's, chosen from the sequence id alone
-(crc32, the same in every process and every restart), so every connection reaches it. The
-owner answers the handed-over request as it would its own (service/protocol/handover.py); its
-status and message come back as they are. System shared memory regions are kept by one worker
-(REGION_KEEPER) for all of them: registrations, status and requests that name a region are
-handed to it (service/protocol/regions.py), so every connection sees one set of regions.
+sequence's state lives in one process only, its owner's: the worker its first step reached, so
+that a client on one channel never pays a hand-over. Each live sequence names its owner in a
+folder the workers share (a symbolic link, made atomically, named by a digest of the id), so
+every connection reaches it; the owner removes the name when the sequence ends or is evicted.
+The owner answers the handed-over request as it would its own (service/protocol/handover.py);
+its status and message come back as they are. System shared memory regions are kept by one
+worker (REGION_KEEPER) for all of them: registrations, status and requests that name a region
+are handed to it (service/protocol/workers.py), so every connection sees one set of regions.
 
 The hand-over is one frame each way on a pooled stream connection, not a gRPC call: the request
 as gRPC's message, its mha-sequence-id header and its remaining time; the answer's
@@ -20,9 +22,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import logging
+import os
 import struct
-import zlib
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -54,6 +57,7 @@ REQUESTS: dict[int, type[Message]] = {
     TRACE: pb.TraceSettingRequest,
     STATS: pb.ModelStatisticsRequest,
 }
+OWNERS = "owners"  # the folder, beside the sockets, where each live sequence names its owner
 REGION_KEEPER = 0  # the worker that keeps the shared memory regions of all workers
 ANSWER_HEAD = struct.Struct("!BI")  # status code (0: OK), then the response's bytes or the error message
 CODES = {code.value[0]: code for code in grpc.StatusCode}
@@ -66,9 +70,17 @@ def socket_path(directory: Path, index: int) -> Path:
     return directory / f"worker-{index}.sock"
 
 
-def owner_of(sequence_id: SequenceId, workers: int) -> int:
-    """The worker that holds `sequence_id`'s state: the same answer in every process."""
-    return zlib.crc32(str(sequence_id).encode()) % workers
+def owner_path(directory: Path, sequence_id: SequenceId) -> Path:
+    """Where the owner of `sequence_id` is named (1 and "1" are two sequences, as in the store)."""
+    key = f"{type(sequence_id).__name__}:{sequence_id}".encode()
+    return directory / OWNERS / hashlib.sha256(key).hexdigest()[:40]
+
+
+def _named_owner(path: Path) -> int | None:
+    try:
+        return int(os.readlink(path))
+    except FileNotFoundError:
+        return None
 
 
 async def read_request(reader: asyncio.StreamReader) -> tuple[int, bytes, str | None, float | None]:
@@ -87,14 +99,41 @@ class WorkerPeers:
     """This worker's view of the others: who owns a sequence, and connections to each owner."""
 
     def __init__(self, index: int, workers: int, directory: Path) -> None:
+        """The sequences a previous life of this worker owned are gone with it: their names go."""
         self.index, self.workers, self.directory = index, workers, directory
         self._idle: dict[int, list[Connection]] = {}
         self._all_listening = False
+        self._mine: set[SequenceId] = set()  # the sequences this worker owns
+        (directory / OWNERS).mkdir(exist_ok=True)
+        for entry in os.scandir(directory / OWNERS):
+            self.release_path(Path(entry.path))
 
-    def owner(self, sequence_id: SequenceId) -> int | None:
-        """The owner of `sequence_id` when it is another worker; None when it is this one."""
-        owner = owner_of(sequence_id, self.workers)
-        return None if owner == self.index else owner
+    def owner(self, sequence_id: SequenceId, start: bool) -> int | None:
+        """The owner of `sequence_id` when it is another worker; None when it is this one, or when
+        no worker holds it: a first step (`start`) makes this worker its owner, unless another
+        worker did so first; any other step is answered here (the sequence is not known)."""
+        if sequence_id in self._mine:
+            return None
+        path = owner_path(self.directory, sequence_id)
+        owner = _named_owner(path)
+        while owner is None and start:
+            try:
+                os.symlink(str(self.index), path)  # atomic: of two workers, one names itself
+                self._mine.add(sequence_id)
+                return None
+            except FileExistsError:
+                owner = _named_owner(path)
+        return None if owner in (None, self.index) else owner
+
+    def release(self, sequence_id: SequenceId) -> None:
+        """This worker keeps `sequence_id` no longer (ended, evicted, or its first step refused):
+        it owns it no longer."""
+        self._mine.discard(sequence_id)
+        self.release_path(owner_path(self.directory, sequence_id))
+
+    def release_path(self, path: Path) -> None:
+        if _named_owner(path) == self.index:
+            path.unlink(missing_ok=True)  # only its owner removes a name: nobody else made it since
 
     @property
     def others(self) -> list[int]:

@@ -1,10 +1,10 @@
 """Workers at the edge (`--workers N`): one wrapper in front of this worker's answers that hands
 to another worker what only it can answer, and tells every worker what changes them all.
 
-- A step of a sequence another worker owns goes to its owner (peers.owner_of: the same answer in
-  every process). Its tensor is checked here first, so that a refusal is worded for the client's
-  protocol; when it lives in regions this worker keeps, the owner gets the tensor itself, and its
-  output is written here.
+- A step of a sequence another worker owns goes to its owner (the worker its first step reached,
+  named where every worker reads it: peers.py). Its tensor is checked here first, so that a
+  refusal is worded for the client's protocol; when it lives in regions this worker keeps, the
+  owner gets the tensor itself, and its output is written here.
 - System shared memory regions are kept by one worker (REGION_KEEPER) for all of them: the
   registrations, the status requests and every inference request that names a region are handed
   to it, so that a region registered through any connection is usable through every connection,
@@ -24,7 +24,7 @@ from collections.abc import Awaitable, Iterable
 
 from google.protobuf.message import Message
 
-from service.engine.door import ServedModel
+from service.engine.door import SequenceControl, ServedModel
 from service.logs import LogSetting
 from service.proto import grpc_service_pb2 as pb
 from service.protocol import log_calls, trace_calls
@@ -57,10 +57,11 @@ class WorkerAnswers:
     ) -> InferResponse:
         """This worker's answer, or the one of the worker that holds the request's sequence or regions."""
         control = sequence_control(request) if "sequence_id" in request.parameters else None  # else: checked there
-        keeper, owner = self.peers.region_keeper, None if control is None else self.peers.owner(control.id)
+        keeper = self.peers.region_keeper
         shared = keeper is not None and names_shared_memory(request)
-        if not shared and owner is None:
-            return await self.local.infer(request, deadline, header, call)
+        owner = None if control is None or shared else self.peers.owner(control.id, control.start)
+        if owner is None and not shared:
+            return await self._here(request, deadline, header, call, control)
         check_sequence_header(control, header)
         if call is not None:
             call.step = control is not None  # counted in the sequence model's statistics
@@ -70,6 +71,23 @@ class WorkerAnswers:
             return await self.peers.forward(keeper, request, header, timeout)
         assert owner is not None
         return await self._handed_over(request, owner, header, timeout, call)
+
+    async def _here(
+        self,
+        request: InferRequest,
+        deadline: float | None,
+        header: str | None,
+        call: Call | None,
+        control: SequenceControl | None,
+    ) -> InferResponse:
+        """Answered by this worker; a first step refused here leaves no owner (a sequence it
+        restarted keeps its state, and its steps still reach it through this worker)."""
+        try:
+            return await self.local.infer(request, deadline, header, call)
+        except BaseException:
+            if control is not None and control.start:
+                self.peers.release(control.id)
+            raise
 
     def _model(self, request: InferRequest) -> ServedModel:
         """The served model the request's version names (the latest when it names none)."""

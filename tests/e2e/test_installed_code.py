@@ -24,11 +24,10 @@ from service.app.launch import free_ports
 from service.client.client import InferenceError, MHAClient
 from service.proto import grpc_service_pb2 as pb
 from service.proto import grpc_service_pb2_grpc as pb_grpc
-from service.protocol.peers import owner_of
 from service.resources import available_cpus
 
 HOSTILE = ("service", "model", "export")
-SEQUENCES = 48  # sequence starts sent the moment the server says it is ready, over every owner
+SEQUENCES = 48  # sequence starts sent the moment the server says it is ready, on connections of their own
 
 
 def _hostile_folder(root: Path, marker: Path) -> Path:
@@ -87,24 +86,28 @@ def test_default_serve_runs_the_installed_package_and_is_ready_only_when_every_w
     try:
         with grpc.insecure_channel(f"127.0.0.1:{grpc_port}") as channel:
             signal_name = _first_ready(pb_grpc.GRPCInferenceServiceStub(channel), http_port, proc)
-        with MHAClient(f"127.0.0.1:{grpc_port}") as client:
-            x = np.random.default_rng(1).standard_normal((1, 4, 128), dtype=np.float32)
-            refused: list[str] = []
-            answers = []
+        url = f"127.0.0.1:{grpc_port}"
+        x = np.random.default_rng(1).standard_normal((1, 4, 128), dtype=np.float32)
+        refused: list[str] = []
+        answers = []
 
-            def start(sequence: int) -> None:
-                try:
-                    answers.append((sequence, client.step(sequence, x, offset=0, start=True).worker))
-                except InferenceError as exc:
-                    refused.append(f"{sequence}: {exc.code.name} {exc}")
+        def start(sequence: int) -> None:
+            try:
+                with MHAClient(url, own_connection=True) as own:  # the kernel gives it to any worker
+                    answers.append((sequence, own.step(sequence, x, offset=0, start=True).worker))
+            except InferenceError as exc:
+                refused.append(f"{sequence}: {exc.code.name} {exc}")
 
-            threads = [threading.Thread(target=start, args=(i,)) for i in range(1, SEQUENCES + 1)]
-            for thread in threads:
-                thread.start()
-            for thread in threads:
-                thread.join(120)
-            assert refused == [], f"refused after {signal_name} said ready: {refused[:3]}"
-            assert {worker for _, worker in answers} == {owner_of(i, workers) for i in range(1, SEQUENCES + 1)}
+        threads = [threading.Thread(target=start, args=(i,)) for i in range(1, SEQUENCES + 1)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(120)
+        assert refused == [], f"refused after {signal_name} said ready: {refused[:3]}"
+        assert len({worker for _, worker in answers}) >= min(workers, 2)  # 48 connections reach more than one
+        with MHAClient(url) as client:  # one connection: every other worker's sequences handed to it
+            for sequence, worker in answers:
+                assert client.step(sequence, x, offset=4).worker == worker
             y = client.infer(x)
         import torch
 

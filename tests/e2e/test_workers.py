@@ -27,7 +27,7 @@ from service.client.client import InferenceError, MHAClient
 from service.proto import grpc_service_pb2 as pb
 from service.proto import grpc_service_pb2_grpc as pb_grpc
 from service.protocol.grpc_codec import decode_infer_response, encode_infer_request, parameter_values
-from service.protocol.peers import FORWARDED_METHOD, owner_of
+from service.protocol.peers import FORWARDED_METHOD
 from tests.support import ServerProcess
 
 STARTED = re.compile(r"worker (\d+) started \(pid (\d+), metrics 127\.0\.0\.1:(\d+)\)")
@@ -144,8 +144,8 @@ def _http_step(
 def test_every_connection_reaches_a_sequences_state_with_two_workers(small_model_dir: Path, tmp_path: Path) -> None:
     """The issue's scenario: a prefix of 8 tokens and 24 one-token steps, each step on a new
     connection (gRPC and HTTP), with --workers 2: every step exact, none refused, and the steps
-    that reached the other worker were handed to the owner, and counted once in the replica's
-    statistics; on both model entries."""
+    that reached the other worker were handed to the owner (the worker its first step reached),
+    and counted once in the replica's statistics; on both model entries."""
     server = ServerProcess(["--model-dir", str(small_model_dir), "--backend", "torch", "--workers", "2"])
     server.start(tmp_path / "server.log")
     try:
@@ -155,7 +155,7 @@ def test_every_connection_reaches_a_sequences_state_with_two_workers(small_model
         for protocol in ("grpc", "http"):
             for n in range(3):
                 sequence_id, entry = f"{protocol}-{n}", ("mha_sequence", "mha")[n % 2]
-                whole = np.zeros((1, 0, 32), np.float32)
+                whole, owner = np.zeros((1, 0, 32), np.float32), None
                 for t in [8] + [1] * 24:
                     x = rng.standard_normal((1, t, 32), dtype=np.float32)
                     offset = whole.shape[1]
@@ -167,7 +167,8 @@ def test_every_connection_reaches_a_sequences_state_with_two_workers(small_model
                     reference = attention_view(torch.from_numpy(whole), weights, config)[:, -t:]
                     assert relative_error(torch.from_numpy(y.copy()), reference) < 1e-5, (sequence_id, offset)
                     assert said["sequence_length"] == whole.shape[1]
-                    assert said["worker"] == owner_of(sequence_id, 2)
+                    owner = said["worker"] if owner is None else owner
+                    assert said["worker"] == owner
         handed = _ok(_samples(server.metrics_port), FORWARDED_METHOD)
         assert 0 < handed < 6 * 25, handed
         with grpc.insecure_channel(server.url) as channel:  # each step once, where its client sent it
@@ -196,6 +197,38 @@ def _exemplars(port: int) -> dict[str, str]:
         for s in family.samples
         if s.name == "mha_request_duration_seconds_bucket" and s.labels.get("method") == "ModelInfer" and s.exemplar
     }
+
+
+def test_a_sequence_lives_where_its_first_step_landed(small_model_dir: Path, tmp_path: Path) -> None:
+    """A client of one channel pays no hand-over: every sequence it starts lives on the worker
+    its channel reached. Ended, a sequence is nobody's: started again through the other worker,
+    it lives there. A first step refused leaves no owner behind."""
+    server = ServerProcess(["--model-dir", str(small_model_dir), "--backend", "torch", "--workers", "2"])
+    server.start(tmp_path / "server.log")
+    x = np.ones((1, 2, 32), np.float32)
+    try:
+        _until(lambda: _ready_workers(server) == 2)
+        with MHAClient(server.url) as client:
+            homes = {client.step(f"one-{n}", x, offset=0, start=True).worker for n in range(8)}
+            homes |= {client.step(f"one-{n}", x, offset=2).worker for n in range(8)}
+            assert len(homes) == 1, homes  # by the sequence id alone, half would live on the other worker
+            client.step("one-0", x, offset=4, end=True)
+            with pytest.raises(InferenceError) as refused:
+                client.step("refused", np.ones((1, 2, 16), np.float32), offset=0, start=True)
+            assert refused.value.code is grpc.StatusCode.INVALID_ARGUMENT
+        (here,) = homes
+        for n in range(64):  # a connection of its own that reached the other worker
+            with MHAClient(server.url, own_connection=True) as own:
+                if own.step(f"probe-{n}", x, offset=0, start=True).worker == here:
+                    continue
+                assert own.step("one-0", x, offset=0, start=True).worker == 1 - here
+                assert own.step("refused", x, offset=0, start=True).worker == 1 - here
+                assert own.step("one-1", x, offset=4).worker == here  # handed over to its owner
+                break
+        else:
+            pytest.fail("64 new connections all reached one worker")
+    finally:
+        server.kill()
 
 
 def test_latency_exemplars_reach_the_merged_metrics_of_several_workers(small_model_dir: Path, tmp_path: Path) -> None:
@@ -301,20 +334,24 @@ def test_shared_memory_regions_are_one_set_for_every_worker(small_model_dir: Pat
             _stub_call(server.url, "ModelInfer", _placed(pb.ModelInferRequest(model_name="mha"), "shared", (1, 8, 32)))
             reference = attention_view(torch.from_numpy(view[0].copy()), weights, config)
             assert relative_error(torch.from_numpy(view[1].copy()), reference) < 1e-5
-        owners = {owner_of(f"shm-{n}", 2): f"shm-{n}" for n in range(16)}
-        for sequence_id in owners.values():  # a sequence owned by each worker, its steps through shared memory
-            whole = np.zeros((1, 0, 32), np.float32)
-            for i in range(6):
+        firsts: dict[int, tuple[str, np.ndarray]] = {}  # owner -> a sequence it owns, and its first token
+        for n in range(64):  # first steps carried in the request, each on a connection of its own
+            x = rng.standard_normal((1, 1, 32), dtype=np.float32)
+            firsts.setdefault(_grpc_step(server.url, f"shm-{n}", x, 0)[1]["worker"], (f"shm-{n}", x))
+            if len(firsts) == 2:
+                break
+        assert sorted(firsts) == [0, 1]
+        for owner, (sequence_id, whole) in firsts.items():  # then its steps through shared memory
+            for i in range(1, 6):
                 x = rng.standard_normal((1, 1, 32), dtype=np.float32)
                 whole = np.concatenate([whole, x], axis=1)  # (1, P + 1, 32)
                 view[0, :, :1] = x
                 request = _placed(pb.ModelInferRequest(model_name="mha"), "shared", (1, 1, 32))
                 request.parameters["sequence_id"].string_param = sequence_id
-                request.parameters["sequence_start"].bool_param = i == 0
                 request.parameters["sequence_offset"].int64_param = i
                 answer = _stub_call(server.url, "ModelInfer", request)
                 assert answer.parameters["sequence_length"].int64_param == i + 1  # type: ignore[attr-defined]
-                assert answer.parameters["worker"].int64_param == owner_of(sequence_id, 2)  # type: ignore[attr-defined]
+                assert answer.parameters["worker"].int64_param == owner  # type: ignore[attr-defined]
                 y = np.frombuffer(memory.buf, np.float32, 32, offset=4 * 32).reshape(1, 1, 32).copy()
                 reference = attention_view(torch.from_numpy(whole), weights, config)[:, -1:]
                 assert relative_error(torch.from_numpy(y), reference) < 1e-5

@@ -363,7 +363,7 @@ def test_idle_sequences_are_evicted_and_say_so(small_model_dir: Path) -> None:
     config, _ = load_checkpoint(small_model_dir / "weights.safetensors")
     clock = ManualClock()
     evictions: list[str | None] = []
-    store = SequenceStore(config, SequenceLimits(idle_timeout_s=10), clock.now, lambda s, r: evictions.append(r))
+    store = SequenceStore(config, SequenceLimits(idle_timeout_s=10), clock.now, lambda s, r, gone: evictions.append(r))
     store.open(SequenceControl(1, start=True), 1, C)
     clock.advance(5)
     store.touch(store.open(SequenceControl(2, start=True), 1, C))
@@ -372,6 +372,21 @@ def test_idle_sequences_are_evicted_and_say_so(small_model_dir: Path) -> None:
         store.open(SequenceControl(1), 1, C)
     assert store.open(SequenceControl(2), 1, C).id == 2
     assert evictions.count("idle") == 1
+
+
+def test_a_sequence_is_reported_gone_when_it_ends_or_is_evicted_not_when_it_restarts(small_model_dir: Path) -> None:
+    """What releases its ownership among workers: a restart keeps the id live here."""
+    config, _ = load_checkpoint(small_model_dir / "weights.safetensors")
+    clock = ManualClock()
+    gone: list[object] = []
+    store = SequenceStore(config, SequenceLimits(idle_timeout_s=10), clock.now, lambda s, r, g: gone.append(g))
+    store.open(SequenceControl("a", start=True), 1, C)
+    store.open(SequenceControl("a", start=True), 1, C)  # restarted
+    store.end(store.open(SequenceControl("b", start=True), 1, C))
+    assert [g for g in gone if g is not None] == ["b"]
+    clock.advance(11)
+    store.expire_idle()
+    assert [g for g in gone if g is not None] == ["b", "a"]
 
 
 def test_the_budget_evicts_idle_sequences_and_refuses_when_all_are_busy(small_model_dir: Path) -> None:
