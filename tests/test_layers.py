@@ -109,9 +109,9 @@ def test_the_check_sees_an_upward_import(tmp_path: Path) -> None:
     """The walk itself: a relative import and a name imported from a package both resolve."""
     path = ROOT / "service" / "engine" / "keeper.py"
     names = {name for _, name in _imports(path, "service.engine.keeper")}
-    assert "service.engine.batcher.Batcher" in names
+    assert "service.engine.door.Batcher" in names
     modules = _service_modules()
-    assert _service_target("service.engine.batcher.Batcher", modules) == "service.engine.batcher"
+    assert _service_target("service.engine.door.Batcher", modules) == "service.engine.door"
     assert _service_target("service.protocol.render", modules) == "service.protocol.render"
     assert LAYERS.index(layer_of("service.protocol.render")) > LAYERS.index(layer_of("service.engine.keeper"))
 
@@ -142,7 +142,7 @@ CASES = [
     ("service.protocol.inference", {"torch", "onnx", "onnxruntime", "grpc", "aiohttp"}),  # no protocol
     ("export.layout", {"torch", "onnx", "onnxruntime", "grpc"}),
     ("model", {"grpc", "onnxruntime", "service"}),  # the model knows no server
-    ("service.engine.batcher", {"grpc", "torch", "onnxruntime"}),  # the batcher knows no gRPC
+    ("service.batch_engine", {"grpc", "torch", "onnxruntime"}),  # batching (queue, plan, merge) knows no model
 ]
 
 

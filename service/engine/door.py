@@ -15,22 +15,31 @@ a request may ask of the model, all of it here:
     calls       requests in flight, and closed calls into the statistics
 
 The types its methods take and return are named here too, so that the wire imports one module.
+
+`Batcher` is what `infer` goes through: dynamic batching of a version's stateless requests on
+the batch engine (batches formed within `max_queue_delay`, requests of different T right-padded
+into one, exact for causal attention, the outputs sliced back per request). How a batch is
+planned and padded are the pure primitives of `service.batching`; queueing, deadlines, failure
+isolation and reports are `service.batch_engine`'s.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Iterable, Mapping
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from concurrent.futures import Executor
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 import numpy as np
 
+from service.batch_engine import BatchEngine, Computed, Item, Timing
+from service.batching import BatcherConfig, BatchEvent, Clock, Plan, form_at, merge, plan_batch, split
 from service.budget import InflightBudget, Lease
 from service.decode.control import SequenceControl, SequenceId
 from service.engine.audit import Auditor
 from service.engine.inflight import InFlight
-from service.engine.keeper import VersionKeeper
 from service.engine.publishing import Publisher
 from service.engine.readiness import Lifecycle
 from service.engine.served import ModelIdentity, ServedModel, Serving
@@ -38,12 +47,19 @@ from service.engine.sources import VersionPolicy
 from service.engine.stats import Duration, ModelStats
 from service.engine.versions import Loaded, VersionState
 from service.errors import DeviceLost, FeatureOff, InvalidInput
-from service.numerics import refuse_non_finite
+from service.numerics import all_finite, refuse_non_finite
+from service.scheduling import SchedulePolicy
 from service.settings import Settings
 from service.tracing import TraceValues
 
+if TYPE_CHECKING:
+    from service.backends.base import Backend
+    from service.engine.keeper import VersionKeeper
+
 __all__ = [
     "Answer",
+    "Batched",
+    "Batcher",
     "Door",
     "Duration",
     "InFlight",
@@ -51,11 +67,13 @@ __all__ = [
     "ModelIdentity",
     "ModelStats",
     "ModelView",
+    "RunBatch",
     "SequenceControl",
     "SequenceId",
     "ServedModel",
     "Serving",
     "StepAnswer",
+    "Timing",
     "VersionPolicy",
 ]
 T = TypeVar("T")
@@ -68,6 +86,8 @@ NO_STEPS = (
 
 Answer = tuple[np.ndarray, str]  # (B, T, C) and the backend that computed it
 StepAnswer = tuple[np.ndarray, str, dict[str, int | str]]  # ... and the sequence's length and home
+RunBatch = Callable[[np.ndarray], tuple[np.ndarray, "Backend"]]  # (B, T, C) -> ((B, T, C), the backend that ran it)
+Batched = tuple[np.ndarray, Timing]  # a batched request's (B, T, C) and how its batch went
 
 
 @dataclass(frozen=True, slots=True)
@@ -227,3 +247,43 @@ class Door:
         version's statistics (a request refused before it reached a version: the latest's)."""
         latest = self._life.versions.latest()
         self._publish.requests_closed(records, latest.version if latest is not None else "")
+
+
+class Batcher(BatchEngine[np.ndarray, np.ndarray]):
+    def __init__(
+        self,
+        config: BatcherConfig,
+        run_batch: RunBatch,
+        executor: Executor,
+        on_batch: Callable[[BatchEvent], None] | None = None,
+        in_flight: Callable[[], int] | None = None,
+        clock: Clock | None = None,
+        current_trace: Callable[[], object] | None = None,
+        schedule: SchedulePolicy | None = None,
+    ) -> None:
+        self.config, self._run = config, run_batch
+        super().__init__(executor, config.max_queue_size, on_batch, in_flight, clock, current_trace, schedule)
+
+    async def submit(  # type: ignore[override]
+        self, x: np.ndarray, deadline: float | None = None, priority: int = 0, timeout_s: float | None = None
+    ) -> Batched:
+        """Queue (B, T, C) at `priority` (0: the default level); resolve to ((B, T, C), Timing).
+        Raises Overloaded at once when full."""
+        return await super().submit(x, x.shape, deadline, priority, timeout_s)
+
+    def plan(self, queue: Sequence[Item], now: float) -> Plan[Item]:
+        return plan_batch(queue, self.config, now)
+
+    def form_at(self, queue: Sequence[Item], more_may_come: bool) -> float:
+        return form_at(queue, self.config, more_may_come)
+
+    def compute(self, payloads: list[np.ndarray]) -> Computed:
+        """The requests' (B_i, T_i, C) as one right-padded batch through `run_batch`; an output each."""
+        began = time.perf_counter()
+        batch = merge(payloads)  # (sum B, T_max, C)
+        merged = time.perf_counter()
+        y, backend = self._run(batch)
+        ran = time.perf_counter()
+        outputs = split(y, [(int(x.shape[0]), int(x.shape[1])) for x in payloads])
+        finite = all_finite(y)  # once for the batch, here rather than per request on the event loop
+        return Computed(outputs, backend.name, merged - began, time.perf_counter() - ran, finite)

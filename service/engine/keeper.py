@@ -25,7 +25,7 @@ from service.decode.control import SequenceId
 from service.decode.scheduler import Decoder, StepBatcher
 from service.decode.sequences import SequenceLimits, SequenceStore
 from service.engine.audit import Reference
-from service.engine.batcher import Batcher
+from service.engine.door import Batcher
 from service.engine.inflight import InFlight
 from service.engine.loading import LoadReport, VersionLoader
 from service.engine.publishing import Publisher

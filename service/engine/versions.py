@@ -20,7 +20,7 @@ if TYPE_CHECKING:
     from service.decode.control import SequenceControl, SequenceId
     from service.decode.scheduler import Decoder
     from service.engine.audit import Reference
-    from service.engine.batcher import Batcher
+    from service.engine.door import Batcher
     from service.engine.served import ServedModel
 
 

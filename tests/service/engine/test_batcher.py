@@ -34,7 +34,7 @@ from service.batching import (
     split,
 )
 from service.client.client import InferenceError, MHAClient
-from service.engine.batcher import Batcher
+from service.engine.door import Batcher
 from service.errors import DeadlineExceeded, Overloaded
 from tests.support import ComputeGate, ManualClock, ServerThread, make_settings
 

@@ -14,7 +14,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from service.batching import BatcherConfig
-from service.engine.batcher import Batcher
+from service.engine.door import Batcher
 from service.errors import DeadlineExceeded, InvalidInput, Overloaded
 from service.scheduling import QueuePolicy, SchedulePolicy, WaitQueue, parse_queue_policies
 from tests.service.engine.test_batcher import Gated, _entered, _until, _x
