@@ -60,8 +60,10 @@ class WorkerAnswers:
         keeper = self.peers.region_keeper
         shared = keeper is not None and names_shared_memory(request)
         owner = None if control is None or shared else self.peers.owner(control.id, control.start)
-        if owner is None and not shared:
-            return await self._here(request, deadline, header, call, control)
+        if owner is None and not shared:  # answered here
+            if control is not None and control.start:
+                return await self._started_here(request, deadline, header, call, control)
+            return await self.local.infer(request, deadline, header, call)
         check_sequence_header(control, header)
         if call is not None:
             call.step = control is not None  # counted in the sequence model's statistics
@@ -72,21 +74,20 @@ class WorkerAnswers:
         assert owner is not None
         return await self._handed_over(request, owner, header, timeout, call)
 
-    async def _here(
+    async def _started_here(
         self,
         request: InferRequest,
         deadline: float | None,
         header: str | None,
         call: Call | None,
-        control: SequenceControl | None,
+        control: SequenceControl,
     ) -> InferResponse:
-        """Answered by this worker; a first step refused here leaves no owner (a sequence it
+        """A first step answered by this worker; refused, it leaves no owner (a sequence it
         restarted keeps its state, and its steps still reach it through this worker)."""
         try:
             return await self.local.infer(request, deadline, header, call)
         except BaseException:
-            if control is not None and control.start:
-                self.peers.release(control.id)
+            self.peers.release(control.id)
             raise
 
     def _model(self, request: InferRequest) -> ServedModel:
