@@ -5,6 +5,7 @@ JSON the client wrote; and protobuf messages as Triton's HTTP endpoint writes th
 from __future__ import annotations
 
 import json
+import re
 from typing import Any, TypeGuard
 
 import numpy as np
@@ -30,6 +31,7 @@ from service.protocol.inference import (
 HEADER_LENGTH = "Inference-Header-Content-Length"
 WORDS = Words(raw="binary data (binary_data_size)", values="data")
 INT64_RANGE = (-(2**63), 2**63 - 1)
+SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")  # a JSON escape of a surrogate code point, paired or not
 INT64 = {
     FieldDescriptor.TYPE_INT64,
     FieldDescriptor.TYPE_UINT64,
@@ -75,10 +77,17 @@ def json_object(value: object, what: str) -> dict[str, Any]:
 
 
 def parse_json(data: bytes, what: str) -> Any:
+    """The document; refused when not JSON, or when a string holds a lone surrogate: JSON can
+    escape one (\\ud800), but no text encoding, and so neither gRPC nor a log line, can carry it."""
     try:
-        return json.loads(data)
+        doc = json.loads(data)
+        if SURROGATE_ESCAPE.search(data):  # rare: look closer
+            json.dumps(doc, ensure_ascii=False).encode()
+    except UnicodeEncodeError as exc:
+        raise InvalidInput(f"{what} holds a lone surrogate escape (\\ud800 to \\udfff): expected text") from exc
     except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
         raise InvalidInput(f"{what} is not valid JSON: {str(exc) or type(exc).__name__}") from exc
+    return doc
 
 
 def is_int64(value: object) -> TypeGuard[int]:

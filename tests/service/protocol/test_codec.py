@@ -9,6 +9,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from export.layout import ModelFiles
 from model import MHAConfig
@@ -180,3 +182,27 @@ def test_each_protocol_names_its_own_fields_in_a_refusal() -> None:
     head = json.dumps({"inputs": [both]}).encode()
     with pytest.raises(InvalidInput, match="both binary_data_size and data"):
         request_from_json(head + bytes(128), len(head), "mha", "")
+
+
+SURROGATES = st.characters(min_codepoint=0xD800, max_codepoint=0xDFFF, exclude_categories=())  # st.text drops them
+
+
+@settings(max_examples=200, deadline=None)
+@given(sequence_id=st.lists(st.one_of(st.characters(), SURROGATES), min_size=1, max_size=8).map("".join))
+def test_a_sequence_id_the_checks_accept_every_protocol_can_carry(sequence_id: str) -> None:
+    """A JSON body can escape any code point, lone surrogates too: an id is refused as the
+    client's mistake, or it goes on to another worker (gRPC's message) and back unchanged."""
+    parameters = {"sequence_id": sequence_id, "sequence_start": True}
+    tensor = {"name": "x", "datatype": "FP32", "shape": [1, 1, 8], "data": [0.0] * 8}
+    body = json.dumps({"inputs": [tensor], "parameters": parameters}).encode()
+    sent = json.loads(json.dumps(sequence_id))  # what JSON carries: escaped pairs are one character
+    try:
+        request, _ = request_from_json(body, None, "mha", "")
+    except InvalidInput as exc:
+        assert "lone surrogate" in str(exc)
+        assert any(0xD800 <= ord(c) <= 0xDFFF for c in sent)
+        return
+    control = sequence_control(request)
+    assert control is not None and control.id == sent
+    handed = pb.ModelInferRequest.FromString(request_to_proto(request).SerializeToString())
+    assert sequence_control(request_from_proto(handed)) == control

@@ -169,6 +169,7 @@ def test_malformed_sequence_parameters_over_http_answer_4xx_in_http_words(server
     cases = {
         "id-double": ({"sequence_id": 1.5}, 400),
         "id-zero": ({"sequence_id": 0}, 400),
+        "id-lone-surrogate": ({"sequence_id": "a\ud800"}, 400),  # JSON carries it; no protocol can go on with it
         "start-string": ({"sequence_start": "yes"}, 400),
         "offset-negative": ({"sequence_offset": -2}, 400),
         "offset-string": ({"sequence_offset": "2"}, 400),
