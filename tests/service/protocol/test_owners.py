@@ -3,6 +3,7 @@ named in a folder they share (peers.py). Two WorkerPeers on one folder stand for
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 
 from hypothesis import given, settings
@@ -72,3 +73,24 @@ def test_any_id_a_client_sends_has_one_owner(ids: list[int | str]) -> None:
             zero.release(sequence_id)
             one.release(sequence_id)
         assert list((Path(folder) / OWNERS).iterdir()) == []
+
+
+def test_two_workers_starting_the_same_sequences_at_once_agree_on_each_owner(tmp_path: Path) -> None:
+    """Two clients start the same ids at the same moment through different workers: for each,
+    exactly one worker owns it and the other hands its steps there."""
+    zero, one = _workers(tmp_path)
+    ids = [f"race-{n}" for n in range(300)]
+    together = threading.Barrier(2)
+    seen: dict[int, list[int | None]] = {}
+
+    def start(peers: WorkerPeers) -> None:
+        together.wait()
+        seen[peers.index] = [peers.owner(sequence_id, start=True) for sequence_id in ids]
+
+    threads = [threading.Thread(target=start, args=(peers,)) for peers in (zero, one)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(30)
+    for at_zero, at_one in zip(seen[0], seen[1], strict=True):
+        assert (at_zero, at_one) in ((None, 0), (1, None))  # one claimed it; the other names it
