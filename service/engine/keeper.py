@@ -212,7 +212,7 @@ class VersionKeeper:
     ) -> None:
         """A version's live sequences changed: the gauges, a sequence no version keeps any more
         reported gone, and a retiring version may unload."""
-        if gone is not None and self._sequence_gone is not None and not self.life.versions.hold(gone):
+        if gone is not None and self._sequence_gone is not None and not self.life.versions.holds(gone):
             self._sequence_gone(gone)
         live = list(self.life.versions)
         self.metrics.sequences.changed(

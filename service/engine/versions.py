@@ -85,7 +85,7 @@ class Versions:
         """The versions new requests may go to, lowest first."""
         return [loaded for loaded in self if loaded.state is VersionState.SERVING]
 
-    def hold(self, sequence_id: SequenceId) -> bool:
+    def holds(self, sequence_id: SequenceId) -> bool:
         """Does any version keep this sequence's keys and values in this process?"""
         return any(loaded.holds(sequence_id) for loaded in self)
 
