@@ -21,7 +21,7 @@ from service.scheduling import SchedulePolicy, parse_queue_policies
 
 BACKEND_CHOICES = ("auto", "ort-cuda", "ort-cpu", "torch")
 LOG_FORMATS = ("auto", "json", "text")
-SHARED_MEMORY_CHOICES = ("off", "system")
+SHARED_MEMORY_CHOICES = ("off", "system", "cuda", "system,cuda")
 DEVICE_CHOICES = ("any", "cuda")
 PRECISION_CHOICES = ("fp32", "fp16", "bf16")
 MODEL_CONTROL_MODES = ("none", "poll", "explicit")
@@ -132,7 +132,7 @@ class Settings:
     sequence_idle_timeout_s: float = setting(60.0, "a live sequence idle this long is evicted", "s", low=0)
     max_sequence_state_mb: float = setting(1024.0, "keys and values of live sequences at most", "MiB", low=0)
     shared_memory: str = setting(
-        "off", "Triton's system shared memory, for clients on this host", choices=SHARED_MEMORY_CHOICES
+        "off", "Triton's shared memory extensions (system, cuda), for same-host clients", choices=SHARED_MEMORY_CHOICES
     )
     max_shared_memory_regions: int = setting(64, "registered shared memory regions at most", "regions", low=1)
     max_attention_mb: float = setting(

@@ -38,7 +38,7 @@ from service.protocol.http_app import HttpApi, ssl_context
 from service.protocol.http_wire import quiet_client_mistakes
 from service.protocol.metrics_http import MetricsServer
 from service.protocol.peers import WorkerPeers, socket_path
-from service.protocol.shm import SystemRegions
+from service.protocol.shm import Regions
 from service.protocol.workers import WorkerAnswers
 from service.resources import freed_buffers_go_back
 from service.settings import Settings
@@ -80,7 +80,7 @@ class Running:
     side: SideServers = field(default_factory=lambda: SideServers())
     health_port: int = 0
     http_port: int = 0  # 0 when disabled
-    regions: SystemRegions | None = None
+    regions: Regions | None = None
     peers: WorkerPeers | None = None  # the other workers (--workers), when there are any
     handover: Handover | None = None  # ... and where they hand this worker's steps over
     tasks: set[asyncio.Task[None]] = field(default_factory=set)  # keeps background tasks referenced
@@ -155,7 +155,8 @@ async def start(
         await health_servicer.set(service, health_pb2.HealthCheckResponse.NOT_SERVING)
     door = engine.door
     calls = Calls(door, metrics, engine.tracing)
-    regions = SystemRegions(settings.shared_memory == "system", settings.max_shared_memory_regions)
+    kinds = settings.shared_memory.split(",")
+    regions = Regions("system" in kinds, settings.max_shared_memory_regions, cuda="cuda" in kinds)
     local = Answers(door, regions)
     answers: Answering = local if peers is None else WorkerAnswers(local, peers)  # workers at the edge
     server = _grpc_server(settings, InferenceServicer(door, answers, calls), calls, token, health_servicer)

@@ -19,6 +19,7 @@ from service.logs import LogSetting
 from service.proto import grpc_service_pb2 as pb
 from service.protocol import log_calls, model_calls
 from service.protocol.calls import Call
+from service.protocol.cuda_shm import CudaRegion
 from service.protocol.inference import (
     SEQUENCE_LENGTH,
     InferRequest,
@@ -30,7 +31,7 @@ from service.protocol.inference import (
     queue_request,
     sequence_control,
 )
-from service.protocol.shm import Region, SystemRegions
+from service.protocol.shm import Region, Regions
 from service.tracing import TraceValues
 
 Changes = dict[str, list[str] | None]  # trace settings to change; None: back to the value at start
@@ -47,11 +48,14 @@ class Answering(Protocol):
     async def register(self, name: str, key: str, offset: int, byte_size: int) -> None: ...
     async def unregister(self, name: str) -> None: ...
     async def status(self, name: str) -> list[Region]: ...
+    async def register_cuda(self, name: str, raw_handle: bytes, device_id: int, byte_size: int) -> None: ...
+    async def unregister_cuda(self, name: str) -> None: ...
+    async def cuda_status(self, name: str) -> list[CudaRegion]: ...
     async def statistics(self, name: str, version: str) -> list[pb.ModelStatistics]: ...
 
 
 class Answers:
-    def __init__(self, door: Door, regions: SystemRegions) -> None:
+    def __init__(self, door: Door, regions: Regions) -> None:
         self.door, self.regions = door, regions
 
     async def infer(
@@ -124,6 +128,15 @@ class Answers:
 
     async def status(self, name: str) -> list[Region]:
         return self.regions.status(name)
+
+    async def register_cuda(self, name: str, raw_handle: bytes, device_id: int, byte_size: int) -> None:
+        self.regions.register_cuda(name, raw_handle, device_id, byte_size)
+
+    async def unregister_cuda(self, name: str) -> None:
+        self.regions.cuda.unregister(name)
+
+    async def cuda_status(self, name: str) -> list[CudaRegion]:
+        return self.regions.cuda.status(name)
 
     async def statistics(self, name: str, version: str) -> list[pb.ModelStatistics]:
         """Triton's statistics of one entry (`name`) or every entry, in one version or every one."""

@@ -21,7 +21,7 @@ import grpc
 from google.protobuf.message import DecodeError, Message
 
 from service.engine.door import Door
-from service.errors import FeatureOff, InvalidInput, NotReady, RegionNotFound, quote
+from service.errors import InvalidInput, NotReady
 from service.proto import grpc_service_pb2 as pb
 from service.proto import grpc_service_pb2_grpc as pb_grpc
 from service.protocol import log_calls, model_calls, render, trace_calls
@@ -33,10 +33,6 @@ from service.protocol.inference import SEQUENCE_HEADER
 
 log = logging.getLogger(__name__)
 Context: TypeAlias = grpc.aio.ServicerContext
-CUDA_SHM_OFF = (
-    "CUDA shared memory is not offered by this server; register a system shared memory region "
-    "(SystemSharedMemoryRegister) or send the tensor in the request"
-)
 
 
 def _deadline(context: Context, door: Door) -> float | None:
@@ -110,21 +106,21 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         self, request: pb.CudaSharedMemoryRegisterRequest, context: Context
     ) -> pb.CudaSharedMemoryRegisterResponse:
         async with self.calls.unary("CudaSharedMemoryRegister", context):
-            raise FeatureOff(CUDA_SHM_OFF)
+            await self.answers.register_cuda(request.name, request.raw_handle, request.device_id, request.byte_size)
+            return pb.CudaSharedMemoryRegisterResponse()
 
     async def CudaSharedMemoryUnregister(
         self, request: pb.CudaSharedMemoryUnregisterRequest, context: Context
     ) -> pb.CudaSharedMemoryUnregisterResponse:
         async with self.calls.unary("CudaSharedMemoryUnregister", context):
-            return pb.CudaSharedMemoryUnregisterResponse()  # no CUDA region is ever registered
+            await self.answers.unregister_cuda(request.name)
+            return pb.CudaSharedMemoryUnregisterResponse()
 
     async def CudaSharedMemoryStatus(
         self, request: pb.CudaSharedMemoryStatusRequest, context: Context
     ) -> pb.CudaSharedMemoryStatusResponse:
         async with self.calls.unary("CudaSharedMemoryStatus", context):
-            if request.name:
-                raise RegionNotFound(f"no CUDA shared memory region named {quote(request.name)} is registered")
-            return pb.CudaSharedMemoryStatusResponse()
+            return render.cuda_shm_status(await self.answers.cuda_status(request.name))
 
     async def RepositoryIndex(self, request: pb.RepositoryIndexRequest, context: Context) -> pb.RepositoryIndexResponse:
         async with self.calls.unary("RepositoryIndex", context):

@@ -21,6 +21,9 @@ from service.protocol.answer import Answering, Answers
 from service.protocol.calls import Call, Calls
 from service.protocol.grpc_codec import request_from_proto, response_to_proto
 from service.protocol.peers import (
+    CUDA_REGISTER,
+    CUDA_STATUS,
+    CUDA_UNREGISTER,
     FORWARDED_METHOD,
     INFER,
     LOAD,
@@ -96,6 +99,14 @@ class Handover:
         if kind == UNREGISTER:
             await local.unregister(request.name)
             return pb.SystemSharedMemoryUnregisterResponse()
+        if kind == CUDA_REGISTER:
+            await local.register_cuda(request.name, request.raw_handle, request.device_id, request.byte_size)
+            return pb.CudaSharedMemoryRegisterResponse()
+        if kind == CUDA_UNREGISTER:
+            await local.unregister_cuda(request.name)
+            return pb.CudaSharedMemoryUnregisterResponse()
+        if kind == CUDA_STATUS:
+            return render.cuda_shm_status(await local.cuda_status(request.name))
         if kind == LOAD:  # another worker's load call: this worker's part of it
             await local.load(request.model_name)
             return pb.RepositoryModelLoadResponse()

@@ -10,6 +10,8 @@ errors answer `{"error": "..."}` with the HTTP status of their code.
 from __future__ import annotations
 
 import asyncio
+import base64
+import binascii
 import logging
 import ssl
 from collections.abc import Awaitable, Callable
@@ -72,11 +74,12 @@ class HttpApi:
             app.router.add_get(path + "/config", self._guard("ModelConfig", self._model_config))
             app.router.add_get(path + "/stats", self._guard("ModelStatistics", self._model_stats))
             app.router.add_post(path + "/infer", self._guard("ModelInfer", self._infer, inference=True))
-        shm, region = "/v2/systemsharedmemory", "/v2/systemsharedmemory/region/{region}"
-        for path in (shm, region):
-            app.router.add_get(path + "/status", self._guard("SystemSharedMemoryStatus", self._shm_status))
-            app.router.add_post(path + "/unregister", self._guard("SystemSharedMemoryUnregister", self._shm_unregister))
-        app.router.add_post(region + "/register", self._guard("SystemSharedMemoryRegister", self._shm_register))
+        for calls, shm, (status, unregister, register) in RegionRoutes(self.answers).endpoints():
+            region = shm + "/region/{region}"
+            for path in (shm, region):
+                app.router.add_get(path + "/status", self._guard(calls + "Status", status))
+                app.router.add_post(path + "/unregister", self._guard(calls + "Unregister", unregister))
+            app.router.add_post(region + "/register", self._guard(calls + "Register", register))
         app.router.add_post("/v2/repository/index", self._guard("RepositoryIndex", self._repository_index))
         for path, method, handler in SETTINGS:  # GET reads, POST changes then reads
             app.router.add_get(path, self._guard(method, partial(handler, self.answers)))
@@ -149,22 +152,6 @@ class HttpApi:
         await self.answers.unload(request.match_info["model"])
         return web.json_response({})
 
-    async def _shm_register(self, request: web.Request) -> web.Response:
-        doc = json_object(parse_json(await request.read() or b"{}", "the registration"), "the registration")
-        key, offset, size = doc.get("key"), doc.get("offset", 0), doc.get("byte_size")
-        if not isinstance(key, str) or not is_int64(offset) or not is_int64(size) or offset < 0:
-            raise InvalidInput('expected {"key": "/name", "offset": bytes >= 0, "byte_size": bytes}')
-        await self.answers.register(request.match_info["region"], key, offset, size)
-        return web.json_response({})
-
-    async def _shm_unregister(self, request: web.Request) -> web.Response:
-        await self.answers.unregister(request.match_info.get("region", ""))
-        return web.json_response({})
-
-    async def _shm_status(self, request: web.Request) -> web.Response:
-        regions = await self.answers.status(request.match_info.get("region", ""))
-        return web.json_response([region.described() for region in regions])
-
     async def _infer(self, request: web.Request) -> web.Response:
         call = request[CALL_KEY]
         if request.content_length:  # held from before it is read: a body the budget cannot take is never read
@@ -188,6 +175,75 @@ class HttpApi:
         self.calls.computed(call)  # its answer may wait for a slow reader: no batch waits for it
         await written(request, response, self.door.settings.http_write_timeout_s)
         return response
+
+
+class RegionRoutes:
+    """Triton's shared memory endpoints, system and CUDA, over the answers' region calls."""
+
+    def __init__(self, answers: Answering) -> None:
+        self.answers = answers
+
+    def endpoints(self) -> list[tuple[str, str, tuple[Handler, Handler, Handler]]]:
+        """(the RPCs' common name, the path, the status, unregister and register handlers) of each kind."""
+        return [
+            (
+                "SystemSharedMemory",
+                "/v2/systemsharedmemory",
+                (self._system_status, self._system_unregister, self._system_register),
+            ),
+            (
+                "CudaSharedMemory",
+                "/v2/cudasharedmemory",
+                (self._cuda_status, self._cuda_unregister, self._cuda_register),
+            ),
+        ]
+
+    async def _system_register(self, request: web.Request) -> web.Response:
+        doc = await _body(request, "the registration")
+        key, offset, size = doc.get("key"), doc.get("offset", 0), doc.get("byte_size")
+        if not isinstance(key, str) or not is_int64(offset) or not is_int64(size) or offset < 0:
+            raise InvalidInput('expected {"key": "/name", "offset": bytes >= 0, "byte_size": bytes}')
+        await self.answers.register(request.match_info["region"], key, offset, size)
+        return web.json_response({})
+
+    async def _system_unregister(self, request: web.Request) -> web.Response:
+        await self.answers.unregister(request.match_info.get("region", ""))
+        return web.json_response({})
+
+    async def _system_status(self, request: web.Request) -> web.Response:
+        regions = await self.answers.status(request.match_info.get("region", ""))
+        return web.json_response([region.described() for region in regions])
+
+    async def _cuda_register(self, request: web.Request) -> web.Response:
+        """Triton's body: {"raw_handle": {"b64": the handle's 64 bytes}, "device_id": n, "byte_size": n}."""
+        doc = await _body(request, "the registration")
+        handle, device, size = doc.get("raw_handle"), doc.get("device_id", 0), doc.get("byte_size")
+        encoded = handle.get("b64") if isinstance(handle, dict) else None
+        raw = _base64(encoded) if isinstance(encoded, str) else None
+        if raw is None or not is_int64(device) or not is_int64(size):
+            raise InvalidInput('expected {"raw_handle": {"b64": "<base64>"}, "device_id": n, "byte_size": bytes}')
+        await self.answers.register_cuda(request.match_info["region"], raw, device, size)
+        return web.json_response({})
+
+    async def _cuda_unregister(self, request: web.Request) -> web.Response:
+        await self.answers.unregister_cuda(request.match_info.get("region", ""))
+        return web.json_response({})
+
+    async def _cuda_status(self, request: web.Request) -> web.Response:
+        regions = await self.answers.cuda_status(request.match_info.get("region", ""))
+        described = [{"name": r.name, "device_id": r.device_id, "byte_size": r.byte_size} for r in regions]
+        return web.json_response(described)
+
+
+async def _body(request: web.Request, what: str) -> dict[str, Any]:
+    return json_object(parse_json(await request.read() or b"{}", what), what)
+
+
+def _base64(text: str) -> bytes | None:
+    try:
+        return base64.b64decode(text, validate=True)
+    except (binascii.Error, ValueError):
+        return None
 
 
 def _named(request: web.Request) -> tuple[str, str]:

@@ -17,7 +17,7 @@ import numpy as np
 
 from service.decode.control import SequenceControl
 from service.errors import FeatureOff, InvalidInput, quote
-from service.protocol.shm import OFF_MESSAGE, RegionSlice, SystemRegions
+from service.protocol.shm import OFF_MESSAGE, Regions, RegionSlice
 
 if TYPE_CHECKING:
     from service.engine.door import ServedModel
@@ -92,7 +92,7 @@ def described(value: Value) -> str:
     return {bool: "a boolean", int: "an integer", float: "a number", str: "a string"}[type(value)]
 
 
-def decode_input(request: InferRequest, model: ServedModel, regions: SystemRegions | None = None) -> np.ndarray:
+def decode_input(request: InferRequest, model: ServedModel, regions: Regions | None = None) -> np.ndarray:
     """The request's (B, T, C) float32 input, checked against the served model's tensors (its
     name and version are checked once, by Answers.infer); read from a shared memory region when
     the input names one."""
@@ -172,7 +172,7 @@ def _read_data(tensor: InputTensor, shape: tuple[int, int, int], words: Words) -
 
 
 def _read_region(
-    tensor: InputTensor, shape: tuple[int, int, int], where: RegionSlice, regions: SystemRegions | None
+    tensor: InputTensor, shape: tuple[int, int, int], where: RegionSlice, regions: Regions | None
 ) -> np.ndarray:
     if tensor.raw is not None or (tensor.values is not None and len(tensor.values)):
         raise InvalidInput(f"input {tensor.name!r} names a shared memory region and also carries data; send one")
@@ -267,7 +267,7 @@ def names_shared_memory(request: InferRequest) -> bool:
     return any(key in t.parameters for t in tensors for key in SHM_KEYS)
 
 
-def region_slice(parameters: Parameters, where: str, regions: SystemRegions | None) -> RegionSlice | None:
+def region_slice(parameters: Parameters, where: str, regions: Regions | None) -> RegionSlice | None:
     """The shared memory slice that a tensor's parameters name, or None when they name none."""
     if not parameters or not any(key in parameters for key in SHM_KEYS):  # most tensors carry none
         return None
@@ -293,7 +293,7 @@ def count_parameter(parameters: Parameters, key: str, where: str, unit: str = "b
     return value
 
 
-def output_slice(request: InferRequest, shape: tuple[int, ...], regions: SystemRegions | None) -> RegionSlice | None:
+def output_slice(request: InferRequest, shape: tuple[int, ...], regions: Regions | None) -> RegionSlice | None:
     """Where the output goes when the request asks for it in shared memory: checked before the
     compute, so that a bad slice costs nothing."""
     for out in request.outputs:
@@ -316,7 +316,7 @@ def answered(
     y: np.ndarray,
     backend: str,
     target: RegionSlice | None = None,
-    regions: SystemRegions | None = None,
+    regions: Regions | None = None,
     extra: dict[str, int | str] | None = None,
 ) -> InferResponse:
     """The answer to `request`: y in it, or written to `target` in shared memory; the backend

@@ -11,7 +11,7 @@ from service.settings import Settings
 
 
 def server_metadata(settings: Settings) -> pb.ServerMetadataResponse:
-    return render.server_metadata(settings.http_port is not None, settings.shared_memory == "system")
+    return render.server_metadata(settings.http_port is not None, settings.shared_memory)
 
 
 def metadata(door: Door, name: str, version: str) -> pb.ModelMetadataResponse:

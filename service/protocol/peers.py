@@ -46,6 +46,7 @@ log = logging.getLogger(__name__)
 FORWARDED_METHOD = HANDED_OVER  # the metric label, on the receiving worker, of calls handed over by another
 REQUEST_HEAD = struct.Struct("!BIHd")  # kind, request bytes, header bytes, seconds left (< 0: no deadline)
 INFER, REGISTER, UNREGISTER, STATUS, LOAD, UNLOAD, LOG, TRACE, STATS = range(9)  # ..., statistics
+CUDA_REGISTER, CUDA_UNREGISTER, CUDA_STATUS = range(9, 12)  # CUDA shared memory regions
 REQUESTS: dict[int, type[Message]] = {
     INFER: pb.ModelInferRequest,
     REGISTER: pb.SystemSharedMemoryRegisterRequest,
@@ -56,6 +57,9 @@ REQUESTS: dict[int, type[Message]] = {
     LOG: pb.LogSettingsRequest,
     TRACE: pb.TraceSettingRequest,
     STATS: pb.ModelStatisticsRequest,
+    CUDA_REGISTER: pb.CudaSharedMemoryRegisterRequest,
+    CUDA_UNREGISTER: pb.CudaSharedMemoryUnregisterRequest,
+    CUDA_STATUS: pb.CudaSharedMemoryStatusRequest,
 }
 OWNERS = "owners"  # the folder, beside the sockets, where each live sequence names its owner
 REGION_KEEPER = 0  # the worker that keeps the shared memory regions of all workers

@@ -12,6 +12,7 @@ import grpc
 
 from service.engine.door import Duration, ModelIdentity, ModelStats, ServedModel, Serving, VersionPolicy
 from service.proto import grpc_service_pb2 as pb
+from service.protocol.cuda_shm import CudaRegion
 from service.protocol.inference import DATATYPE
 from service.protocol.shm import Region
 from service.scheduling import QueuePolicy, SchedulePolicy
@@ -40,13 +41,15 @@ def server_version() -> str:
         return "0+unknown"
 
 
-def server_metadata(http: bool, shared_memory: bool) -> pb.ServerMetadataResponse:
+def server_metadata(http: bool, shared_memory: str) -> pb.ServerMetadataResponse:
     """Name, version and the extensions implemented: `binary_tensor_data` with the HTTP port open,
-    `system_shared_memory` with --shared-memory system. (The backend serving is in ModelConfig.)"""
+    `system_shared_memory` and `cuda_shared_memory` as --shared-memory turns them on. (The backend
+    serving is in ModelConfig.)"""
+    kinds = shared_memory.split(",")
     extensions = [
         *EXTENSIONS,
         *(["binary_tensor_data"] if http else []),
-        *(["system_shared_memory"] if shared_memory else []),
+        *(f"{kind}_shared_memory" for kind in ("system", "cuda") if kind in kinds),
     ]
     return pb.ServerMetadataResponse(name=SERVER_NAME, version=server_version(), extensions=extensions)
 
@@ -192,6 +195,14 @@ def stream_error(request: pb.ModelInferRequest, code: grpc.StatusCode, message: 
         error_message=f"{code.name}: {message}",
         infer_response=pb.ModelInferResponse(model_name=request.model_name, id=request.id),
     )
+
+
+def cuda_shm_status(regions: list[CudaRegion]) -> pb.CudaSharedMemoryStatusResponse:
+    response = pb.CudaSharedMemoryStatusResponse()
+    for region in regions:
+        entry = response.regions[region.name]
+        entry.name, entry.device_id, entry.byte_size = region.name, region.device_id, region.byte_size
+    return response
 
 
 def system_shm_status(regions: list[Region]) -> pb.SystemSharedMemoryStatusResponse:

@@ -20,7 +20,7 @@ handover.py the receiving side.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Iterable
+from collections.abc import Awaitable, Callable, Iterable
 
 from google.protobuf.message import Message
 
@@ -30,6 +30,7 @@ from service.proto import grpc_service_pb2 as pb
 from service.protocol import log_calls, trace_calls
 from service.protocol.answer import Answers, Changes
 from service.protocol.calls import Call
+from service.protocol.cuda_shm import CudaRegion
 from service.protocol.inference import (
     DATATYPE,
     SHM_KEYS,
@@ -43,7 +44,20 @@ from service.protocol.inference import (
     output_slice,
     sequence_control,
 )
-from service.protocol.peers import LOAD, LOG, REGISTER, STATS, STATUS, TRACE, UNLOAD, UNREGISTER, WorkerPeers
+from service.protocol.peers import (
+    CUDA_REGISTER,
+    CUDA_STATUS,
+    CUDA_UNREGISTER,
+    LOAD,
+    LOG,
+    REGISTER,
+    STATS,
+    STATUS,
+    TRACE,
+    UNLOAD,
+    UNREGISTER,
+    WorkerPeers,
+)
 from service.protocol.shm import Region
 from service.tracing import TraceValues
 
@@ -51,6 +65,7 @@ from service.tracing import TraceValues
 class WorkerAnswers:
     def __init__(self, local: Answers, peers: WorkerPeers) -> None:
         self.local, self.peers = local, peers
+        self.regions = KeptRegions(local, peers)
 
     async def infer(
         self, request: InferRequest, deadline: float | None, header: str | None = None, call: Call | None = None
@@ -143,23 +158,22 @@ class WorkerAnswers:
         return settings
 
     async def register(self, name: str, key: str, offset: int, byte_size: int) -> None:
-        if (keeper := self.peers.region_keeper) is None:
-            return await self.local.register(name, key, offset, byte_size)
-        request = pb.SystemSharedMemoryRegisterRequest(name=name, key=key, offset=offset, byte_size=byte_size)
-        await self.peers.call(keeper, REGISTER, request)
+        await self.regions.register(name, key, offset, byte_size)
 
     async def unregister(self, name: str) -> None:
-        if (keeper := self.peers.region_keeper) is None:
-            return await self.local.unregister(name)
-        await self.peers.call(keeper, UNREGISTER, pb.SystemSharedMemoryUnregisterRequest(name=name))
+        await self.regions.unregister(name)
 
     async def status(self, name: str) -> list[Region]:
-        """The regions named `name`, or all of them for an empty name (fd -1: kept by another worker)."""
-        if (keeper := self.peers.region_keeper) is None:
-            return await self.local.status(name)
-        answer = await self.peers.call(keeper, STATUS, pb.SystemSharedMemoryStatusRequest(name=name))
-        regions = pb.SystemSharedMemoryStatusResponse.FromString(answer).regions.values()
-        return [Region(r.name, r.key, int(r.offset), int(r.byte_size), -1) for r in regions]
+        return await self.regions.status(name)
+
+    async def register_cuda(self, name: str, raw_handle: bytes, device_id: int, byte_size: int) -> None:
+        await self.regions.register_cuda(name, raw_handle, device_id, byte_size)
+
+    async def unregister_cuda(self, name: str) -> None:
+        await self.regions.unregister_cuda(name)
+
+    async def cuda_status(self, name: str) -> list[CudaRegion]:
+        return await self.regions.cuda_status(name)
 
     async def statistics(self, name: str, version: str) -> list[pb.ModelStatistics]:
         """The replica's statistics: every worker's, summed, whichever worker is asked (a client
@@ -221,3 +235,52 @@ def _add(into: pb.ModelStatistics, other: pb.ModelStatistics) -> None:
 def _add_duration(into: pb.StatisticDuration, other: pb.StatisticDuration) -> None:
     into.count += other.count
     into.ns += other.ns
+
+
+class KeptRegions:
+    """The shared memory region calls of every worker, made by the one that keeps the regions
+    (REGION_KEEPER): here when this worker is it, else handed to it."""
+
+    def __init__(self, local: Answers, peers: WorkerPeers) -> None:
+        self.local, self.peers = local, peers
+
+    async def register(self, name: str, key: str, offset: int, byte_size: int) -> None:
+        request = pb.SystemSharedMemoryRegisterRequest(name=name, key=key, offset=offset, byte_size=byte_size)
+        await self._kept(lambda: self.local.register(name, key, offset, byte_size), REGISTER, request)
+
+    async def unregister(self, name: str) -> None:
+        request = pb.SystemSharedMemoryUnregisterRequest(name=name)
+        await self._kept(lambda: self.local.unregister(name), UNREGISTER, request)
+
+    async def status(self, name: str) -> list[Region]:
+        """The regions named `name`, or all of them for an empty name (fd -1: kept by another worker)."""
+        if (keeper := self.peers.region_keeper) is None:
+            return await self.local.status(name)
+        answer = await self.peers.call(keeper, STATUS, pb.SystemSharedMemoryStatusRequest(name=name))
+        regions = pb.SystemSharedMemoryStatusResponse.FromString(answer).regions.values()
+        return [Region(r.name, r.key, int(r.offset), int(r.byte_size), -1) for r in regions]
+
+    async def register_cuda(self, name: str, raw_handle: bytes, device_id: int, byte_size: int) -> None:
+        request = pb.CudaSharedMemoryRegisterRequest(
+            name=name, raw_handle=raw_handle, device_id=device_id, byte_size=byte_size
+        )
+        here = lambda: self.local.register_cuda(name, raw_handle, device_id, byte_size)  # noqa: E731
+        await self._kept(here, CUDA_REGISTER, request)
+
+    async def unregister_cuda(self, name: str) -> None:
+        request = pb.CudaSharedMemoryUnregisterRequest(name=name)
+        await self._kept(lambda: self.local.unregister_cuda(name), CUDA_UNREGISTER, request)
+
+    async def cuda_status(self, name: str) -> list[CudaRegion]:
+        """The CUDA regions named `name`, or all of them (pointer 0: kept by another worker)."""
+        if (keeper := self.peers.region_keeper) is None:
+            return await self.local.cuda_status(name)
+        answer = await self.peers.call(keeper, CUDA_STATUS, pb.CudaSharedMemoryStatusRequest(name=name))
+        regions = pb.CudaSharedMemoryStatusResponse.FromString(answer).regions.values()
+        return [CudaRegion(r.name, int(r.device_id), int(r.byte_size), 0) for r in regions]
+
+    async def _kept(self, here: Callable[[], Awaitable[None]], kind: int, request: Message) -> None:
+        """A change of the regions: made here when this worker keeps them, else by their keeper."""
+        if (keeper := self.peers.region_keeper) is None:
+            return await here()
+        await self.peers.call(keeper, kind, request)

@@ -234,14 +234,14 @@ def test_health_and_reflection(server: ServerThread) -> None:
         assert {"inference.GRPCInferenceService", "grpc.health.v1.Health"} <= names
 
 
-def test_cuda_shared_memory_is_refused_by_this_server_with_what_to_do_instead(server: ServerThread) -> None:
+def test_cuda_shared_memory_turned_off_is_refused_with_what_to_do_instead(server: ServerThread) -> None:
     """UNIMPLEMENTED from our servicer (counted in our metrics, with our message), not from gRPC."""
     with grpc.insecure_channel(server.url) as channel:
         stub = pb_grpc.GRPCInferenceServiceStub(channel)
         with pytest.raises(grpc.RpcError) as info:
             stub.CudaSharedMemoryRegister(pb.CudaSharedMemoryRegisterRequest(name="gpu", byte_size=64), timeout=5)
     assert info.value.code() == grpc.StatusCode.UNIMPLEMENTED
-    assert "SystemSharedMemoryRegister" in (info.value.details() or "")
+    assert "--shared-memory cuda" in (info.value.details() or "")
     labels = {"method": "CudaSharedMemoryRegister", "code": "UNIMPLEMENTED"}
     assert (server.registry.get_sample_value("mha_requests_total", labels) or 0) >= 1
 

@@ -4,7 +4,9 @@ unlinks answered cleanly."""
 
 from __future__ import annotations
 
+import base64
 import contextlib
+import json
 import os
 from collections.abc import Iterator
 from multiprocessing import shared_memory
@@ -24,7 +26,7 @@ from service.proto import grpc_service_pb2 as pb
 from service.proto import grpc_service_pb2_grpc as pb_grpc
 from service.protocol.grpc_codec import encode_infer_request, request_from_proto
 from service.protocol.inference import answered, output_slice
-from service.protocol.shm import RegionSlice, SystemRegions
+from service.protocol.shm import Regions, RegionSlice
 from tests.service.protocol.test_codec import SPEC
 from tests.support import ServerThread, http_raw, make_settings
 
@@ -248,11 +250,61 @@ def test_an_object_truncated_or_unlinked_by_its_owner_does_not_hurt_the_server(s
     assert stub.ModelInfer(encode_infer_request(x)).raw_output_contents, "the server still serves"
 
 
-def test_cuda_shared_memory_is_refused_with_what_to_do_instead(stub) -> None:
+def test_cuda_shared_memory_turned_off_says_how_to_turn_it_on(stub) -> None:
     request = pb.CudaSharedMemoryRegisterRequest(name="g", raw_handle=b"\0" * 64, device_id=0, byte_size=64)
     code, message = _code(stub.CudaSharedMemoryRegister, request)
-    assert code == grpc.StatusCode.UNIMPLEMENTED and "SystemSharedMemoryRegister" in message
-    assert not stub.CudaSharedMemoryStatus(pb.CudaSharedMemoryStatusRequest()).regions
+    assert code == grpc.StatusCode.UNIMPLEMENTED and "--shared-memory cuda" in message
+    code, _ = _code(stub.CudaSharedMemoryStatus, pb.CudaSharedMemoryStatusRequest())
+    assert code == grpc.StatusCode.UNIMPLEMENTED
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the refusals of a server without a CUDA device")
+def test_cuda_shared_memory_on_a_server_without_a_device(small_model_dir: Path, objects) -> None:
+    """Turned on where no CUDA device is: a well-formed registration is refused with why, a
+    malformed one with what was wrong, names are shared with system regions, and nothing is
+    left registered. (The regions' reads and writes: tests/e2e/test_cuda_shm.py, on a GPU.)"""
+    settings = make_settings(small_model_dir, backend="torch", shared_memory="system,cuda", http_port=0)
+    with ServerThread(settings) as server, grpc.insecure_channel(server.url) as channel:
+        stub = pb_grpc.GRPCInferenceServiceStub(channel)
+        meta = stub.ServerMetadata(pb.ServerMetadataRequest())
+        assert {"system_shared_memory", "cuda_shared_memory"} <= set(meta.extensions)
+
+        def register(name: str, handle: bytes = b"\1" * 64, device: int = 0, size: int = 64) -> tuple:
+            request = pb.CudaSharedMemoryRegisterRequest(name=name, raw_handle=handle, device_id=device, byte_size=size)
+            return _code(stub.CudaSharedMemoryRegister, request)
+
+        code, message = register("g")
+        assert code == grpc.StatusCode.UNIMPLEMENTED and "has none" in message, message
+        for bad in (dict(handle=b"\1" * 63), dict(size=0), dict(device=-1), dict(handle=b"")):
+            code, message = register("g", **bad)  # type: ignore[arg-type]
+            assert code == grpc.StatusCode.INVALID_ARGUMENT and "64-byte cudaIpcMemHandle_t" in message, message
+        code, _ = register("x" * 129)
+        assert code == grpc.StatusCode.INVALID_ARGUMENT
+        shm = _object(objects, 64)
+        _register(stub, "taken", _key(shm), 64)
+        code, message = register("taken")  # one name space for both kinds, as Triton's
+        assert code == grpc.StatusCode.ALREADY_EXISTS and "taken" in message
+        assert not stub.CudaSharedMemoryStatus(pb.CudaSharedMemoryStatusRequest()).regions
+        code, _ = _code(stub.CudaSharedMemoryStatus, pb.CudaSharedMemoryStatusRequest(name="g"))
+        assert code == grpc.StatusCode.NOT_FOUND
+        stub.CudaSharedMemoryUnregister(pb.CudaSharedMemoryUnregisterRequest(name="g"))  # unknown: not an error
+        assert list(stub.SystemSharedMemoryStatus(pb.SystemSharedMemoryStatusRequest()).regions) == ["taken"]
+        # Triton's HTTP endpoints, the handle as {"b64": ...}
+        register = "/v2/cudasharedmemory/region/g/register"
+        handle = base64.b64encode(b"\1" * 64).decode()
+        bad = {b"[]": "JSON object", b'{"raw_handle": "AAAA", "byte_size": 64}': "raw_handle"}
+        bad[b'{"raw_handle": {"b64": "%%"}, "byte_size": 64}'] = "raw_handle"
+        for body, why in bad.items():
+            code, answer = http_raw(server.http_port, register, body)
+            assert code == 400 and why in answer["error"], (body, answer)
+        body = json.dumps({"raw_handle": {"b64": base64.b64encode(b"\1" * 8).decode()}, "byte_size": 64}).encode()
+        code, answer = http_raw(server.http_port, register, body)
+        assert code == 400 and "64-byte cudaIpcMemHandle_t" in answer["error"], answer
+        body = json.dumps({"raw_handle": {"b64": handle}, "device_id": 0, "byte_size": 64}).encode()
+        code, answer = http_raw(server.http_port, register, body)
+        assert code == 501 and "has none" in answer["error"], (code, answer)
+        assert http_raw(server.http_port, "/v2/cudasharedmemory/status") == (200, [])
+        assert http_raw(server.http_port, "/v2/cudasharedmemory/region/g/unregister", b"")[0] == 200
 
 
 def test_turned_off_by_default(small_model_dir: Path, objects) -> None:
@@ -284,7 +336,7 @@ def test_region_bounds(tmp_path_factory, object_size, region_offset, region_size
     directory = tmp_path_factory.mktemp("shm")
     data = np.random.default_rng(object_size).integers(0, 256, object_size, dtype=np.uint8)
     (directory / "obj").write_bytes(data.tobytes())
-    regions = SystemRegions(True, 4, directory)
+    regions = Regions(True, 4, directory)
     try:
         regions.register("r", "/obj", region_offset, region_size)
     except InvalidInput:
@@ -307,7 +359,7 @@ def test_region_bounds(tmp_path_factory, object_size, region_offset, region_size
 
 def test_registry_errors_are_domain_errors(tmp_path: Path) -> None:
     (tmp_path / "obj").write_bytes(bytes(64))
-    regions = SystemRegions(True, 1, tmp_path)
+    regions = Regions(True, 1, tmp_path)
     regions.register("a", "obj", 0, 64)
     with pytest.raises(RegionExists):
         regions.register("a", "obj", 0, 64)
@@ -320,14 +372,14 @@ def test_registry_errors_are_domain_errors(tmp_path: Path) -> None:
     with pytest.raises(InvalidInput, match="cannot open"):
         regions.register("l", "/link", 0, 8)  # symbolic links are not followed
     with pytest.raises(FeatureOff):
-        SystemRegions(False, 1, tmp_path).register("a", "obj", 0, 64)
+        Regions(False, 1, tmp_path).register("a", "obj", 0, 64)
 
 
 def test_a_region_unregistered_while_its_request_computes_is_not_found(tmp_path: Path) -> None:
     """The output slice is checked before the compute and looked up again to write."""
     x = np.ones((1, 2, C), np.float32)
     (tmp_path / "out").write_bytes(bytes(x.nbytes))
-    regions = SystemRegions(True, 4, tmp_path)
+    regions = Regions(True, 4, tmp_path)
     regions.register("out", "/out", 0, x.nbytes)
     request = _shm_request(x.shape, "in", out=("out", 0))
     neutral = request_from_proto(request)
@@ -376,13 +428,13 @@ import resource, signal, sys
 from pathlib import Path
 import numpy as np
 from service.errors import Overloaded
-from service.protocol.shm import RegionSlice, SystemRegions
+from service.protocol.shm import RegionSlice, Regions
 
 directory = Path(sys.argv[1])
 (directory / "out").write_bytes(bytes(256))
 signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
 resource.setrlimit(resource.RLIMIT_FSIZE, (200, 200))  # the file takes bytes up to 200 only
-regions = SystemRegions(True, 2, directory)
+regions = Regions(True, 2, directory)
 regions.register("out", "/out", 0, 256)
 try:
     regions.write(RegionSlice("out", 128, 128), np.ones(32, np.float32))  # bytes 128..256: 72 fit
