@@ -1,4 +1,4 @@
-"""ONNX Runtime backends: CUDA (confirmed, IOBinding, TF32 off) and CPU (bounded memory)."""
+"""ONNX Runtime backends: CUDA (confirmed, TF32 off; decode caches bound in place) and CPU (bounded memory)."""
 
 from __future__ import annotations
 
@@ -281,7 +281,9 @@ def cuda_provider_options(device_id: int, mem_limit_mb: int) -> dict[str, object
 
 
 class OrtCudaBackend(Backend):
-    """ORT's CUDA provider, confirmed by get_providers(); inputs and outputs bound with IOBinding."""
+    """ORT's CUDA provider, confirmed by get_providers(). A batch's input and output live in host
+    memory, and session.run copies them across itself: binding them with IOBinding measured about
+    twice as slow from (8, 2048, 512) up (bench/results/gpu_check.json, docs/gpu.md)."""
 
     name = "ort-cuda"
     platform = "onnxruntime_onnx"
@@ -313,7 +315,6 @@ class OrtCudaBackend(Backend):
         self._input = session.get_inputs()[0].name
         self._output = session.get_outputs()[0].name
         self.device = f"cuda:{device_id}"
-        self._device_id = device_id
         self._steps = _cuda_steps(step_paths, options, cuda, device_id) if step_paths is not None else None
 
     @property
@@ -331,8 +332,4 @@ class OrtCudaBackend(Backend):
         return self._steps.run(steps)
 
     def run(self, x: np.ndarray) -> np.ndarray:
-        binding = self._session.io_binding()
-        binding.bind_cpu_input(self._input, np.ascontiguousarray(x))
-        binding.bind_output(self._output, "cuda", self._device_id)
-        self._session.run_with_iobinding(binding)
-        return binding.copy_outputs_to_cpu()[0]
+        return self._session.run([self._output], {self._input: x})[0]

@@ -290,10 +290,11 @@ def select_backends(
 ) -> Selection:
     """Load every wanted backend, self-check each, and order them.
 
-    With CUDA, the order is fixed (ORT-CUDA, torch-CUDA, then CPU). Without, ORT-CPU and
-    torch-CPU are measured on the probe shapes (`measure`: ms per backend and shape) and the
-    faster serves; where one wins the light shapes and the other the heavy ones, each serves
-    its own (Selection.light).
+    The backends of the device that serves (with CUDA: ORT-CUDA and torch-CUDA, the CPU ones
+    falling back after them; without: ORT-CPU and torch-CPU) are measured on the probe shapes
+    (`measure`: ms per backend and shape) and the faster serves; where one wins the light shapes
+    and the other the heavy ones, each serves its own (Selection.light). Decode steps are
+    measured the same way among the backends that compute them on that device.
     """
     cuda = torch.cuda.is_available() if cuda is None else cuda
     config = spec.config
@@ -301,15 +302,28 @@ def select_backends(
     check = SelfCheck(config, spec.weights, tolerance=precision_tolerance(spec.precision, config))
     reports = [CandidateReport(name=name, status="unavailable", reason="") for name in _wanted(requested, cuda)]
     loaded = [(backend, report) for report in reports if (backend := _load(report, factories, check)) is not None]
-    light: LightRoute | None = None
-    if not cuda and len(loaded) > 1:
-        loaded, light = _by_speed(loaded, measure(_backends(loaded), config), config)
-    else:
-        _mark(loaded, "first in order" if cuda else "")
-    steps = _step_order(loaded, config, measure_steps if not cuda else None)
+    loaded, light = _serving_order(loaded, cuda, lambda race: measure(_backends(race), config), config)
+    steps = _step_order(loaded, config, measure_steps)
     selection = Selection(_backends(loaded), check, reports, light, steps)
     log.info("backend selection: %s", selection.summary())
     return selection
+
+
+def _serving_order(
+    loaded: Candidates, cuda: bool, measure: Callable[[Candidates], list[list[float]]], config: MHAConfig
+) -> tuple[Candidates, LightRoute | None]:
+    """The candidates in serving order: those on the serving device (a GPU when there is one; the
+    CPU's cores are the front end's there) raced by `measure`, then the others as they came."""
+    race = [c for c in loaded if not cuda or c[0].device.startswith("cuda")] or loaded
+    rest = [c for c in loaded if all(c is not r for r in race)]
+    light: LightRoute | None = None
+    if len(race) > 1:
+        race, light = _by_speed(race, measure(race), config)
+    else:
+        _mark(race, "")
+    for _, report in rest:
+        report.status = "fallback"
+    return race + rest, light
 
 
 def measure_steps(

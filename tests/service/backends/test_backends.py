@@ -526,3 +526,42 @@ def test_overflowing_input_makes_a_lone_backend_check_itself_once_per_cool_down(
     clock.now += 11
     chain.run(x)
     assert len(probes) == 2
+
+
+class _Placed(Backend):
+    """A backend that only says where it computes: the serving order's input (a CUDA device
+    cannot be had here; bench/gpu_check.py's selection section measures the real ones)."""
+
+    platform = "test"
+
+    def __init__(self, name: str, device: str) -> None:
+        self.name, self.device = name, device
+
+    def run(self, x: np.ndarray) -> np.ndarray:
+        return x
+
+
+@pytest.mark.parametrize(("torch_ms", "serving"), [(4.0, "torch-cuda"), (9.0, "ort-cuda")])
+def test_on_a_gpu_the_cuda_backends_race_and_the_cpu_ones_fall_back(
+    small_model_dir: Path, torch_ms: float, serving: str
+) -> None:
+    from service.backends.selection import CandidateReport, _serving_order
+
+    config, _ = load_checkpoint(small_model_dir / "weights.safetensors")
+    names = [("ort-cuda", "cuda:0"), ("torch-cuda", "cuda:0"), ("ort-cpu", "cpu"), ("torch-cpu", "cpu")]
+    loaded = [(_Placed(n, d), CandidateReport(n, "unavailable", "self-check ok")) for n, d in names]
+    raced: list[list[str]] = []
+
+    def measure(race: list) -> list[list[float]]:  # type: ignore[type-arg]
+        raced.append([b.name for b, _ in race])
+        ms = {"ort-cuda": 10.0, "torch-cuda": torch_ms, "ort-cpu": 10.0, "torch-cpu": 20.0}
+        return [[ms[b.name]] * len(probe_shapes(config)) for b, _ in race]
+
+    ordered, light = _serving_order(loaded, True, measure, config)
+    assert raced == [["ort-cuda", "torch-cuda"]], "the CPU backends are not raced on a GPU"
+    order = [b.name for b, _ in ordered]
+    assert order[0] == serving and order[2:] == ["ort-cpu", "torch-cpu"] and light is None
+    assert [r.status for _, r in ordered] == ["serving", "fallback", "fallback", "fallback"]
+    assert "probe" in ordered[0][1].reason
+    cpu_only, _ = _serving_order(loaded[2:], True, measure, config)  # only CPU backends asked for, on a GPU
+    assert raced[-1] == ["ort-cpu", "torch-cpu"] and [b.name for b, _ in cpu_only] == ["ort-cpu", "torch-cpu"]

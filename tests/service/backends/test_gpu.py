@@ -31,9 +31,11 @@ def test_ort_cuda_provider_confirmed_and_exact(default_model_dir: Path) -> None:
     assert report.ok, report.table()
 
 
-def test_auto_prefers_ort_cuda_then_torch_cuda(default_model_dir: Path) -> None:
+def test_auto_races_ort_cuda_and_torch_cuda_and_falls_back_to_the_cpu(default_model_dir: Path) -> None:
     config, weights = load_checkpoint(default_model_dir / "weights.safetensors")
     selection = select_backends(BackendSpec(ModelFiles(default_model_dir).onnx, config, weights), "auto")
-    assert [b.name for b in selection.backends][:2] == ["ort-cuda", "torch-cuda"]
+    names = [b.name for b in selection.backends]
+    assert sorted(names[:2]) == ["ort-cuda", "torch-cuda"] and names[2:] == ["ort-cpu", "torch-cpu"]
+    assert all("probe" in c.reason for c in selection.candidates if c.name.endswith("cuda")), selection.summary()
     y = selection.backends[0].run(np.ones((2, 8, config.d_model), np.float32))
     assert y.shape == (2, 8, config.d_model)
