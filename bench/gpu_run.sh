@@ -23,6 +23,6 @@ tests=(tests/service/backends/test_gpu.py tests/e2e/test_cuda_shm.py tests/servi
 if (($#)); then tests=("$@"); fi
 step pytest_gpu "${PYTEST_SECONDS:-150}" python3 -m pytest -m gpu -q -p no:cacheprovider "${tests[@]}"
 step gpu_check "${CHECK_SECONDS:-240}" python3 bench/gpu_check.py --out "$OUT"
-step gpu_serve "${SERVE_SECONDS:-170}" python3 bench/gpu_serve.py --out "$OUT" --seconds 3 --workers "${WORKERS:-1,2,4}"
+step gpu_serve "${SERVE_SECONDS:-170}" python3 bench/gpu_serve.py --out "$OUT" --seconds "${SERVE_RUN_SECONDS:-3}" --workers "${WORKERS:-1,2,4}"
 tail -5 "$OUT/pytest_gpu.log"
 tail -15 "$OUT/gpu_serve.log"
