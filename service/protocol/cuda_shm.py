@@ -43,13 +43,14 @@ class CudaRuntime:
 
     def __init__(self) -> None:
         try:
-            from cuda.bindings import runtime
+            from cuda.bindings import driver, runtime
         except ImportError as exc:
             raise FeatureOff(
                 "CUDA shared memory needs cuda-python (`pip install mha-serve[gpu]`), which this server lacks; "
                 "register a system shared memory region or send the tensor in the request"
             ) from exc
         self._rt: Any = runtime
+        self._driver: Any = driver
         error, count = runtime.cudaGetDeviceCount()
         if error != runtime.cudaError_t.cudaSuccess or not count:
             reason = "no device" if error == runtime.cudaError_t.cudaSuccess else self._name(error)
@@ -71,16 +72,22 @@ class CudaRuntime:
         _, name = self._rt.cudaGetErrorName(error)
         return bytes(name).decode(errors="replace")
 
-    def open(self, raw_handle: bytes, device_id: int) -> int:
-        """This process's address of the allocation `raw_handle` names on `device_id`."""
+    def open(self, raw_handle: bytes, device_id: int) -> tuple[int, int]:
+        """This process's address of the allocation `raw_handle` names on `device_id`, and the
+        allocation's size in bytes (what the region may span, whatever its registration says)."""
         rt = self._rt
         handle = rt.cudaIpcMemHandle_t()
         ctypes.memmove(handle.getPtr(), raw_handle, HANDLE_BYTES)
         self._call(rt.cudaSetDevice, f"select CUDA device {device_id}", device_id)
-        pointer = self._call(
-            rt.cudaIpcOpenMemHandle, "open the CUDA IPC handle", handle, rt.cudaIpcMemLazyEnablePeerAccess
+        pointer = int(
+            self._call(rt.cudaIpcOpenMemHandle, "open the CUDA IPC handle", handle, rt.cudaIpcMemLazyEnablePeerAccess)
         )
-        return int(pointer)
+        error, _, size = self._driver.cuMemGetAddressRange(pointer)
+        if error != self._driver.CUresult.CUDA_SUCCESS:
+            self._call(rt.cudaIpcCloseMemHandle, "close the CUDA IPC handle", pointer)
+            _, name = self._driver.cuGetErrorName(error)
+            raise InvalidInput(f"could not find the allocation the CUDA IPC handle names: {bytes(name).decode()}")
+        return pointer, int(size)
 
     def close(self, region: CudaRegion) -> None:
         self._call(self._rt.cudaSetDevice, f"select CUDA device {region.device_id}", region.device_id)
@@ -110,10 +117,10 @@ class CudaRegions:
     """The registered CUDA regions of this process, by name (the names checked by the caller,
     which holds the system regions' names too)."""
 
-    def __init__(self, enabled: bool, off_message: str) -> None:
+    def __init__(self, enabled: bool, off_message: str, runtime: CudaRuntime | None = None) -> None:
         self.enabled, self.off_message = enabled, off_message
         self._regions: dict[str, CudaRegion] = {}
-        self._runtime: CudaRuntime | None = None  # started by the first registration
+        self._runtime = runtime  # None: started by the first registration
 
     def __contains__(self, name: str) -> bool:
         return name in self._regions
@@ -133,7 +140,15 @@ class CudaRegions:
             raise InvalidInput(
                 f"CUDA region {quote(name)}: device_id {device_id}; this server has {runtime.device_count} device(s)"
             )
-        self._regions[name] = CudaRegion(name, device_id, byte_size, runtime.open(raw_handle, device_id))
+        pointer, size = runtime.open(raw_handle, device_id)
+        region = CudaRegion(name, device_id, byte_size, pointer)
+        if byte_size > size:  # a region past its allocation would reach other memory of this process
+            runtime.close(region)
+            raise InvalidInput(
+                f"CUDA region {quote(name)}: byte_size {byte_size} exceeds the {size} bytes of the allocation its "
+                "handle names"
+            )
+        self._regions[name] = region
         log.info("registered CUDA shared memory region %s (device %d, %d bytes)", quote(name), device_id, byte_size)
 
     def unregister(self, name: str) -> None:

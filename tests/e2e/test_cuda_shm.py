@@ -107,6 +107,11 @@ def test_a_request_reads_and_writes_cuda_regions_exactly(server: ServerProcess, 
             with pytest.raises(grpc.RpcError) as info:  # 64 bytes CUDA cannot open: the client's mistake
                 stub.CudaSharedMemoryRegister(bogus)
             assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, info.value.details()
+            wide = pb.CudaSharedMemoryRegisterRequest(name="wide", raw_handle=source.raw_handle, byte_size=2**30)
+            with pytest.raises(grpc.RpcError) as info:  # past its allocation: other memory of the server's
+                stub.CudaSharedMemoryRegister(wide)
+            assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert "exceeds the" in (info.value.details() or "")
             again = pb.CudaSharedMemoryRegisterRequest(name="in", raw_handle=source.raw_handle, byte_size=x.nbytes)
             with pytest.raises(grpc.RpcError) as info:  # one name space, as Triton's
                 stub.CudaSharedMemoryRegister(again)

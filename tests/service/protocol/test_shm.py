@@ -457,3 +457,36 @@ def test_an_output_the_object_takes_only_in_part_is_refused_naming_the_region(tm
     assert "refused: region 'out': its object '/out' took 72 of the output's 128 bytes" in done.stdout, (
         done.stdout + done.stderr
     )
+
+
+class _Allocations:
+    """CUDA's part of a registration, as a stand-in (no device here; tests/e2e/test_cuda_shm.py
+    runs the real one on a GPU): every handle names an allocation of `size` bytes."""
+
+    device_count = 1
+
+    def __init__(self, size: int) -> None:
+        self.size, self.opened, self.closed = size, 0, 0
+
+    def open(self, raw_handle: bytes, device_id: int) -> tuple[int, int]:
+        self.opened += 1
+        return 0x7F0000000000 + self.opened * 2**21, self.size
+
+    def close(self, region: object) -> None:
+        self.closed += 1
+
+
+def test_a_cuda_region_larger_than_its_allocation_is_refused_and_its_handle_closed() -> None:
+    from service.protocol.cuda_shm import CudaRegions
+
+    allocations = _Allocations(4096)
+    regions = CudaRegions(True, "off", allocations)  # type: ignore[arg-type]
+    with pytest.raises(InvalidInput, match="exceeds the 4096 bytes of the allocation"):
+        regions.register("wide", b"\1" * 64, 0, 4097)
+    assert "wide" not in regions and allocations.closed == 1, "refused, and its handle closed"
+    regions.register("fits", b"\1" * 64, 0, 4096)
+    assert [r.byte_size for r in regions.status("")] == [4096]
+    with pytest.raises(InvalidInput, match="exceeds its registered byte_size"):
+        regions.check("fits", 1, 4096)
+    regions.close()
+    assert allocations.closed == 2 and len(regions) == 0
