@@ -490,3 +490,27 @@ def test_a_cuda_region_larger_than_its_allocation_is_refused_and_its_handle_clos
         regions.check("fits", 1, 4096)
     regions.close()
     assert allocations.closed == 2 and len(regions) == 0
+
+
+@pytest.fixture(scope="module")
+def cuda_stub(small_model_dir: Path) -> Iterator[pb_grpc.GRPCInferenceServiceStub]:
+    settings = make_settings(small_model_dir, backend="torch", shared_memory="system,cuda")
+    with ServerThread(settings) as s, grpc.insecure_channel(s.url) as channel:
+        yield pb_grpc.GRPCInferenceServiceStub(channel)
+
+
+# Any registration a client can send: refused with a status that says why, never INTERNAL, and the
+# server goes on serving. (Without a device every well-formed one is UNIMPLEMENTED.)
+@settings(max_examples=150, deadline=None)
+@given(
+    name=st.text(max_size=200),
+    handle=st.binary(max_size=130),
+    device=st.integers(-(2**63), 2**63 - 1),
+    size=st.integers(0, 2**64 - 1),
+)
+def test_any_cuda_registration_is_answered_with_a_reason(cuda_stub, name, handle, device, size) -> None:
+    request = pb.CudaSharedMemoryRegisterRequest(name=name, raw_handle=handle, device_id=device, byte_size=size)
+    code, message = _code(cuda_stub.CudaSharedMemoryRegister, request)
+    assert code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.UNIMPLEMENTED), (code, message)
+    assert message and len(message) < 1000
+    assert not cuda_stub.CudaSharedMemoryStatus(pb.CudaSharedMemoryStatusRequest()).regions
