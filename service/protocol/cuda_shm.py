@@ -51,15 +51,24 @@ class CudaRuntime:
             ) from exc
         self._rt: Any = runtime
         self._driver: Any = driver
-        error, count = runtime.cudaGetDeviceCount()
-        if error != runtime.cudaError_t.cudaSuccess or not count:
-            reason = "no device" if error == runtime.cudaError_t.cudaSuccess else self._name(error)
+        count, reason = self._devices()
+        if not count:
             raise FeatureOff(
                 f"CUDA shared memory needs a CUDA device on the server, and this one has none ({reason}); register "
                 "a system shared memory region or send the tensor in the request"
             )
-        self.device_count = int(count)
+        self.device_count = count
         self._streams: dict[int, Any] = {}
+
+    def _devices(self) -> tuple[int, str]:
+        """How many CUDA devices this process sees, and why none when it sees none."""
+        try:
+            error, count = self._rt.cudaGetDeviceCount()
+        except Exception as exc:  # cuda-python raises when it finds no CUDA library to load at all
+            return 0, f"{type(exc).__name__}: {str(exc)[:200]}"
+        if error != self._rt.cudaError_t.cudaSuccess:
+            return 0, self._name(error)
+        return int(count), "no device"
 
     def _call(self, function: Any, what: str, *args: Any) -> Any:
         result = function(*args)
