@@ -61,7 +61,6 @@ def split(before: dict[str, tuple[int, int]], after: dict[str, tuple[int, int]],
     compute = per["compute_input"] + per["compute_infer"] + per["compute_output"]
     client_mean = load.concurrency / load.throughput_rps * 1e3 if load.throughput_rps else float("nan")
     batches = max(delta["executions"][0], 1)
-    busy_ns = delta["compute_input"][1] + delta["compute_infer"][1] + delta["compute_output"][1]
     return {
         "req_s": load.throughput_rps,
         "client_p50_ms": load.p50_ms,
@@ -71,8 +70,8 @@ def split(before: dict[str, tuple[int, int]], after: dict[str, tuple[int, int]],
         "compute_ms": compute,
         "front_end_and_transport_ms": client_mean - per["success"],
         "requests_per_batch": delta["success"][0] / batches,
-        # compute statistics are per request (a batch's time counted once per request in it)
-        "compute_busy": busy_ns / (delta["success"][0] / batches if batches else 1) / (load.seconds * 1e9),
+        # compute is counted per request (a batch's time once per request in it): per batch, x batches
+        "compute_busy": compute * batches / (load.seconds * 1e3),
         "errors": sum(load.errors.values()),
     }
 
