@@ -9,14 +9,15 @@ reported, in microseconds of the loop thread's CPU (the compute of a lone small 
 it). Warm caches flatter every stage against a server between two requests (there the same work
 costs about twice as much: docs/benchmarks.md), so compare stages and versions, not absolute times.
 
-Without --compute (the default) the backend chain answers with a copy of its input: what is left
+Without --compute (the default) every backend answers with a copy of its input: what is left
 is the per-request work the no-compute floor (bench/servers/floor.py none) does not do. Not a test.
 
 Times on a shared VM move by half between spells (docs/benchmarks.md); `--opcodes` counts instead
 the Python opcodes one whole call executes (sys.settrace), by file: the same on every run of
 the same code, so two versions compare exactly, though C work (protobuf, numpy, locks) is not in it.
 
-usage: python bench/request_path.py [--calls 2000] [--rounds 5] [--compute] [--opcodes] [--model-dir models/default]
+usage: python bench/request_path.py [--calls 2000] [--rounds 5] [--batch 1] [--seq-len 64] [--compute]
+       [--opcodes] [--model-dir models/default]
 Writes bench/results/request_path_no_compute.json (or _compute.json with --compute).
 """
 
@@ -38,7 +39,6 @@ import numpy as np
 from prometheus_client import CollectorRegistry
 
 from service.app.server import Running, drain_and_stop, load_and_serve, start
-from service.backends.base import Backend
 from service.numerics import all_finite
 from service.proto import grpc_service_pb2 as pb
 from service.protocol.answer import Answers
@@ -180,13 +180,9 @@ async def run(
     running = await start(settings, CollectorRegistry())
     try:
         await load_and_serve(running)
-        chain = running.engine.loaded.chain
-        if not compute:  # the chain answers with a copy: the layers around the compute alone
-
-            def copy(x: np.ndarray) -> tuple[np.ndarray, Backend]:
-                return x.copy(), chain.backends[0]
-
-            chain.run = copy  # type: ignore[method-assign]
+        if not compute:  # each backend answers with a copy: the layers around the compute alone
+            for backend in running.engine.loaded.chain.backends:  # the batcher holds the chain's run
+                backend.run = np.copy  # type: ignore[method-assign]
         x = np.random.default_rng(0).standard_normal(shape, dtype=np.float32)  # (B, T, C)
         return await (opcodes(running, x, min(calls, 500)) if count else measure(running, x, calls, rounds))
     finally:
@@ -198,7 +194,8 @@ def main() -> int:
     parser.add_argument("--model-dir", type=Path, default=Path("models/default"))
     parser.add_argument("--calls", type=int, default=2000, help="calls of each stage per round")
     parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--seq-len", type=int, default=64, help="T of the (1, T, C) request")
+    parser.add_argument("--batch", type=int, default=1, help="B of the (B, T, C) request")
+    parser.add_argument("--seq-len", type=int, default=64, help="T of the (B, T, C) request")
     parser.add_argument("--compute", action="store_true", help="run the real backend chain, not a copy")
     parser.add_argument("--opcodes", action="store_true", help="count Python opcodes per call instead of timing")
     args = parser.parse_args()
@@ -208,7 +205,7 @@ def main() -> int:
         log_level="WARNING",
         audit_rate=Settings.audit_rate if args.compute else 0.0,  # a copy is not the model: no audit flags it
     )
-    shape = (1, args.seq_len, settings_width(args.model_dir))
+    shape = (args.batch, args.seq_len, settings_width(args.model_dir))
     results = asyncio.run(run(settings, shape, args.calls, args.rounds, args.compute, args.opcodes))
     what = "compute" if args.compute else "no compute"
     if args.opcodes:
