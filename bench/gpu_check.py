@@ -75,13 +75,15 @@ class Results:
         self.write()
 
 
-def synced_ms(fn: Callable[[], object], repeats: int = 30, warmup: int = 5) -> float:
-    """Median wall time of fn between two device synchronizations (any stream, any runtime)."""
+def synced_ms(fn: Callable[[], object], repeats: int = 30, warmup: int = 5, idle_s: float = 0.0) -> float:
+    """Median wall time of fn between two device synchronizations (any stream, any runtime);
+    `idle_s` idle before each run, as a server's backend meets a lone client's next request."""
     for _ in range(warmup):
         fn()
     samples = []
     for _ in range(repeats):
         torch.cuda.synchronize()
+        time.sleep(idle_s)
         start = time.perf_counter()
         fn()
         torch.cuda.synchronize()
@@ -380,6 +382,8 @@ def timing(entry: dict[str, Any], B: int, T: int, C: int, nh: int, rates: dict[s
         entry[key] = synced_ms(partial(graph.run_with_iobinding, binding), repeats)
     entry["ort_cuda_backend_run_from_host_ms"] = synced_ms(lambda: backend.run(host), repeats)
     entry["ort_cuda_session_run_from_host_ms"] = synced_ms(lambda: session.run(None, {INPUT_NAME: host}), repeats)
+    # a lone client's request meets a backend idle since the last one: the served compute's gap (docs/gpu.md)
+    entry["ort_cuda_backend_run_after_10ms_idle_ms"] = synced_ms(lambda: backend.run(host), 20, idle_s=0.01)
     plain = MultiHeadAttention.from_weights(cfg, w, fast=False).cuda()
     sdpa = MultiHeadAttention.from_weights(cfg, w, fast=True).cuda()
     with torch.inference_mode():
