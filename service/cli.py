@@ -194,7 +194,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if not settings.thread_spinning:  # read once, when PyTorch loads its OpenMP runtime: before the import
         os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     from service.app.server import StartupError, check_shared_ports, serve
-    from service.app.supervisor import Supervisor, gpu_devices, worker_count
+    from service.app.supervisor import Supervisor, gpu_devices, with_shared_ports, worker_count
     from service.settings import default_model_home, to_argv
 
     if (problem := model_dir_problem(settings.model_dir) or repository_problem(settings.model_repository)) is not None:
@@ -210,6 +210,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         except StartupError as exc:
             log.error("cannot start: %s", exc)
             return exc.exit_code
+        settings = with_shared_ports(settings)
         argv = to_argv(replace(settings, workers="1"))
         default_model = single and settings.model_dir is None  # the first worker binds, exports, loads
         return asyncio.run(Supervisor(settings, argv, count, gpus, bind_first=default_model).run())

@@ -282,11 +282,13 @@ async def _start_http(running: Running, settings: Settings, api: HttpApi) -> Non
 
 
 async def _start_health_port(running: Running, settings: Settings) -> None:
-    """Health only, plaintext: kubelet's gRPC probes cannot present a client certificate."""
-    running.side.health = grpc.aio.server()
+    """Health only, plaintext: kubelet's gRPC probes cannot present a client certificate. Shared
+    by --workers as the inference port is: each worker's health says whether all of them serve."""
+    running.side.health = grpc.aio.server(options=[("grpc.so_reuseport", 1 if settings.reuse_port else 0)])
     health_pb2_grpc.add_HealthServicer_to_server(running.health, running.side.health)
     assert settings.health_port is not None
-    running.health_port = _bind(running.side.health, settings.host, settings.health_port, None, "--health-port")
+    port, shared = settings.health_port, settings.reuse_port
+    running.health_port = _bind(running.side.health, settings.host, port, None, "--health-port", shared)
     await running.side.health.start()
 
 
@@ -326,6 +328,7 @@ def check_shared_ports(settings: Settings) -> None:
         ("--grpc-port", settings.host, settings.grpc_port),
         ("--http-port", settings.host, settings.http_port),
         ("--metrics-port", settings.metrics_host or settings.host, settings.metrics_port),
+        ("--health-port", settings.host, settings.health_port),
     ):
         if port is not None:
             check_port(host, port, flag)
@@ -385,16 +388,18 @@ def ready_line(running: Running) -> str:
     settings = running.engine.settings
     host = "127.0.0.1" if settings.host in ("0.0.0.0", "::", "") else settings.host
     http = running.http_port or "off"
+    health = f", health :{running.health_port}" if running.health_port else ""  # --health-port, when on
     token = f" --token-file {settings.auth_token_file}" if settings.auth_token_file else ""
     try_it = f"try `{client_command()} infer --url {host}:{running.grpc_port}{token}`"
     name = running.engine.life.identity.name
     if settings.worker_peers > 1:
         return (
             f"worker {settings.worker_index} ready: serving {name} on {settings.host}, gRPC :{running.grpc_port}, "
-            f"HTTP :{http} (shared by {settings.worker_peers} workers; metrics: the supervisor's port); {try_it}"
+            f"HTTP :{http}{health} (shared by {settings.worker_peers} workers; metrics: the supervisor's port); "
+            f"{try_it}"
         )
     metrics = running.metrics_port or "off"
-    ports = f"gRPC :{running.grpc_port}, HTTP :{http}, metrics :{metrics}"
+    ports = f"gRPC :{running.grpc_port}, HTTP :{http}, metrics :{metrics}{health}"
     return f"ready: serving {name} on {settings.host}, {ports}; {try_it}"
 
 

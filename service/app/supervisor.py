@@ -26,7 +26,7 @@ import tempfile
 import time
 import urllib.request
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import partial
 from pathlib import Path
 
@@ -180,7 +180,8 @@ class Supervisor:
         self.settings = settings
         self.bind_first = bind_first
         self._argv = list(argv)  # `mha serve` arguments, without --workers
-        promised = frozenset(p for p in (settings.grpc_port, settings.http_port, settings.metrics_port) if p)
+        shared = (settings.grpc_port, settings.http_port, settings.metrics_port, settings.health_port)
+        promised = frozenset(p for p in shared if p)
         self.workers = [Worker(i, port) for i, port in enumerate(free_ports(count, avoid=promised))]
         self.merged = MergedMetrics(self.workers)
         self.gpus = list(gpus)  # with --workers auto on a GPU host: worker i computes on GPU gpus[i]
@@ -306,6 +307,19 @@ class Supervisor:
                     log.error("worker %d did not stop in time; killing it", worker.index)
                     worker.process.kill()
                     await worker.process.wait()
+
+
+def with_shared_ports(settings: Settings) -> Settings:
+    """The ports the workers share that were given as 0 ("pick a free one"), picked once for all
+    of them: a worker picking its own would leave the clients of one port with one worker."""
+    given = (settings.grpc_port, settings.http_port, settings.health_port, settings.metrics_port)
+    grpc, http, health = free_ports(3, avoid=frozenset(p for p in given if p))
+    return replace(
+        settings,
+        grpc_port=settings.grpc_port or grpc,
+        http_port=http if settings.http_port == 0 else settings.http_port,  # None (off) stays off
+        health_port=health if settings.health_port == 0 else settings.health_port,
+    )
 
 
 def worker_flags(index: int, workers: int, metrics_port: int, sockets: Path) -> list[str]:

@@ -18,6 +18,7 @@ import grpc
 import numpy as np
 import pytest
 import torch
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client.openmetrics.parser import text_string_to_metric_families as openmetrics_families
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -104,6 +105,32 @@ def test_two_workers_share_the_port_add_up_restart_and_drain(small_model_dir: Pa
         for pid in pids:  # every worker is gone (or a zombie waiting for its reaper)
             status = Path(f"/proc/{pid}/status")
             assert not status.exists() or "zombie" in status.read_text().lower()
+    finally:
+        server.kill()
+
+
+READY_PORTS = re.compile(r"worker (\d) ready: serving mha on [^,]+, gRPC :(\d+), HTTP :(\d+), health :(\d+) \(shared")
+
+
+def test_workers_share_the_health_port_and_the_ports_picked_for_them(small_model_dir: Path, tmp_path: Path) -> None:
+    """--health-port (mTLS deployments' probes) and ports given as 0 are shared by every worker,
+    as the gRPC port is: no worker fails to bind, none serves a port of its own."""
+    args = ["--model-dir", str(small_model_dir), "--backend", "torch", "--http-port", "0", "--health-port", "0"]
+    server = ServerProcess(args, workers="2")  # the last --http-port given wins: 0, picked for the workers
+    server.start(tmp_path / "server.log")
+    try:
+        _until(lambda: len(READY_PORTS.findall(server.log())) == 2)
+        ready = {int(i): (int(g), int(h), int(health)) for i, g, h, health in READY_PORTS.findall(server.log())}
+        assert sorted(ready) == [0, 1] and ready[0] == ready[1], ready
+        grpc_port, http_port, health_port = ready[0]
+        assert grpc_port == server.port and 0 not in (http_port, health_port)
+        for _ in range(10):  # a connection each: the kernel spreads them over both workers' sockets
+            with grpc.insecure_channel(f"127.0.0.1:{health_port}") as channel:
+                check = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=""), timeout=5)
+                assert check.status == health_pb2.HealthCheckResponse.SERVING
+            with urllib.request.urlopen(f"http://127.0.0.1:{http_port}/v2/health/ready", timeout=5) as response:
+                assert response.status == 200
+        assert "died" not in server.log(), server.log()[-2000:]
     finally:
         server.kill()
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from service.app.supervisor import Silence, Supervisor, Worker
+from service.app.supervisor import Silence, Supervisor, Worker, with_shared_ports
 from tests.support import make_settings
 
 
@@ -44,3 +44,13 @@ def test_the_hand_over_sockets_folder_goes_when_the_supervisor_cannot_start(tmp_
         with pytest.raises(OSError):
             asyncio.run(supervisor.run())
     assert not supervisor.sockets.exists()
+
+
+def test_ports_given_as_zero_are_picked_once_for_every_worker() -> None:
+    settings = make_settings(Path("unused"), grpc_port=0, http_port=None, health_port=0, metrics_port=8002)
+    picked = with_shared_ports(settings)
+    assert picked.http_port is None  # off stays off
+    assert picked.metrics_port == 8002  # the supervisor's own port: it binds it itself
+    assert 0 not in (picked.grpc_port, picked.health_port) and picked.grpc_port != picked.health_port
+    given = make_settings(Path("unused"), grpc_port=18001, http_port=18000, health_port=18003)
+    assert with_shared_ports(given) == given
