@@ -155,11 +155,38 @@ def _input(tensor: dict[str, Any], binary: memoryview, offset: int) -> tuple[Inp
         entry.raw = binary[offset : offset + size]
         return entry, offset + size
     if "data" in tensor:
-        try:
-            entry.values = np.asarray(tensor["data"], dtype=np.float32).ravel()  # nested or flat: row-major
-        except (TypeError, ValueError) as exc:
-            raise InvalidInput(f"input {quote(name)}: data must be numbers ({exc})") from exc
+        entry.values = _float32_data(name, tensor["data"])
     return entry, offset
+
+
+JSON_KINDS = {bool: "booleans", str: "strings", type(None): "nulls", dict: "objects"}
+
+
+def _float32_data(name: str, data: object) -> np.ndarray:
+    """JSON data, nested or flat, as row-major float32: numbers only. A boolean or a numeric
+    string is refused, as gRPC's typed contents refuse bool_contents for FP32, never read as one."""
+    kinds = _leaf_types(data if isinstance(data, list) else [data]) - {int, float}
+    if kinds:
+        got = ", ".join(sorted(JSON_KINDS.get(kind, kind.__name__) for kind in kinds))
+        raise InvalidInput(f"input {quote(name)}: data must be JSON numbers, got {got}")
+    try:
+        with np.errstate(over="ignore"):  # beyond FP32's range: inf, which the finiteness check refuses
+            return np.asarray(data, dtype=np.float32).ravel()
+    except OverflowError as exc:  # an integer literal beyond float's range
+        raise InvalidInput(f"input {quote(name)}: data holds an integer too large for FP32") from exc
+    except ValueError as exc:  # nested lists of unequal lengths
+        raise InvalidInput(f"input {quote(name)}: data must be numbers in equal-length lists ({exc})") from exc
+
+
+def _leaf_types(values: list[Any]) -> set[type]:
+    """The types of the values in nested lists, lists aside (a C-speed pass per list)."""
+    kinds = set(map(type, values))
+    if list in kinds:
+        kinds.discard(list)
+        for inner in values:
+            if type(inner) is list:
+                kinds |= _leaf_types(inner)
+    return kinds
 
 
 def response_to_http(response: InferResponse, binary: bool) -> web.Response:

@@ -206,3 +206,42 @@ def test_a_sequence_id_the_checks_accept_every_protocol_can_carry(sequence_id: s
     assert control is not None and control.id == sent
     handed = pb.ModelInferRequest.FromString(request_to_proto(request).SerializeToString())
     assert sequence_control(request_from_proto(handed)) == control
+
+
+JSON_VALUES = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=3),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=2), inner, max_size=2),
+    max_leaves=12,
+)
+
+
+def _leaves(value: object) -> list[object]:
+    return [leaf for item in value for leaf in _leaves(item)] if isinstance(value, list) else [value]
+
+
+@settings(max_examples=300, deadline=None)
+@given(data=JSON_VALUES)
+def test_json_data_is_read_as_its_numbers_or_refused_as_the_clients_mistake(data: object) -> None:
+    """Whatever JSON `data` holds, the codec reads exactly its numbers or refuses it with
+    InvalidInput: never a boolean or a numeric string read as a number, never another error."""
+    tensor = {"name": "x", "datatype": "FP32", "shape": [1, 1, 1], "data": data}
+    body = json.dumps({"inputs": [tensor]}).encode()
+    leaves = _leaves(data)
+    try:
+        request, _ = request_from_json(body, None, "mha", "")
+    except InvalidInput:
+        numbers = all(type(v) in (int, float) for v in leaves)
+        assert not numbers or any(type(v) is int and abs(v) > 1e308 for v in leaves) or not _equal_lengths(data)
+        return
+    assert all(type(v) in (int, float) for v in leaves)
+    with np.errstate(over="ignore"):
+        assert np.array_equal(request.inputs[0].values, np.asarray(leaves, dtype=np.float32))
+
+
+def _equal_lengths(value: object) -> bool:
+    """Whether nested lists form a rectangular array (numpy reads nothing else)."""
+    try:
+        np.asarray(value, dtype=np.float64)
+    except (ValueError, OverflowError):
+        return False
+    return True

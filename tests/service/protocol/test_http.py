@@ -62,8 +62,17 @@ BAD = {
     "words-as-data": (
         json.dumps({"inputs": [{"name": "x", "shape": [1, 1, 2], "datatype": "FP32", "data": ["a", "b"]}]}).encode(),
         400,
-        "data must be numbers",
+        "data must be JSON numbers, got strings",
     ),
+    "numeric-strings": (_with(tensor={"data": ["1"] * 32}), 400, "data must be JSON numbers, got strings"),
+    "booleans-among-numbers": (
+        _with(tensor={"data": [[[True] + [1.0] * 31]]}),
+        400,
+        "data must be JSON numbers, got booleans",
+    ),
+    "nulls": (_with(tensor={"data": [None] * 32}), 400, "data must be JSON numbers, got nulls"),
+    "integer-beyond-float": (_with(tensor={"data": [10**400] + [1] * 31}), 400, "an integer too large for FP32"),
+    "ragged-data": (_with(tensor={"data": [[1.0] * 16, [1.0] * 15]}), 400, "numbers in equal-length lists"),
     "sequence": (
         _infer_json(np.zeros((1, 2, 32), np.float32), parameters={"sequence_id": 7}),
         404,
