@@ -68,6 +68,7 @@ def configure_logging(level: str, fmt: str) -> None:
 
 
 LogSetting = bool | int | str
+UINT32_MAX = 2**32 - 1
 LOG_SETTING_TYPES: dict[str, type] = {
     "log_file": str,
     "log_info": bool,
@@ -100,6 +101,9 @@ def change_log_settings(changes: dict[str, LogSetting]) -> dict[str, LogSetting]
             raise ValueError(f"unknown log setting {key[:64]!r}; expected some of {', '.join(LOG_SETTING_TYPES)}")
         if type(value) is not expected:
             raise ValueError(f"log setting {key} must be a {expected.__name__}, got {type(value).__name__}")
+    verbose = changes.get("log_verbose_level", 0)
+    if not 0 <= int(verbose) <= UINT32_MAX:  # gRPC's uint32_param carries it to Triton's clients and to workers
+        raise ValueError(f"log_verbose_level must be 0 to {UINT32_MAX} (0: off, 1 or more: verbose), got {verbose}")
     if changes.get("log_file"):
         raise ValueError("log_file: this server logs to stderr only (the container runtime keeps it)")
     if changes.get("log_format", "default") != "default":

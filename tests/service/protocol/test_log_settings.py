@@ -72,3 +72,15 @@ def test_settings_that_cannot_be_honoured_are_refused(server: ServerThread, sett
     status, body = _http(server, settings)
     assert status == 400 and says in body["error"]
     assert logging.getLogger().level == logging.INFO  # nothing changed
+
+
+@pytest.mark.parametrize("level", [-1, 2**32, 10**30])
+def test_a_verbose_level_beyond_uint32_is_refused_over_http(server: ServerThread, level: int) -> None:
+    """gRPC carries the level as uint32 (to the other workers too): HTTP's JSON may say more."""
+    logging.getLogger().setLevel(logging.INFO)
+    status, body = _http(server, {"log_verbose_level": level})
+    assert (
+        status == 400
+        and f"log_verbose_level must be 0 to 4294967295 (0: off, 1 or more: verbose), got {level}" in (body["error"])
+    )
+    assert logging.getLogger().level == logging.INFO  # nothing changed
