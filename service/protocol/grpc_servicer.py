@@ -130,6 +130,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         self, request: pb.RepositoryModelLoadRequest, context: Context
     ) -> pb.RepositoryModelLoadResponse:
         async with self.calls.unary("RepositoryModelLoad", context):
+            model_calls.refuse_load_parameters(request.parameters)
             await self.answers.load(request.model_name)
             return pb.RepositoryModelLoadResponse()
 

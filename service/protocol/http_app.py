@@ -145,6 +145,8 @@ class HttpApi:
         return web.json_response([proto_json(model) for model in index.models])
 
     async def _model_load(self, request: web.Request) -> web.Response:
+        doc = json_object(parse_json(await request.read() or b"{}", "the load request"), "the load request")
+        model_calls.refuse_load_parameters(json_object(doc.get("parameters", {}), "the load request's parameters"))
         await self.answers.load(request.match_info["model"])
         return web.json_response({})
 

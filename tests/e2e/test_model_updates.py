@@ -34,7 +34,7 @@ from service.client.client import MHAClient
 from service.proto import grpc_service_pb2 as pb
 from service.proto import grpc_service_pb2_grpc as pb_grpc
 from service.protocol.grpc_codec import decode_infer_response, encode_infer_request
-from tests.support import ROOT, ServerProcess, ServerThread, make_settings
+from tests.support import ROOT, ServerProcess, ServerThread, http_json, make_settings
 
 SMALL = MHAConfig(d_model=32, n_head=4, max_seq_len=64)
 TRITON_PYTHON = ROOT / ".venv-triton" / "bin" / "python"
@@ -256,13 +256,26 @@ def test_explicit_mode_starts_empty_loads_and_unloads_on_request(tmp_path: Path)
     repo = tmp_path / "repo"
     _export(repo, 1)
     settings = replace(
-        make_settings(tmp_path), model_dir=None, model_repository=repo, model_control_mode="explicit", backend="torch"
+        make_settings(tmp_path, http_port=0),
+        model_dir=None,
+        model_repository=repo,
+        model_control_mode="explicit",
+        backend="torch",
     )
     with ServerThread(settings) as server, grpc.insecure_channel(server.url) as channel:
         stub = pb_grpc.GRPCInferenceServiceStub(channel)
         assert not stub.ServerReady(pb.ServerReadyRequest()).ready  # nothing loaded without --load-model
         index = stub.RepositoryIndex(pb.RepositoryIndexRequest()).models
         assert [(m.name, m.state) for m in index] == [("mha", "UNAVAILABLE"), ("mha_sequence", "UNAVAILABLE")]
+        with_files = pb.RepositoryModelLoadRequest(model_name="mha")
+        with_files.parameters["file:1/model.onnx"].bytes_param = b"not the repository's model"
+        with pytest.raises(grpc.RpcError) as files:  # never loaded from the repository instead
+            stub.RepositoryModelLoad(with_files, timeout=10)
+        assert files.value.code() == grpc.StatusCode.UNIMPLEMENTED
+        assert "load parameters are not supported (got 'file:1/model.onnx')" in files.value.details()
+        status, body = http_json(server.http_port, "/v2/repository/models/mha/load", {"parameters": {"config": "{}"}})
+        assert status == 501 and "load parameters are not supported (got 'config')" in body["error"]
+        assert not stub.ServerReady(pb.ServerReadyRequest()).ready
         stub.RepositoryModelLoad(pb.RepositoryModelLoadRequest(model_name="mha"), timeout=120)
         assert stub.ModelReady(pb.ModelReadyRequest(name="mha", version="1")).ready
         assert _version_of_answer(server.url) == "1"
