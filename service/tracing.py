@@ -295,18 +295,32 @@ class TraceControl:
             wanted[key] = self._initial[key] if values is None else [str(v)[:64] for v in values]
         for key, value in TRACE_FIXED.items():
             if wanted[key] != [value]:
-                raise InvalidInput(f"{key} {wanted[key]}: only {value!r} is offered here ({_FIXED_WHY[key]})")
+                raise InvalidInput(f"{key} {_listed(wanted[key])}: only {value!r} is offered here ({_FIXED_WHY[key]})")
         level, rate = wanted["trace_level"], wanted["trace_rate"]
         if level not in (["OFF"], ["TIMESTAMPS"]):
-            raise InvalidInput(f'trace_level {level}: expected ["OFF"] or ["TIMESTAMPS"] (tensors are not traced)')
-        if len(rate) != 1 or not rate[0].isdigit():
-            raise InvalidInput(f"trace_rate {rate}: expected one count N (one trace in N; 0: only clients' traces)")
+            raise InvalidInput(
+                f'trace_level {_listed(level)}: expected ["OFF"] or ["TIMESTAMPS"] (tensors are not traced)'
+            )
+        if len(rate) != 1 or not (rate[0].isascii() and rate[0].isdigit()) or int(rate[0]) > MAX_TRACE_RATE:
+            raise InvalidInput(
+                f"trace_rate {_listed(rate)}: expected one count N from 0 to {MAX_TRACE_RATE} (one trace in N; "
+                "0: only clients' traces)"
+            )
         if level == ["TIMESTAMPS"] and self._sampler is None:
             raise Precondition("tracing is off: start the server with --otlp-endpoint (or OTEL_EXPORTER_OTLP_*)")
         self._rate = int(rate[0])
         if self._sampler is not None:
             self._sampler.off, self._sampler.root = level == ["OFF"], _root_of(self._rate)
         return self.settings()
+
+
+MAX_TRACE_RATE = 2**32 - 1  # Triton's (uint32)
+
+
+def _listed(values: list[str]) -> str:
+    """A client's list of values for a message: the first few (each already cut to 64 characters)."""
+    more = f" and {len(values) - 4} more" if len(values) > 4 else ""
+    return f"{values[:4]}{more}"
 
 
 _FIXED_WHY = {

@@ -79,6 +79,9 @@ def test_tracing_turns_off_and_on_and_its_rate_changes_at_run_time(traced: tuple
         ({"trace_file": ["/tmp/trace.json"]}, "spans go over OTLP"),
         ({"trace_level": ["TENSORS"]}, "tensors are not traced"),
         ({"trace_rate": ["fast"]}, "expected one count N"),
+        ({"trace_rate": ["²"]}, "expected one count N from 0 to 4294967295"),  # a digit int() cannot read
+        ({"trace_rate": [str(2**32)]}, "expected one count N from 0 to 4294967295"),
+        ({"trace_rate": ["1"] * 1000}, "['1', '1', '1', '1'] and 996 more: expected one count N"),
         ({"trace_count": ["10"]}, "no limit"),
         ({"trace_mode": ["triton"]}, "OpenTelemetry"),
         ({"trace_colour": ["red"]}, "expected one of trace_level"),
