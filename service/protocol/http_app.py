@@ -167,7 +167,7 @@ class HttpApi:
         except ConnectionError as exc:  # the client left while sending: nobody waits for an answer
             raise ClientGone(f"the client closed the connection before its body was whole ({exc})") from exc
         header = request.headers.get(HEADER_LENGTH)
-        if header is not None and not header.isdigit():
+        if header is not None and not (header.isascii() and header.isdigit()):  # ASCII: int() fails on '²'
             raise InvalidInput(f"{HEADER_LENGTH} must be a byte count, got {header[:32]!r}")
         name, version = request.match_info["name"], request.match_info.get("version", "")
         inference, binary = request_from_json(body, int(header) if header else None, name, version)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import logging
 import re
+import socket
 import time
 import urllib.error
 import urllib.request
@@ -145,6 +146,29 @@ def test_binary_data_both_ways(server: ServerThread, small_model_dir: Path) -> N
     assert relative_error(torch.from_numpy(y.copy()), attention_view(torch.from_numpy(x), weights, config)) < 1e-5
     code, _, answer = _call(server.http_port, "/v2/models/mha/infer", head + x.tobytes()[:-4], headers)
     assert code == 400 and "does not fit" in json.loads(answer)["error"]
+    code, _, answer = _call(server.http_port, "/v2/models/mha/infer", head + x.tobytes() + bytes(4), headers)
+    says = "4 bytes of binary data follow the inputs' binary_data_size (1280 bytes in all)"
+    assert code == 400 and says in json.loads(answer)["error"]  # sizes and data disagree: never half-read
+
+
+def test_a_header_length_of_unicode_digits_is_the_clients_mistake(server: ServerThread) -> None:
+    """'²' is a digit to str.isdigit and not to int(): sent as UTF-8, as curl sends it."""
+    body = _infer_json(np.zeros((1, 2, 32), np.float32))
+    head = f"POST /v2/models/mha/infer HTTP/1.1\r\nHost: t\r\nContent-Length: {len(body)}\r\nConnection: close\r\n"
+    with socket.create_connection(("127.0.0.1", server.http_port), timeout=30) as sock:
+        sock.sendall(head.encode() + "Inference-Header-Content-Length: ²\r\n\r\n".encode() + body)
+        answer = b"".join(iter(lambda: sock.recv(65536), b""))
+    assert answer.startswith(b"HTTP/1.1 400") and b"must be a byte count" in answer, answer[:300]
+
+
+@pytest.mark.parametrize(("value", "kind"), [("yes", "a string"), (1, "an integer")])
+def test_binary_output_flags_are_booleans(server: ServerThread, value: object, kind: str) -> None:
+    per_output = [{"name": "y", "parameters": {"binary_data": value}}]
+    for parameters, outputs in (({"binary_data_output": value}, []), ({}, per_output)):
+        body = _infer_json(np.zeros((1, 2, 32), np.float32), parameters=parameters, outputs=outputs)
+        code, _, answer = _call(server.http_port, "/v2/models/mha/infer", body)
+        key = next(iter(parameters)) if parameters else "binary_data"
+        assert code == 400 and f"{key} must be a boolean (true or false), got {kind}" in json.loads(answer)["error"]
 
 
 def test_the_token_applies_and_health_stays_open(small_model_dir: Path, tmp_path: Path) -> None:
