@@ -41,12 +41,28 @@ from service.protocol.status import http_status
 from service.settings import Settings
 
 CALL_KEY = web.RequestKey("mha.call", Call)  # the call scope of the request, for its handler
+BODY_LIMIT_MIB = web.AppKey("mha.body_limit_mib", int)  # --max-message-mb: the largest body read
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 log = logging.getLogger(__name__)
 
 
 RETRY_AFTER_S = 1  # what 429 and 503 answers suggest
 JSON_PARSE_FACTOR = 3  # a JSON body's text, its parsed values and their array: docs/benchmarks.md
+
+
+async def body_of(request: web.Request) -> bytes:
+    """A request's body. What stops it being read is the client's: a body over the limit
+    (decompressed, for a Content-Encoding), one its Content-Encoding cannot decode, or a client
+    that left before sending all of it."""
+    try:
+        return await request.read()
+    except web.HTTPRequestEntityTooLarge as exc:
+        limit = request.app[BODY_LIMIT_MIB]
+        raise TooLarge(f"the request body is larger than this server's limit of {limit} MiB") from exc
+    except web.RequestPayloadError as exc:
+        raise InvalidInput(f"the request body cannot be read: {' '.join(str(exc).split())[:200]}") from exc
+    except ConnectionError as exc:  # the client left while sending: nobody waits for an answer
+        raise ClientGone(f"the client closed the connection before its body was whole ({exc})") from exc
 
 
 def error_response(call: Call) -> web.Response:
@@ -62,6 +78,7 @@ class HttpApi:
 
     def app(self) -> web.Application:
         app = web.Application(client_max_size=self.door.settings.max_message_mb * 2**20, middlewares=[route_errors])
+        app[BODY_LIMIT_MIB] = self.door.settings.max_message_mb
         model = "/v2/models/{name}"
         versioned = "/v2/models/{name}/versions/{version}"
         app.router.add_get("/v2/health/live", self._live)
@@ -137,7 +154,7 @@ class HttpApi:
         return web.json_response({"model_stats": [proto_json(s) for s in stats]})
 
     async def _repository_index(self, request: web.Request) -> web.Response:
-        doc = json_object(parse_json(await request.read() or b"{}", "the index request"), "the index request")
+        doc = json_object(parse_json(await body_of(request) or b"{}", "the index request"), "the index request")
         ready = doc.get("ready", False)
         if not isinstance(ready, bool):
             raise InvalidInput('"ready" must be a JSON boolean (true or false)')
@@ -145,7 +162,7 @@ class HttpApi:
         return web.json_response([proto_json(model) for model in index.models])
 
     async def _model_load(self, request: web.Request) -> web.Response:
-        doc = json_object(parse_json(await request.read() or b"{}", "the load request"), "the load request")
+        doc = json_object(parse_json(await body_of(request) or b"{}", "the load request"), "the load request")
         model_calls.refuse_load_parameters(json_object(doc.get("parameters", {}), "the load request's parameters"))
         await self.answers.load(request.match_info["model"])
         return web.json_response({})
@@ -159,13 +176,7 @@ class HttpApi:
         if request.content_length:  # held from before it is read: a body the budget cannot take is never read
             parsed = 1 if HEADER_LENGTH in request.headers else JSON_PARSE_FACTOR  # JSON: its text, then its values
             call.leases.append(self.door.hold(parsed * request.content_length, "its body, parsed"))
-        try:
-            body = await request.read()
-        except web.HTTPRequestEntityTooLarge as exc:
-            limit = self.door.settings.max_message_mb
-            raise TooLarge(f"the request body is larger than this server's limit of {limit} MiB") from exc
-        except ConnectionError as exc:  # the client left while sending: nobody waits for an answer
-            raise ClientGone(f"the client closed the connection before its body was whole ({exc})") from exc
+        body = await body_of(request)
         header = request.headers.get(HEADER_LENGTH)
         if header is not None and not (header.isascii() and header.isdigit()):  # ASCII: int() fails on '²'
             raise InvalidInput(f"{HEADER_LENGTH} must be a byte count, got {header[:32]!r}")
@@ -238,7 +249,7 @@ class RegionRoutes:
 
 
 async def _body(request: web.Request, what: str) -> dict[str, Any]:
-    return json_object(parse_json(await request.read() or b"{}", what), what)
+    return json_object(parse_json(await body_of(request) or b"{}", what), what)
 
 
 def _base64(text: str) -> bytes | None:
@@ -283,7 +294,7 @@ async def _settings_body(request: web.Request, what: str) -> dict[str, Any]:
     """A settings call's changes: none for GET, a JSON object of Triton's names for POST."""
     if request.method != "POST":
         return {}
-    return json_object(parse_json(await request.read() or b"{}", what), what)
+    return json_object(parse_json(await body_of(request) or b"{}", what), what)
 
 
 async def _log_settings(answers: Answering, request: web.Request) -> web.Response:

@@ -3,6 +3,7 @@ the binary-data framing. (tritonclient.http drives it end to end in tests/e2e.)"
 
 from __future__ import annotations
 
+import gzip
 import json
 import logging
 import re
@@ -169,6 +170,18 @@ def test_binary_output_flags_are_booleans(server: ServerThread, value: object, k
         code, _, answer = _call(server.http_port, "/v2/models/mha/infer", body)
         key = next(iter(parameters)) if parameters else "binary_data"
         assert code == 400 and f"{key} must be a boolean (true or false), got {kind}" in json.loads(answer)["error"]
+
+
+@pytest.mark.parametrize("path", ["/v2/models/mha/infer", "/v2/logging", "/v2/repository/index"])
+def test_a_body_that_cannot_be_read_is_the_clients_mistake(server: ServerThread, path: str) -> None:
+    """Whatever the route: bytes its Content-Encoding cannot decode are 400, and a body that
+    decompresses past --max-message-mb (64 MiB here) is 413, never read whole."""
+    gzip_header = {"Content-Encoding": "gzip"}
+    code, _, answer = _call(server.http_port, path, b"\x1f\x8b not gzip at all", gzip_header)
+    assert code == 400 and "the request body cannot be read" in json.loads(answer)["error"], answer
+    bomb = gzip.compress(bytes(65 << 20), compresslevel=1)  # 65 MiB of zeros in about 64 KiB
+    code, _, answer = _call(server.http_port, path, bomb, gzip_header)
+    assert code == 413 and "larger than this server's limit of 64 MiB" in json.loads(answer)["error"], answer
 
 
 def test_the_token_applies_and_health_stays_open(small_model_dir: Path, tmp_path: Path) -> None:
