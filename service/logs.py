@@ -20,7 +20,10 @@ _ID_COUNTER = itertools.count(1)
 def new_request_id(client_id: str = "") -> str:
     """The client's id where it sent one (tracing across systems), else a fresh one: this process's
     random prefix and a counter (a uuid4 per request cost more than the rest of the call scope)."""
-    return client_id[:64] if client_id else f"{_ID_PREFIX}{next(_ID_COUNTER):08x}"
+    if not client_id:
+        return f"{_ID_PREFIX}{next(_ID_COUNTER):08x}"
+    cut = client_id[:64]  # a client's string in every log line of its call: cut, and one line of text
+    return cut if cut.isprintable() else "".join(c if c.isprintable() else "?" for c in cut)
 
 
 class RequestIdFilter(logging.Filter):

@@ -296,6 +296,15 @@ def test_text_lines_without_a_request_carry_no_empty_tag() -> None:
     assert second.endswith("INFO t [abc123] in a request"), second
 
 
+def test_a_clients_request_id_stays_one_cut_line_of_text() -> None:
+    from service.logs import new_request_id
+
+    assert new_request_id("trace-42") == "trace-42"
+    forged = "a\n2026-12-04 ERROR forged line\x1b[31m" + "z" * 100
+    assert new_request_id(forged) == ("a?2026-12-04 ERROR forged line?[31m" + "z" * 100)[:64]
+    assert new_request_id("")  # none sent: a fresh one
+
+
 def test_infer_at_the_http_port_says_which_port_to_use(small_model_dir: Path) -> None:
     with ServerThread(make_settings(small_model_dir, backend="torch", http_port=0)) as server:
         run = _mha("infer", "--url", f"127.0.0.1:{server.http_port}", "--shape", "1,4,32", "--timeout", "10")
