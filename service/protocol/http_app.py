@@ -48,21 +48,32 @@ log = logging.getLogger(__name__)
 
 RETRY_AFTER_S = 1  # what 429 and 503 answers suggest
 JSON_PARSE_FACTOR = 3  # a JSON body's text, its parsed values and their array: docs/benchmarks.md
+RESERVE_STEP = 2**20  # a body without Content-Length is held in the in-flight budget a MiB at a time
 
 
-async def body_of(request: web.Request) -> bytes:
-    """A request's body. What stops it being read is the client's: a body over the limit
-    (decompressed, for a Content-Encoding), one its Content-Encoding cannot decode, or a client
-    that left before sending all of it."""
+async def body_of(request: web.Request, reserve: Callable[[int], None] | None = None, held: int = 0) -> bytes:
+    """A request's body, read as it arrives (decompressed, for a Content-Encoding). `reserve(n)`:
+    n more bytes, beyond the `held` already reserved, are about to be kept (the in-flight budget
+    takes them or refuses): a body without Content-Length, or one that decompresses, is held as it
+    grows, not read whole first. What stops a body being read is the client's: over the limit,
+    not decodable by its Content-Encoding, or a client that left before sending all of it."""
+    limit = request.app[BODY_LIMIT_MIB]
+    parts, size = [], 0
     try:
-        return await request.read()
-    except web.HTTPRequestEntityTooLarge as exc:
-        limit = request.app[BODY_LIMIT_MIB]
-        raise TooLarge(f"the request body is larger than this server's limit of {limit} MiB") from exc
+        async for chunk in request.content.iter_any():
+            size += len(chunk)
+            if size > limit * 2**20:
+                raise TooLarge(f"the request body is larger than this server's limit of {limit} MiB")
+            if reserve is not None and size > held:
+                grant = max(size - held, RESERVE_STEP)  # a lease per MiB, not per chunk
+                reserve(grant)
+                held += grant
+            parts.append(chunk)
     except web.RequestPayloadError as exc:
         raise InvalidInput(f"the request body cannot be read: {' '.join(str(exc).split())[:200]}") from exc
     except ConnectionError as exc:  # the client left while sending: nobody waits for an answer
         raise ClientGone(f"the client closed the connection before its body was whole ({exc})") from exc
+    return b"".join(parts)
 
 
 def error_response(call: Call) -> web.Response:
@@ -173,10 +184,15 @@ class HttpApi:
 
     async def _infer(self, request: web.Request) -> web.Response:
         call = request[CALL_KEY]
-        if request.content_length:  # held from before it is read: a body the budget cannot take is never read
-            parsed = 1 if HEADER_LENGTH in request.headers else JSON_PARSE_FACTOR  # JSON: its text, then its values
-            call.leases.append(self.door.hold(parsed * request.content_length, "its body, parsed"))
-        body = await body_of(request)
+        parsed = 1 if HEADER_LENGTH in request.headers else JSON_PARSE_FACTOR  # JSON: its text, then its values
+
+        def reserve(nbytes: int) -> None:
+            call.leases.append(self.door.hold(parsed * nbytes, "its body, parsed"))
+
+        held = request.content_length or 0
+        if held:  # held from before it is read: a body the budget cannot take is never read
+            reserve(held)
+        body = await body_of(request, reserve, held)  # and what it sends beyond: chunked, or decompressed
         header = request.headers.get(HEADER_LENGTH)
         if header is not None and not (header.isascii() and header.isdigit()):  # ASCII: int() fails on '²'
             raise InvalidInput(f"{HEADER_LENGTH} must be a byte count, got {header[:32]!r}")

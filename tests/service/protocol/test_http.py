@@ -184,6 +184,24 @@ def test_a_body_that_cannot_be_read_is_the_clients_mistake(server: ServerThread,
     assert code == 413 and "larger than this server's limit of 64 MiB" in json.loads(answer)["error"], answer
 
 
+def test_a_body_without_length_is_held_in_the_budget_as_it_arrives(small_model_dir: Path) -> None:
+    """A chunked body (no Content-Length) or one that decompresses is held in --max-inflight-mb as
+    it is read: past the budget it is refused before the client has sent all of it, so that
+    bodies of unknown length cannot take the process past its memory limit together."""
+    with ServerThread(make_settings(small_model_dir, backend="torch", http_port=0, max_inflight_mb=1.0)) as s:
+        head = "POST /v2/models/mha/infer HTTP/1.1\r\nHost: t\r\nTransfer-Encoding: chunked\r\n\r\n"
+        chunk = b"[" * 65536
+        with socket.create_connection(("127.0.0.1", s.http_port), timeout=10) as sock:
+            sock.sendall(head.encode() + b"%x\r\n" % len(chunk) + chunk + b"\r\n")  # and never the last chunk
+            answer = sock.recv(65536)  # before: the server waited for the rest of the body
+        assert answer.startswith((b"HTTP/1.1 413", b"HTTP/1.1 429")) and b"its body, parsed" in answer, answer[:300]
+        bomb = gzip.compress(bytes(8 << 20), compresslevel=1)  # 8 MiB of zeros in a few KiB
+        code, _, answer = _call(s.http_port, "/v2/models/mha/infer", bomb, {"Content-Encoding": "gzip"})
+        assert code in (413, 429) and "its body, parsed" in json.loads(answer)["error"], answer
+        x = np.zeros((1, 2, 32), np.float32)
+        assert _call(s.http_port, "/v2/models/mha/infer", _infer_json(x))[0] == 200  # every lease given back
+
+
 def test_the_token_applies_and_health_stays_open(small_model_dir: Path, tmp_path: Path) -> None:
     token = tmp_path / "token"
     token.write_text("t0ken")
