@@ -127,7 +127,8 @@ def decode_input(request: InferRequest, model: ServedModel, regions: Regions | N
 def _check_shape(shape: list[int], model: ServedModel) -> tuple[int, int, int]:
     d_model, max_seq_len = model.config.d_model, model.config.max_seq_len
     if len(shape) != 3:
-        raise InvalidInput(f"input shape {shape} has rank {len(shape)}; expected rank 3: {_expected_shape(model)}")
+        shown = f"{shape[:6]}..." if len(shape) > 6 else f"{shape}"
+        raise InvalidInput(f"input shape {shown} has rank {len(shape)}; expected rank 3: {_expected_shape(model)}")
     B, T, C = shape
     if C != d_model:
         raise InvalidInput(f"input shape {shape}: C = {C}; expected C = {d_model}: {_expected_shape(model)}")

@@ -33,6 +33,7 @@ STATUS: dict[type[ServiceError], grpc.StatusCode] = {
     Precondition: grpc.StatusCode.FAILED_PRECONDITION,
 }
 
+MESSAGE_LIMIT = 1000  # characters of an error message a client receives
 INTERNAL_MESSAGE = "internal error (request id {request_id}); the server logged the details"
 
 
@@ -43,11 +44,19 @@ def to_status(exc: BaseException, request_id: str) -> tuple[grpc.StatusCode, str
     answered INTERNAL with a generic message so that internals never leak (the caller logs it).
     """
     if isinstance(exc, Relayed):  # another worker's answer, mapped there
-        return grpc.StatusCode[exc.status], str(exc)
+        return grpc.StatusCode[exc.status], _bounded(str(exc))
     for cls in type(exc).__mro__:  # the nearest mapped class: subclasses keep their parent's code
         if cls in STATUS:
-            return STATUS[cls], str(exc)
+            return STATUS[cls], _bounded(str(exc))
     return grpc.StatusCode.INTERNAL, INTERNAL_MESSAGE.format(request_id=request_id)
+
+
+def _bounded(message: str) -> str:
+    """A message as a client receives it: cut, whatever of the client's it quotes (a gRPC status
+    travels in a trailer, which clients refuse past 16 KiB)."""
+    if len(message) <= MESSAGE_LIMIT:
+        return message
+    return f"{message[:MESSAGE_LIMIT]}... ({len(message)} characters)"
 
 
 HTTP_STATUS = {

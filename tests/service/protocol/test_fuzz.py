@@ -46,6 +46,7 @@ def _malformed() -> dict[str, bytes]:
     cases: dict[str, pb.ModelInferRequest | bytes] = {}
     for rank in (0, 1, 2, 4, 5):  # shapes
         cases[f"rank{rank}"] = _request([2] * (rank - 1) + [C] if rank else [])
+    cases["rank100000"] = _request([1] * 99_999 + [C])  # its message once held every dim: 300 KB of trailer
     for b, t, c in [(1, 4, c) for c in (0, 1, 31, 33, 64, -32)] + [(b, 4, C) for b in (0, -1, 17, 1 << 40)]:
         cases[f"shape{b},{t},{c}"] = _request([b, t, c])
     for t in (0, -1, MAX_T + 1, 1 << 31, -(1 << 62)):
