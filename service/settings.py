@@ -175,22 +175,7 @@ class Settings:
             raise ValueError("--load-model is for --model-control-mode explicit (the other modes load at start)")
         if self.tls_client_ca is not None and self.tls_cert is None:
             raise ValueError("--tls-client-ca (mTLS) needs --tls-cert and --tls-key")
-        self._check_ports_distinct()
         schedule_policy(self)  # its checks: the levels and --queue-policy
-
-    def _check_ports_distinct(self) -> None:
-        """Two listeners on one port would share it (--workers binds with SO_REUSEPORT), and the
-        kernel would hand inference connections to the health or HTTP server: refused here."""
-        metrics_host = self.metrics_host if self.metrics_host is not None else self.host
-        ports = {"--grpc-port": self.grpc_port, "--http-port": self.http_port, "--health-port": self.health_port}
-        if metrics_host == self.host:
-            ports["--metrics-port"] = self.metrics_port
-        taken: dict[int, str] = {}
-        for flag, port in ports.items():
-            if port:  # None (off) and 0 (a free one, picked per port) never collide
-                if port in taken:
-                    raise ValueError(f"{taken[port]} and {flag} are both {port}; give each its own port")
-                taken[port] = flag
 
     @property
     def replica(self) -> str:

@@ -323,14 +323,20 @@ def check_port(host: str, port: int, flag: str) -> None:
 
 def check_shared_ports(settings: Settings) -> None:
     """Before --workers start: the ports they will share and the supervisor's metrics port,
-    checked as one process checks its own."""
-    for flag, host, port in (
+    checked as one process checks its own, and each its own: two listeners given one port would
+    both bind it (SO_REUSEPORT), and the kernel would hand inference connections to the other."""
+    listeners = (
         ("--grpc-port", settings.host, settings.grpc_port),
         ("--http-port", settings.host, settings.http_port),
         ("--metrics-port", settings.metrics_host or settings.host, settings.metrics_port),
         ("--health-port", settings.host, settings.health_port),
-    ):
-        if port is not None:
+    )
+    taken: dict[tuple[str, int], str] = {}
+    for flag, host, port in listeners:
+        if port:  # None (off) and 0 (a free one, picked per port) never collide
+            if (host, port) in taken:
+                raise StartupError(f"{taken[host, port]} and {flag} are both {port}; give each its own port", 2)
+            taken[host, port] = flag
             check_port(host, port, flag)
 
 

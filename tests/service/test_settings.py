@@ -58,8 +58,6 @@ def test_every_flagged_setting_has_a_flag_an_env_variable_and_a_documented_defau
         (["--grpc-port", "70000"], "--grpc-port must be <= 65535, got 70000"),
         (["--max-padding-ratio", "2"], "--max-padding-ratio must be <= 1, got 2"),
         (["--threads", "-1"], "--threads must be >= 0, got -1"),
-        (["--health-port", "8001"], "--grpc-port and --health-port are both 8001; give each its own port"),
-        (["--http-port", "9000", "--metrics-port", "9000"], "--http-port and --metrics-port are both 9000"),
     ],
 )
 def test_out_of_bounds_and_bad_combinations_are_refused(argv: list[str], message: str) -> None:

@@ -8,8 +8,9 @@ from pathlib import Path
 
 import pytest
 
+from service.app.server import StartupError, check_shared_ports
 from service.app.supervisor import Silence, Supervisor, Worker, with_shared_ports
-from tests.support import make_settings
+from tests.support import free_ports, make_settings
 
 
 def test_a_worker_is_hung_after_three_silences_once_it_has_answered() -> None:
@@ -54,3 +55,23 @@ def test_ports_given_as_zero_are_picked_once_for_every_worker() -> None:
     assert 0 not in (picked.grpc_port, picked.health_port) and picked.grpc_port != picked.health_port
     given = make_settings(Path("unused"), grpc_port=18001, http_port=18000, health_port=18003)
     assert with_shared_ports(given) == given
+
+
+@pytest.mark.parametrize(
+    ("ports", "says"),
+    [
+        ({"health_port": "grpc"}, "--grpc-port and --health-port are both"),
+        ({"http_port": "grpc", "metrics_port": None}, "--grpc-port and --http-port are both"),
+        ({"metrics_port": "http"}, "--http-port and --metrics-port are both"),
+    ],
+)
+def test_workers_refuse_two_listeners_on_one_port(ports: dict, says: str) -> None:
+    """With --workers every listener binds with SO_REUSEPORT: two on one port would both bind it,
+    and the kernel would hand inference connections to the health or HTTP server."""
+    grpc_port, http_port = free_ports(2)
+    named = {"grpc": grpc_port, "http": http_port}
+    given = {key: named.get(value, value) for key, value in ports.items()}
+    settings = make_settings(Path("unused"), **{"grpc_port": grpc_port, "http_port": http_port, **given})
+    with pytest.raises(StartupError, match=f"{says} {given[next(iter(given))]}; give each its own port"):
+        check_shared_ports(settings)
+    check_shared_ports(make_settings(Path("unused"), grpc_port=grpc_port, http_port=http_port))  # distinct: fine
