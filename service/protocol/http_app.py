@@ -52,28 +52,36 @@ RESERVE_STEP = 2**20  # a body without Content-Length is held in the in-flight b
 
 
 async def body_of(request: web.Request, reserve: Callable[[int], None] | None = None, held: int = 0) -> bytes:
-    """A request's body, read as it arrives (decompressed, for a Content-Encoding). `reserve(n)`:
-    n more bytes, beyond the `held` already reserved, are about to be kept (the in-flight budget
-    takes them or refuses): a body without Content-Length, or one that decompresses, is held as it
-    grows, not read whole first. What stops a body being read is the client's: over the limit,
-    not decodable by its Content-Encoding, or a client that left before sending all of it."""
-    limit = request.app[BODY_LIMIT_MIB]
+    """A request's body (decompressed, for a Content-Encoding). `reserve(n)`: n more bytes, beyond
+    the `held` already reserved, are about to be kept (the in-flight budget takes them or refuses):
+    a body without Content-Length, or one that decompresses, is read as it arrives and held as it
+    grows, not read whole first; one of known size is read at once (aiohttp's read: 5 % faster
+    than iterating, docs/benchmarks.md). What stops a body being read is the client's: over the
+    limit, not decodable by its Content-Encoding, or a client that left before sending all of it."""
     parts, size = [], 0
     try:
+        if reserve is None or (held and not request.headers.get("Content-Encoding")):  # its size known, held
+            return await request.read()
         async for chunk in request.content.iter_any():
             size += len(chunk)
-            if size > limit * 2**20:
-                raise TooLarge(f"the request body is larger than this server's limit of {limit} MiB")
-            if reserve is not None and size > held:
+            if size > request.app[BODY_LIMIT_MIB] * 2**20:
+                raise _too_large(request)
+            if size > held:
                 grant = max(size - held, RESERVE_STEP)  # a lease per MiB, not per chunk
                 reserve(grant)
                 held += grant
             parts.append(chunk)
+    except web.HTTPRequestEntityTooLarge as exc:
+        raise _too_large(request) from exc
     except web.RequestPayloadError as exc:
         raise InvalidInput(f"the request body cannot be read: {' '.join(str(exc).split())[:200]}") from exc
     except ConnectionError as exc:  # the client left while sending: nobody waits for an answer
         raise ClientGone(f"the client closed the connection before its body was whole ({exc})") from exc
     return b"".join(parts)
+
+
+def _too_large(request: web.Request) -> TooLarge:
+    return TooLarge(f"the request body is larger than this server's limit of {request.app[BODY_LIMIT_MIB]} MiB")
 
 
 def error_response(call: Call) -> web.Response:
