@@ -239,10 +239,9 @@ def cmd_infer(args: argparse.Namespace) -> int:
             raise CliError(f"--input {args.input}: {exc}; expected a .npy file holding a (B, T, C) array", 2) from exc
     else:
         try:
-            shape = [int(v) for v in args.shape.split(",")]
-        except ValueError as exc:
-            raise CliError(f"--shape {args.shape!r}: expected B,T,C such as 1,64,128", 2) from exc
-        x = random_input(shape, seed=args.seed)
+            x = random_input([int(v) for v in args.shape.split(",")], seed=args.seed)
+        except (ValueError, MemoryError) as exc:  # not numbers, a negative one, or more than memory holds
+            raise CliError(f"--shape {args.shape!r}: expected B,T,C such as 1,64,128 ({exc})", 2) from exc
     with MHAClient(url, model=args.model, **_client_security(args)) as client:
         start = time.perf_counter()
         try:

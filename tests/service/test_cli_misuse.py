@@ -143,6 +143,12 @@ CASES = {  # name: (arguments given the fixtures, environment, exit code, what t
     "env-port-not-a-number": (lambda f: _serve(f["model"]), {"MHA_GRPC_PORT": "abc"}, 2, "--grpc-port: invalid"),
     "log-level-unknown": (lambda f: ["--log-level", "LOUD", "serve"], {}, 2, "--log-level: invalid choice"),
     "infer-input-missing": (lambda f: ["infer", "--input", "/nope/x.npy"], {}, 2, "--input /nope/x.npy"),
+    "infer-shape-negative": (
+        lambda f: ["infer", "--url", f["url"], "--shape", "1,-1,128"],
+        {},
+        2,
+        "--shape '1,-1,128': expected B,T,C such as 1,64,128 (negative dimensions are not allowed)",
+    ),
     "infer-token-file-missing": (
         lambda f: ["infer", "--url", f["url"], "--token-file", "/nope/token"],
         {},
