@@ -52,7 +52,20 @@ def export_onnx(
     if program is None:
         raise ExportError("torch.onnx.export returned no program")
     program.save(str(path), external_data=False)
+    check_opset(path, opset)
     check_graph(path, config)
+
+
+def check_opset(path: Path, opset: int) -> None:
+    """The file's ONNX opset is the one asked for, which manifest.json records: where the exporter
+    cannot write it (opset 1, or one past what its converter reaches) it writes another."""
+    imports = onnx.load(str(path), load_external_data=False).opset_import
+    written = {o.version for o in imports if o.domain in ("", "ai.onnx")}
+    if written != {opset}:
+        raise ExportError(
+            f"opset {opset} was asked for and the exporter wrote {sorted(written)}: choose an opset it can write, "
+            f"such as the default {DEFAULT_OPSET}"
+        )
 
 
 def check_graph(path: Path, config: MHAConfig) -> onnx.ModelProto:

@@ -12,6 +12,7 @@ import onnxruntime as ort
 import pytest
 import torch
 
+from export.onnx_export import ExportError
 from export.pipeline import ParityError, export_model_dir
 from export.verify import parity_grid, verify_model_dir
 from model import MHAConfig
@@ -89,6 +90,13 @@ def test_file_size_does_not_grow_with_max_seq_len(tmp_path: Path) -> None:
         export_model_dir(out, config, init_weights(MHAConfig(d_model=16, n_head=2), seed=0))
         sizes.append((out / "model.onnx").stat().st_size)
     assert abs(sizes[0] - sizes[1]) < 64, sizes
+
+
+def test_an_opset_the_exporter_does_not_write_is_refused(tmp_path: Path, small_config: MHAConfig) -> None:
+    """Asked for opset 1, torch's exporter writes 18; manifest.json would have said 1."""
+    with pytest.raises(ExportError, match=r"opset 1 was asked for and the exporter wrote \[18\]"):
+        export_model_dir(tmp_path / "m", small_config, init_weights(small_config, seed=1), opset=1)
+    assert not (tmp_path / "m" / "manifest.json").exists()
 
 
 @pytest.mark.slow
