@@ -26,7 +26,7 @@ from service.protocol.inference import (
     Parameters,
     RequestedOutput,
     Words,
-    described,
+    flag,
 )
 
 HEADER_LENGTH = "Inference-Header-Content-Length"
@@ -118,7 +118,8 @@ def request_from_json(body: bytes, header_length: int | None, name: str, version
     if not isinstance(doc, dict) or not isinstance(doc.get("inputs", []), list):
         raise InvalidInput("the request must be a JSON object with an 'inputs' list")
     parameters = _parameters(doc.get("parameters"), "the request's parameters")
-    binary_out = _flag(parameters, "binary_data_output", False)
+    binary_out = flag(parameters, "binary_data_output")
+    parameters.pop("binary_data_output", None)  # the codec's own, not the request's
     binary, offset, inputs = memoryview(body)[split:], 0, []
     for tensor in doc.get("inputs", []):
         if not isinstance(tensor, dict):
@@ -132,7 +133,8 @@ def request_from_json(body: bytes, header_length: int | None, name: str, version
     for output in outputs_doc:
         output = json_object(output, "each requested output")
         out_parameters = _parameters(output.get("parameters"), "an output's parameters")
-        binary_out = _flag(out_parameters, "binary_data", binary_out)
+        binary_out = flag(out_parameters, "binary_data", binary_out)
+        out_parameters.pop("binary_data", None)
         outputs.append(RequestedOutput(str(output.get("name", "")), out_parameters))
     if offset != len(binary):  # bytes no input claims: the client's sizes and its data disagree
         raise InvalidInput(
@@ -141,14 +143,6 @@ def request_from_json(body: bytes, header_length: int | None, name: str, version
         )
     request = InferRequest(name, version, str(doc.get("id", ""))[:256], WORDS, inputs, outputs, parameters)
     return request, binary_out
-
-
-def _flag(parameters: Parameters, key: str, default: bool) -> bool:
-    """A boolean parameter (taken out of `parameters`): true or false, nothing that reads as one."""
-    value = parameters.pop(key, default)
-    if not isinstance(value, bool):
-        raise InvalidInput(f"{key} must be a boolean (true or false), got {described(value)}")
-    return value
 
 
 def _input(tensor: dict[str, Any], binary: memoryview, offset: int) -> tuple[InputTensor, int]:

@@ -194,7 +194,7 @@ def sequence_control(request: InferRequest) -> SequenceControl | None:
     parameters = request.parameters
     if not parameters:  # most requests: nothing to read
         return None
-    flags = {key: _flag(parameters, key) for key in ("sequence_start", "sequence_end")}
+    flags = {key: flag(parameters, key) for key in ("sequence_start", "sequence_end")}
     if "sequence_id" not in parameters:
         if any(flags.values()) or SEQUENCE_OFFSET in parameters:
             raise InvalidInput(
@@ -239,9 +239,10 @@ def _sequence_id(value: Value) -> int | str:
     return value
 
 
-def _flag(parameters: Parameters, key: str) -> bool:
+def flag(parameters: Parameters, key: str, default: bool = False) -> bool:
+    """A boolean parameter: true or false, nothing that reads as one; `default` when absent."""
     if key not in parameters:
-        return False
+        return default
     value = parameters[key]
     if not isinstance(value, bool):
         raise InvalidInput(f"{key} must be a boolean (true or false), got {described(value)}")
