@@ -16,8 +16,11 @@ generates --tokens-512 tokens with the cache and re-sending the prefix on this c
 order alternating; per round the time per token's last 64 steps over its first 64, and the
 total time re-sending the prefix over the cached. Medians and every round go into decode.json.
 
+With --wide-only (and --backend NAME), only the d_model 512 model's two runs, on a server of that
+backend (for a GPU machine: ort-cuda, torch): bench/results/decode_wide_NAME.json.
+
 usage: python bench/decode.py [--tokens-512 1024] [--tokens-default 512] [--concurrent-tokens 128]
-                              [--runs 10] [--base REV]
+                              [--runs 10] [--base REV] [--backend auto] [--wide-only]
 """
 
 from __future__ import annotations
@@ -121,13 +124,13 @@ def export_512(out: Path, tree: Path | None = None) -> Path:
     from compare import ROOT
 
     export = [sys.executable, "-P", "-m", "service.cli", "export", "--out", str(out), "--d-model", "512"]
-    env = {**os.environ, "PYTHONPATH": str(tree or ROOT)}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tree or ROOT), os.environ.get("PYTHONPATH", "")])}
     subprocess.run([*export, "--n-head", "8", "--max-seq-len", "1024"], check=True, capture_output=True, env=env)
     return out
 
 
-def compare_one_model(model_dir: Path, tokens: int, width: int, logs: Path) -> dict[str, object]:
-    server = ServerProcess(["--model-dir", str(model_dir)])
+def compare_one_model(model_dir: Path, tokens: int, width: int, logs: Path, backend: str = "auto") -> dict[str, object]:
+    server = ServerProcess(["--model-dir", str(model_dir), "--backend", backend])
     server.start(logs)
     try:
         x = np.random.default_rng(0).standard_normal((1, tokens, width), dtype=np.float32)
@@ -136,12 +139,17 @@ def compare_one_model(model_dir: Path, tokens: int, width: int, logs: Path) -> d
             generate(stub, x[:, :16], cached=True, sequence_id=1)  # warm-up
             cached = generate(stub, x, cached=True, sequence_id=2)
             full = generate(stub, x, cached=False, sequence_id=0)
+            step = stub.ModelInfer(_step_request(x[:, :1], 3, start=True, end=True), timeout=60)
+            stateless = stub.ModelInfer(encode_infer_request(x[:, :8]), timeout=60)
     finally:
         server.terminate()
     first, last = np.median(cached[:64]), np.median(cached[-64:])
     result = {
         "d_model": width,
         "tokens": tokens,
+        "backend": backend,
+        "steps_served_by": step.parameters["backend"].string_param,
+        "requests_served_by": stateless.parameters["backend"].string_param,
         "cached_total_s": round(sum(cached), 3),
         "recompute_total_s": round(sum(full), 3),
         "recompute_over_cached": round(sum(full) / sum(cached), 2),
@@ -284,8 +292,17 @@ def main() -> int:
     parser.add_argument("--concurrent-tokens", type=int, default=128)
     parser.add_argument("--runs", type=int, default=1, help="interleaved rounds on the d_model 512 model first")
     parser.add_argument("--base", help="with --runs: mha-serve at this git revision too")
+    parser.add_argument("--backend", default="auto", help="the servers' --backend")
+    parser.add_argument("--wide-only", action="store_true", help="only the d_model 512 model: decode_wide_BACKEND.json")
     args = parser.parse_args()
     results = common.RESULTS
+    if args.wide_only:
+        with tempfile.TemporaryDirectory() as tmp:
+            wide = export_512(Path(tmp) / "d512")
+            logs = results / f"decode-512-{args.backend}.log"
+            only = compare_one_model(wide, args.tokens_512, 512, logs, args.backend)
+        common.write_json(f"decode_wide_{args.backend}.json", only)
+        return 0
     interleaved: dict[str, object] = {}
     with tempfile.TemporaryDirectory() as tmp, contextlib.ExitStack() as stack:
         wide = export_512(Path(tmp) / "d512")
