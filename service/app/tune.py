@@ -120,9 +120,12 @@ class Measured:
         }
 
 
-def dimensions(cpus: int, backends: Sequence[str], precisions: Sequence[str]) -> list[tuple[str, list[object]]]:
-    """Each setting's values, most influential first."""
-    workers = sorted({1, max(1, cpus // 2)} - {cpus})  # `auto` (0) is one per CPU already
+def dimensions(
+    cpus: int, auto_workers: int, backends: Sequence[str], precisions: Sequence[str]
+) -> list[tuple[str, list[object]]]:
+    """Each setting's values, most influential first. `auto_workers`: the count `--workers auto`
+    starts here (one per GPU on a GPU host, else one per CPU), which `auto` (0) already measures."""
+    workers = sorted({1, max(1, cpus // 2)} - {auto_workers})
     return [
         ("workers", [0, *workers]),
         ("backend", ["auto", *backends]),
@@ -183,13 +186,27 @@ class Request:
 
 @dataclass(frozen=True)
 class Confirmation:
+    settings: dict[str, str]  # the search's choice, measured again beside the defaults
     concurrency: int
     rounds: list[dict[str, float]]  # per round: chosen and default req/s and p99
 
+    def median(self, key: str) -> float:
+        return statistics.median(r[key] for r in self.rounds)
+
     def ratio(self, key: str) -> float:
-        chosen = statistics.median(r[f"chosen_{key}"] for r in self.rounds)
-        default = statistics.median(r[f"default_{key}"] for r in self.rounds)
-        return chosen / default if default else float("nan")
+        default = self.median(f"default_{key}")
+        return self.median(f"chosen_{key}") / default if default else float("nan")
+
+    def holds(self, target_ms: float) -> bool:
+        """Does the search's choice still beat the defaults, measured beside them? Within the
+        target where they are not; both within it, more req/s by more than MIN_GAIN; neither, a
+        p99 lower by more than MIN_GAIN. One noisy point in the search must not change a fleet."""
+        chosen_within = self.median("chosen_p99_ms") <= target_ms
+        if chosen_within != (self.median("default_p99_ms") <= target_ms):
+            return chosen_within
+        if chosen_within:
+            return self.ratio("rps") > 1 + MIN_GAIN
+        return self.ratio("p99_ms") < 1 - MIN_GAIN
 
 
 Progress = Callable[[str], None]
@@ -283,17 +300,12 @@ class Tuner:
                     break
                 if candidate in self.measured:
                     continue
-                best = self.best()
-                self.progress(f"[{len(self.measured) + 1}] {candidate.label()} | best so far: {self._said(best)}")
-                if better(self.measure(candidate, log_dir), best, self.request.target_ms):
+                best, target = self.best(), self.request.target_ms
+                said = _point_said(best, target)
+                self.progress(f"[{len(self.measured) + 1}] {candidate.label()} | best so far: {said}")
+                if better(self.measure(candidate, log_dir), best, target):
                     improved = True
         return self.best()
-
-    def _said(self, measured: Measured) -> str:
-        point = measured.best_point(self.request.target_ms)
-        if point is None:
-            return "none yet"
-        return f"{point.throughput_rps:.0f} req/s, p99 {point.p99_ms:.2f} ms at {point.concurrency} clients"
 
     def confirm(self, chosen: Measured, log_dir: Path) -> Confirmation:
         """The chosen settings and the defaults, both serving, measured in turn at the chosen
@@ -317,7 +329,7 @@ class Tuner:
         finally:
             for server in servers.values():
                 server.kill()
-        return Confirmation(point.concurrency, results)
+        return Confirmation(chosen.candidate.settings(), point.concurrency, results)
 
 
 def progress_line(out: TextIO | None = None) -> Progress:
@@ -332,11 +344,11 @@ def progress_line(out: TextIO | None = None) -> Progress:
     return show
 
 
-def _confirmation_row(confirmation: Confirmation | None) -> dict[str, object] | None:
+def _confirmation_row(confirmation: Confirmation | None, target_ms: float) -> dict[str, object] | None:
     if confirmation is None:
         return None
     ratios = {"rps_ratio": confirmation.ratio("rps"), "p99_ratio": confirmation.ratio("p99_ms")}
-    return {**asdict(confirmation), **ratios}
+    return {**asdict(confirmation), **ratios, "holds": confirmation.holds(target_ms)}
 
 
 def write_results(
@@ -353,7 +365,7 @@ def write_results(
         "shapes": request.shapes,
         "chosen": chosen.row(target),
         "meets_target": chosen.score(target) is not None,
-        "confirmation": _confirmation_row(confirmation),
+        "confirmation": _confirmation_row(confirmation, target),
         "candidates": rows,
     }
     paths = [out / "config.env", out / "candidates.json", out / "candidates.md", out / "pareto.png"]
@@ -429,6 +441,7 @@ def backends_here() -> list[str]:
 
 def tune(request: Request, progress: Progress | None = None) -> int:
     """Search, confirm, write; 0 when the chosen settings meet the target, 1 when none does."""
+    from service.app.supervisor import worker_count
     from service.resources import available_cpus
 
     config, precisions = checked_model(request.model_dir)
@@ -442,27 +455,46 @@ def tune(request: Request, progress: Progress | None = None) -> int:
 
     logs = request.out / "logs"
     logs.mkdir(parents=True, exist_ok=True)
-    chosen = tuner.search(dimensions(available_cpus(), backends_here(), precisions), deadline, logs)
-    confirmation = tuner.confirm(chosen, logs) if chosen.candidate != Candidate() else None
+    dims = dimensions(available_cpus(), worker_count("auto"), backends_here(), precisions)
+    searched = tuner.search(dims, deadline, logs)
+    confirmation = tuner.confirm(searched, logs) if searched.candidate != Candidate() else None
+    chosen = settle(searched, tuner.measured[Candidate()], confirmation, request.target_ms)
     paths = write_results(request, list(tuner.measured.values()), chosen, confirmation)
     tuner.progress(f"done: {len(tuner.measured)} candidates in {time.monotonic() - began:.0f} s")
-    sys.stdout.write(verdict(request.target_ms, chosen, confirmation) + f"wrote {', '.join(str(p) for p in paths)}\n")
+    said = verdict(request.target_ms, searched, chosen, confirmation)
+    sys.stdout.write(said + f"wrote {', '.join(str(p) for p in paths)}\n")
     return 0 if chosen.score(request.target_ms) is not None else 1
 
 
-def verdict(target_ms: float, chosen: Measured, confirmation: Confirmation | None) -> str:
-    point = chosen.best_point(target_ms)
-    assert point is not None
-    said = f"{point.throughput_rps:.0f} req/s, p99 {point.p99_ms:.2f} ms at {point.concurrency} clients"
-    if chosen.score(target_ms) is None:
-        text = f"no candidate meets p99 <= {target_ms:g} ms; the closest: {chosen.candidate.label()} ({said})\n"
-    else:
-        text = f"chosen: {chosen.candidate.label()} ({said})\n"
-    if confirmation is None:
-        text += "the defaults measured best: nothing to change\n"
-    else:
-        text += (
+def settle(searched: Measured, defaults: Measured, confirmation: Confirmation | None, target_ms: float) -> Measured:
+    """What config.env gets: the search's choice if measuring it beside the defaults confirmed it
+    (or the defaults could not be measured), else the defaults."""
+    if confirmation is None or confirmation.holds(target_ms) or not defaults.points:
+        return searched
+    return defaults
+
+
+def verdict(target_ms: float, searched: Measured, chosen: Measured, confirmation: Confirmation | None) -> str:
+    """What the run found, ending with what config.env holds and the point it was measured at."""
+    lines = []
+    if confirmation is not None:
+        lines.append(f"the search's best: {searched.candidate.label()} ({_point_said(searched, target_ms)})")
+        lines.append(
             f"against the defaults, {len(confirmation.rounds)} interleaved rounds: "
-            f"{confirmation.ratio('rps'):.2f}x the req/s, {confirmation.ratio('p99_ms'):.2f}x the p99\n"
+            f"{confirmation.ratio('rps'):.2f}x the req/s, {confirmation.ratio('p99_ms'):.2f}x the p99"
+            + ("" if chosen is searched else ": not better, so config.env keeps the defaults")
         )
-    return text
+    else:
+        lines.append("the defaults measured best: nothing to change")
+    said = f"{chosen.candidate.label()} ({_point_said(chosen, target_ms)})"
+    if chosen.score(target_ms) is None:
+        lines.append(f"no candidate meets p99 <= {target_ms:g} ms; the closest: {said}")
+    else:
+        lines.append(f"chosen: {said}")
+    return "\n".join(lines) + "\n"
+
+
+def _point_said(measured: Measured, target_ms: float) -> str:
+    point = measured.best_point(target_ms)
+    assert point is not None, "a chosen candidate was measured"
+    return f"{point.throughput_rps:.0f} req/s, p99 {point.p99_ms:.2f} ms at {point.concurrency} clients"

@@ -63,8 +63,10 @@ def markdown(summary: Mapping[str, Any]) -> str:
     lines += ["", f"Chosen: {_settings_cell(chosen['settings'])}."]
     if (c := summary["confirmation"]) is not None:
         lines.append(
-            f"Measured again beside the defaults, {len(c['rounds'])} interleaved rounds at {c['concurrency']} "
-            f"clients: {c['rps_ratio']:.2f}x the defaults' req/s, {c['p99_ratio']:.2f}x their p99."
+            f"The search's best, {_settings_cell(c['settings'])}, measured again beside the defaults, "
+            f"{len(c['rounds'])} interleaved rounds at {c['concurrency']} clients: {c['rps_ratio']:.2f}x the "
+            f"defaults' req/s, {c['p99_ratio']:.2f}x their p99"
+            + ("." if c["holds"] else ": not better, so the defaults are kept.")
         )
     return "\n".join(lines) + "\n"
 
