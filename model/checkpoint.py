@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Mapping
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -191,7 +192,7 @@ def load_any(
     else:
         state, metadata = _read_safetensors(path)
         if CONFIG_KEY in metadata:
-            return load_checkpoint(path)
+            return _ours(path, n_head, max_seq_len)
         args = {}
     if not any(k.endswith("c_attn.weight") for k in state):
         raise CheckpointError(
@@ -208,6 +209,20 @@ def load_any(
         if isinstance(exc, CheckpointError):
             raise
         raise CheckpointError(f"{path}: {exc}") from exc
+
+
+def _ours(path: Path, n_head: int | None, max_seq_len: int | None) -> tuple[MHAConfig, Weights]:
+    """Our checkpoint: its config says the heads, which the weights' function depends on; the
+    longest T served is a limit, not part of the function, so a given one replaces the stored."""
+    config, weights = load_checkpoint(path)
+    if n_head is not None and n_head != config.n_head:
+        raise CheckpointError(
+            f"{path} holds a model of {config.n_head} heads; {n_head} heads would compute another function: "
+            "drop --n-head"
+        )
+    if max_seq_len is not None:
+        config = replace(config, max_seq_len=max_seq_len)
+    return config, weights
 
 
 def _read_torch(path: Path) -> tuple[Weights, dict[str, int]]:

@@ -173,3 +173,21 @@ def test_import_rejects_bad_fused_shape(tmp_path: Path) -> None:
     save_file({"c_attn.weight": torch.zeros(16, 40), "c_proj.weight": torch.zeros(16, 16)}, str(path))
     with pytest.raises(CheckpointError, match=r"expected \(C, 3C\) \(GPT-2 Conv1D\) or \(3C, C\)"):
         load_any(path, n_head=2)
+
+
+def test_our_checkpoint_takes_a_new_max_seq_len_and_refuses_other_heads(tmp_path: Path) -> None:
+    """`mha export --checkpoint ours.safetensors --max-seq-len N` served the stored max_seq_len,
+    and `--n-head` was dropped without a word: a model of other heads computes another function."""
+    config = MHAConfig(d_model=32, n_head=4, max_seq_len=64)
+    weights = init_weights(config, seed=5)
+    path = tmp_path / "ours.safetensors"
+    save_checkpoint(path, weights, config)
+    assert load_any(path)[0] == config
+    longer, same = load_any(path, max_seq_len=256)
+    assert longer == MHAConfig(d_model=32, n_head=4, max_seq_len=256)
+    assert all(torch.equal(same[k], weights[k]) for k in weights)
+    assert load_any(path, n_head=4)[0] == config  # the same heads, said again: fine
+    with pytest.raises(CheckpointError, match="holds a model of 4 heads; 2 heads would compute another function"):
+        load_any(path, n_head=2)
+    with pytest.raises(ValueError, match="max_seq_len must be positive"):
+        load_any(path, max_seq_len=0)
