@@ -62,6 +62,24 @@ def cmd_export(args: argparse.Namespace) -> int:
     return 0
 
 
+def _check_export_fits(config: MHAConfig) -> None:
+    """Refuse, before any work, a model whose export and parity check cannot fit in this machine's
+    (or container's) memory: a torch allocation error, or the kernel killing the process, says
+    neither why nor what to change."""
+    from export.verify import parity_peak_bytes
+    from service.resources import memory_limit_bytes
+
+    need, allowed = parity_peak_bytes(config), memory_limit_bytes()
+    if need > allowed:
+        raise CliError(
+            f"--d-model {config.d_model} with --max-seq-len {config.max_seq_len}: exporting and checking it against "
+            f"the float64 references needs about {need / 2**30:,.1f} GiB (the attention scores of B = 7 rows of "
+            f"T = max_seq_len, and the weights); this machine allows {allowed / 2**30:.1f} GiB. Give a smaller "
+            "--max-seq-len or --d-model, or export on a larger machine",
+            2,
+        )
+
+
 def _precisions(text: str) -> tuple[str, ...]:
     from export.layout import PRECISIONS
 
@@ -90,6 +108,7 @@ def _model_from_args(args: argparse.Namespace) -> tuple[MHAConfig, Weights]:
         )
         if args.no_causal:
             config = replace(config, causal=False)
+        _check_export_fits(config)
         return config, weights
     defaults = MHAConfig()
     config = MHAConfig(  # a value given, 0 included, is checked as given: MHAConfig says what is wrong
@@ -99,6 +118,7 @@ def _model_from_args(args: argparse.Namespace) -> tuple[MHAConfig, Weights]:
         causal=not args.no_causal,
         bias=not args.no_bias,
     )
+    _check_export_fits(config)  # before the weights are made: --d-model 10**6 would ask for 16 TB
     return config, init_weights(config, seed=0 if args.seed is None else args.seed)
 
 

@@ -185,6 +185,32 @@ CASES = {  # name: (arguments given the fixtures, environment, exit code, what t
     ),
     "export-over-a-model": (lambda f: ["export", "--out", str(f["model"])], {}, 2, "pass --force"),
     "export-zero-width": (lambda f: ["export", "--out", str(f["tmp"] / "zero"), "--d-model", "0"], {}, 2, "d_model"),
+    "export-longer-than-memory": (
+        lambda f: ["export", "--out", str(f["tmp"] / "long"), "--max-seq-len", "100000000"],
+        {},
+        2,
+        "Give a smaller --max-seq-len or --d-model",
+    ),
+    "export-wider-than-memory": (
+        lambda f: ["export", "--out", str(f["tmp"] / "wide"), "--d-model", "1000000"],
+        {},
+        2,
+        "GiB (the attention scores of B = 7 rows of T = max_seq_len, and the weights); this machine allows",
+    ),
+    "export-checkpoint-longer-than-memory": (
+        lambda f: [
+            "export",
+            "--out",
+            str(f["tmp"] / "ck"),
+            "--checkpoint",
+            str(f["model"] / "weights.safetensors"),
+            "--max-seq-len",
+            "100000000",
+        ],
+        {},
+        2,
+        "--d-model 32 with --max-seq-len 100000000: exporting and checking it",
+    ),
     "export-checkpoint-and-new-weights": (
         lambda f: [
             "export",

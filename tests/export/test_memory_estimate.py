@@ -1,0 +1,29 @@
+"""`mha export` refuses a model it cannot check in this machine's memory (tests/service/test_cli_misuse.py);
+the estimate it refuses by must be near what an export really takes, above it but not far above."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+from export.verify import parity_peak_bytes
+from model import MHAConfig
+
+PEAK = """
+import resource, subprocess, sys
+subprocess.run(sys.argv[1:], check=True, capture_output=True)
+print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024)
+"""
+
+
+def test_the_memory_estimate_is_above_an_export_s_real_peak_and_not_far_above(tmp_path: Path) -> None:
+    """Long T (the attention scores dominate): a process of its own, its peak resident set read
+    from the kernel's accounting of its one child."""
+    config = MHAConfig(d_model=64, n_head=4, max_seq_len=1536)
+    export = [sys.executable, "-m", "service.cli", "export", "--out", str(tmp_path / "m"), "--d-model", "64"]
+    export += ["--n-head", "4", "--max-seq-len", "1536"]
+    run = subprocess.run([sys.executable, "-c", PEAK, *export], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    peak, estimate = int(run.stdout.split()[-1]), parity_peak_bytes(config)
+    assert peak <= estimate <= 1.5 * peak, (peak, estimate)
