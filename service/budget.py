@@ -26,6 +26,14 @@ class Lease:
         self._budget: InflightBudget | None = budget
         self.nbytes = nbytes
 
+    def grow(self, nbytes: int, what: str) -> None:
+        """Hold `nbytes` more for the same request (a body read as it arrives): refused as `take`
+        refuses, the request's whole size counted against the whole budget."""
+        assert self._budget is not None, "a released lease does not grow"
+        self._budget.check(self.nbytes + nbytes, nbytes, what)
+        self._budget.held += nbytes
+        self.nbytes += nbytes
+
     def release(self) -> None:
         if self._budget is not None:
             self._budget.held -= self.nbytes
@@ -43,16 +51,21 @@ class InflightBudget:
         """Hold `nbytes` for a request, or refuse it: RESOURCE_EXHAUSTED while the server holds
         too much (retry shortly), 413 / RESOURCE_EXHAUSTED when one request alone exceeds the
         whole budget (split it)."""
-        if nbytes > self.limit:
-            raise TooLarge(
-                f"this request needs {nbytes / MIB:.1f} MiB in flight ({what}), more than this "
-                f"server's whole in-flight budget of {self.limit / MIB:.0f} MiB (--max-inflight-mb): split the batch"
-            )
-        if self.held + nbytes > self.limit:
-            raise Overloaded(
-                f"the server holds {self.held / MIB:.0f} MiB of requests and answers in flight and this request needs "
-                f"{nbytes / MIB:.1f} MiB more; its limit is {self.limit / MIB:.0f} MiB (--max-inflight-mb): "
-                "retry shortly, or on another replica"
-            )
+        self.check(nbytes, nbytes, what)
         self.held += nbytes
         return Lease(self, nbytes)
+
+    def check(self, total: int, more: int, what: str) -> None:
+        """May a request of `total` bytes hold `more` of them now? TooLarge if its total alone
+        exceeds the whole budget; Overloaded if `more` does not fit beside what is held."""
+        if total > self.limit:
+            raise TooLarge(
+                f"this request needs {total / MIB:.1f} MiB in flight ({what}), more than this "
+                f"server's whole in-flight budget of {self.limit / MIB:.0f} MiB (--max-inflight-mb): split the batch"
+            )
+        if self.held + more > self.limit:
+            raise Overloaded(
+                f"the server holds {self.held / MIB:.0f} MiB of requests and answers in flight and this request needs "
+                f"{more / MIB:.1f} MiB more; its limit is {self.limit / MIB:.0f} MiB (--max-inflight-mb): "
+                "retry shortly, or on another replica"
+            )

@@ -20,6 +20,7 @@ from typing import Any
 
 from aiohttp import web
 
+from service.budget import Lease
 from service.engine.door import Door
 from service.errors import ClientGone, InvalidInput, NotReady, TooLarge, quote
 from service.protocol import model_calls, trace_calls
@@ -194,18 +195,25 @@ class HttpApi:
         call = request[CALL_KEY]
         parsed = 1 if HEADER_LENGTH in request.headers else JSON_PARSE_FACTOR  # JSON: its text, then its values
 
-        def reserve(nbytes: int) -> None:
-            call.leases.append(self.door.hold(parsed * nbytes, "its body, parsed"))
+        body: Lease | None = None
+
+        def reserve(nbytes: int) -> None:  # one lease for the body, grown as it arrives
+            nonlocal body
+            if body is not None:
+                body.grow(parsed * nbytes, "its body, parsed")
+            else:
+                body = self.door.hold(parsed * nbytes, "its body, parsed")
+                call.leases.append(body)
 
         held = request.content_length or 0
         if held:  # held from before it is read: a body the budget cannot take is never read
             reserve(held)
-        body = await body_of(request, reserve, held)  # and what it sends beyond: chunked, or decompressed
+        content = await body_of(request, reserve, held)  # and what it sends beyond: chunked, or decompressed
         header = request.headers.get(HEADER_LENGTH)
         if header is not None and not (header.isascii() and header.isdigit()):  # ASCII: int() fails on '²'
             raise InvalidInput(f"{HEADER_LENGTH} must be a byte count, got {header[:32]!r}")
         name, version = request.match_info["name"], request.match_info.get("version", "")
-        inference, binary = request_from_json(body, int(header) if header else None, name, version)
+        inference, binary = request_from_json(content, int(header) if header else None, name, version)
         header = request.headers.get(SEQUENCE_HEADER)
         answer = await self.answers.infer(inference, None, header, call)
         response = response_to_http(answer, binary)

@@ -12,6 +12,26 @@ from service.errors import Overloaded, TooLarge
 from service.resources import memory_limit_bytes
 
 
+def test_a_lease_grows_until_the_request_alone_or_the_server_is_full() -> None:
+    """A body read as it arrives: one lease, grown step by step. Its own total past the whole
+    budget is TooLarge (never fits); a step that fits it but not beside the others, Overloaded."""
+    budget = InflightBudget(8 * MIB)
+    body = budget.take(3 * MIB, "its body")
+    body.grow(3 * MIB, "its body")
+    assert (budget.held, body.nbytes) == (6 * MIB, 6 * MIB)
+    with pytest.raises(TooLarge, match=r"needs 9.0 MiB in flight \(its body\), more than this server's whole"):
+        body.grow(3 * MIB, "its body")
+    assert budget.held == 6 * MIB  # a refused step takes nothing
+    other = budget.take(2 * MIB)
+    with pytest.raises(Overloaded, match="retry shortly") as info:
+        body.grow(MIB, "its body")
+    assert not isinstance(info.value, TooLarge)
+    other.release()
+    body.grow(MIB, "its body")
+    body.release()
+    assert budget.held == 0  # every step given back with it
+
+
 def test_leases_add_up_to_the_limit_and_go_back_once() -> None:
     budget = InflightBudget(10 * MIB)
     first, second = budget.take(4 * MIB), budget.take(6 * MIB)
