@@ -421,6 +421,15 @@ def check_request(request: Request, config: Any) -> None:
             )
     if min(request.concurrency) < 1 or request.seconds <= 0 or request.budget_s <= 0 or request.rounds < 3:
         raise TuneError("--concurrency, --seconds and --budget-s must be positive, and --rounds at least 3")
+    points = len(request.concurrency) * len(MODES)
+    least_s = points * request.seconds  # the defaults' load alone, no start counted
+    if request.budget_s < least_s:
+        raise TuneError(
+            f"--budget-s {request.budget_s:g}: measuring even the defaults takes at least {least_s:g} s "
+            f"({len(request.concurrency)} concurrency points x {len(MODES)} connection modes x --seconds "
+            f"{request.seconds:g}), and the search and its confirmation more: give a larger --budget-s, or fewer "
+            "--concurrency points or --seconds"
+        )
     if request.grpc_port:
         from service.app.server import StartupError, check_port
 

@@ -90,7 +90,7 @@ def test_the_chosen_settings_serve_what_mha_verify_passes(tuned: tuple[Path, Any
 
 
 def test_an_impossible_target_exits_1_and_names_the_closest(small_model_dir: Path, tmp_path: Path) -> None:
-    run = _tune(small_model_dir, tmp_path, "--p99-ms", "0.0001", budget_s=1)
+    run = _tune(small_model_dir, tmp_path, "--p99-ms", "0.0001", budget_s=2)  # the defaults only: 4 x 0.3 s
     assert run.returncode == 1, run.stdout[-2000:] + run.stderr[-2000:]
     assert "no candidate meets p99 <= 0.0001 ms; the closest: auto, auto workers" in run.stdout
     assert json.loads((tmp_path / "candidates.json").read_text())["meets_target"] is False
@@ -121,6 +121,11 @@ def test_bad_input_exits_2_with_a_clear_message_and_starts_nothing(small_model_d
             "a port in use": (small_model_dir, ["--p99-ms", "5", "--grpc-port", port], "in use"),
             "a model that fails its checks": (_bad_dir(tmp_path, small_model_dir), ["--p99-ms", "5"], "fails its"),
             "no model": (tmp_path / "nowhere", ["--p99-ms", "5"], "no exported model"),
+            "a budget the defaults alone overrun": (  # before: --budget-s 10 ran 80 s and more
+                small_model_dir,
+                ["--p99-ms", "5", "--seconds", "20", "--budget-s", "10"],
+                "--budget-s 10: measuring even the defaults takes at least 80 s",
+            ),
         }
         for case, (model_dir, args, said) in cases.items():
             run = _tune(model_dir, tmp_path / "out", *args, timeout=60)
