@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import statistics
 import sys
 import time
@@ -411,16 +412,17 @@ def checked_model(model_dir: Path) -> tuple[Any, list[str]]:
 
 def check_request(request: Request, config: Any) -> None:
     """Refuse, before anything starts, what cannot be measured."""
-    if not request.target_ms > 0:
-        raise TuneError(f"--p99-ms {request.target_ms:g}: impossible; give a latency target in ms above 0")
+    if not 0 < request.target_ms < math.inf:
+        raise TuneError(f"--p99-ms {request.target_ms:g}: impossible; give a finite latency target in ms above 0")
     for b, t, c in request.shapes:
         if c != config.d_model or not 1 <= t <= config.max_seq_len or not 1 <= b <= MAX_ROWS:
             raise TuneError(
                 f"--shape {b},{t},{c}: this model serves C = {config.d_model}, 1 <= T <= {config.max_seq_len} and "
                 f"1 <= B <= {MAX_ROWS}"
             )
-    if min(request.concurrency) < 1 or request.seconds <= 0 or request.budget_s <= 0 or request.rounds < 3:
-        raise TuneError("--concurrency, --seconds and --budget-s must be positive, and --rounds at least 3")
+    finite = all(0 < value < math.inf for value in (request.seconds, request.budget_s))  # nan and inf parse
+    if min(request.concurrency) < 1 or not finite or request.rounds < 3:
+        raise TuneError("--concurrency, --seconds and --budget-s must be positive and finite, and --rounds at least 3")
     points = len(request.concurrency) * len(MODES)
     least_s = points * request.seconds  # the defaults' load alone, no start counted
     if request.budget_s < least_s:

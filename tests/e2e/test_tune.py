@@ -116,6 +116,8 @@ def test_bad_input_exits_2_with_a_clear_message_and_starts_nothing(small_model_d
         port = str(held.getsockname()[1])
         cases = {
             "impossible target": (small_model_dir, ["--p99-ms", "0"], "impossible"),
+            "no target at all": (small_model_dir, ["--p99-ms", "inf"], "impossible"),
+            "seconds that are not a number": (small_model_dir, ["--p99-ms", "5", "--seconds", "nan"], "finite"),
             "a shape the model cannot serve": (small_model_dir, ["--p99-ms", "5", "--shape", "1,16,64"], "C = 32"),
             "a sequence too long": (small_model_dir, ["--p99-ms", "5", "--shape", "1,65,32"], "T <= 64"),
             "a port in use": (small_model_dir, ["--p99-ms", "5", "--grpc-port", port], "in use"),

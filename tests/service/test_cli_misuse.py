@@ -140,6 +140,23 @@ CASES = {  # name: (arguments given the fixtures, environment, exit code, what t
     ),
     "grpc-port-not-a-number": (lambda f: _serve(f["model"], "--grpc-port", "abc"), {}, 2, "--grpc-port: invalid"),
     "infer-url-without-flag": (lambda f: ["infer", f["url"]], {}, 2, "give the server as --url"),
+    "infer-timeout-negative": (
+        lambda f: ["infer", "--url", f["url"], "--timeout", "-1"],
+        {},
+        2,
+        "--timeout -1: expected a positive, finite number of seconds",
+    ),
+    # nan and inf parse as floats: before, bench ran a level of nan seconds and printed a table
+    # of nothing, and inf seconds never ended
+    "bench-seconds-nan": (
+        lambda f: ["bench", "--url", f["url"], "--seconds", "nan"],
+        {},
+        2,
+        "--seconds nan: expected a positive, finite number",
+    ),
+    "bench-seconds-inf": (lambda f: ["bench", "--url", f["url"], "--seconds", "inf"], {}, 2, "--seconds inf: expected"),
+    "bench-batch-zero": (lambda f: ["bench", "--url", f["url"], "--batch", "0"], {}, 2, "--batch 0: expected B >= 1"),
+    "pod-cost-interval-nan": (lambda f: ["pod-cost", "--interval-s", "nan"], {}, 2, "--interval-s nan: expected"),
     "env-port-not-a-number": (lambda f: _serve(f["model"]), {"MHA_GRPC_PORT": "abc"}, 2, "--grpc-port: invalid"),
     "log-level-unknown": (lambda f: ["--log-level", "LOUD", "serve"], {}, 2, "--log-level: invalid choice"),
     "infer-input-missing": (lambda f: ["infer", "--input", "/nope/x.npy"], {}, 2, "--input /nope/x.npy"),
