@@ -8,6 +8,7 @@ command line wins) and the checks, which run whenever a Settings is made.
 from __future__ import annotations
 
 import argparse
+import math
 import socket
 import types
 from collections.abc import Mapping
@@ -214,6 +215,8 @@ def _check(f: Field[Any], value: Any) -> None:
         return
     if meta["choices"] is not None and value not in meta["choices"]:
         raise ValueError(f"{_flag(f.name)} {value!r}: expected one of {', '.join(meta['choices'])}")
+    if isinstance(value, float) and not math.isfinite(value):  # nan and inf parse as floats, and pass bounds
+        raise ValueError(f"{_flag(f.name)} must be a finite number, got {value}")
     if meta["low"] is not None and value < meta["low"]:
         raise ValueError(f"{_flag(f.name)} must be >= {meta['low']:g}, got {value}")
     if meta["high"] is not None and value > meta["high"]:

@@ -74,6 +74,22 @@ def test_unparsable_flags_are_usage_errors(argv: list[str], capsys: pytest.Captu
     assert info.value.code == 2 and argv[0] in capsys.readouterr().err
 
 
+FLOAT_SETTINGS = [f for f in fields(Settings) if f.type in ("float", float) and f.metadata["flag"]]
+
+
+@pytest.mark.parametrize("value", ["nan", "inf", "-inf"])
+def test_no_float_setting_takes_nan_or_infinity(value: str) -> None:
+    """nan and inf parse as floats and pass every bound (nan compares false): before,
+    --max-inflight-mb nan crashed the start with a traceback and --max-queue-delay-ms nan served."""
+    assert len(FLOAT_SETTINGS) >= 10
+    for f in FLOAT_SETTINGS:
+        flag, env = f"--{f.name.replace('_', '-')}", {f"MHA_{f.name.upper()}": value}
+        with pytest.raises(ValueError, match=f"{flag} must be a finite number, got {value}"):
+            _parse([flag, value] if value != "-inf" else [f"{flag}={value}"])
+        with pytest.raises(ValueError, match=f"{flag} must be a finite number"):
+            _parse([], env)
+
+
 def test_settings_are_checked_however_they_are_made() -> None:
     """Not only the CLI: a Settings built in code (tests, embedders) is checked the same way."""
     with pytest.raises(ValueError, match="--max-queue-size must be >= 1"):
