@@ -386,7 +386,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if args.plot:
         _plotter()
     security = _client_security(args)
-    d_model = args.d_model or _served_width(args.url, security)
+    d_model = _served_width(args.url, security, args, seqs)
     metrics_url = None if args.metrics_url == "off" else args.metrics_url or f"{args.url.rsplit(':', 1)[0]}:8002"
     if metrics_url is not None and server_cpu_seconds(metrics_url) is None:
         log.warning(
@@ -445,15 +445,26 @@ def _int_list(text: str, flag: str) -> list[int]:
     return values
 
 
-def _served_width(url: str, security: dict[str, Any]) -> int:
-    """C, from the server's own model config."""
+def _served_width(url: str, security: dict[str, Any], args: argparse.Namespace, seqs: list[int]) -> int:
+    """C, from the server's own model config (or --d-model), and the load checked against what the
+    server takes before any request is made: B = 100000 took minutes to build, then was refused."""
     from service.client.client import InferenceError, MHAClient
 
     try:
         with MHAClient(url, **security) as client:
-            return int(client.model_config().parameters["d_model"].string_value)
+            config = client.model_config()
+        params = config.parameters
+        width, longest = int(params["d_model"].string_value), int(params["max_seq_len"].string_value)
     except (InferenceError, ValueError) as exc:
+        if args.d_model:
+            return int(args.d_model)  # another server, or an older one: its refusals will say
         raise CliError(f"cannot read the model's width from {url}: {exc}; pass --d-model") from exc
+    rows = config.max_batch_size
+    if rows and args.batch > rows:
+        raise CliError(f"--batch {args.batch}: the server at {url} takes at most {rows} rows a request", 2)
+    if max(seqs) > longest:
+        raise CliError(f"--seq-lens {args.seq_lens}: the server at {url} takes T up to {longest}", 2)
+    return int(args.d_model or width)
 
 
 def _write_results(results: list[Any], args: argparse.Namespace) -> None:

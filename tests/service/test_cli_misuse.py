@@ -156,6 +156,18 @@ CASES = {  # name: (arguments given the fixtures, environment, exit code, what t
     ),
     "bench-seconds-inf": (lambda f: ["bench", "--url", f["url"], "--seconds", "inf"], {}, 2, "--seconds inf: expected"),
     "bench-batch-zero": (lambda f: ["bench", "--url", f["url"], "--batch", "0"], {}, 2, "--batch 0: expected B >= 1"),
+    "bench-batch-over-the-servers-rows": (  # before: minutes building a 3 GB request, then refused
+        lambda f: ["bench", "--url", f["url"], "--batch", "100000"],
+        {},
+        2,
+        "--batch 100000: the server at",
+    ),
+    "bench-seq-over-the-servers-longest": (
+        lambda f: ["bench", "--url", f["url"], "--seq-lens", "8,65"],
+        {},
+        2,
+        "--seq-lens 8,65: the server at",
+    ),
     "pod-cost-interval-nan": (lambda f: ["pod-cost", "--interval-s", "nan"], {}, 2, "--interval-s nan: expected"),
     "env-port-not-a-number": (lambda f: _serve(f["model"]), {"MHA_GRPC_PORT": "abc"}, 2, "--grpc-port: invalid"),
     "log-level-unknown": (lambda f: ["--log-level", "LOUD", "serve"], {}, 2, "--log-level: invalid choice"),
