@@ -212,7 +212,7 @@ def parse_queue_policies(text: str) -> tuple[QueuePolicy, dict[int, QueuePolicy]
         if not entry:
             continue
         level_text, _, body = entry.rpartition(":")
-        if level_text and not level_text.strip().isdigit():
+        if level_text and not _count(level_text.strip()):
             raise ValueError(f"queue policy {entry[:80]!r}: expected [LEVEL:]key=value,... with LEVEL a number")
         policy = _policy(body, entry)
         if level_text:
@@ -241,13 +241,17 @@ def _policy(body: str, entry: str) -> QueuePolicy:
     return policy
 
 
+def _count(text: str) -> bool:
+    return text.isascii() and text.isdigit()  # int() fails on '²', which isdigit() takes
+
+
 def _value(kind: type, value: str, entry: str) -> Any:
     if kind is bool:
         if value.lower() not in ("true", "false"):
             raise ValueError(f"queue policy {entry[:80]!r}: expected true or false, got {value[:20]!r}")
         return value.lower() == "true"
     if kind is int:
-        if not value.isdigit():
+        if not _count(value):
             raise ValueError(f"queue policy {entry[:80]!r}: expected a count, got {value[:20]!r}")
         return int(value)
     return value.upper()

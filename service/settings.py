@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import re
 import socket
 import types
 from collections.abc import Mapping
@@ -161,7 +162,7 @@ class Settings:
             _check(f, getattr(self, f.name))
         if (self.tls_cert is None) != (self.tls_key is None):
             raise ValueError("--tls-cert and --tls-key go together; give both or neither")
-        if self.workers != "auto" and not (self.workers.isdigit() and int(self.workers) >= 1):
+        if self.workers != "auto" and not re.fullmatch(r"0*[1-9][0-9]*", self.workers):  # ASCII: int() fails on '²'
             raise ValueError(f"--workers {self.workers!r}: expected a positive number or auto")
         if self.model_repository is not None and self.model_dir is not None:
             raise ValueError("--model-repository and --model-dir are two sources of versions; give one")

@@ -55,7 +55,7 @@ class Loaded:
 
 
 def _number(version: str) -> int:
-    return int(version) if version.isdigit() else 0
+    return int(version) if version.isascii() and version.isdigit() else 0  # int() fails on '²'
 
 
 class Versions:

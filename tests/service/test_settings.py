@@ -140,9 +140,9 @@ def test_settings_travel_to_workers_as_flags() -> None:
     assert _parse(to_argv(s)) == s
 
 
-@pytest.mark.parametrize("value", ["0", "-1", "many", "2.5"])
+@pytest.mark.parametrize("value", ["0", "-1", "many", "2.5", "00", "²", "٣"])  # '²' passes isdigit(), fails int()
 def test_workers_is_a_positive_number_or_auto(value: str) -> None:
-    with pytest.raises(ValueError, match="--workers"):
+    with pytest.raises(ValueError, match=f"--workers {value!r}: expected a positive number or auto"):
         _parse(["--workers", value])
     assert _parse(["--workers", "auto"]).workers == "auto"
 

@@ -56,6 +56,8 @@ def test_the_flag_reads_triton_field_names() -> None:
         ("timeout_action=LATER", "REJECT or DELAY"),
         ("max_queue_size=-1", "expected a count"),
         ("x:max_queue_size=1", "LEVEL a number"),
+        ("max_queue_size=²", "expected a count"),  # '²' passes isdigit() and fails int()
+        ("²:max_queue_size=1", "LEVEL a number"),
         ("timeout=5", "is not one of timeout_action"),
     ]:
         with pytest.raises(ValueError, match=says):

@@ -50,6 +50,16 @@ def test_requests_go_to_the_version_named_or_the_latest() -> None:
     assert [v.version for v in versions.serving()] == ["2"]
 
 
+def test_a_version_named_by_any_string_is_kept_in_order() -> None:
+    """--model-version takes any name: numbers in order, the rest first. '²' passes isdigit() and
+    fails int(): `mha serve --model-version ²` loaded the model, then could not start."""
+    versions = Versions("mha")
+    for name in ("10", "²", "2", "v3"):
+        versions.add(_loaded(name))
+    assert [v.version for v in versions] == ["²", "v3", "2", "10"]
+    assert versions.for_request("²").version == "²"
+
+
 def test_a_sequence_goes_on_on_the_version_it_began_on() -> None:
     versions = Versions("mha")
     one, two = _loaded("1"), _loaded("2")
