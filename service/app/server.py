@@ -333,11 +333,13 @@ def check_shared_ports(settings: Settings) -> None:
     )
     taken: dict[tuple[str, int], str] = {}
     for flag, host, port in listeners:
-        if port:  # None (off) and 0 (a free one, picked per port) never collide
+        if port is None:  # off
+            continue
+        if port:  # 0 (a free one, picked per port) never collides, but its host is checked
             if (host, port) in taken:
                 raise StartupError(f"{taken[host, port]} and {flag} are both {port}; give each its own port", 2)
             taken[host, port] = flag
-            check_port(host, port, flag)
+        check_port(host, port, flag)
 
 
 def _port_error(host: str, port: int, flag: str, why: str) -> StartupError:
@@ -347,9 +349,10 @@ def _port_error(host: str, port: int, flag: str, why: str) -> StartupError:
 
 
 def _cannot_listen(host: str, port: int) -> str | None:
-    """Why a TCP listener on (host, port) cannot be made now, or None (port 0: always can)."""
-    if port == 0:
-        return None
+    """Why a TCP listener on (host, port) cannot be made now, or None (port 0: a free one, on an
+    address that must still be this machine's)."""
+    if not host:
+        return "the host is empty; give an address such as 0.0.0.0 or 127.0.0.1"
     try:
         addresses = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
     except socket.gaierror as exc:

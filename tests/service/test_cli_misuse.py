@@ -65,6 +65,18 @@ CASES = {  # name: (arguments given the fixtures, environment, exit code, what t
         2,
         "--auth-token-file /nope/token",
     ),
+    "host-not-this-machines": (  # before, with --workers: ": Name or service not known", no flag named
+        lambda f: _serve(f["model"], "--grpc-port", "0", "--http-port", "0", "--host", "999.1.1.1"),
+        {},
+        1,
+        "--grpc-port: cannot listen on 999.1.1.1:0: '999.1.1.1' is not an address of this machine",
+    ),
+    "host-empty": (
+        lambda f: _serve(f["model"], "--grpc-port", "0", "--metrics-port", "off", "--host", ""),
+        {},
+        1,
+        "the host is empty; give an address such as 0.0.0.0 or 127.0.0.1",
+    ),
     "tls-cert-missing": (
         lambda f: _serve(f["model"], "--grpc-port", "0", "--tls-cert", "/nope/c.pem", "--tls-key", "/nope/k.pem"),
         {},
