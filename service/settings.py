@@ -178,6 +178,7 @@ class Settings:
         if self.tls_client_ca is not None and self.tls_cert is None:
             raise ValueError("--tls-client-ca (mTLS) needs --tls-cert and --tls-key")
         schedule_policy(self)  # its checks: the levels and --queue-policy
+        _check_names(self.model_name, self.sequence_model_name)
 
     @property
     def replica(self) -> str:
@@ -222,6 +223,18 @@ def _check(f: Field[Any], value: Any) -> None:
         raise ValueError(f"{_flag(f.name)} must be >= {meta['low']:g}, got {value}")
     if meta["high"] is not None and value > meta["high"]:
         raise ValueError(f"{_flag(f.name)} must be <= {meta['high']:g}, got {value}")
+
+
+def _check_names(model: str, sequence: str) -> None:
+    """The names clients address: a path segment each (HTTP routes hold them), and two of them."""
+    for flag, name in (("--model-name", model), ("--sequence-model-name", sequence)):
+        if "/" in name or (flag == "--model-name" and not name.strip()):
+            raise ValueError(f"{flag} {name[:64]!r}: expected a name without '/', as a Triton model's folder")
+    if sequence == model:
+        raise ValueError(
+            f"--sequence-model-name {sequence[:64]!r} is the --model-name too: the sequence entry needs a name of "
+            f"its own (empty: {model[:64]}_sequence)"
+        )
 
 
 def _boolean(text: str) -> bool:

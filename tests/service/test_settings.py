@@ -58,6 +58,9 @@ def test_every_flagged_setting_has_a_flag_an_env_variable_and_a_documented_defau
         (["--grpc-port", "70000"], "--grpc-port must be <= 65535, got 70000"),
         (["--max-padding-ratio", "2"], "--max-padding-ratio must be <= 1, got 2"),
         (["--threads", "-1"], "--threads must be >= 0, got -1"),
+        (["--model-name", ""], "--model-name '': expected a name without '/'"),  # before: served, unaddressable
+        (["--model-name", "a/b"], "--model-name 'a/b': expected a name without '/'"),  # HTTP routes split it
+        (["--sequence-model-name", "mha"], "--sequence-model-name 'mha' is the --model-name too"),  # 2 entries
     ],
 )
 def test_out_of_bounds_and_bad_combinations_are_refused(argv: list[str], message: str) -> None:
