@@ -19,6 +19,7 @@ from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
+from urllib.parse import urlsplit
 
 from opentelemetry import context as otel_context
 from opentelemetry import trace
@@ -70,6 +71,21 @@ def wanted(settings: TraceSettings, environ: Mapping[str, str]) -> bool:
     return bool(settings.endpoint or any(environ.get(v) for v in ENDPOINT_VARIABLES))
 
 
+def check_endpoints(endpoint: str | None, environ: Mapping[str, str]) -> None:
+    """ValueError for an endpoint that is not an http(s) URL with a host: the exporter would
+    take it and lose every span in the background, each export failing where nobody looks."""
+    for source, value in (("--otlp-endpoint", endpoint), *((v, environ.get(v)) for v in ENDPOINT_VARIABLES)):
+        if not value:
+            continue
+        try:
+            parts = urlsplit(value)
+            valid = parts.scheme in ("http", "https") and bool(parts.hostname) and (parts.port or 1) > 0
+        except ValueError:  # a port that is not a number, or out of range
+            valid = False
+        if not valid:
+            raise ValueError(f"{source} {value[:100]!r}: expected an OTLP/HTTP URL such as http://otel-collector:4318")
+
+
 class Tracing:
     """The server's tracer; `Tracing()` is off."""
 
@@ -86,6 +102,7 @@ class Tracing:
         root = root_sampler(environ)
         if not wanted(settings, environ):
             return cls()
+        check_endpoints(settings.endpoint, environ)
         from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
         from opentelemetry.sdk.resources import OTELResourceDetector, Resource
         from opentelemetry.sdk.trace import TracerProvider

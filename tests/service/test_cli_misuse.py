@@ -71,6 +71,12 @@ CASES = {  # name: (arguments given the fixtures, environment, exit code, what t
         1,
         "--grpc-port: cannot listen on 999.1.1.1:0: '999.1.1.1' is not an address of this machine",
     ),
+    "otlp-endpoint-not-a-url": (
+        lambda f: _serve(f["model"], "--grpc-port", "0", "--metrics-port", "off", "--otlp-endpoint", "collector"),
+        {},
+        2,
+        "--otlp-endpoint 'collector': expected an OTLP/HTTP URL",
+    ),
     "host-empty": (
         lambda f: _serve(f["model"], "--grpc-port", "0", "--metrics-port", "off", "--host", ""),
         {},

@@ -4,6 +4,7 @@ batch linked both ways with its requests, decode steps, and off by default."""
 
 from __future__ import annotations
 
+import re
 import subprocess
 import threading
 import time
@@ -17,6 +18,7 @@ import pytest
 from service.client.client import MHAClient
 from service.proto import grpc_service_pb2_grpc as pb_grpc
 from service.protocol.grpc_codec import encode_infer_request
+from service.tracing import check_endpoints
 from tests.otlp_receiver import OtlpReceiver, ReceivedSpan
 from tests.support import ROOT, ServerThread, make_settings
 
@@ -170,3 +172,27 @@ def test_each_request_of_a_stream_is_a_span_and_nothing_logs_an_error(
     assert {c.attributes["mha.code"] for c in calls} <= {"OK", "CANCELLED"}
     errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
     assert errors == [], errors
+
+
+@pytest.mark.parametrize(
+    ("endpoint", "environ", "refused"),
+    [
+        ("notaurl", {}, "--otlp-endpoint 'notaurl'"),
+        ("http://:4318", {}, "--otlp-endpoint 'http://:4318'"),
+        ("http://collector:port", {}, "--otlp-endpoint 'http://collector:port'"),
+        ("ftp://collector:4318", {}, "--otlp-endpoint 'ftp://collector:4318'"),
+        (None, {"OTEL_EXPORTER_OTLP_ENDPOINT": "collector:4318"}, "OTEL_EXPORTER_OTLP_ENDPOINT 'collector:4318'"),
+        (None, {"OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": "http//c/v1/traces"}, "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"),
+        ("http://collector:4318", {}, None),
+        ("https://collector.example/otlp", {"OTEL_EXPORTER_OTLP_ENDPOINT": "http://[::1]:4318"}, None),
+    ],
+)
+def test_an_endpoint_that_is_not_an_http_url_is_refused_at_start(
+    endpoint: str | None, environ: dict[str, str], refused: str | None
+) -> None:
+    """Before, --otlp-endpoint notaurl started a server whose exporter lost every span quietly."""
+    if refused is None:
+        check_endpoints(endpoint, environ)
+        return
+    with pytest.raises(ValueError, match=re.escape(refused) + ".*expected an OTLP/HTTP URL such as"):
+        check_endpoints(endpoint, environ)
