@@ -119,7 +119,7 @@ def test_a_server_that_does_not_answer_patches_nothing(api: PodApi) -> None:
     ("args", "code", "says"),
     [
         ([], 1, "not in a Kubernetes pod with a service account token"),
-        (["--interval-s", "0"], 2, "--interval-s 0.0: expected a positive number of seconds"),
+        (["--interval-s", "0"], 2, "--interval-s 0: expected a positive, finite number of seconds"),
     ],
 )
 def test_misuse_says_so_in_one_line(args: list[str], code: int, says: str) -> None:
