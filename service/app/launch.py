@@ -8,6 +8,7 @@ workers; nothing here runs on the request path.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import os
 import signal
 import socket
@@ -15,12 +16,14 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator, Mapping
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import grpc
 
 PACKAGE_ROOT = Path(__file__).resolve().parents[2]  # the folder that holds `service`
+PR_SET_PDEATHSIG = 1  # prctl(2)
 
 
 def serve_command(args: list[str]) -> list[str]:
@@ -57,6 +60,15 @@ def free_ports(count: int, avoid: frozenset[int] = frozenset()) -> list[int]:
     return ports
 
 
+def die_with_parent(parent: int) -> None:
+    """In a child, before it runs: SIGTERM when the process that started it dies, however it dies
+    (SIGKILL included), so that no server outlives it on the ports (Linux's PR_SET_PDEATHSIG)."""
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    if os.getppid() != parent:  # the parent died before the line above took effect
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
 class ServerProcess:
     """`mha serve` as a child process, for signals and for clients that need their own process."""
 
@@ -87,7 +99,9 @@ class ServerProcess:
     def url(self) -> str:
         return f"127.0.0.1:{self.port}"
 
-    def start(self, log_path: Path, ready_timeout: float = 120) -> ServerProcess:
+    def start(self, log_path: Path, ready_timeout: float = 120, tied: bool = False) -> ServerProcess:
+        """`tied`: the server ends with this process however it ends (call from the main thread:
+        Linux ties a child to the thread that started it)."""
         self.log_path = log_path
         self.proc = subprocess.Popen(
             self.args,
@@ -96,6 +110,7 @@ class ServerProcess:
             stdout=subprocess.DEVNULL,
             stderr=log_path.open("w"),
             text=True,
+            preexec_fn=partial(die_with_parent, os.getpid()) if tied else None,
         )
         wait_serving(self.url, ready_timeout, self.proc)
         return self

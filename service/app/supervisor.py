@@ -15,13 +15,11 @@ a Unix-domain socket in a private directory (service/protocol/peers.py).
 from __future__ import annotations
 
 import asyncio
-import ctypes
 import json
 import logging
 import os
 import shutil
 import signal
-import sys
 import tempfile
 import time
 import urllib.request
@@ -35,7 +33,7 @@ from prometheus_client.core import Metric
 from prometheus_client.multiprocess import MultiProcessCollector, mark_process_dead
 from prometheus_client.samples import Exemplar, Sample
 
-from service.app.launch import free_ports, package_path, serve_command
+from service.app.launch import die_with_parent, free_ports, package_path, serve_command
 from service.metrics import LATENCY
 from service.protocol.metrics_http import MetricsServer
 from service.protocol.peers import socket_path
@@ -48,7 +46,6 @@ MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"  # where prometheus-client in a worke
 
 MAX_RESTARTS = 5  # within RESTART_WINDOW_S: beyond it, the supervisor gives up and exits 1
 RESTART_WINDOW_S = 60.0
-PR_SET_PDEATHSIG = 1  # prctl(2)
 WATCHDOG_PERIOD_S = 2.0  # how often each worker's own metrics port is asked whether it still answers
 STARTING_POLL_S = 0.1  # how often a worker not yet answering is asked
 WATCHDOG_MISSES = 3  # unanswered in a row (after it first answered): hung, killed, and so replaced
@@ -202,7 +199,7 @@ class Supervisor:
 
     async def _spawn(self, worker: Worker, announce: bool = True, first: bool = False) -> None:
         env = self.environment(worker)
-        die_with_me = partial(_die_with_parent, os.getpid())
+        die_with_me = partial(die_with_parent, os.getpid())
         worker.answered, worker.started = False, time.monotonic()
         command = self._command(worker, first)
         worker.process = await asyncio.create_subprocess_exec(*command, env=env, preexec_fn=die_with_me)
@@ -362,15 +359,6 @@ def _answers(port: int, timeout_s: float) -> bool:
             return response.status == 200
     except OSError:
         return False
-
-
-def _die_with_parent(parent: int) -> None:
-    """In the worker, before it runs: SIGTERM when the supervisor dies, however it dies (SIGKILL
-    included), so that no worker outlives it on the ports (Linux's PR_SET_PDEATHSIG)."""
-    if sys.platform.startswith("linux"):
-        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
-    if os.getppid() != parent:  # the supervisor died before the line above took effect
-        os.kill(os.getpid(), signal.SIGTERM)
 
 
 def gpu_devices(dev: Path = Path("/dev")) -> list[int]:

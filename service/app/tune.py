@@ -234,7 +234,7 @@ class Tuner:
     def started(self, candidate: Candidate, log_dir: Path, port: int | None = None) -> ServerProcess:
         server, began = self.server(candidate, port), time.monotonic()
         try:
-            server.start(log_dir / f"server-{len(self.measured)}-{port or 0}.log", ready_timeout=300)
+            server.start(log_dir / f"server-{len(self.measured)}-{port or 0}.log", ready_timeout=300, tied=True)
         except (RuntimeError, TimeoutError) as exc:
             server.kill()
             last = server.log().strip().splitlines()[-1:] or ["(no output)"]

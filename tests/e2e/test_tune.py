@@ -10,6 +10,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -95,6 +96,29 @@ def test_an_impossible_target_exits_1_and_names_the_closest(small_model_dir: Pat
     assert "no candidate meets p99 <= 0.0001 ms; the closest: auto, auto workers" in run.stdout
     assert json.loads((tmp_path / "candidates.json").read_text())["meets_target"] is False
     assert _servers_of(small_model_dir) == []
+
+
+def _until(condition: Any, within_s: float) -> bool:
+    deadline = time.monotonic() + within_s
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.2)
+    return True
+
+
+def test_a_tune_killed_outright_leaves_no_server_behind(small_model_dir: Path, tmp_path: Path) -> None:
+    """SIGKILL (the OOM killer, kill -9, a CI job's timeout) gives tune no chance to stop its
+    servers: before, each candidate's server went on holding its ports and memory."""
+    command = [MHA, "tune", "--model-dir", str(small_model_dir), "--shape", "1,16,32", "--out", str(tmp_path / "o")]
+    command += [*FAST, "--p99-ms", "2000", "--budget-s", "120"]
+    tune = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        assert _until(lambda: _servers_of(small_model_dir), 120), "no candidate server started"
+    finally:
+        tune.kill()
+        tune.wait(10)
+    assert _until(lambda: not _servers_of(small_model_dir), 60), _servers_of(small_model_dir)
 
 
 def _bad_dir(tmp_path: Path, small_model_dir: Path) -> Path:
