@@ -251,6 +251,7 @@ def cmd_infer(args: argparse.Namespace) -> int:
     if args.address:
         raise CliError(f"unexpected argument {args.address!r}: give the server as --url {args.address}", 2)
     url = grpc_address(args.url)
+    _positive(args.timeout, "--timeout")
     output = _writable("--output", args.output, suffix=".npy")
     if args.input:
         try:
@@ -262,7 +263,6 @@ def cmd_infer(args: argparse.Namespace) -> int:
             x = random_input([int(v) for v in args.shape.split(",")], seed=args.seed)
         except (ValueError, MemoryError) as exc:  # not numbers, a negative one, or more than memory holds
             raise CliError(f"--shape {args.shape!r}: expected B,T,C such as 1,64,128 ({exc})", 2) from exc
-    _positive(args.timeout, "--timeout", "seconds")
     with MHAClient(url, model=args.model, **_client_security(args)) as client:
         start = time.perf_counter()
         try:
@@ -377,7 +377,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from service.client.loadgen import run_load, server_cpu_seconds
 
     levels, seqs = _int_list(args.concurrency, "--concurrency"), _int_list(args.seq_lens, "--seq-lens")
-    _positive(args.seconds, "--seconds", "seconds")
+    _positive(args.seconds, "--seconds")
     if args.batch < 1:
         raise CliError(f"--batch {args.batch}: expected B >= 1 rows per request", 2)
     args.url = grpc_address(args.url)
@@ -428,11 +428,10 @@ def _progress_bar(label: str, seconds: float) -> Any:
     return show
 
 
-def _positive(value: float, flag: str, unit: str) -> float:
-    """A duration or a target: a positive, finite number (nan and inf parse as floats)."""
+def _positive(value: float, flag: str) -> None:
+    """A duration: a positive, finite number (nan and inf parse as floats, and pass `> 0` or `<= 0`)."""
     if not 0 < value < float("inf"):
-        raise CliError(f"{flag} {value:g}: expected a positive, finite number of {unit}", 2)
-    return value
+        raise CliError(f"{flag} {value:g}: expected a positive, finite number of seconds", 2)
 
 
 def _int_list(text: str, flag: str) -> list[int]:
@@ -671,7 +670,7 @@ def cmd_pod_cost(args: argparse.Namespace) -> int:
 
     from service.client.podcost import CostKeeper, PodApi, pod_name, read_metrics
 
-    _positive(args.interval_s, "--interval-s", "seconds")
+    _positive(args.interval_s, "--interval-s")
     try:
         api = PodApi.in_cluster(args.pod or pod_name(os.environ), os.environ)
     except (KeyError, OSError) as exc:
