@@ -1,5 +1,6 @@
 """`mha export` refuses a model it cannot check in this machine's memory (tests/service/test_cli_misuse.py);
-the estimate it refuses by must be near what an export really takes, above it but not far above."""
+the estimate it refuses by must be above what an export really takes (CI saw 10 % more than a
+developer machine), but not far above."""
 
 from __future__ import annotations
 
@@ -26,4 +27,4 @@ def test_the_memory_estimate_is_above_an_export_s_real_peak_and_not_far_above(tm
     run = subprocess.run([sys.executable, "-c", PEAK, *export], capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-2000:]
     peak, estimate = int(run.stdout.split()[-1]), parity_peak_bytes(config)
-    assert peak <= estimate <= 1.5 * peak, (peak, estimate)
+    assert peak <= estimate <= 1.6 * peak, (peak, estimate)
