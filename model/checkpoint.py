@@ -98,6 +98,16 @@ def load_checkpoint(path: str | Path) -> tuple[MHAConfig, Weights]:
     return config, tensors
 
 
+def stored_config(path: str | Path) -> MHAConfig | None:
+    """The config one of our checkpoints says it holds, read from its header alone (no tensor is
+    loaded); None when the file is not one (load_checkpoint says why)."""
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            return MHAConfig.from_json((f.metadata() or {})[CONFIG_KEY])
+    except (SafetensorError, OSError, RuntimeError, KeyError, ValueError, TypeError):
+        return None
+
+
 def _read_safetensors(path: str | Path) -> tuple[Weights, dict[str, str]]:
     path = Path(path)
     if not path.is_file():

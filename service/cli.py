@@ -63,7 +63,7 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 
 def _check_export_fits(config: MHAConfig) -> None:
-    """Refuse, before any work, a model whose export and parity check cannot fit in this machine's
+    """Refuse, before any work, a model whose parity check (export's, verify's) cannot fit in this machine's
     (or container's) memory: a torch allocation error, or the kernel killing the process, says
     neither why nor what to change."""
     from export.verify import parity_peak_bytes
@@ -72,10 +72,10 @@ def _check_export_fits(config: MHAConfig) -> None:
     need, allowed = parity_peak_bytes(config), memory_limit_bytes()
     if need > allowed:
         raise CliError(
-            f"--d-model {config.d_model} with --max-seq-len {config.max_seq_len}: exporting and checking it against "
-            f"the float64 references needs about {need / 2**30:,.1f} GiB (the attention scores of B = 7 rows of "
+            f"--d-model {config.d_model} with --max-seq-len {config.max_seq_len}: checking the model against the "
+            f"float64 references needs about {need / 2**30:,.1f} GiB (the attention scores of B = 7 rows of "
             f"T = max_seq_len, and the weights); this machine allows {allowed / 2**30:.1f} GiB. Give a smaller "
-            "--max-seq-len or --d-model, or export on a larger machine",
+            "--max-seq-len or --d-model, or export and verify on a larger machine",
             2,
         )
 
@@ -139,7 +139,9 @@ class CliError(Exception):
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
+    from export.layout import ModelFiles
     from export.verify import verify_model_dir
+    from model.checkpoint import stored_config
     from service.client.client import InferenceError
 
     if args.url:
@@ -148,6 +150,8 @@ def cmd_verify(args: argparse.Namespace) -> int:
         except InferenceError as exc:
             raise CliError(f"cannot verify the server at {args.url}: {exc}") from exc
     else:
+        if (config := stored_config(ModelFiles(Path(args.model_dir)).weights)) is not None:
+            _check_export_fits(config)  # the grid at T = max_seq_len, on a machine smaller than the exporter's
         report = verify_model_dir(Path(args.model_dir))
     sys.stdout.write(report.table() + "\n")
     return 0 if report.ok else 1

@@ -10,6 +10,7 @@ from pathlib import Path
 
 from export.verify import parity_peak_bytes
 from model import MHAConfig
+from model.checkpoint import init_weights, save_checkpoint
 
 PEAK = """
 import resource, subprocess, sys
@@ -28,3 +29,16 @@ def test_the_memory_estimate_is_above_an_export_s_real_peak_and_not_far_above(tm
     assert run.returncode == 0, run.stderr[-2000:]
     peak, estimate = int(run.stdout.split()[-1]), parity_peak_bytes(config)
     assert peak <= estimate <= 1.6 * peak, (peak, estimate)
+
+
+def test_verify_refuses_first_a_model_whose_check_cannot_fit_here(tmp_path: Path) -> None:
+    """A model exported on a larger machine: its config, read from the weights' header, is refused
+    before the files are checked or any tensor is loaded."""
+    config = MHAConfig(d_model=8, n_head=2, max_seq_len=100_000_000)
+    save_checkpoint(tmp_path / "weights.safetensors", init_weights(config, seed=0), config)
+    run = subprocess.run(
+        [sys.executable, "-m", "service.cli", "verify", str(tmp_path)], capture_output=True, text=True, timeout=120
+    )
+    assert run.returncode == 2, run.stderr[-2000:]
+    assert "--max-seq-len 100000000: checking the model against the float64 references needs about" in run.stderr
+    assert "Traceback" not in run.stderr

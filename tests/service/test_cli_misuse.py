@@ -256,7 +256,7 @@ CASES = {  # name: (arguments given the fixtures, environment, exit code, what t
         ],
         {},
         2,
-        "--d-model 32 with --max-seq-len 100000000: exporting and checking it",
+        "--d-model 32 with --max-seq-len 100000000: checking the model against the float64 references",
     ),
     "export-checkpoint-and-new-weights": (
         lambda f: [
