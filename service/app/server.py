@@ -354,7 +354,7 @@ def _cannot_listen(host: str, port: int) -> str | None:
     if not host:
         return "the host is empty; give an address such as 0.0.0.0 or 127.0.0.1"
     try:
-        addresses = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+        addresses = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
     except socket.gaierror as exc:
         return f"{host!r} is not an address of this machine ({exc.strerror})"
     for family, kind, proto, _, sockaddr in addresses:

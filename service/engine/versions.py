@@ -13,6 +13,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from service.engine.sources import version_number
 from service.errors import InvalidInput, ModelNotFound, NotReady, quote
 
 if TYPE_CHECKING:
@@ -55,7 +56,7 @@ class Loaded:
 
 
 def _number(version: str) -> int:
-    return int(version) if version.isascii() and version.isdigit() else 0  # int() fails on '²'
+    return version_number(version) or 0  # a name that is no version number ('v3', '²') sorts first
 
 
 class Versions:
