@@ -50,6 +50,10 @@ WATCHDOG_PERIOD_S = 2.0  # how often each worker's own metrics port is asked whe
 STARTING_POLL_S = 0.1  # how often a worker not yet answering is asked
 WATCHDOG_MISSES = 3  # unanswered in a row (after it first answered): hung, killed, and so replaced
 WORKER_START_S = 300.0  # never answered this long after its start (loading a model on a GPU included): hung
+MIB = 2**20
+WORKER_BASE_BYTES = 300 * MIB  # a worker's own memory, loaded and under load, its model aside
+MODEL_FILE_COPIES = 3  # and per byte of the model files it serves: ORT's sessions, PyTorch's weights, step graphs
+WORKERS_SHARE = 0.5  # of the memory limit, what `auto`'s workers may hold; the rest for requests and sequences
 
 
 @dataclass
@@ -376,6 +380,57 @@ def cuda_devices(count: int, environ: Mapping[str, str]) -> list[str]:
     names them already, entry by entry."""
     inherited = [entry.strip() for entry in environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if entry.strip()]
     return inherited[:count] if len(inherited) >= count else [str(i) for i in range(count)]
+
+
+def worker_bytes(model_bytes: int) -> int:
+    """About what one worker holds once it serves model files of `model_bytes` (its resident
+    memory of its own, measured: tests/e2e/test_worker_memory.py)."""
+    return WORKER_BASE_BYTES + MODEL_FILE_COPIES * model_bytes
+
+
+def served_bytes(settings: Settings) -> int:
+    """The model files a worker loads: --model-dir's (or the default model's, once exported),
+    and of each model in --model-repository its largest version."""
+    if settings.model_repository is not None:
+        models = [d for d in settings.model_repository.iterdir() if d.is_dir()]
+        return sum(max((_folder_bytes(v) for v in m.iterdir() if v.is_dir()), default=0) for m in models)
+    folder = settings.model_dir or settings.default_model_dir
+    return _folder_bytes(folder) if folder is not None and folder.is_dir() else 0
+
+
+def _folder_bytes(folder: Path) -> int:
+    try:
+        return sum(f.stat().st_size for f in folder.rglob("*") if f.is_file())
+    except OSError:  # unreadable: loading it will say why
+        return 0
+
+
+def workers_in_memory(setting: str, count: int, model_bytes: int, limit: int) -> int:
+    """The workers to start: `count`, or fewer for auto, so that the workers' own memory keeps to
+    WORKERS_SHARE of the memory limit `limit` (at least one worker). An explicit count whose
+    workers alone would not fit in `limit` is refused (ValueError): they would be killed for
+    memory, and restarted, over and over."""
+    each = worker_bytes(model_bytes)
+    share = max(1, int(limit * WORKERS_SHARE // each))
+    if setting != "auto":
+        if count * each > limit:
+            raise ValueError(
+                f"--workers {count}: each worker holds about {each / MIB:,.0f} MiB once it serves the model "
+                f"({model_bytes / MIB:,.1f} MiB of model files), {count * each / 2**30:,.1f} GiB for {count}; "
+                f"this machine (or container) allows {limit / 2**30:,.1f} GiB. Give --workers auto ({share} "
+                "here: half the memory left to requests and sequences), or more memory"
+            )
+        return count
+    if share < count:
+        log.warning(
+            "--workers auto: %d workers, not one per CPU (%d): each holds about %.0f MiB, and the workers keep to "
+            "half of the memory limit (%.1f GiB); the rest is for requests and sequences",
+            share,
+            count,
+            each / MIB,
+            limit / 2**30,
+        )
+    return min(count, share)
 
 
 def worker_count(setting: str, gpus: Sequence[int] | None = None) -> int:

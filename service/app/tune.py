@@ -452,8 +452,9 @@ def backends_here() -> list[str]:
 
 def tune(request: Request, progress: Progress | None = None) -> int:
     """Search, confirm, write; 0 when the chosen settings meet the target, 1 when none does."""
-    from service.app.supervisor import worker_count
-    from service.resources import available_cpus
+    from service.app.supervisor import served_bytes, worker_count, workers_in_memory
+    from service.resources import available_cpus, memory_limit_bytes
+    from service.settings import Settings
 
     config, precisions = checked_model(request.model_dir)
     check_request(request, config)
@@ -466,7 +467,10 @@ def tune(request: Request, progress: Progress | None = None) -> int:
 
     logs = request.out / "logs"
     logs.mkdir(parents=True, exist_ok=True)
-    dims = dimensions(available_cpus(), worker_count("auto"), backends_here(), precisions)
+    auto = workers_in_memory(  # what --workers auto starts here: left out of the search, as the defaults'
+        "auto", worker_count("auto"), served_bytes(Settings(model_dir=request.model_dir)), memory_limit_bytes()
+    )
+    dims = dimensions(available_cpus(), auto, backends_here(), precisions)
     searched = tuner.search(dims, deadline, logs)
     confirmation = tuner.confirm(searched, logs) if searched.candidate != Candidate() else None
     chosen = settle(searched, tuner.measured[Candidate()], confirmation, request.target_ms)

@@ -71,6 +71,12 @@ CASES = {  # name: (arguments given the fixtures, environment, exit code, what t
         1,
         "--grpc-port: cannot listen on 999.1.1.1:0: '999.1.1.1' is not an address of this machine",
     ),
+    "workers-beyond-memory": (  # before: 1,000 processes started, then killed for memory, then restarted
+        lambda f: _serve(f["model"], "--grpc-port", "0", "--http-port", "0", "--workers", "1000"),
+        {},
+        2,
+        "--workers 1000: each worker holds about",
+    ),
     "otlp-endpoint-not-a-url": (
         lambda f: _serve(f["model"], "--grpc-port", "0", "--metrics-port", "off", "--otlp-endpoint", "collector"),
         {},
