@@ -218,15 +218,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if not settings.thread_spinning:  # read once, when PyTorch loads its OpenMP runtime: before the import
         os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     from service.app.server import StartupError, check_shared_ports, serve
-    from service.app.supervisor import (
-        Supervisor,
-        gpu_devices,
-        served_bytes,
-        with_shared_ports,
-        worker_count,
-        workers_in_memory,
-    )
-    from service.resources import memory_limit_bytes
+    from service.app.supervisor import Supervisor, gpu_devices, with_shared_ports, workers_to_start
     from service.settings import default_model_home, to_argv
 
     if (problem := model_dir_problem(settings.model_dir) or repository_problem(settings.model_repository)) is not None:
@@ -237,9 +229,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         settings = replace(settings, default_model_dir=default_model_home(Path.cwd(), os.environ))
     gpus = gpu_devices() if settings.workers == "auto" else []
     try:
-        count = workers_in_memory(
-            settings.workers, worker_count(settings.workers, gpus), served_bytes(settings), memory_limit_bytes()
-        )
+        count = workers_to_start(settings, gpus)
     except ValueError as exc:
         log.error("cannot start: %s", exc)
         return 2

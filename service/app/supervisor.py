@@ -37,7 +37,7 @@ from service.app.launch import die_with_parent, free_ports, package_path, serve_
 from service.metrics import LATENCY
 from service.protocol.metrics_http import MetricsServer
 from service.protocol.peers import socket_path
-from service.resources import available_cpus
+from service.resources import available_cpus, memory_limit_bytes
 from service.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -380,6 +380,12 @@ def cuda_devices(count: int, environ: Mapping[str, str]) -> list[str]:
     names them already, entry by entry."""
     inherited = [entry.strip() for entry in environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if entry.strip()]
     return inherited[:count] if len(inherited) >= count else [str(i) for i in range(count)]
+
+
+def workers_to_start(settings: Settings, gpus: Sequence[int] | None = None) -> int:
+    """--workers as this machine resolves it (`worker_count`), within its memory (`workers_in_memory`)."""
+    count = worker_count(settings.workers, gpus)
+    return workers_in_memory(settings.workers, count, served_bytes(settings), memory_limit_bytes())
 
 
 def worker_bytes(model_bytes: int) -> int:

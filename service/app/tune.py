@@ -452,8 +452,8 @@ def backends_here() -> list[str]:
 
 def tune(request: Request, progress: Progress | None = None) -> int:
     """Search, confirm, write; 0 when the chosen settings meet the target, 1 when none does."""
-    from service.app.supervisor import served_bytes, worker_count, workers_in_memory
-    from service.resources import available_cpus, memory_limit_bytes
+    from service.app.supervisor import workers_to_start
+    from service.resources import available_cpus
     from service.settings import Settings
 
     config, precisions = checked_model(request.model_dir)
@@ -467,9 +467,7 @@ def tune(request: Request, progress: Progress | None = None) -> int:
 
     logs = request.out / "logs"
     logs.mkdir(parents=True, exist_ok=True)
-    auto = workers_in_memory(  # what --workers auto starts here: left out of the search, as the defaults'
-        "auto", worker_count("auto"), served_bytes(Settings(model_dir=request.model_dir)), memory_limit_bytes()
-    )
+    auto = workers_to_start(Settings(model_dir=request.model_dir))  # the defaults' count: not searched again
     dims = dimensions(available_cpus(), auto, backends_here(), precisions)
     searched = tuner.search(dims, deadline, logs)
     confirmation = tuner.confirm(searched, logs) if searched.candidate != Candidate() else None
