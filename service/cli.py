@@ -256,6 +256,7 @@ def cmd_infer(args: argparse.Namespace) -> int:
     import numpy as np
 
     from service.client.client import InferenceError, MHAClient
+    from service.protocol.grpc_codec import REAL_KINDS
 
     if args.address:
         raise CliError(f"unexpected argument {args.address!r}: give the server as --url {args.address}", 2)
@@ -264,9 +265,12 @@ def cmd_infer(args: argparse.Namespace) -> int:
     output = _writable("--output", args.output, suffix=".npy")
     if args.input:
         try:
-            x = np.load(args.input).astype(np.float32)
+            x = np.load(args.input)
         except (OSError, ValueError) as exc:
             raise CliError(f"--input {args.input}: {exc}; expected a .npy file holding a (B, T, C) array", 2) from exc
+        if x.dtype.kind not in REAL_KINDS:  # a complex array's cast would drop its imaginary parts
+            raise CliError(f"--input {args.input} holds {x.dtype}; expected real numbers, a (B, T, C) array", 2)
+        x = x.astype(np.float32)
     else:
         try:
             x = random_input([int(v) for v in args.shape.split(",")], seed=args.seed)

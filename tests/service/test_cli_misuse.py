@@ -11,6 +11,7 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from tests.support import ServerThread, free_port, make_settings
@@ -196,6 +197,12 @@ CASES = {  # name: (arguments given the fixtures, environment, exit code, what t
     "env-port-not-a-number": (lambda f: _serve(f["model"]), {"MHA_GRPC_PORT": "abc"}, 2, "--grpc-port: invalid"),
     "log-level-unknown": (lambda f: ["--log-level", "LOUD", "serve"], {}, 2, "--log-level: invalid choice"),
     "infer-input-missing": (lambda f: ["infer", "--input", "/nope/x.npy"], {}, 2, "--input /nope/x.npy"),
+    "infer-input-complex": (  # before: the imaginary parts dropped with a warning, and an answer
+        lambda f: ["infer", "--url", f["url"], "--input", str(f["complex"])],
+        {},
+        2,
+        "holds complex64; expected real numbers",
+    ),
     "infer-shape-negative": (
         lambda f: ["infer", "--url", f["url"], "--shape", "1,-1,128"],
         {},
@@ -306,7 +313,9 @@ def test_misuse_gets_one_clear_line(
     gpt2_checkpoint: Path,
     tmp_path: Path,
 ) -> None:
+    np.save(complex_input := tmp_path / "complex.npy", np.ones((1, 4, 32), dtype=np.complex64))
     fixtures = {
+        "complex": complex_input,
         "model": small_model_dir,
         "default": default_model_dir,
         "taken": taken_port,

@@ -59,6 +59,14 @@ def test_raw_round_trip_without_copy() -> None:
     assert np.array_equal(decode_infer_response(response), x)
 
 
+@pytest.mark.parametrize("dtype", [np.complex64, np.complex128])
+def test_the_client_refuses_complex_input_the_cast_would_halve(dtype: type) -> None:
+    """np.ascontiguousarray(x, float32) of a complex array keeps the real parts, with a warning."""
+    with pytest.raises(TypeError, match="expected real numbers"):
+        encode_infer_request(np.full((1, 2, 4), 1 + 2j, dtype=dtype))
+    assert encode_infer_request(np.ones((1, 2, 4), dtype=np.int64)).inputs[0].shape == [1, 2, 4]
+
+
 def test_typed_fp32_contents_accepted() -> None:
     x = _x(1, 3, 8)
     request = pb.ModelInferRequest(model_name="mha")
