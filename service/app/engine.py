@@ -143,7 +143,7 @@ def _audited(metrics: Metrics, executor: ThreadPoolExecutor) -> Callable[[Sample
 
 
 def _inflight_limit(settings: Settings) -> int:
-    """--max-inflight-mb, or a quarter of the memory limit, shared by the workers."""
-    if settings.max_inflight_mb:
-        return max(1, int(settings.max_inflight_mb * MIB))
-    return max(MIB, memory_limit_bytes() // INFLIGHT_SHARE // settings.worker_peers)
+    """This worker's share of --max-inflight-mb (0: a quarter of the memory limit): the bound is
+    the server's, whatever the number of its workers."""
+    whole = settings.max_inflight_mb * MIB if settings.max_inflight_mb else memory_limit_bytes() / INFLIGHT_SHARE
+    return max(1, int(whole) // settings.worker_peers)

@@ -56,7 +56,8 @@ def _until(predicate, timeout_s: float = 120) -> None:
 
 
 def test_two_workers_share_the_port_add_up_restart_and_drain(small_model_dir: Path, tmp_path: Path) -> None:
-    server = ServerProcess(["--model-dir", str(small_model_dir), "--backend", "torch", "--workers", "2"])
+    args = ["--model-dir", str(small_model_dir), "--backend", "torch", "--workers", "2", "--max-inflight-mb", "64"]
+    server = ServerProcess(args)
     server.start(tmp_path / "server.log")
     try:
         started = {int(i): (int(pid), int(port)) for i, pid, port in STARTED.findall(server.log())}
@@ -77,6 +78,8 @@ def test_two_workers_share_the_port_add_up_restart_and_drain(small_model_dir: Pa
         assert all(n > 0 for n in per_worker) and sum(per_worker) == 40 == _ok(total)
         assert total[("mha_request_duration_seconds_count", (("method", "ModelInfer"),))] == 40  # histograms add up
         assert {total[("mha_ready", (("worker", str(i)),))] for i in range(2)} == {1.0}  # gauges by worker
+        budgets = [total[("mha_inflight_budget_bytes", (("worker", str(i)),))] for i in range(2)]
+        assert budgets == [32 * 2**20] * 2  # the server's 64 MiB, not each worker's (before: 128 MiB in all)
         memory = {dict(k[1])["worker"] for k in total if k[0] == "process_resident_memory_bytes"}
         assert memory == {"0", "1"}  # each worker's process, as the dashboard's memory panel shows it
         ready = [line for line in server.log().splitlines() if " ready: serving" in line]
