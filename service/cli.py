@@ -150,6 +150,8 @@ def cmd_verify(args: argparse.Namespace) -> int:
         except InferenceError as exc:
             raise CliError(f"cannot verify the server at {args.url}: {exc}") from exc
     else:
+        if (problem := model_dir_problem(Path(args.model_dir), flag="", serve=False)) is not None:
+            raise CliError(problem, 2)  # a wrong path is not a model that failed its check
         if (config := stored_config(ModelFiles(Path(args.model_dir)).weights)) is not None:
             _check_export_fits(config)  # the grid at T = max_seq_len, on a machine smaller than the exporter's
         report = verify_model_dir(Path(args.model_dir))
@@ -169,21 +171,22 @@ def _client_security(args: argparse.Namespace) -> dict[str, Any]:
     return options
 
 
-def model_dir_problem(model_dir: Path | None) -> str | None:
-    """What is wrong with --model-dir before anything binds or loads, said with the fix; None if
-    nothing is (or it is unset: the default model)."""
+def model_dir_problem(model_dir: Path | None, flag: str = "--model-dir ", serve: bool = True) -> str | None:
+    """What is wrong with a model directory (`flag`, then the path, names it) before anything
+    binds or loads, said with the fix; None if nothing is (or it is unset: the default model)."""
     if model_dir is None:
         return None
-    fix = f"export one with `mha export --out {model_dir}`, or leave --model-dir unset to serve the default model"
+    fix = f"export one with `mha export --out {model_dir}`"
+    fix += ", or leave --model-dir unset to serve the default model" if serve else ""
     if not model_dir.exists():
-        return f"--model-dir {model_dir}: no such directory; {fix}"
+        return f"{flag}{model_dir}: no such directory; {fix}"
     if not model_dir.is_dir():
-        return f"--model-dir {model_dir} is a file, not a directory: name the directory `mha export --out` wrote"
+        return f"{flag}{model_dir} is a file, not a directory: name the directory `mha export --out` wrote"
     from export.layout import ModelFiles
 
     weights = ModelFiles(model_dir).weights
     if not weights.is_file():
-        return f"--model-dir {model_dir} holds no exported model (no {weights.name}); {fix}"
+        return f"{flag}{model_dir} holds no exported model (no {weights.name}); {fix}"
     return None
 
 

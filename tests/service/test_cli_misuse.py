@@ -215,6 +215,18 @@ CASES = {  # name: (arguments given the fixtures, environment, exit code, what t
         2,
         "/nope/token: No such file",
     ),
+    "verify-no-such-directory": (  # before: an empty parity table, "FAIL: tolerance 1e-05", exit 1
+        lambda f: ["verify", str(f["tmp"] / "nope")],
+        {},
+        2,
+        "nope: no such directory; export one with `mha export --out",
+    ),
+    "verify-not-a-model-directory": (
+        lambda f: ["verify", str(f["tmp"])],
+        {},
+        2,
+        "holds no exported model (no weights.safetensors)",
+    ),
     "verify-server-down": (
         lambda f: ["verify", str(f["model"]), "--url", f"127.0.0.1:{f['taken']}"],
         {},
