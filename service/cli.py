@@ -471,6 +471,9 @@ def _served_width(url: str, security: dict[str, Any], args: argparse.Namespace, 
         params = config.parameters
         width, longest = int(params["d_model"].string_value), int(params["max_seq_len"].string_value)
     except (InferenceError, ValueError) as exc:
+        if isinstance(exc, InferenceError) and exc.code.name in ("UNAVAILABLE", "DEADLINE_EXCEEDED"):
+            fix = "start one (`mha serve`), or give its --url"
+            raise CliError(f"no gRPC server answers at {url}: {exc}; {fix}") from exc
         if args.d_model:
             return int(args.d_model)  # another server, or an older one: its refusals will say
         raise CliError(f"cannot read the model's width from {url}: {exc}; pass --d-model") from exc

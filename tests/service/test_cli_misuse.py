@@ -180,6 +180,18 @@ CASES = {  # name: (arguments given the fixtures, environment, exit code, what t
         "--seconds nan: expected a positive, finite number",
     ),
     "bench-seconds-inf": (lambda f: ["bench", "--url", f["url"], "--seconds", "inf"], {}, 2, "--seconds inf: expected"),
+    "bench-no-server": (  # before: "...; pass --d-model", which only ran a load of refused requests
+        lambda f: ["bench", "--url", f"127.0.0.1:{free_port()}", "--seconds", "1", "--metrics-url", "off"],
+        {},
+        1,
+        "no gRPC server answers at 127.0.0.1:",
+    ),
+    "bench-port-speaks-no-grpc": (  # a socket that accepts and never answers
+        lambda f: ["bench", "--url", f"127.0.0.1:{f['taken']}", "--seconds", "1", "--metrics-url", "off"],
+        {},
+        1,
+        "DEADLINE_EXCEEDED: Deadline Exceeded; start one (`mha serve`), or give its --url",
+    ),
     "bench-batch-zero": (lambda f: ["bench", "--url", f["url"], "--batch", "0"], {}, 2, "--batch 0: expected B >= 1"),
     "bench-batch-over-the-servers-rows": (  # before: minutes building a 3 GB request, then refused
         lambda f: ["bench", "--url", f["url"], "--batch", "100000"],
