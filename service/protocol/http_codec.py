@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import re
+import sys
 from typing import Any, TypeGuard
 
 import numpy as np
@@ -88,6 +89,9 @@ def parse_json(data: bytes, what: str) -> Any:
         raise InvalidInput(f"{what} holds a lone surrogate escape (\\ud800 to \\udfff): expected text") from exc
     except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
         raise InvalidInput(f"{what} is not valid JSON: {str(exc) or type(exc).__name__}") from exc
+    except ValueError as exc:  # an integer of more digits than Python converts from text
+        limit = sys.get_int_max_str_digits()
+        raise InvalidInput(f"{what} holds an integer of more than {limit} digits: expected numbers of 64 bits") from exc
     return doc
 
 

@@ -73,6 +73,11 @@ BAD = {
         "data must be JSON numbers, got booleans",
     ),
     "nulls": (_with(tensor={"data": [None] * 32}), 400, "data must be JSON numbers, got nulls"),
+    "integer-of-5000-digits": (  # before: 500, Python's int conversion refusing it inside json.loads
+        _with(tensor={"data": "DIGITS"}).replace(b'"DIGITS"', b"[" + b"1" * 5000 + b"]"),
+        400,
+        "holds an integer of more than 4300 digits",
+    ),
     "integer-beyond-float": (_with(tensor={"data": [10**400] + [1] * 31}), 400, "an integer too large for FP32"),
     "ragged-data": (_with(tensor={"data": [[1.0] * 16, [1.0] * 15]}), 400, "numbers in equal-length lists"),
     "sequence": (
