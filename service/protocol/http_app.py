@@ -210,7 +210,7 @@ class HttpApi:
             reserve(held)
         content = await body_of(request, reserve, held)  # and what it sends beyond: chunked, or decompressed
         header = request.headers.get(HEADER_LENGTH)
-        if header is not None and not (header.isascii() and header.isdigit()):  # ASCII: int() fails on '²'
+        if header is not None and not (header.isascii() and header.isdigit() and len(header) <= 19):  # '²', 10**5000
             raise InvalidInput(f"{HEADER_LENGTH} must be a byte count, got {header[:32]!r}")
         name, version = request.match_info["name"], request.match_info.get("version", "")
         inference, binary = request_from_json(content, int(header) if header else None, name, version)

@@ -157,12 +157,14 @@ def test_binary_data_both_ways(server: ServerThread, small_model_dir: Path) -> N
     assert code == 400 and says in json.loads(answer)["error"]  # sizes and data disagree: never half-read
 
 
-def test_a_header_length_of_unicode_digits_is_the_clients_mistake(server: ServerThread) -> None:
-    """'²' is a digit to str.isdigit and not to int(): sent as UTF-8, as curl sends it."""
+@pytest.mark.parametrize("length", ["²", "1" * 5000])
+def test_a_header_length_int_cannot_read_is_the_clients_mistake(server: ServerThread, length: str) -> None:
+    """'²' is a digit to str.isdigit and not to int() (sent as UTF-8, as curl sends it); 5000
+    digits are past the 4300 that int() converts (before: 500)."""
     body = _infer_json(np.zeros((1, 2, 32), np.float32))
     head = f"POST /v2/models/mha/infer HTTP/1.1\r\nHost: t\r\nContent-Length: {len(body)}\r\nConnection: close\r\n"
     with socket.create_connection(("127.0.0.1", server.http_port), timeout=30) as sock:
-        sock.sendall(head.encode() + "Inference-Header-Content-Length: ²\r\n\r\n".encode() + body)
+        sock.sendall(head.encode() + f"Inference-Header-Content-Length: {length}\r\n\r\n".encode() + body)
         answer = b"".join(iter(lambda: sock.recv(65536), b""))
     assert answer.startswith(b"HTTP/1.1 400") and b"must be a byte count" in answer, answer[:300]
 
