@@ -12,6 +12,10 @@ class InvalidInput(ServiceError):
     """The client sent something malformed: rank, C, T, datatype, byte count, names."""
 
 
+class UnsupportedEncoding(InvalidInput):
+    """An HTTP body in a Content-Encoding this server does not read (HTTP 415)."""
+
+
 class NotFound(ServiceError):
     """Something the client named does not exist here."""
 

@@ -265,7 +265,7 @@ async def _refresh_metrics(metrics: Metrics) -> None:
 
 async def _start_http(running: Running, settings: Settings, api: HttpApi) -> None:
     quiet_client_mistakes()
-    running.side.http = web.AppRunner(api.app(), access_log=None, handle_signals=False)
+    running.side.http = web.AppRunner(api.app(), access_log=None, handle_signals=False, auto_decompress=False)
     await running.side.http.setup()
     site = web.TCPSite(
         running.side.http,

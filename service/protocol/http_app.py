@@ -14,6 +14,7 @@ import base64
 import binascii
 import logging
 import ssl
+import zlib
 from collections.abc import Awaitable, Callable
 from functools import partial
 from typing import Any
@@ -22,7 +23,7 @@ from aiohttp import web
 
 from service.budget import Lease
 from service.engine.door import Door
-from service.errors import ClientGone, InvalidInput, NotReady, TooLarge, quote
+from service.errors import ClientGone, InvalidInput, NotReady, TooLarge, UnsupportedEncoding, quote
 from service.protocol import model_calls, trace_calls
 from service.protocol.answer import Answering
 from service.protocol.auth import HTTP_HOW, BearerToken
@@ -53,25 +54,31 @@ RESERVE_STEP = 2**20  # a body without Content-Length is held in the in-flight b
 
 
 async def body_of(request: web.Request, reserve: Callable[[int], None] | None = None, held: int = 0) -> bytes:
-    """A request's body (decompressed, for a Content-Encoding). `reserve(n)`: n more bytes, beyond
-    the `held` already reserved, are about to be kept (the in-flight budget takes them or refuses):
-    a body without Content-Length, or one that decompresses, is read as it arrives and held as it
-    grows, not read whole first; one of known size is read at once (aiohttp's read: 5 % faster
-    than iterating, docs/benchmarks.md). What stops a body being read is the client's: over the
-    limit, not decodable by its Content-Encoding, or a client that left before sending all of it."""
-    parts, size = [], 0
+    """A request's body, decompressed when its Content-Encoding is gzip or deflate (any other is
+    refused, 415). `reserve(n)`: n more bytes, beyond the `held` already reserved, are about to be
+    kept (the in-flight budget takes them or refuses): a body without Content-Length, or one that
+    decompresses, is read as it arrives and held as it grows, never inflated past the limit; one
+    of known size is read at once (aiohttp's read: 5 % faster than iterating, docs/benchmarks.md).
+    What stops a body being read is the client's: over the limit, not decodable by its
+    Content-Encoding, or a client that left before sending all of it."""
+    inflater = Inflater.of(request.headers.get("Content-Encoding", ""))
+    limit, parts, size = request.app[BODY_LIMIT_MIB] * 2**20, [], 0
     try:
-        if reserve is None or (held and not request.headers.get("Content-Encoding")):  # its size known, held
+        if inflater is None and (reserve is None or held):  # its size known, held
             return await request.read()
         async for chunk in request.content.iter_any():
+            if inflater is not None:
+                chunk = inflater.inflate(chunk, limit - size)
             size += len(chunk)
-            if size > request.app[BODY_LIMIT_MIB] * 2**20:
+            if size > limit:
                 raise _too_large(request)
-            if size > held:
+            if reserve is not None and size > held:
                 grant = max(size - held, RESERVE_STEP)  # a lease per MiB, not per chunk
                 reserve(grant)
                 held += grant
             parts.append(chunk)
+        if inflater is not None:
+            inflater.end()
     except web.HTTPRequestEntityTooLarge as exc:
         raise _too_large(request) from exc
     except web.RequestPayloadError as exc:
@@ -79,6 +86,50 @@ async def body_of(request: web.Request, reserve: Callable[[int], None] | None = 
     except ConnectionError as exc:  # the client left while sending: nobody waits for an answer
         raise ClientGone(f"the client closed the connection before its body was whole ({exc})") from exc
     return b"".join(parts)
+
+
+CODINGS = {"gzip": 16 + zlib.MAX_WBITS, "x-gzip": 16 + zlib.MAX_WBITS, "deflate": zlib.MAX_WBITS}  # zlib's wbits
+
+
+class Inflater:
+    """A gzip or deflate body inflated chunk by chunk, never more than the room left at a time (a
+    few KiB of zeros can inflate to GiBs). aiohttp's own decompression is off (`auto_decompress`):
+    it answered an encoding it lacks (br, zstd) in plain text, asking the client to install a
+    library, and read one it does not know as plain bytes."""
+
+    def __init__(self, encoding: str) -> None:
+        self.encoding = encoding
+        self._zlib: Any = None
+
+    @classmethod
+    def of(cls, header: str) -> Inflater | None:
+        encoding = header.strip().lower()
+        if encoding in ("", "identity"):
+            return None
+        if encoding not in CODINGS:
+            raise UnsupportedEncoding(
+                f"Content-Encoding {quote(header, 40)} is not one this server reads: send gzip, deflate or none"
+            )
+        return cls(encoding)
+
+    def inflate(self, chunk: bytes, room: int) -> bytes:
+        """What `chunk` inflates to; past `room` bytes, one byte more (the caller refuses the body)."""
+        if self._zlib is None or not self._zlib.eof or self._zlib.unused_data:
+            wbits = CODINGS[self.encoding]
+            if self.encoding == "deflate" and chunk[0] & 0x0F != 8:  # raw deflate, without zlib's header
+                wbits = -zlib.MAX_WBITS
+            self._zlib = zlib.decompressobj(wbits)
+        try:
+            return bytes(self._zlib.decompress(chunk, room + 1))
+        except zlib.error as exc:
+            raise self._unreadable(str(exc)) from exc
+
+    def end(self) -> None:
+        if self._zlib is None or not self._zlib.eof or self._zlib.unused_data:
+            raise self._unreadable("it ends before its compressed stream does, or goes on after it")
+
+    def _unreadable(self, why: str) -> InvalidInput:
+        return InvalidInput(f"the request body cannot be read as {self.encoding}: {why}")
 
 
 def _too_large(request: web.Request) -> TooLarge:

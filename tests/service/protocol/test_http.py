@@ -11,6 +11,7 @@ import socket
 import time
 import urllib.error
 import urllib.request
+import zlib
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -189,6 +190,46 @@ def test_a_body_that_cannot_be_read_is_the_clients_mistake(server: ServerThread,
     bomb = gzip.compress(bytes(65 << 20), compresslevel=1)  # 65 MiB of zeros in about 64 KiB
     code, _, answer = _call(server.http_port, path, bomb, gzip_header)
     assert code == 413 and "larger than this server's limit of 64 MiB" in json.loads(answer)["error"], answer
+
+
+def _raw_deflate(data: bytes) -> bytes:
+    squeeze = zlib.compressobj(wbits=-zlib.MAX_WBITS)
+    return squeeze.compress(data) + squeeze.flush()
+
+
+ENCODED = {  # Content-Encoding: what makes the body
+    "gzip": gzip.compress,
+    "x-gzip": gzip.compress,
+    "deflate": zlib.compress,  # RFC 9110's deflate: zlib's format
+    "Deflate": _raw_deflate,  # as some clients send it: raw, without zlib's header
+}
+
+
+@pytest.mark.parametrize("encoding", ENCODED)
+def test_a_compressed_body_answers_as_the_plain_one(server: ServerThread, encoding: str) -> None:
+    x = np.random.default_rng(5).standard_normal((2, 3, 32), dtype=np.float32)
+    plain = _call(server.http_port, "/v2/models/mha/infer", _infer_json(x))
+    body = ENCODED[encoding](_infer_json(x))
+    packed = _call(server.http_port, "/v2/models/mha/infer", body, {"Content-Encoding": encoding})
+    assert plain[0] == packed[0] == 200 and json.loads(plain[2])["outputs"] == json.loads(packed[2])["outputs"]
+
+
+@pytest.mark.parametrize("encoding", ["br", "zstd", "compress", "gzip, gzip"])
+def test_a_body_in_an_encoding_the_server_does_not_read_is_415(server: ServerThread, encoding: str) -> None:
+    """Before: br and zstd answered 400 in plain text ("Please install `Brotli`"), and an encoding
+    aiohttp did not know was read as plain bytes."""
+    body = _infer_json(np.zeros((1, 2, 32), np.float32))
+    code, headers, answer = _call(server.http_port, "/v2/models/mha/infer", body, {"Content-Encoding": encoding})
+    assert code == 415 and headers["Content-Type"].startswith("application/json"), answer
+    assert f"Content-Encoding {encoding!r} is not one this server reads" in json.loads(answer)["error"]
+
+
+@pytest.mark.parametrize("cut", ["truncated", "trailing"])
+def test_a_gzip_body_cut_short_or_followed_by_more_is_400(server: ServerThread, cut: str) -> None:
+    packed = gzip.compress(_infer_json(np.zeros((1, 2, 32), np.float32)))
+    body = packed[:-9] if cut == "truncated" else packed + b"more"
+    code, _, answer = _call(server.http_port, "/v2/models/mha/infer", body, {"Content-Encoding": "gzip"})
+    assert code == 400 and "cannot be read as gzip" in json.loads(answer)["error"], answer
 
 
 def test_a_body_without_length_is_held_in_the_budget_as_it_arrives(small_model_dir: Path) -> None:
