@@ -62,15 +62,16 @@ async def body_of(request: web.Request, reserve: Callable[[int], None] | None = 
     What stops a body being read is the client's: over the limit, not decodable by its
     Content-Encoding, or a client that left before sending all of it."""
     inflater = Inflater.of(request.headers.get("Content-Encoding", ""))
-    limit, parts, size = request.app[BODY_LIMIT_MIB] * 2**20, [], 0
+    limit, parts, size, sent = request.app[BODY_LIMIT_MIB] * 2**20, [], 0, 0
     try:
         if inflater is None and (reserve is None or held):  # its size known, held
             return await request.read()
         async for chunk in request.content.iter_any():
+            sent += len(chunk)  # as sent, too: empty deflate blocks inflate to nothing, without end
             if inflater is not None:
                 chunk = inflater.inflate(chunk, limit - size)
             size += len(chunk)
-            if size > limit:
+            if size > limit or sent > limit:
                 raise _too_large(request)
             if reserve is not None and size > held:
                 grant = max(size - held, RESERVE_STEP)  # a lease per MiB, not per chunk
@@ -114,7 +115,7 @@ class Inflater:
 
     def inflate(self, chunk: bytes, room: int) -> bytes:
         """What `chunk` inflates to; past `room` bytes, one byte more (the caller refuses the body)."""
-        if self._zlib is None or not self._zlib.eof or self._zlib.unused_data:
+        if self._zlib is None:
             wbits = CODINGS[self.encoding]
             if self.encoding == "deflate" and chunk[0] & 0x0F != 8:  # raw deflate, without zlib's header
                 wbits = -zlib.MAX_WBITS

@@ -206,8 +206,9 @@ ENCODED = {  # Content-Encoding: what makes the body
 
 
 @pytest.mark.parametrize("encoding", ENCODED)
-def test_a_compressed_body_answers_as_the_plain_one(server: ServerThread, encoding: str) -> None:
-    x = np.random.default_rng(5).standard_normal((2, 3, 32), dtype=np.float32)
+@pytest.mark.parametrize("shape", [(2, 3, 32), (8, 64, 32)])  # one chunk as read, and several
+def test_a_compressed_body_answers_as_the_plain_one(server: ServerThread, encoding: str, shape: tuple) -> None:
+    x = np.random.default_rng(5).standard_normal(shape, dtype=np.float32)
     plain = _call(server.http_port, "/v2/models/mha/infer", _infer_json(x))
     body = ENCODED[encoding](_infer_json(x))
     packed = _call(server.http_port, "/v2/models/mha/infer", body, {"Content-Encoding": encoding})
@@ -230,6 +231,14 @@ def test_a_gzip_body_cut_short_or_followed_by_more_is_400(server: ServerThread, 
     body = packed[:-9] if cut == "truncated" else packed + b"more"
     code, _, answer = _call(server.http_port, "/v2/models/mha/infer", body, {"Content-Encoding": "gzip"})
     assert code == 400 and "cannot be read as gzip" in json.loads(answer)["error"], answer
+
+
+def test_a_compressed_body_that_inflates_to_nothing_is_bounded_as_sent(small_model_dir: Path) -> None:
+    """Empty deflate blocks (5 bytes each) inflate to nothing: a body of them was read without end."""
+    with ServerThread(make_settings(small_model_dir, backend="torch", http_port=0, max_message_mb=1)) as s:
+        empty_blocks = b"\x00\x00\x00\xff\xff" * (2**20 // 5 + 1)  # raw deflate, just over 1 MiB
+        code, _, answer = _call(s.http_port, "/v2/models/mha/infer", empty_blocks, {"Content-Encoding": "deflate"})
+        assert code == 413 and "larger than this server's limit of 1 MiB" in json.loads(answer)["error"], answer
 
 
 def test_a_body_without_length_is_held_in_the_budget_as_it_arrives(small_model_dir: Path) -> None:
