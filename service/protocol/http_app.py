@@ -121,7 +121,7 @@ class Inflater:
                 wbits = -zlib.MAX_WBITS
             self._zlib = zlib.decompressobj(wbits)
         try:
-            return bytes(self._zlib.decompress(chunk, room + 1))
+            return self._zlib.decompress(chunk, room + 1)  # type: ignore[no-any-return]
         except zlib.error as exc:
             raise self._unreadable(str(exc)) from exc
 

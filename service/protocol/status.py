@@ -88,6 +88,6 @@ SERVER_FAULTS = frozenset(  # a span's status is ERROR for these only (OpenTelem
 def http_status(code: grpc.StatusCode, error: BaseException | None) -> int:
     """The HTTP status of a call's outcome: its gRPC code's, but 413 for a body that can never fit
     (429 would say: retry), and 415 for a body in an encoding the server does not read."""
-    if isinstance(error, TooLarge | UnsupportedEncoding):
-        return 413 if isinstance(error, TooLarge) else 415
-    return HTTP_STATUS.get(code, 500)
+    if isinstance(error, TooLarge):
+        return 413
+    return 415 if isinstance(error, UnsupportedEncoding) else HTTP_STATUS.get(code, 500)
