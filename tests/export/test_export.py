@@ -184,3 +184,28 @@ def test_verify_cli_passes_and_catches_corruption(
     out = capsys.readouterr().out
     assert "model.onnx: sha256" in out and "FAIL" in out
     assert not verify_model_dir(broken).ok
+
+
+def _nan_runner(x: np.ndarray) -> np.ndarray:
+    return np.full(x.shape, np.nan, np.float32)
+
+
+def test_a_graph_that_answers_nan_fails_parity_and_says_why(small_config: MHAConfig) -> None:
+    """NaN compares False with every tolerance: each check must count it as over, not within.
+    Before, `mha verify` listed a half-precision graph's failures with `worst > tolerance`, so a
+    graph answering NaN passed there."""
+    from export.verify import ParityReport, ParityRow, check_parity
+
+    weights = init_weights(small_config, 0)
+    report = check_parity(_nan_runner, small_config, weights, [(1, 3), (2, 5)])
+    assert not report.ok and len(report.failures()) == 3, report.failures()
+    assert "the output is not finite (NaN or inf)" in report.failures()[0]
+    second_nan = ParityRow(1, 3, rel_view=1e-7, rel_einsum=float("nan"), abs_view=0.0, abs_einsum=0.0)
+    assert not ParityReport(1e-5, rows=[second_nan]).ok  # max(1e-7, nan) is 1e-7: NaN second was dropped
+
+
+def test_weights_that_overflow_float32_are_refused_with_the_reason(tmp_path: Path, small_config: MHAConfig) -> None:
+    weights = {name: w * 1e30 if name.endswith("weight") else w for name, w in init_weights(small_config, 0).items()}
+    with pytest.raises(ParityError) as info:
+        export_model_dir(tmp_path / "huge", small_config, weights)
+    assert "problem: the output is not finite (NaN or inf)" in info.value.report.table()

@@ -94,6 +94,19 @@ def test_a_wrong_weight_fails_step_parity(small_model_dir: Path, tmp_path: Path)
     assert good.ok, good.table()
 
 
+def test_present_keys_of_nan_fail_step_parity(small_model_dir: Path) -> None:
+    """The step's y right and its present keys NaN: before, `NaN > tolerance` let them pass."""
+    config, weights = load_checkpoint(small_model_dir / "weights.safetensors")
+    run = ort_step_runner(*ModelFiles(small_model_dir).steps)
+
+    def nan_keys(*inputs: np.ndarray) -> tuple[np.ndarray, ...]:
+        y, present_key, present_value = run(*inputs)
+        return y, np.full_like(present_key, np.nan), present_value
+
+    report = check_step_parity(nan_keys, config, weights, step_parity_grid(config.max_seq_len)[:2])
+    assert not report.ok and "present keys / values off by nan" in report.table(), report.table()
+
+
 @pytest.mark.parametrize("name", STEP_FILES)
 def test_a_tampered_step_graph_fails_verification(small_model_dir: Path, tmp_path: Path, name: str) -> None:
     for file in ("model.onnx", "weights.safetensors", "manifest.json", *STEP_FILES):
