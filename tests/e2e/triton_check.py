@@ -138,13 +138,14 @@ def check_http(url):
     rng = np.random.default_rng(6)
     C = int(seen["metadata"]["inputs"][0]["shape"][-1])
     unary = []
-    cases = [(1, 1, True, True), (2, 13, False, False), (3, 64, True, False)]  # B, T, binary in, binary out
-    for i, (B, T, binary_in, binary_out) in enumerate(cases):
+    cases = [(1, 1, True, True, None), (2, 13, False, False, "gzip"), (3, 64, True, False, "deflate")]
+    for i, (B, T, binary_in, binary_out, packed) in enumerate(cases):  # packed: both ways compressed so
         x = rng.standard_normal((B, T, C), dtype=np.float32)
         tensor = httpclient.InferInput("x", list(x.shape), "FP32")
         tensor.set_data_from_numpy(x, binary_data=binary_in)
         outputs = [httpclient.InferRequestedOutput("y", binary_data=binary_out)]
-        result = client.infer("mha", [tensor], outputs=outputs, request_id=f"h{i}")
+        packing = {"request_compression_algorithm": packed, "response_compression_algorithm": packed}
+        result = client.infer("mha", [tensor], outputs=outputs, request_id=f"h{i}", **packing)
         unary.append({"x": x.tolist(), "y": result.as_numpy("y").tolist(), "id": result.get_response()["id"]})
     x = rng.standard_normal((1, 5, C), dtype=np.float32)
     tensor = httpclient.InferInput("x", list(x.shape), "FP32")
