@@ -144,17 +144,18 @@ def cmd_verify(args: argparse.Namespace) -> int:
     from model.checkpoint import stored_config
     from service.client.client import InferenceError
 
+    model_dir = Path(args.model_dir)
     if args.url:
         try:
-            report = verify_server(args.url, Path(args.model_dir), **_client_security(args))
+            report = verify_server(args.url, model_dir, **_client_security(args))
         except InferenceError as exc:
             raise CliError(f"cannot verify the server at {args.url}: {exc}") from exc
     else:
-        if (problem := model_dir_problem(Path(args.model_dir), flag="", serve=False)) is not None:
+        if (problem := model_dir_problem(model_dir, flag="", serve=False)) is not None:
             raise CliError(problem, 2)  # a wrong path is not a model that failed its check
-        if (config := stored_config(ModelFiles(Path(args.model_dir)).weights)) is not None:
+        if (config := stored_config(ModelFiles(model_dir).weights)) is not None:
             _check_export_fits(config)  # the grid at T = max_seq_len, on a machine smaller than the exporter's
-        report = verify_model_dir(Path(args.model_dir))
+        report = verify_model_dir(model_dir)
     sys.stdout.write(report.table() + "\n")
     return 0 if report.ok else 1
 
