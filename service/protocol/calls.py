@@ -60,6 +60,7 @@ class Call:
 
 HANDED_OVER = "HandedOver"  # the method, on the worker that computes it, of a request another worker handed over
 DEADLINE_SLACK_S = 0.1  # the client's deadline fires before ours by the request's transit time
+DEADLINE_RACE_S = 0.002  # a refusal this close to the call's deadline is left to gRPC's
 
 
 def _ended_code(context: grpc.aio.ServicerContext | None) -> grpc.StatusCode:
@@ -236,15 +237,32 @@ class _Scope:
 
 
 class UnaryScope(_Scope):
-    """A whole call: a failure aborts it with the mapped status."""
+    """A whole call: a failure aborts it with the mapped status. Past its deadline gRPC ends the
+    call with DEADLINE_EXCEEDED itself, and the scope leaves it to gRPC."""
 
     async def __aexit__(
         self, typ: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
+        assert self._context is not None, "a unary scope has a gRPC context"
+        expired = not isinstance(exc, LEFT) and _past_deadline(self._context, exc is None)
+        if expired and exc is None:
+            self.call.code = grpc.StatusCode.DEADLINE_EXCEEDED
+            self.call.message = "answered after the deadline: the answer was not delivered"
         self._exit(exc)
+        if expired:  # an answer or status sent now would race gRPC's own, and fail as a server error
+            raise asyncio.CancelledError
         if isinstance(exc, Exception):
-            assert self._context is not None, "a unary scope has a gRPC context"
             await self._context.abort(self.call.code, self.call.message)
+
+
+def _past_deadline(context: grpc.aio.ServicerContext, answered: bool) -> bool:
+    """Whether gRPC ends the call with DEADLINE_EXCEEDED itself: its deadline has passed (an
+    answer), or passes within DEADLINE_RACE_S (a refusal: the server's own deadline check fires
+    with gRPC's, by another clock)."""
+    remaining = context.time_remaining()
+    if remaining is None:
+        return False
+    return remaining <= 0 if answered else remaining <= DEADLINE_RACE_S
 
 
 class InBandScope(_Scope):
