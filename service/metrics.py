@@ -219,7 +219,8 @@ class AuditSeries:
         self.seconds = counter("mha_audit_seconds", "Time the audit thread spent recomputing answers.")
         self.mismatches = counter(
             "mha_audit_mismatches",
-            "Audited answers beyond the precision's tolerance: each an incident, its backend quarantined.",
+            "Audited answers beyond the precision's tolerance and the format's own error on their input: "
+            "each an incident, its backend quarantined.",
             ["backend", "device", "precision"],
         )
         self.skipped = counter("mha_audit_skipped", "Sampled answers not audited, by reason.", ["reason"])

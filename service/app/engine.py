@@ -5,7 +5,6 @@ scrape. The one place these parts meet."""
 from __future__ import annotations
 
 import logging
-import math
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -13,7 +12,7 @@ from functools import partial
 
 from service.batching import Clock, MonotonicClock
 from service.budget import MIB, InflightBudget
-from service.engine.audit import AuditLimits, Auditor, Reference, Sample, mismatch_message
+from service.engine.audit import AuditLimits, Auditor, Check, Sample, mismatch_message
 from service.engine.door import Door, SequenceId
 from service.engine.inflight import InFlight
 from service.engine.keeper import Compute, ComputeHook, VersionKeeper, merged_rows
@@ -127,16 +126,16 @@ def _audit_limits(s: Settings) -> AuditLimits:
     return AuditLimits(*limits, busy_depth=merged_rows(s))
 
 
-def _audited(metrics: Metrics, executor: ThreadPoolExecutor) -> Callable[[Sample, Reference, float, float], None]:
+def _audited(metrics: Metrics, executor: ThreadPoolExecutor) -> Callable[[Sample, Check, float], None]:
     """An audit's verdict (on the audit thread): counted; a mismatch logged, counted by backend,
     device and precision, and its backend quarantined on the compute thread (where the chain runs)."""
 
-    def audited(sample: Sample, reference: Reference, error: float, spent_s: float) -> None:
+    def audited(sample: Sample, check: Check, spent_s: float) -> None:
         metrics.audit.checked_one(spent_s)
-        if math.isfinite(error) and error <= reference.tolerance:
+        if check.passed:
             return
         metrics.audit.mismatch(sample.backend, sample.device, sample.precision)
-        log.error(mismatch_message(sample, reference.tolerance, error))
+        log.error(mismatch_message(sample, check))
         executor.submit(sample.quarantine, sample.backend)
 
     return audited

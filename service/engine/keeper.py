@@ -177,7 +177,8 @@ class VersionKeeper:
         )
         decoder = Decoder(self._sequences(model, chain), steps, require_offset=s.require_sequence_offset)
         check = selection.check
-        reference = Reference(check.config, check.weights, check.tolerance) if s.audit_rate > 0 else None
+        audit = s.audit_rate > 0
+        reference = Reference(check.config, check.weights, check.tolerance, model.precision) if audit else None
         loaded = Loaded(model, selection, chain, batcher, decoder, reference=reference)
         batcher.start()
         decoder.start(expiry_period_s=min(1.0, max(s.sequence_idle_timeout_s / 4, 0.05)))
