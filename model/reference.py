@@ -45,6 +45,16 @@ def attention_view(x: torch.Tensor, weights: Mapping[str, torch.Tensor], config:
     return _linear(y, weights, "o_proj")
 
 
+def attention_scores(x: torch.Tensor, weights: Mapping[str, torch.Tensor], config: MHAConfig) -> torch.Tensor:
+    """The scores `q @ k^T / sqrt(hs)` of every head, before the mask and the softmax."""
+    x = x.to(torch.float64)
+    B, T, _ = x.shape
+    nh, hs = config.n_head, config.head_size
+    q = _linear(x, weights, "q_proj").view(B, T, nh, hs).transpose(1, 2)  # (B, nh, T, hs)
+    k = _linear(x, weights, "k_proj").view(B, T, nh, hs).transpose(1, 2)  # (B, nh, T, hs)
+    return (q @ k.transpose(-2, -1)) / math.sqrt(hs)  # (B, nh, T, T)
+
+
 def attention_einsum(x: torch.Tensor, weights: Mapping[str, torch.Tensor], config: MHAConfig) -> torch.Tensor:
     """The einsum formulation, one head at a time."""
     x = x.to(torch.float64)

@@ -32,8 +32,8 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from model import MHAConfig, MultiHeadAttention
-from model.reference import attention_view, relative_error
+from model import MHAConfig
+from model.reference import attention_scores, attention_view, relative_error
 from service.errors import quote
 from service.metrics import AUDIT_SKIPS
 
@@ -79,7 +79,6 @@ class Reference:
     ) -> None:
         self.config, self.tolerance, self.roundoff = config, tolerance, UNIT_ROUNDOFF[precision]
         self.weights = {name: w.to(torch.float64) for name, w in weights.items()}
-        self._module = MultiHeadAttention.from_weights(config, weights, fast=False).to(torch.float64)
 
     def check(self, x: np.ndarray, y: np.ndarray) -> Check:
         """The served (1, T, C) `y` against the reference on `x`."""
@@ -94,8 +93,7 @@ class Reference:
         """The largest |q . k| / sqrt(hs) over the heads and the pairs attended (float64): the
         served format rounds a score of size S by about roundoff * S, which no computation in it
         avoids, and the softmax turns that into the same relative error in the weights."""
-        q, k, _ = self._module.project(torch.from_numpy(x).to(torch.float64))  # (1, nh, T, hs) each
-        scores = (q @ k.transpose(-2, -1)).abs() / math.sqrt(self.config.head_size)  # (1, nh, T, T)
+        scores = attention_scores(torch.from_numpy(x), self.weights, self.config).abs()  # (1, nh, T, T)
         if self.config.causal:
             scores = scores.tril()  # the pairs a causal row attends
         return float(scores.max())

@@ -9,7 +9,7 @@ import torch
 
 from model import MHAConfig, MultiHeadAttention
 from model.checkpoint import init_weights
-from model.reference import attention_einsum, attention_view, causal_mask, relative_error
+from model.reference import attention_einsum, attention_scores, attention_view, causal_mask, relative_error
 
 CONFIGS = [
     MHAConfig(),
@@ -127,6 +127,20 @@ def test_scale_is_one_over_sqrt_head_size() -> None:
     expected = torch.softmax(x[0] @ x[0].T / math.sqrt(4), dim=-1) @ x[0]
     assert torch.allclose(attention_view(x, weights, config)[0], expected, atol=1e-12)
     assert torch.allclose(attention_einsum(x, weights, config)[0], expected, atol=1e-12)
+
+
+def test_the_scores_are_those_the_reference_softmaxes() -> None:
+    """attention_scores (the audit's measure of an input's conditioning): masked and softmaxed,
+    they weight the values into the reference's answer."""
+    config = MHAConfig(d_model=8, n_head=2, max_seq_len=16)
+    weights = {k: v.to(torch.float64) for k, v in init_weights(config, seed=1).items()}
+    x = torch.randn(1, 5, 8, dtype=torch.float64)
+    scores = attention_scores(x, weights, config)  # (1, nh, T, T)
+    att = torch.softmax(scores.masked_fill(~causal_mask(5), -math.inf), dim=-1)
+    v = (x @ weights["v_proj.weight"].T + weights["v_proj.bias"]).view(1, 5, 2, 4).transpose(1, 2)  # (1, nh, T, hs)
+    heads = (att @ v).transpose(1, 2).reshape(1, 5, 8)  # (1, T, C)
+    y = heads @ weights["o_proj.weight"].T + weights["o_proj.bias"]
+    assert torch.allclose(y, attention_view(x, weights, config), atol=1e-12)
 
 
 @pytest.mark.parametrize(
