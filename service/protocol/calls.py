@@ -63,6 +63,12 @@ DEADLINE_SLACK_S = 0.1  # the client's deadline fires before ours by the request
 DEADLINE_RACE_S = 0.002  # a refusal this close to the call's deadline is left to gRPC's
 
 
+LEFT_BEFORE_ANSWER = {  # what a call's log line says when it ended under us
+    grpc.StatusCode.DEADLINE_EXCEEDED: "its deadline passed before the answer",
+    grpc.StatusCode.CANCELLED: "the client cancelled it or went away before the answer",
+}
+
+
 def _ended_code(context: grpc.aio.ServicerContext | None) -> grpc.StatusCode:
     """Why a call was cancelled under us: its deadline passed (the client's timer, which runs a
     little ahead of ours, may end the call first), or the client went away."""
@@ -223,6 +229,7 @@ class _Scope:
         if exc is not None:
             if isinstance(exc, LEFT):
                 call.code = _ended_code(self._context)
+                call.message = LEFT_BEFORE_ANSWER[call.code]
             else:
                 self._calls.failed(call, exc)
         if call.span is not None:

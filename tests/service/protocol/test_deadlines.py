@@ -32,14 +32,17 @@ def _counts(server: ServerThread, method: str) -> dict[str, float]:
     return {c: get("mha_requests_total", {"method": method, "code": c}) or 0.0 for c in CODES}
 
 
-async def _call_late(calls: Calls, method: str, refuse: bool) -> grpc.StatusCode:
-    """One call to a real gRPC server whose handler, inside the call scope, is busy until the
-    call's 0.1 s deadline has passed, then answers (or refuses); the code the client got."""
+async def _call_late(calls: Calls, method: str, how: str) -> grpc.StatusCode:
+    """One call to a real gRPC server whose handler, inside the call scope, is still at work when
+    the call's 0.1 s deadline passes: it keeps the loop busy, then answers or refuses, or it
+    waits (gRPC cancels it under it). The code the client got."""
 
     async def late(request: bytes, context: grpc.aio.ServicerContext) -> bytes:
         async with calls.unary(method, context, inference=True):
+            if how == "waiting":
+                await asyncio.sleep(0.4)
             time.sleep(0.4)  # the loop is busy: gRPC's own end of the call waits behind it
-            if refuse:
+            if how == "refused":
                 raise DeadlineExceeded("deadline passed in the queue")  # the server's own check, by its clock
             return b"late"
 
@@ -59,14 +62,23 @@ async def _call_late(calls: Calls, method: str, refuse: bool) -> grpc.StatusCode
         await server.stop(0)
 
 
-@pytest.mark.parametrize("refuse", [False, True], ids=["answered", "refused"])
-def test_a_call_answered_after_its_deadline_is_counted_deadline_exceeded_and_logs_no_error(
-    server: ServerThread, caplog: pytest.LogCaptureFixture, refuse: bool
+WHY = {
+    "answered": "answered after the deadline",
+    "refused": "deadline passed in the queue",
+    "waiting": "its deadline passed before the answer",
+}
+
+
+@pytest.mark.parametrize("how", list(WHY))
+def test_a_call_still_at_work_at_its_deadline_is_counted_deadline_exceeded_logs_why_and_no_error(
+    server: ServerThread, caplog: pytest.LogCaptureFixture, how: str
 ) -> None:
     engine = server.engine
     calls = Calls(engine.door, engine.metrics, engine.tracing)
-    method = f"Late{refuse}"
-    assert asyncio.run(_call_late(calls, method, refuse)) == grpc.StatusCode.DEADLINE_EXCEEDED
+    method = f"Late{how}"
+    assert asyncio.run(_call_late(calls, method, how)) == grpc.StatusCode.DEADLINE_EXCEEDED
     assert _counts(server, method) == {**dict.fromkeys(CODES, 0.0), "DEADLINE_EXCEEDED": 1.0}
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith(method)]
+    assert len(lines) == 1 and WHY[how] in lines[0], lines  # the call's one log line says why
     errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
     assert errors == [], errors
