@@ -45,14 +45,30 @@ def attention_view(x: torch.Tensor, weights: Mapping[str, torch.Tensor], config:
     return _linear(y, weights, "o_proj")
 
 
-def attention_scores(x: torch.Tensor, weights: Mapping[str, torch.Tensor], config: MHAConfig) -> torch.Tensor:
-    """The scores `q @ k^T / sqrt(hs)` of every head, before the mask and the softmax."""
+def score_rounding_error(x: torch.Tensor, weights: Mapping[str, torch.Tensor], config: MHAConfig) -> float:
+    """How far rounding the attention scores moves the answer, to first order: ||dy|| / ||y|| when
+    each score may be off by one unit of the size its dot product reaches, |q| |k| / sqrt(hs)
+    (a sum that cancels is rounded at the size of its terms). A score off by e_ij moves a head's
+    row i by sum_j p_ij e_ij (v_j - y_i): nothing where the softmax is sure, most where it weighs
+    distant values alike. Heads fill columns of their own; o_proj scales by its spectral norm."""
     x = x.to(torch.float64)
-    B, T, _ = x.shape
+    B, T, C = x.shape
     nh, hs = config.n_head, config.head_size
     q = _linear(x, weights, "q_proj").view(B, T, nh, hs).transpose(1, 2)  # (B, nh, T, hs)
     k = _linear(x, weights, "k_proj").view(B, T, nh, hs).transpose(1, 2)  # (B, nh, T, hs)
-    return (q @ k.transpose(-2, -1)) / math.sqrt(hs)  # (B, nh, T, T)
+    v = _linear(x, weights, "v_proj").view(B, T, nh, hs).transpose(1, 2)  # (B, nh, T, hs)
+    att = (q @ k.transpose(-2, -1)) / math.sqrt(hs)  # (B, nh, T, T)
+    reach = q.norm(dim=-1)[..., :, None] * k.norm(dim=-1)[..., None, :] / math.sqrt(hs)  # (B, nh, T, T)
+    if config.causal:
+        att = att.masked_fill(~causal_mask(T), -math.inf)
+    p = torch.softmax(att, dim=-1)
+    y = p @ v  # (B, nh, T, hs)
+    square = (v * v).sum(-1)[..., None, :] + (y * y).sum(-1)[..., :, None] - 2 * (y @ v.transpose(-2, -1))
+    moved = (p * reach * square.clamp_min(0).sqrt()).sum(-1)  # (B, nh, T): |dy_i| per unit of error
+    out = _linear(y.transpose(1, 2).contiguous().view(B, T, C), weights, "o_proj")  # (B, T, C)
+    o_norm = torch.linalg.matrix_norm(weights["o_proj.weight"].to(torch.float64), ord=2)
+    size = float(out.norm())
+    return float(o_norm * moved.norm()) / size if size > 0 else 0.0
 
 
 def attention_einsum(x: torch.Tensor, weights: Mapping[str, torch.Tensor], config: MHAConfig) -> torch.Tensor:

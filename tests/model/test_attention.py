@@ -9,7 +9,7 @@ import torch
 
 from model import MHAConfig, MultiHeadAttention
 from model.checkpoint import init_weights
-from model.reference import attention_einsum, attention_scores, attention_view, causal_mask, relative_error
+from model.reference import attention_einsum, attention_view, causal_mask, relative_error, score_rounding_error
 
 CONFIGS = [
     MHAConfig(),
@@ -129,18 +129,31 @@ def test_scale_is_one_over_sqrt_head_size() -> None:
     assert torch.allclose(attention_einsum(x, weights, config)[0], expected, atol=1e-12)
 
 
-def test_the_scores_are_those_the_reference_softmaxes() -> None:
-    """attention_scores (the audit's measure of an input's conditioning): masked and softmaxed,
-    they weight the values into the reference's answer."""
-    config = MHAConfig(d_model=8, n_head=2, max_seq_len=16)
-    weights = {k: v.to(torch.float64) for k, v in init_weights(config, seed=1).items()}
-    x = torch.randn(1, 5, 8, dtype=torch.float64)
-    scores = attention_scores(x, weights, config)  # (1, nh, T, T)
-    att = torch.softmax(scores.masked_fill(~causal_mask(5), -math.inf), dim=-1)
-    v = (x @ weights["v_proj.weight"].T + weights["v_proj.bias"]).view(1, 5, 2, 4).transpose(1, 2)  # (1, nh, T, hs)
-    heads = (att @ v).transpose(1, 2).reshape(1, 5, 8)  # (1, T, C)
-    y = heads @ weights["o_proj.weight"].T + weights["o_proj.bias"]
-    assert torch.allclose(y, attention_view(x, weights, config), atol=1e-12)
+def _heads(x: torch.Tensor, weights: dict, config: MHAConfig, name: str) -> torch.Tensor:
+    B, T, _ = x.shape
+    projected = x @ weights[f"{name}.weight"].T + weights[f"{name}.bias"]  # (B, T, C)
+    return projected.view(B, T, config.n_head, config.head_size).transpose(1, 2)  # (B, nh, T, hs)
+
+
+@pytest.mark.parametrize("scale", [1.0, 30.0, 300.0])
+def test_score_rounding_error_bounds_what_scores_moved_within_their_reach_do(scale: float) -> None:
+    """score_rounding_error(x) is a first-order bound: scores each moved by at most d times the
+    size their dot product reaches (|q| |k| / sqrt(hs)) move the answer by at most d times it."""
+    config = MHAConfig(d_model=16, n_head=2, max_seq_len=32)
+    weights = {k: v.to(torch.float64) for k, v in init_weights(config, seed=2).items()}
+    weights["o_proj.weight"] = weights["o_proj.weight"] * 10  # a spectral norm above 1, as trained ones have
+    generator, d = torch.Generator().manual_seed(0), 1e-9
+    for _ in range(10):
+        x = torch.randn(1, 12, 16, dtype=torch.float64, generator=generator) * scale
+        q, k, v = (_heads(x, weights, config, name) for name in ("q_proj", "k_proj", "v_proj"))
+        reach = q.norm(dim=-1)[..., :, None] * k.norm(dim=-1)[..., None, :] / math.sqrt(8)  # (1, nh, T, T)
+        signs = torch.randint(0, 2, reach.shape, generator=generator).to(torch.float64) * 2 - 1
+        att = (q @ k.transpose(-2, -1)) / math.sqrt(8) + d * reach * signs  # (1, nh, T, T), each moved
+        att = torch.softmax(att.masked_fill(~causal_mask(12), -math.inf), dim=-1)
+        heads = (att @ v).transpose(1, 2).reshape(1, 12, 16)  # (1, T, C)
+        moved = heads @ weights["o_proj.weight"].T + weights["o_proj.bias"]
+        bound = score_rounding_error(x, weights, config)
+        assert relative_error(moved, attention_view(x, weights, config)) <= d * bound * 1.001 + 1e-15
 
 
 @pytest.mark.parametrize(
