@@ -23,6 +23,12 @@ def _linear(x: torch.Tensor, weights: Mapping[str, torch.Tensor], name: str) -> 
     return y + bias.to(torch.float64) if bias is not None else y
 
 
+def _heads(x: torch.Tensor, weights: Mapping[str, torch.Tensor], config: MHAConfig, name: str) -> torch.Tensor:
+    """(B, T, C) projected by `name` and split into heads."""
+    B, T, _ = x.shape
+    return _linear(x, weights, name).view(B, T, config.n_head, config.head_size).transpose(1, 2)  # (B, nh, T, hs)
+
+
 def causal_mask(T: int) -> torch.Tensor:
     """(T, T) bool, True where position t may attend to position s (s <= t)."""
     return torch.tril(torch.ones(T, T, dtype=torch.bool))
@@ -32,11 +38,8 @@ def attention_view(x: torch.Tensor, weights: Mapping[str, torch.Tensor], config:
     """The view / transpose / masked_fill / softmax formulation."""
     x = x.to(torch.float64)
     B, T, C = x.shape
-    nh, hs = config.n_head, config.head_size
-    q = _linear(x, weights, "q_proj").view(B, T, nh, hs).transpose(1, 2)  # (B, nh, T, hs)
-    k = _linear(x, weights, "k_proj").view(B, T, nh, hs).transpose(1, 2)  # (B, nh, T, hs)
-    v = _linear(x, weights, "v_proj").view(B, T, nh, hs).transpose(1, 2)  # (B, nh, T, hs)
-    att = (q @ k.transpose(-2, -1)) / math.sqrt(hs)  # (B, nh, T, T)
+    q, k, v = (_heads(x, weights, config, name) for name in PROJECTIONS[:3])  # (B, nh, T, hs) each
+    att = (q @ k.transpose(-2, -1)) / math.sqrt(config.head_size)  # (B, nh, T, T)
     if config.causal:
         att = att.masked_fill(~causal_mask(T), torch.finfo(att.dtype).min)
     att = torch.softmax(att, dim=-1)
@@ -52,22 +55,18 @@ def score_rounding_error(x: torch.Tensor, weights: Mapping[str, torch.Tensor], c
     row i by sum_j p_ij e_ij (v_j - y_i): nothing where the softmax is sure, most where it weighs
     distant values alike. Heads fill columns of their own; o_proj scales by its spectral norm."""
     x = x.to(torch.float64)
-    B, T, C = x.shape
-    nh, hs = config.n_head, config.head_size
-    q = _linear(x, weights, "q_proj").view(B, T, nh, hs).transpose(1, 2)  # (B, nh, T, hs)
-    k = _linear(x, weights, "k_proj").view(B, T, nh, hs).transpose(1, 2)  # (B, nh, T, hs)
-    v = _linear(x, weights, "v_proj").view(B, T, nh, hs).transpose(1, 2)  # (B, nh, T, hs)
-    att = (q @ k.transpose(-2, -1)) / math.sqrt(hs)  # (B, nh, T, T)
-    reach = q.norm(dim=-1)[..., :, None] * k.norm(dim=-1)[..., None, :] / math.sqrt(hs)  # (B, nh, T, T)
+    T = x.shape[1]
+    q, k, v = (_heads(x, weights, config, name) for name in PROJECTIONS[:3])  # (B, nh, T, hs) each
+    reach = q.norm(dim=-1)[..., :, None] * k.norm(dim=-1)[..., None, :]  # (B, nh, T, T), times sqrt(hs)
+    p = q @ k.transpose(-2, -1)  # (B, nh, T, T), times sqrt(hs)
     if config.causal:
-        att = att.masked_fill(~causal_mask(T), -math.inf)
-    p = torch.softmax(att, dim=-1)
+        p = p.masked_fill(~causal_mask(T), -math.inf)
+    p = torch.softmax(p / math.sqrt(config.head_size), dim=-1)
     y = p @ v  # (B, nh, T, hs)
     square = (v * v).sum(-1)[..., None, :] + (y * y).sum(-1)[..., :, None] - 2 * (y @ v.transpose(-2, -1))
-    moved = (p * reach * square.clamp_min(0).sqrt()).sum(-1)  # (B, nh, T): |dy_i| per unit of error
-    out = _linear(y.transpose(1, 2).contiguous().view(B, T, C), weights, "o_proj")  # (B, T, C)
+    moved = (p * reach * square.clamp_min(0).sqrt()).sum(-1) / math.sqrt(config.head_size)  # (B, nh, T)
     o_norm = torch.linalg.matrix_norm(weights["o_proj.weight"].to(torch.float64), ord=2)
-    size = float(out.norm())
+    size = float(attention_view(x, weights, config).norm())
     return float(o_norm * moved.norm()) / size if size > 0 else 0.0
 
 
