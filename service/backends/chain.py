@@ -16,7 +16,7 @@ import numpy as np
 
 from service.backends.base import Backend, Step
 from service.batching import batch_mflop
-from service.errors import BackendFailure, DeviceLost
+from service.errors import BackendFailure, DeviceLost, NotReady
 from service.numerics import all_finite
 
 log = logging.getLogger(__name__)
@@ -97,6 +97,11 @@ class Quarantine:
             if self._of(backend).quarantined_until <= now:
                 return backend
         return order[0]
+
+    def back_in_s(self, backends: list[Backend]) -> float:
+        """Seconds until the first of `backends` is checked again (0 if one serves now)."""
+        now = self._clock()
+        return max(0.0, min(self._of(b).quarantined_until - now for b in backends))
 
     def quarantined(self, backends: list[Backend]) -> list[str]:
         now = self._clock()
@@ -250,7 +255,13 @@ class BackendChain:
                 continue
             self.quarantine.succeeded(backend)
             return out, backend
-        raise BackendFailure(f"every backend failed on {what}: {errors or 'all quarantined'}")
+        if not errors:  # none was tried: the server cannot compute now, and says when it may again
+            wait = self.quarantine.back_in_s(order)
+            raise NotReady(
+                f"every backend is quarantined after failing; the first is checked again in {wait:.0f} s: "
+                "retry then, or on another replica"
+            )
+        raise BackendFailure(f"every backend failed on {what}: {errors}")
 
     def order_for(self, rows: int, seq: int) -> list[Backend]:
         """The backends a batch of `rows` sequences of `seq` tokens tries, in order."""

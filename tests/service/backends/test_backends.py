@@ -5,6 +5,7 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
+import grpc
 import numpy as np
 import pytest
 import torch
@@ -24,9 +25,11 @@ from service.backends.selection import SelfCheck, probe_rounds, probe_shapes, sp
 from service.batching import BatchEvent, batch_mflop
 from service.engine.publishing import Publisher, ServingBackends
 from service.engine.readiness import DeviceHealth
-from service.errors import BackendFailure
+from service.errors import BackendFailure, NotReady
 from service.metrics import Metrics
+from service.protocol.status import to_status
 from service.tracing import Tracing
+from tests.support import ManualClock
 
 
 def test_cpu_backends_match_reference(small_model_dir: Path) -> None:
@@ -427,6 +430,22 @@ def test_chain_all_failing_is_backend_failure(small_model_dir: Path) -> None:
     chain = BackendChain([a, b], probe=SelfCheck(config, weights).passes)
     with pytest.raises(BackendFailure, match="every backend failed"):
         chain.run(np.zeros((1, 2, 32), np.float32))
+
+
+def test_a_chain_whose_every_backend_is_quarantined_is_unavailable_and_says_when(small_model_dir: Path) -> None:
+    """Nothing computed, nothing failed: the server cannot serve now (UNAVAILABLE, which clients
+    and balancers retry), not a fault of this request (INTERNAL)."""
+    config, weights = load_checkpoint(small_model_dir / "weights.safetensors")
+    a, b = (Flaky(name, TorchBackend(config, weights)) for name in "ab")
+    a.broken = b.broken = True
+    clock = ManualClock()
+    chain = BackendChain([a, b], probe=lambda backend: (False, "still broken"), failure_threshold=1, clock=clock.now)
+    with pytest.raises(BackendFailure, match="every backend failed"):  # both tried, both failed: quarantined
+        chain.run(np.zeros((1, 2, 32), np.float32))
+    clock.t += 12.0
+    with pytest.raises(NotReady, match="checked again in 18 s") as info:
+        chain.run(np.zeros((1, 2, 32), np.float32))
+    assert to_status(info.value, "r")[0] == grpc.StatusCode.UNAVAILABLE
 
 
 class NaNs(Backend):
