@@ -55,7 +55,7 @@ def score_rounding_error(x: torch.Tensor, weights: Mapping[str, torch.Tensor], c
     row i by sum_j p_ij e_ij (v_j - y_i): nothing where the softmax is sure, most where it weighs
     distant values alike. Heads fill columns of their own; o_proj scales by its spectral norm."""
     x = x.to(torch.float64)
-    T = x.shape[1]
+    B, T, C = x.shape
     q, k, v = (_heads(x, weights, config, name) for name in PROJECTIONS[:3])  # (B, nh, T, hs) each
     reach = q.norm(dim=-1)[..., :, None] * k.norm(dim=-1)[..., None, :]  # (B, nh, T, T), times sqrt(hs)
     p = q @ k.transpose(-2, -1)  # (B, nh, T, T), times sqrt(hs)
@@ -66,7 +66,7 @@ def score_rounding_error(x: torch.Tensor, weights: Mapping[str, torch.Tensor], c
     square = (v * v).sum(-1)[..., None, :] + (y * y).sum(-1)[..., :, None] - 2 * (y @ v.transpose(-2, -1))
     moved = (p * reach * square.clamp_min(0).sqrt()).sum(-1) / math.sqrt(config.head_size)  # (B, nh, T)
     o_norm = torch.linalg.matrix_norm(weights["o_proj.weight"].to(torch.float64), ord=2)
-    size = float(attention_view(x, weights, config).norm())
+    size = float(_linear(y.transpose(1, 2).contiguous().view(B, T, C), weights, "o_proj").norm())  # the answer's
     return float(o_norm * moved.norm()) / size if size > 0 else 0.0
 
 
