@@ -56,6 +56,9 @@ class ModelFiles:
         return self.directory / MANIFEST_FILE
 
 
+UNIT_ROUNDOFF = {"fp32": 2.0**-24, "fp16": 2.0**-11, "bf16": 2.0**-8}  # half the gap between 1 and the next value
+
+
 def precision_tolerance(precision: str, config: MHAConfig) -> float:
     """The relative error a graph in `precision` may show against the float64 reference: the
     format's unit roundoff u (fp32 2^-24, fp16 2^-11, bf16 2^-8) times one rounding per op on the
@@ -63,5 +66,4 @@ def precision_tolerance(precision: str, config: MHAConfig) -> float:
     the suite's fixed 1e-5 floor."""
     if precision == "fp32":
         return 1e-5
-    u = {"fp16": 2.0**-11, "bf16": 2.0**-8}[precision]
-    return u * (2 + math.log2(max(config.d_model, config.max_seq_len)))
+    return UNIT_ROUNDOFF[precision] * (2 + math.log2(max(config.d_model, config.max_seq_len)))

@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from export.layout import UNIT_ROUNDOFF
 from model import MHAConfig
 from model.reference import attention_view, relative_error, score_rounding_error
 from service.errors import quote
@@ -56,7 +57,6 @@ class AuditLimits:
     busy_depth: int = 8  # requests waiting that make a full batch (--max-batch-size)
 
 
-UNIT_ROUNDOFF = {"fp32": 2.0**-24, "fp16": 2.0**-11, "bf16": 2.0**-8}
 ROUNDING_FACTOR = 8.0  # fp32 answers beyond 1e-5 measured at most 1.11x the estimate (docs/operations.md)
 
 

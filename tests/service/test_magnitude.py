@@ -20,11 +20,12 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from export.layout import UNIT_ROUNDOFF
 from model import MHAConfig
 from model.checkpoint import Weights, init_weights, load_checkpoint
 from model.reference import attention_view, relative_error, score_rounding_error
 from service.client.client import InferenceError, MHAClient
-from service.engine.audit import ROUNDING_FACTOR, UNIT_ROUNDOFF
+from service.engine.audit import ROUNDING_FACTOR
 from service.numerics import magnitude_bound
 from tests.support import ComputeGate, ServerThread, make_settings
 
