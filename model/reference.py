@@ -14,6 +14,8 @@ import torch
 from model.config import MHAConfig
 
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")
+Past = tuple[torch.Tensor, torch.Tensor]  # a decode step's past keys and values, (B, nh, P, hs) each
+QKV = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # queries, keys, values, split into heads
 
 
 def _linear(x: torch.Tensor, weights: Mapping[str, torch.Tensor], name: str) -> torch.Tensor:
@@ -23,44 +25,61 @@ def _linear(x: torch.Tensor, weights: Mapping[str, torch.Tensor], name: str) -> 
     return y + bias.to(torch.float64) if bias is not None else y
 
 
-def _heads(x: torch.Tensor, weights: Mapping[str, torch.Tensor], config: MHAConfig, name: str) -> torch.Tensor:
-    """(B, T, C) projected by `name` and split into heads."""
+def heads(x: torch.Tensor, weights: Mapping[str, torch.Tensor], config: MHAConfig, name: str) -> torch.Tensor:
+    """(B, T, C) projected by `name` in float64 and split into heads."""
     B, T, _ = x.shape
-    return _linear(x, weights, name).view(B, T, config.n_head, config.head_size).transpose(1, 2)  # (B, nh, T, hs)
+    y = _linear(x.to(torch.float64), weights, name)  # (B, T, C)
+    return y.view(B, T, config.n_head, config.head_size).transpose(1, 2)  # (B, nh, T, hs)
 
 
-def causal_mask(T: int) -> torch.Tensor:
-    """(T, T) bool, True where position t may attend to position s (s <= t)."""
-    return torch.tril(torch.ones(T, T, dtype=torch.bool))
+def _qkv(x: torch.Tensor, weights: Mapping[str, torch.Tensor], config: MHAConfig, past: Past | None) -> QKV:
+    """The queries of `x`'s tokens (B, nh, T, hs), and the keys and values they attend to: the
+    past's, as given, then their own (B, nh, P + T, hs)."""
+    q, k, v = (heads(x, weights, config, name) for name in PROJECTIONS[:3])  # (B, nh, T, hs) each
+    if past is not None:
+        k, v = (torch.cat([held.to(torch.float64), new], dim=2) for held, new in zip(past, (k, v), strict=True))
+    return q, k, v
 
 
-def attention_view(x: torch.Tensor, weights: Mapping[str, torch.Tensor], config: MHAConfig) -> torch.Tensor:
-    """The view / transpose / masked_fill / softmax formulation."""
+def causal_mask(T: int, past: int = 0) -> torch.Tensor:
+    """(T, past + T) bool, True where new token t (position past + t) may attend to position s
+    (s <= past + t)."""
+    return torch.tril(torch.ones(T, past + T, dtype=torch.bool), diagonal=past)
+
+
+def attention_view(
+    x: torch.Tensor, weights: Mapping[str, torch.Tensor], config: MHAConfig, past: Past | None = None
+) -> torch.Tensor:
+    """The view / transpose / masked_fill / softmax formulation. With `past`, `x` holds a decode
+    step's new tokens, which attend to the past keys and values as given and to themselves."""
     x = x.to(torch.float64)
     B, T, C = x.shape
-    q, k, v = (_heads(x, weights, config, name) for name in PROJECTIONS[:3])  # (B, nh, T, hs) each
-    att = (q @ k.transpose(-2, -1)) / math.sqrt(config.head_size)  # (B, nh, T, T)
+    q, k, v = _qkv(x, weights, config, past)  # (B, nh, T, hs), (B, nh, P + T, hs) twice
+    att = (q @ k.transpose(-2, -1)) / math.sqrt(config.head_size)  # (B, nh, T, P + T)
     if config.causal:
-        att = att.masked_fill(~causal_mask(T), torch.finfo(att.dtype).min)
+        att = att.masked_fill(~causal_mask(T, k.shape[2] - T), torch.finfo(att.dtype).min)
     att = torch.softmax(att, dim=-1)
     y = att @ v  # (B, nh, T, hs)
     y = y.transpose(1, 2).contiguous().view(B, T, C)  # (B, T, C)
     return _linear(y, weights, "o_proj")
 
 
-def score_rounding_error(x: torch.Tensor, weights: Mapping[str, torch.Tensor], config: MHAConfig) -> float:
+def score_rounding_error(
+    x: torch.Tensor, weights: Mapping[str, torch.Tensor], config: MHAConfig, past: Past | None = None
+) -> float:
     """How far rounding the attention scores moves the answer, to first order: ||dy|| / ||y|| when
     each score may be off by one unit of the size its dot product reaches, |q| |k| / sqrt(hs)
     (a sum that cancels is rounded at the size of its terms). A score off by e_ij moves a head's
     row i by sum_j p_ij e_ij (v_j - y_i): nothing where the softmax is sure, most where it weighs
-    distant values alike. Heads fill columns of their own; o_proj scales by its spectral norm."""
+    distant values alike. Heads fill columns of their own; o_proj scales by its spectral norm.
+    `past` as attention_view's."""
     x = x.to(torch.float64)
     B, T, C = x.shape
-    q, k, v = (_heads(x, weights, config, name) for name in PROJECTIONS[:3])  # (B, nh, T, hs) each
-    reach = q.norm(dim=-1)[..., :, None] * k.norm(dim=-1)[..., None, :]  # (B, nh, T, T), times sqrt(hs)
-    p = q @ k.transpose(-2, -1)  # (B, nh, T, T), times sqrt(hs)
+    q, k, v = _qkv(x, weights, config, past)  # (B, nh, T, hs), (B, nh, P + T, hs) twice
+    reach = q.norm(dim=-1)[..., :, None] * k.norm(dim=-1)[..., None, :]  # (B, nh, T, P + T), times sqrt(hs)
+    p = q @ k.transpose(-2, -1)  # (B, nh, T, P + T), times sqrt(hs)
     if config.causal:
-        p = p.masked_fill(~causal_mask(T), -math.inf)
+        p = p.masked_fill(~causal_mask(T, k.shape[2] - T), -math.inf)
     p = torch.softmax(p / math.sqrt(config.head_size), dim=-1)
     y = p @ v  # (B, nh, T, hs)
     square = (v * v).sum(-1)[..., None, :] + (y * y).sum(-1)[..., :, None] - 2 * (y @ v.transpose(-2, -1))

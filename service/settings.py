@@ -149,7 +149,7 @@ class Settings:
     tls_key: Path | None = setting(None, "PEM private key of --tls-cert")
     tls_client_ca: Path | None = setting(None, "PEM CA bundle; clients must present a certificate it signed (mTLS)")
     auth_token_file: Path | None = setting(None, "file holding the bearer token clients must send")
-    audit_rate: float = setting(0.001, "share of answers recomputed by the float64 reference; 1: all", low=0, high=1)
+    audit_rate: float = setting(0.001, "share of answers and steps recomputed in float64; 1: all", low=0, high=1)
     audit_max_cpu: float = setting(0.05, "share of one CPU the audit may take, on average", low=0.001, high=1)
     audit_queue: int = setting(64, "answers waiting for their audit at most; beyond: skipped", "answers", low=1)
     audit_max_tokens: int = setting(256, "tokens of one row an audit recomputes (a causal prefix)", "tokens", low=1)

@@ -128,7 +128,8 @@ def _audit_limits(s: Settings) -> AuditLimits:
 
 def _audited(metrics: Metrics, executor: ThreadPoolExecutor) -> Callable[[Sample, Check, float], None]:
     """An audit's verdict (on the audit thread): counted; a mismatch logged, counted by backend,
-    device and precision, and its backend quarantined on the compute thread (where the chain runs)."""
+    device and precision, its backend quarantined on the compute thread (where the chain runs) and
+    a step's sequence dropped."""
 
     def audited(sample: Sample, check: Check, spent_s: float) -> None:
         metrics.audit.checked_one(spent_s)
@@ -137,6 +138,8 @@ def _audited(metrics: Metrics, executor: ThreadPoolExecutor) -> Callable[[Sample
         metrics.audit.mismatch(sample.backend, sample.device, sample.precision)
         log.error(mismatch_message(sample, check))
         executor.submit(sample.quarantine, sample.backend)
+        if sample.forget is not None:  # a step's sequence, its keys and values no longer trusted
+            sample.forget()
 
     return audited
 

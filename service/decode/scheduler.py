@@ -37,6 +37,7 @@ class Stepped:
     y: np.ndarray  # (B, t, C): the outputs of the step's tokens
     length: int  # tokens the sequence holds after the step
     timing: Timing  # its time in the queue, the backend that computed it, its batch's compute
+    sequence: LiveSequence  # its keys and values (the audit reads them)
 
 
 class StepBatcher(BatchEngine[StepInput, np.ndarray]):
@@ -126,7 +127,7 @@ class Decoder:
             self.sequences.touch(sequence)
             if control.end:
                 self.sequences.end(sequence)
-        return Stepped(y, sequence.length, timing)
+        return Stepped(y, sequence.length, timing, sequence)
 
 
 def _check_offset(control: SequenceControl, held: int, where: str) -> None:

@@ -144,8 +144,10 @@ class SequenceStore:
     def touch(self, sequence: LiveSequence) -> None:
         sequence.last_used = self.now()
 
-    def end(self, sequence: LiveSequence) -> None:
-        self._drop(sequence, "ended (sequence_end)", None)
+    def end(self, sequence: LiveSequence, why: str = "ended (sequence_end)") -> None:
+        """Drop `sequence` if it is still live: its client ended it, or `why` (its keys and values are not trusted)."""
+        if sequence.live:
+            self._drop(sequence, why, None)
 
     def expire_idle(self) -> None:
         """Evict every sequence idle longer than the timeout (not those stepping or waiting)."""

@@ -1,26 +1,35 @@
-"""Answers re-verified in production. A sampled share of the stateless answers (`--audit-rate`) is
-recomputed off the hot path by the float64 reference and compared with what was served, at the
-precision's tolerance (the self-check's). An input whose attention scores are large costs any
-computation in the served format more than that (fp32: standard normal inputs times 100 come to
-4e-5, times 300 to 4e-4): an answer beyond the tolerance is a mismatch only when it is also beyond
-ROUNDING_FACTOR times what rounding the scores in that format moves the answer, to first order, on
-that input (`score_rounding_error`).
+"""Answers re-verified in production. A sampled share of the answers (`--audit-rate`), stateless
+and decode steps alike, is recomputed off the hot path by the float64 reference and compared with
+what was served, at the precision's tolerance (the self-check's). An input whose attention scores
+are large costs any computation in the served format more than that (fp32: standard normal inputs
+times 100 come to 4e-5, times 300 to 4e-4): an answer beyond the tolerance is a mismatch only when
+it is also beyond ROUNDING_FACTOR times what rounding the scores in that format moves the answer,
+to first order, on that input (`score_rounding_error`).
+
+A decode step is checked against the keys and values its sequence holds after it: the rows the
+step wrote must be its own tokens' keys and values, and its answer that of its tokens attending to
+the held past as it is (each earlier step's rows were checked when that step was, if sampled).
 
 A mismatch is an incident. It is counted and logged once, with the request id, the shape, the
 backend, the error and the tolerance. The backend is quarantined at once, as repeated errors quarantine it,
-so the fallback chain takes over until its probe (the self-check) passes again.
+so the fallback chain takes over until its probe (the self-check) passes again. A step's sequence is
+dropped too: keys and values its backend wrote at steps not sampled may be wrong as well, and every
+later step would attend to them. Its next step is refused NOT_FOUND, and the client starts it again
+with its prefix.
 
 It never costs a client. The answer is sent before its audit. The audit copies one row of the
 request and its answer (a causal model's prefix of up to `--audit-max-tokens` tokens is exact on
-its own, as padding is), into a bounded queue. A full queue, a spent CPU allowance
-(`--audit-max-cpu`, measured as the audit thread's wall time, which overstates it) or a full
-batch waiting (unless `--audit-when-busy`) skips the audit, and the skip is counted. At rate 1
-(every answer, asked for) only the queue's bound applies. Decode steps
-are not audited: the server keeps their keys and values, not the prefix the reference would need.
+its own, as padding is; for a step, its first new tokens and the keys and values they attend to),
+into a bounded queue. A full queue (`--audit-queue` answers, or the token rows of that many
+stateless ones), a spent CPU allowance (`--audit-max-cpu`, measured as the audit thread's wall
+time, which overstates it) or a full batch waiting (unless `--audit-when-busy`) skips the audit,
+and the skip is counted. At rate 1 (every answer, asked for) only the queue's bound applies.
 """
 
 from __future__ import annotations
 
+import asyncio
+import functools
 import logging
 import math
 import threading
@@ -35,13 +44,14 @@ import torch
 
 from export.layout import UNIT_ROUNDOFF
 from model import MHAConfig
-from model.reference import attention_view, relative_error, score_rounding_error
+from model.reference import attention_view, heads, relative_error, score_rounding_error
 from service.errors import quote
 from service.metrics import AUDIT_SKIPS
 
 __all__ = ["AUDIT_SKIPS", "AuditLimits", "Auditor", "Check", "Reference", "Sample", "mismatch_message"]
 
 if TYPE_CHECKING:
+    from service.decode.sequences import LiveSequence
     from service.engine.versions import Loaded
 
 log = logging.getLogger(__name__)
@@ -57,6 +67,8 @@ class AuditLimits:
     busy_depth: int = 8  # requests waiting that make a full batch (--max-batch-size)
 
 
+Cache = tuple[np.ndarray, np.ndarray]  # a step's row of keys and values after it, (1, nh, P + t, hs) each
+FOUND_WRONG = "was dropped: an audit found a step of it computed wrongly, so its keys and values are not trusted"
 ROUNDING_FACTOR = 8.0  # fp32 answers beyond 1e-5 measured at most 1.11x the estimate (docs/operations.md)
 
 
@@ -82,15 +94,33 @@ class Reference:
         self.config, self.tolerance, self.roundoff = config, tolerance, UNIT_ROUNDOFF[precision]
         self.weights = {name: w.to(torch.float64) for name, w in weights.items()}
 
-    def check(self, x: np.ndarray, y: np.ndarray) -> Check:
-        """The served (1, T, C) `y` against the reference on `x`."""
+    def check(self, x: np.ndarray, y: np.ndarray, cache: Cache | None = None) -> Check:
+        """The served (1, T, C) `y` against the reference on `x`. For a decode step, `cache` holds
+        the keys and values as the step left them: the last T rows must be `x`'s own, and `y` is
+        that of `x` attending to the first P rows as given."""
         with torch.no_grad():
-            ref = attention_view(torch.from_numpy(x), self.weights, self.config)  # (1, T, C) float64
+            x64, past = torch.from_numpy(x), None
+            if cache is not None:
+                if not (written := self._written(x64, cache)).passed:
+                    return written
+                P = cache[0].shape[2] - x.shape[1]
+                past = (torch.from_numpy(cache[0][:, :, :P]), torch.from_numpy(cache[1][:, :, :P]))
+            ref = attention_view(x64, self.weights, self.config, past)  # (1, T, C) float64
             error = relative_error(torch.from_numpy(y), ref)
             if not error > self.tolerance:  # within it, or NaN: the scores change neither verdict
                 return Check(error, self.tolerance)
-            rounding = score_rounding_error(torch.from_numpy(x), self.weights, self.config)
+            rounding = score_rounding_error(x64, self.weights, self.config, past)
             return Check(error, max(self.tolerance, ROUNDING_FACTOR * self.roundoff * rounding))
+
+    def _written(self, x: torch.Tensor, cache: Cache) -> Check:
+        """The keys and values a step wrote against its tokens' own, at the tolerance: a projection
+        has no large scores to excuse more."""
+        P = cache[0].shape[2] - x.shape[1]
+        errors = [
+            relative_error(torch.from_numpy(held[:, :, P:]), heads(x, self.weights, self.config, name))
+            for held, name in zip(cache, ("k_proj", "v_proj"), strict=True)
+        ]
+        return Check(next((e for e in errors if not e <= self.tolerance), errors[0]), self.tolerance)
 
 
 @dataclass(frozen=True)
@@ -106,45 +136,63 @@ class Sample:
     device: str  # the backend's
     precision: str  # the version's
     quarantine: Callable[[str], None]  # quarantines a backend of the version's chain, by name
+    cache: Cache | None = None  # a decode step's keys and values after it
+    forget: Callable[[], object] | None = None  # a step's: drops its sequence (from any thread)
+
+    @property
+    def past(self) -> int | None:
+        """A decode step's tokens before it (None: a stateless answer)."""
+        return None if self.cache is None else self.cache[0].shape[2] - self.x.shape[1]
+
+    @property
+    def rows(self) -> int:
+        """The token rows it holds: the answer's, and a step's keys and values."""
+        return 2 * (self.x.shape[1] + (0 if self.cache is None else self.cache[0].shape[2]))
 
 
 Verdict = Callable[[Sample, Check, float], None]  # (sample, its verdict, seconds)
 
 
 class Allowance:
-    """What bounds the audit: the audits queued (memory), and the CPU time it may spend (a bucket
-    refilled at `max_cpu` seconds per second). Shared by the event loop and the audit thread."""
+    """What bounds the audit: the audits queued and the token rows they hold (memory), and the CPU
+    time it may spend (a bucket refilled at `max_cpu` seconds per second). Shared by the event
+    loop and the audit thread."""
 
     def __init__(self, limits: AuditLimits, clock: Callable[[], float]) -> None:
         self.limits, self._clock = limits, clock
-        self._lock = threading.Lock()  # the two below
-        self._pending = 0
+        self._lock = threading.Lock()  # the three below
+        self._pending = self._rows = 0
         self._seconds, self._refilled = limits.max_cpu, clock()  # seconds of audit time available
 
-    def take(self, every: bool) -> str:
-        """One audit queued (""), or why not: the queue is full, or the CPU allowance spent (unless
-        `every` answer was asked for: then only the queue's bound applies)."""
+    def take(self, every: bool, rows: int) -> str:
+        """One audit of `rows` token rows queued (""), or why not: it is larger than the whole
+        queue, the queue is full, or the CPU allowance spent (unless `every` answer was asked for:
+        then only the queue's bound applies). The queue holds `queue` audits, and at most the rows
+        of that many stateless ones (a step's held keys and values may be many more than a prefix)."""
+        bound = self.limits.queue * 2 * self.limits.max_tokens
+        if rows > bound:
+            return "too_large"
         with self._lock:
             now = self._clock()
             self._seconds = min(self.limits.max_cpu, self._seconds + (now - self._refilled) * self.limits.max_cpu)
             self._refilled = now
-            if self._pending >= self.limits.queue:
+            if self._pending >= self.limits.queue or self._rows + rows > bound:
                 return "queue_full"
             if self._seconds <= 0 and not every:
                 return "cpu"
-            self._pending += 1
+            self._pending, self._rows = self._pending + 1, self._rows + rows
         return ""
 
-    def spent(self, seconds: float) -> None:
-        """An audit done, after `seconds` of the audit thread."""
+    def spent(self, seconds: float, rows: int) -> None:
+        """An audit of `rows` done, after `seconds` of the audit thread."""
         with self._lock:
-            self._pending -= 1
+            self._pending, self._rows = self._pending - 1, self._rows - rows
             self._seconds -= seconds
 
 
 class Auditor:
-    """Samples answers on the event loop (`offer`, O(1) unless sampled) and checks them on a
-    thread of its own; `on_checked` hears every verdict, `on_skipped` every skip's reason."""
+    """Samples answers on the event loop (`offer`, `offer_step`: O(1) unless sampled) and checks
+    them on a thread of its own; `on_checked` hears every verdict, `on_skipped` every skip's reason."""
 
     def __init__(
         self,
@@ -157,7 +205,7 @@ class Auditor:
         self.limits, self._on_checked, self._on_skipped = limits, on_checked, on_skipped
         self._timer = timer  # what an audit's cost is measured with
         self._credit = 1.0 - limits.rate  # the rate accumulated: the first answer, then every 1/rate-th
-        self._rows = 0  # which row of a request the next audit takes, in turn
+        self._turn = 0  # which row of a request the next audit takes, in turn
         self._allowance = Allowance(limits, clock)
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="audit")
 
@@ -165,46 +213,92 @@ class Auditor:
         """An answer (B, T, C) of version `loaded` served by `backend`: queued for its audit (None),
         skipped (the reason, counted), or not sampled ("")."""
         reference = loaded.reference
-        if reference is None:  # the audit is off
+        if reference is None or not self._sampled():
             return ""
-        self._credit += self.limits.rate
-        if self._credit < 1.0:
-            return ""
-        self._credit -= 1.0
-        reason = self._skip(x.shape, reference.config.causal, loaded.batcher.depth >= self.limits.busy_depth)
-        if reason:
-            self._on_skipped(reason)
-            return reason
-        row, tokens = self._rows % x.shape[0], min(x.shape[1], self.limits.max_tokens)
-        self._rows += 1
-        x1, y1 = x[row : row + 1, :tokens].copy(), y[row : row + 1, :tokens].copy()  # (1, T', C)
-        chain = loaded.chain  # resolved here, on the event loop, not on the audit thread
-        device = next((b.device for b in chain.backends if b.name == backend), "unknown")
-        sample = Sample(
-            x1, y1, x.shape, backend, request_id, loaded.version, device, loaded.model.precision, chain.quarantine.enter
-        )
-        self._thread.submit(self._check, sample, reference)
+        tokens = min(x.shape[1], self.limits.max_tokens)
+        if not reference.config.causal and x.shape[1] > tokens:  # without causality no prefix stands alone
+            return self._skipped("too_large")
+        if reason := self._take(loaded.batcher.depth, 2 * tokens):
+            return self._skipped(reason)
+        row = self._next_row(x.shape[0])
+        answer = (x[row : row + 1, :tokens].copy(), y[row : row + 1, :tokens].copy())  # (1, T', C) each
+        self._submit(reference, answer, None, x.shape, backend, request_id, loaded)
         return None
 
-    def _skip(self, shape: tuple[int, ...], causal: bool, busy: bool) -> str:
-        """Why a sampled answer is not audited ("" : it is). At rate 1 every answer was asked for:
-        only the queue's bound (memory) applies, not the CPU allowance nor the busy check."""
+    def offer_step(
+        self, x: np.ndarray, y: np.ndarray, cache: LiveSequence, backend: str, request_id: str, loaded: Loaded
+    ) -> str | None:
+        """A decode step's answer (B, t, C), `cache` its sequence after it (holding `cache.length`
+        tokens, the step's last): as `offer`. Its first new tokens are audited with every key and
+        value they attend to, copied now (a later step of the sequence writes past them)."""
+        reference = loaded.reference
+        if reference is None or not self._sampled():
+            return ""
+        tokens = min(x.shape[1], self.limits.max_tokens)
+        held = cache.length - x.shape[1] + tokens  # the past, and the new tokens audited
+        if reason := self._take(loaded.decoder.steps.depth, 2 * tokens + 2 * held):
+            return self._skipped(reason)
+        row = self._next_row(x.shape[0])
+        answer = (x[row : row + 1, :tokens].copy(), y[row : row + 1, :tokens].copy())  # (1, t', C) each
+        keys, values = (
+            c[row : row + 1, :, :held].cpu().numpy().copy() for c in (cache.keys, cache.values)
+        )  # (1, nh, P + t', hs)
+        discard = loaded.decoder.sequences.end  # on the event loop's thread, as everything of a sequence
+        forget = functools.partial(asyncio.get_running_loop().call_soon_threadsafe, discard, cache, FOUND_WRONG)
+        self._submit(reference, answer, (keys, values), x.shape, backend, request_id, loaded, forget)
+        return None
+
+    def _sampled(self) -> bool:
+        self._credit += self.limits.rate
+        if self._credit < 1.0:
+            return False
+        self._credit -= 1.0
+        return True
+
+    def _next_row(self, rows: int) -> int:
+        self._turn += 1
+        return (self._turn - 1) % rows
+
+    def _skipped(self, reason: str) -> str:
+        self._on_skipped(reason)
+        return reason
+
+    def _take(self, waiting: int, rows: int) -> str:
+        """Why a sampled answer of `rows` token rows is not audited ("" : it is), `waiting`
+        requests queued behind its batcher. At rate 1 every answer was asked for: only the queue's
+        bound (memory) applies, not the CPU allowance nor the busy check."""
         every = self.limits.rate >= 1.0
-        if busy and not (self.limits.when_busy or every):
+        if waiting >= self.limits.busy_depth and not (self.limits.when_busy or every):
             return "busy"
-        if not causal and shape[1] > self.limits.max_tokens:  # without causality no prefix stands alone
-            return "too_large"
-        return self._allowance.take(every)
+        return self._allowance.take(every, rows)
+
+    def _submit(
+        self,
+        reference: Reference,
+        answer: tuple[np.ndarray, np.ndarray],
+        cache: Cache | None,
+        shape: tuple[int, ...],
+        backend: str,
+        request_id: str,
+        loaded: Loaded,
+        forget: Callable[[], object] | None = None,
+    ) -> None:
+        chain = loaded.chain  # resolved here, on the event loop, not on the audit thread
+        device = next((b.device for b in chain.backends + chain.step_backends if b.name == backend), "unknown")
+        x, y = answer
+        who = (backend, request_id, loaded.version, device, loaded.model.precision)
+        sample = Sample(x, y, shape, *who, chain.quarantine.enter, cache, forget)
+        self._thread.submit(self._check, sample, reference)
 
     def _check(self, sample: Sample, reference: Reference) -> None:
         began = self._timer()
         try:
-            check: Check | None = reference.check(sample.x, sample.y)
+            check: Check | None = reference.check(sample.x, sample.y, sample.cache)
         except Exception:  # the audit's own failure is logged, never a client's
             log.exception("audit of request %s failed", quote(sample.request_id))
             check = None
         spent = self._timer() - began
-        self._allowance.spent(spent)
+        self._allowance.spent(spent, sample.rows)
         if check is not None:
             self._on_checked(sample, check, spent)
 
@@ -213,9 +307,11 @@ class Auditor:
 
 
 def mismatch_message(sample: Sample, check: Check) -> str:
+    past, tokens = sample.past, sample.x.shape[1]
+    what = f"shape {sample.shape}" if past is None else f"a decode step of shape {sample.shape} after {past} tokens"
+    over = f"a row's first {tokens} tokens" if past is None else f"a row's first {tokens} new tokens"
     return (
-        f"audit: the answer to request {quote(sample.request_id)} (shape {sample.shape}, version "
-        f"{quote(sample.version)}) from {sample.backend} differs from the float64 reference: relative error "
-        f"{check.error:.2e} > {check.allowed:.1e} over a row's first {sample.x.shape[1]} tokens; {sample.backend} "
-        "is quarantined until its self-check passes again"
+        f"audit: the answer to request {quote(sample.request_id)} ({what}, version {quote(sample.version)}) from "
+        f"{sample.backend} differs from the float64 reference: relative error {check.error:.2e} > "
+        f"{check.allowed:.1e} over {over}; {sample.backend} is quarantined until its self-check passes again"
     )

@@ -167,7 +167,7 @@ class Door:
         return y, timing.backend
 
     async def step(
-        self, version: Loaded, control: SequenceControl, x: np.ndarray, deadline: float | None
+        self, version: Loaded, control: SequenceControl, x: np.ndarray, deadline: float | None, request_id: str
     ) -> StepAnswer:
         """A decode step of a live sequence: (B, t, C) new tokens -> their (B, t, C) outputs, the
         backend, and the tokens the sequence holds after the step and where it lives."""
@@ -184,10 +184,12 @@ class Door:
                 self._life.fail()
             raise
         self._publish.answered(x.shape, stepped.timing, version.version, steps=True)
+        backend = stepped.timing.backend
+        self._audit.offer_step(x, stepped.y, stepped.sequence, backend, request_id, version)  # as infer's
         s = self.settings
         return (
             stepped.y,
-            stepped.timing.backend,
+            backend,
             {"sequence_length": stepped.length, "replica": s.replica, "worker": s.worker_index},
         )
 

@@ -81,7 +81,7 @@ class Answers:
         if control is None:
             y, backend = await self.door.infer(version, x, deadline, queue, request.id)
             return answered(request, model, y, backend, target, self.regions)
-        y, backend, extra = await self.door.step(version, control, x, deadline)
+        y, backend, extra = await self.door.step(version, control, x, deadline, request.id)
         response = answered(request, model, y, backend, target, self.regions, extra)
         response.model_name = entry  # the entry the step was sent to: mha or mha_sequence
         return response

@@ -135,25 +135,46 @@ def _heads(x: torch.Tensor, weights: dict, config: MHAConfig, name: str) -> torc
     return projected.view(B, T, config.n_head, config.head_size).transpose(1, 2)  # (B, nh, T, hs)
 
 
+@pytest.mark.parametrize("past", [0, 1, 7, 11])
+def test_a_step_over_its_past_answers_the_last_rows_of_its_whole_prefix(past: int) -> None:
+    """A decode step's new tokens attending to the past keys and values as given (the audit's
+    reference for a step) answer what the whole prefix answers for them, in both formulations."""
+    config = MHAConfig(d_model=16, n_head=2, max_seq_len=32)
+    weights = init_weights(config, seed=4)
+    x = torch.randn(3, 12, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    w64 = {k: v.to(torch.float64) for k, v in weights.items()}
+    held = (_heads(x[:, :past], w64, config, "k_proj"), _heads(x[:, :past], w64, config, "v_proj"))  # (B, nh, P, hs)
+    step = attention_view(x[:, past:], weights, config, held)  # (B, T - P, C)
+    assert relative_error(step, attention_view(x, weights, config)[:, past:]) < 1e-14
+    assert relative_error(step, attention_einsum(x, weights, config)[:, past:]) < 1e-13
+    wrong = (held[0], held[1] + 0.1)  # a past of other values answers otherwise
+    assert past == 0 or relative_error(attention_view(x[:, past:], weights, config, wrong), step) > 1e-3
+
+
+@pytest.mark.parametrize("past", [0, 5])
 @pytest.mark.parametrize("scale", [1.0, 30.0, 300.0])
-def test_score_rounding_error_bounds_what_scores_moved_within_their_reach_do(scale: float) -> None:
+def test_score_rounding_error_bounds_what_scores_moved_within_their_reach_do(scale: float, past: int) -> None:
     """score_rounding_error(x) is a first-order bound: scores each moved by at most d times the
-    size their dot product reaches (|q| |k| / sqrt(hs)) move the answer by at most d times it."""
+    size their dot product reaches (|q| |k| / sqrt(hs)) move the answer by at most d times it; of
+    a decode step's tokens over their past too."""
     config = MHAConfig(d_model=16, n_head=2, max_seq_len=32)
     weights = {k: v.to(torch.float64) for k, v in init_weights(config, seed=2).items()}
     weights["o_proj.weight"] = weights["o_proj.weight"] * 10  # a spectral norm above 1, as trained ones have
-    generator, d = torch.Generator().manual_seed(0), 1e-9
+    generator, d, new = torch.Generator().manual_seed(0), 1e-9, 12 - past
     for _ in range(10):
         x = torch.randn(1, 12, 16, dtype=torch.float64, generator=generator) * scale
         q, k, v = (_heads(x, weights, config, name) for name in ("q_proj", "k_proj", "v_proj"))
-        reach = q.norm(dim=-1)[..., :, None] * k.norm(dim=-1)[..., None, :] / math.sqrt(8)  # (1, nh, T, T)
+        q = q[:, :, past:]  # (1, nh, T - P, hs): the step's queries; every key and value attended to
+        reach = q.norm(dim=-1)[..., :, None] * k.norm(dim=-1)[..., None, :] / math.sqrt(8)  # (1, nh, T - P, T)
         signs = torch.randint(0, 2, reach.shape, generator=generator).to(torch.float64) * 2 - 1
-        att = (q @ k.transpose(-2, -1)) / math.sqrt(8) + d * reach * signs  # (1, nh, T, T), each moved
-        att = torch.softmax(att.masked_fill(~causal_mask(12), -math.inf), dim=-1)
-        heads = (att @ v).transpose(1, 2).reshape(1, 12, 16)  # (1, T, C)
+        att = (q @ k.transpose(-2, -1)) / math.sqrt(8) + d * reach * signs  # (1, nh, T - P, T), each moved
+        att = torch.softmax(att.masked_fill(~causal_mask(new, past), -math.inf), dim=-1)
+        heads = (att @ v).transpose(1, 2).reshape(1, new, 16)  # (1, T - P, C)
         moved = heads @ weights["o_proj.weight"].T + weights["o_proj.bias"]
-        bound = score_rounding_error(x, weights, config)
-        assert relative_error(moved, attention_view(x, weights, config)) <= d * bound * 1.001 + 1e-15
+        held = (k[:, :, :past], v[:, :, :past]) if past else None
+        bound = score_rounding_error(x[:, past:], weights, config, held)
+        exact = attention_view(x, weights, config)[:, past:]
+        assert relative_error(moved, exact) <= d * bound * 1.001 + 1e-15
 
 
 @pytest.mark.parametrize(

@@ -5,6 +5,7 @@ grid checked and none found wrong, on both CPU backends and fp16."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import threading
 import time
@@ -13,6 +14,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from types import SimpleNamespace
 
+import grpc
 import numpy as np
 import pytest
 import torch
@@ -23,8 +25,8 @@ from model import MHAConfig, MultiHeadAttention
 from model.checkpoint import init_weights, load_checkpoint
 from model.reference import attention_view, relative_error
 from service.backends.base import Backend
-from service.client.client import MHAClient
-from service.engine.audit import AuditLimits, Auditor, Check, Reference, Sample
+from service.client.client import InferenceError, MHAClient
+from service.engine.audit import AuditLimits, Auditor, Cache, Check, Reference, Sample
 from tests.support import ServerThread, make_settings
 
 SMALL = MHAConfig(d_model=32, n_head=4, max_seq_len=64)
@@ -42,11 +44,11 @@ class HeldReference(Reference):
         super().__init__(config, WEIGHTS, tolerance=1e-5)
         self.gate, self.timer, self.cost = threading.Semaphore(0), timer, cost
 
-    def check(self, x: np.ndarray, y: np.ndarray) -> Check:
+    def check(self, x: np.ndarray, y: np.ndarray, cache: Cache | None = None) -> Check:
         assert self.gate.acquire(timeout=30), "the test never let this audit run"
         if self.timer is not None:
             self.timer.t += self.cost
-        return super().check(x, y)
+        return super().check(x, y, cache)
 
 
 class FakeTimer:
@@ -67,6 +69,7 @@ class Chain:
 
     def __init__(self) -> None:
         self.backends = [SimpleNamespace(name="ort-cpu", device="cpu")]
+        self.step_backends = [SimpleNamespace(name="torch-cpu", device="cpu")]
         self.quarantined: list[str] = []
         self.quarantine = SimpleNamespace(enter=self.quarantined.append)
 
@@ -80,6 +83,7 @@ class Version:
     version: str = "1"
     chain: Chain = field(default_factory=Chain)
     model: SimpleNamespace = field(default_factory=lambda: SimpleNamespace(precision="fp32"))
+    decoder: SimpleNamespace = field(default_factory=lambda: SimpleNamespace(steps=Depth(), sequences=None))
 
 
 class Verdicts:
@@ -97,6 +101,9 @@ def _answer(B: int, T: int, seed: int = 0, config: MHAConfig = SMALL) -> tuple[n
     x = np.random.default_rng(seed).standard_normal((B, T, config.d_model), dtype=np.float32)
     y = attention_view(torch.from_numpy(x), WEIGHTS, config).float().numpy()  # (B, T, C)
     return x, y
+
+
+LARGE = [(np.random.default_rng(seed).standard_normal((1, 64, 32)) * 100).astype(np.float32) for seed in (1, 4, 6, 9)]
 
 
 def _auditor(limits: AuditLimits, clock: Callable[[], float] = time.monotonic) -> tuple[Auditor, Verdicts]:
@@ -131,9 +138,6 @@ def test_a_corrupt_answer_shows_its_error_and_a_causal_prefix_is_checked_alone()
     auditor.close()
     ((sample, error),) = verdicts.checked
     assert sample.x.shape == (1, 16, 32) and sample.shape == (1, 40, 32) and error > 1e-3
-
-
-LARGE = [(np.random.default_rng(seed).standard_normal((1, 64, 32)) * 100).astype(np.float32) for seed in (1, 4, 6, 9)]
 
 
 def test_fp32s_own_error_on_a_large_input_is_no_mismatch_and_a_fault_still_is() -> None:
@@ -188,6 +192,68 @@ def test_a_full_queue_a_spent_allowance_and_a_busy_server_skip_and_say_why() -> 
         asked.close()
 
 
+def _step(prefix: np.ndarray, past: int) -> tuple[np.ndarray, np.ndarray, torch.Tensor, torch.Tensor]:
+    """A decode step of `prefix`'s tokens after `past`, as an fp32 backend leaves it: the new tokens
+    (B, t, C), their outputs (B, t, C), and the cache's keys and values (B, nh, past + t, hs)."""
+    module = MultiHeadAttention.from_weights(SMALL, WEIGHTS)
+    with torch.no_grad():
+        _, keys, values = module.project(torch.from_numpy(prefix))  # (B, nh, P + t, hs)
+        y = module(torch.from_numpy(prefix))[:, past:]  # (B, t, C)
+    return prefix[:, past:], y.numpy(), keys, values
+
+
+def test_a_step_is_checked_against_the_keys_and_values_it_left() -> None:
+    """The rows a step wrote must be its tokens' own keys and values, and its answer that of its
+    tokens attending to the past as the sequence holds it."""
+    reference = Reference(SMALL, WEIGHTS, 1e-5)
+    x, y, keys, values = _step(_answer(1, 12)[0], 9)
+    assert reference.check(x, y, (keys.numpy(), values.numpy())).error < 1e-6  # an honest fp32 step
+    wrong_y = y.copy()
+    wrong_y[0, 1] += 0.01 * np.abs(y).max()
+    assert not reference.check(x, wrong_y, (keys.numpy(), values.numpy())).passed
+    for position, why in ((10, "a row the step wrote"), (4, "the past its answer attended to")):
+        wrong_keys = keys.clone()
+        wrong_keys[0, 1, position] += 0.01 * keys.abs().max()
+        check = reference.check(x, y, (wrong_keys.numpy(), values.numpy()))
+        assert not check.passed and check.allowed == 1e-5, why  # no rounding excuses a wrong cache
+    errors = []
+    for prefix in LARGE:  # fp32's own error on large scores is no mismatch, after a past as before
+        x, y, keys, values = _step(prefix, 32)
+        check = reference.check(x, y, (keys.numpy(), values.numpy()))
+        assert check.passed, check
+        errors.append(check.error)
+    assert max(errors) > 1e-5, errors  # beyond the tolerance: the case the rounding allowance is for
+
+
+def test_a_sampled_step_is_copied_with_the_keys_and_values_it_attended_to() -> None:
+    auditor, verdicts = _auditor(AuditLimits(rate=0.5, queue=4, max_tokens=4, max_cpu=1.0))
+    reference, dropped = HeldReference(SMALL), []
+    version = Version(reference, Depth())
+    version.decoder.sequences = SimpleNamespace(end=lambda sequence, why: dropped.append(why))
+    x, y, keys, values = _step(_answer(2, 11)[0], 5)
+    cache = SimpleNamespace(keys=keys, values=values, length=11)  # the sequence after the step
+
+    async def offer() -> list[str | None]:  # on an event loop, as the door offers
+        return [auditor.offer_step(x, y, cache, "torch-cpu", f"s{i}", version) for i in range(2)]  # type: ignore[arg-type]
+
+    assert asyncio.run(offer()) == [None, ""]  # stateless answers and steps share the sampling
+    keys[:, :, :] = 0.0  # the server's cache written again after the offer: the audit holds its copy
+    reference.gate.release()
+    assert verdicts.done.acquire(timeout=30)
+    ((sample, error),) = verdicts.checked
+    assert sample.x.shape == (1, 4, 32) and sample.cache is not None  # the first 4 new tokens of row 0
+    assert sample.cache[0].shape == (1, 4, 9, 8) and sample.past == 5 and sample.device == "cpu"
+    assert error < 1e-6 and sample.rows == 2 * 4 + 2 * 9
+    long = SimpleNamespace(keys=torch.zeros(2, 4, 64, 8), values=torch.zeros(2, 4, 64, 8), length=64)
+
+    async def offer_long() -> str | None:
+        return auditor.offer_step(x[:, :1], y[:, :1], long, "torch-cpu", "long", version)  # type: ignore[arg-type]
+
+    assert asyncio.run(offer_long()) == "too_large"  # 2 + 2 * 64 token rows: more than 4 audits of 4 tokens hold
+    auditor.close()
+    assert dropped == []  # only a mismatch drops the sequence
+
+
 def test_without_causality_a_long_request_is_skipped_not_cut() -> None:
     config = replace(SMALL, causal=False)
     auditor, _ = _auditor(AuditLimits(rate=1.0, max_tokens=8))
@@ -200,10 +266,11 @@ def test_without_causality_a_long_request_is_skipped_not_cut() -> None:
 
 
 class Corrupting(Backend):
-    """A backend that answers one batch in `every` slightly wrong, as a silently faulty core would."""
+    """A backend that computes one call in `every` slightly wrong, as a silently faulty core would:
+    a batch's answer, a step's answer (`fault` "answer") or a key a step writes ("keys")."""
 
-    def __init__(self, inner: Backend, every: int) -> None:
-        self.inner, self.every, self.calls = inner, every, 0
+    def __init__(self, inner: Backend, every: int, fault: str = "answer") -> None:
+        self.inner, self.every, self.fault, self.calls = inner, every, fault, 0
         self.name, self.device, self.platform = inner.name, inner.device, inner.platform
 
     @property
@@ -218,7 +285,14 @@ class Corrupting(Backend):
         return y
 
     def step(self, steps):  # type: ignore[no-untyped-def]
-        return self.inner.step(steps)
+        self.calls += 1
+        ys = [np.array(y, copy=True) for y in self.inner.step(steps)]
+        if self.calls % self.every == 0 and self.fault == "answer":
+            ys[0][..., 0] += 0.05
+        elif self.calls % self.every == 0:
+            cache = steps[0].cache
+            cache.keys[:, :, cache.length, 0] += 0.05  # the first new token's key: later steps attend to it
+        return ys
 
     def close(self) -> None:
         self.inner.close()
@@ -265,6 +339,41 @@ def test_a_corrupting_backend_is_caught_counted_logged_and_benched(
     assert "shape (1, 12, 32)" in incidents[0] and victim.name in incidents[0] and "> 1.0e-05" in incidents[0]
 
 
+@pytest.mark.parametrize("fault", ["answer", "keys"])
+def test_a_corrupting_step_backend_is_caught_and_its_sequence_started_again(
+    small_model_dir: Path, caplog: pytest.LogCaptureFixture, fault: str
+) -> None:
+    """A step answered wrongly, or one that wrote a wrong key, is found by its audit: the backend
+    is quarantined and the sequence dropped (every later step would attend to that key), so its
+    next step is refused NOT_FOUND, saying why, and the client's restart with its prefix is exact."""
+    config, weights = load_checkpoint(small_model_dir / "weights.safetensors")
+    settings = make_settings(small_model_dir, threads=1, audit_rate=1.0, audit_max_cpu=1.0, audit_when_busy=True)
+    prefix = np.random.default_rng(6).standard_normal((1, 8, 32), dtype=np.float32)
+    ref = attention_view(torch.from_numpy(prefix), weights, config)  # (1, 8, C)
+    with ServerThread(settings) as server, MHAClient(server.url) as client:
+        chain, sequences = server.engine.loaded.chain, server.engine.loaded.decoder.sequences
+        victim = Corrupting(chain.step_backends[0], every=3, fault=fault)
+        chain.step_backends[0] = victim
+        sequence = client.sequence(7)
+        for i in range(3):  # the third step is computed wrongly
+            sequence.send(prefix[:, i : i + 1])
+        deadline = time.monotonic() + 30
+        while sequences.holds(7):  # dropped on the event loop once its audit found it
+            assert time.monotonic() < deadline, "the wrong step's sequence was never dropped"
+            time.sleep(0.01)
+        with pytest.raises(InferenceError) as refused:
+            client.step(7, prefix[:, 3:4], offset=3)
+        assert refused.value.code == grpc.StatusCode.NOT_FOUND and "audit found a step of it" in str(refused.value)
+        for i in range(3, 8):  # restarted with its prefix, on the other backend: exact
+            y = sequence.send(prefix[:, i : i + 1])
+            assert relative_error(torch.from_numpy(y), ref[:, i : i + 1]) < 1e-5
+        assert sequence.restarts == 1 and chain.quarantined() == [victim.name]
+        mismatches = {"backend": victim.name, "device": "cpu", "precision": "fp32"}
+        assert server.registry.get_sample_value("mha_audit_mismatches_total", mismatches) == 1
+    incidents = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR and "audit:" in r.getMessage()]
+    assert len(incidents) == 1 and "a decode step of shape (1, 1, 32) after 2 tokens" in incidents[0], incidents
+
+
 @pytest.mark.parametrize("backend,precision", [("ort-cpu", "fp32"), ("torch", "fp32"), ("auto", "fp16")])
 def test_at_rate_one_every_answer_of_the_grid_is_checked_and_none_is_wrong(
     tmp_path: Path, backend: str, precision: str
@@ -275,11 +384,16 @@ def test_at_rate_one_every_answer_of_the_grid_is_checked_and_none_is_wrong(
     shapes = [(b, t) for b in (1, 3) for t in (1, 7, 33, 64)]
     inputs = [np.random.default_rng(i).standard_normal((b, t, 32), dtype=np.float32) for i, (b, t) in enumerate(shapes)]
     inputs += LARGE if precision == "fp32" else []  # beyond fp32's 1e-5 on any backend, within its own error
+    prefix = np.random.default_rng(9).standard_normal((2, 40, 32), dtype=np.float32)
+    chunks = [(0, 5), (5, 6), (6, 7), (7, 30), (30, 40)]  # decode steps of 5, 1, 1, 23 and 10 tokens
     with ServerThread(settings) as server, MHAClient(server.url) as client:
         for x in inputs:
             client.infer(x)
+        sequence = client.sequence("grid")
+        for begin, end in chunks:
+            sequence.send(prefix[:, begin:end])
         registry, deadline = server.registry, time.monotonic() + 60
-        while (registry.get_sample_value("mha_audit_checked_total") or 0) < len(inputs):
+        while (registry.get_sample_value("mha_audit_checked_total") or 0) < len(inputs) + len(chunks):
             assert time.monotonic() < deadline, "not every answer was audited"
             time.sleep(0.01)
         mismatches = [s for f in registry.collect() if f.name == "mha_audit_mismatches" for s in f.samples]
