@@ -68,7 +68,7 @@ class AuditLimits:
 
 
 Cache = tuple[np.ndarray, np.ndarray]  # a step's row of keys and values after it, (1, nh, P + t, hs) each
-FOUND_WRONG = "was dropped: an audit found a step of it computed wrongly, so its keys and values are not trusted"
+FOUND_WRONG = "was dropped (an audit found one of its steps computed wrongly: its keys and values are not trusted)"
 ROUNDING_FACTOR = 8.0  # fp32 answers beyond 1e-5 measured at most 1.11x the estimate (docs/operations.md)
 
 
