@@ -64,6 +64,29 @@ def attention_view(
     return _linear(y, weights, "o_proj")
 
 
+def _probabilities(q: torch.Tensor, k: torch.Tensor, config: MHAConfig) -> torch.Tensor:
+    """The attention weights (B, nh, T, P + T) of queries (B, nh, T, hs) over keys (B, nh, P + T, hs)."""
+    T = q.shape[2]
+    scores = q @ k.transpose(-2, -1)  # (B, nh, T, P + T), times sqrt(hs)
+    if config.causal:
+        scores = scores.masked_fill(~causal_mask(T, k.shape[2] - T), -math.inf)
+    return torch.softmax(scores / math.sqrt(config.head_size), dim=-1)
+
+
+def _merged(y: torch.Tensor) -> torch.Tensor:
+    B, nh, T, hs = y.shape
+    return y.transpose(1, 2).contiguous().view(B, T, nh * hs)  # (B, T, C)
+
+
+def term_magnitudes(x: torch.Tensor, weights: Mapping[str, torch.Tensor], name: str) -> torch.Tensor:
+    """|x| |W|^T + |b| of the linear layer `name`: the size of the terms each of its sums adds,
+    in float64. A format rounds a sum at that size, however much the terms cancel."""
+    w = weights[f"{name}.weight"].to(torch.float64).abs()
+    y = x.to(torch.float64).abs() @ w.T
+    bias = weights.get(f"{name}.bias")
+    return y + bias.to(torch.float64).abs() if bias is not None else y
+
+
 def score_rounding_error(
     x: torch.Tensor, weights: Mapping[str, torch.Tensor], config: MHAConfig, past: Past | None = None
 ) -> float:
@@ -74,19 +97,37 @@ def score_rounding_error(
     distant values alike. Heads fill columns of their own; o_proj scales by its spectral norm.
     `past` as attention_view's."""
     x = x.to(torch.float64)
-    B, T, C = x.shape
     q, k, v = _qkv(x, weights, config, past)  # (B, nh, T, hs), (B, nh, P + T, hs) twice
     reach = q.norm(dim=-1)[..., :, None] * k.norm(dim=-1)[..., None, :]  # (B, nh, T, P + T), times sqrt(hs)
-    p = q @ k.transpose(-2, -1)  # (B, nh, T, P + T), times sqrt(hs)
-    if config.causal:
-        p = p.masked_fill(~causal_mask(T, k.shape[2] - T), -math.inf)
-    p = torch.softmax(p / math.sqrt(config.head_size), dim=-1)
+    p = _probabilities(q, k, config)  # (B, nh, T, P + T)
     y = p @ v  # (B, nh, T, hs)
     square = (v * v).sum(-1)[..., None, :] + (y * y).sum(-1)[..., :, None] - 2 * (y @ v.transpose(-2, -1))
     moved = (p * reach * square.clamp_min(0).sqrt()).sum(-1) / math.sqrt(config.head_size)  # (B, nh, T)
     o_norm = torch.linalg.matrix_norm(weights["o_proj.weight"].to(torch.float64), ord=2)
-    size = float(_linear(y.transpose(1, 2).contiguous().view(B, T, C), weights, "o_proj").norm())  # the answer's
+    size = float(_linear(_merged(y), weights, "o_proj").norm())  # the answer's
     return float(o_norm * moved.norm()) / size if size > 0 else 0.0
+
+
+def linear_rounding_error(
+    x: torch.Tensor, weights: Mapping[str, torch.Tensor], config: MHAConfig, past: Past | None = None
+) -> float:
+    """How far rounding the sums of the linear layers may move the answer: ||y_abs|| / ||y||, y_abs
+    the size of the terms carried through (v_proj's, the attention weights over those, o_proj's;
+    `term_magnitudes`). The values' and the output's sums are rounded at the size of their terms,
+    so an input whose terms cancel (one made to answer near zero) is answered off by u times
+    y_abs, however small the answer. `past` as attention_view's (its values' magnitudes as given)."""
+    x = x.to(torch.float64)
+    B, T, _ = x.shape
+    q, k, v = _qkv(x, weights, config, past)  # (B, nh, T, hs), (B, nh, P + T, hs) twice
+    v_abs = (
+        term_magnitudes(x, weights, "v_proj").view(B, T, config.n_head, config.head_size).transpose(1, 2)
+    )  # (B, nh, T, hs)
+    if past is not None:
+        v_abs = torch.cat([past[1].to(torch.float64).abs(), v_abs], dim=2)  # (B, nh, P + T, hs)
+    p = _probabilities(q, k, config)  # (B, nh, T, P + T)
+    terms = float(term_magnitudes(_merged(p @ v_abs), weights, "o_proj").norm())
+    size = float(_linear(_merged(p @ v), weights, "o_proj").norm())  # the answer's
+    return terms / size if size > 0 else terms
 
 
 def attention_einsum(x: torch.Tensor, weights: Mapping[str, torch.Tensor], config: MHAConfig) -> torch.Tensor:

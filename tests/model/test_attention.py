@@ -9,7 +9,14 @@ import torch
 
 from model import MHAConfig, MultiHeadAttention
 from model.checkpoint import init_weights
-from model.reference import attention_einsum, attention_view, causal_mask, relative_error, score_rounding_error
+from model.reference import (
+    attention_einsum,
+    attention_view,
+    causal_mask,
+    linear_rounding_error,
+    relative_error,
+    score_rounding_error,
+)
 
 CONFIGS = [
     MHAConfig(),
@@ -175,6 +182,28 @@ def test_score_rounding_error_bounds_what_scores_moved_within_their_reach_do(sca
         bound = score_rounding_error(x[:, past:], weights, config, held)
         exact = attention_view(x, weights, config)[:, past:]
         assert relative_error(moved, exact) <= d * bound * 1.001 + 1e-15
+
+
+def test_linear_rounding_error_covers_an_input_whose_terms_cancel() -> None:
+    """Tokens made to answer zero (v_proj then o_proj cancelling their biases) are answered in fp32
+    as exactly as it can, yet far from zero relative to it: the scores' estimate does not cover
+    that error, the linear layers' terms do."""
+    config = MHAConfig(d_model=16, n_head=2, max_seq_len=32)
+    weights = init_weights(config, seed=2)
+    w = {k: v.to(torch.float64) for k, v in weights.items()}
+    zero = torch.linalg.solve(
+        w["o_proj.weight"] @ w["v_proj.weight"], -(w["v_proj.bias"] @ w["o_proj.weight"].T + w["o_proj.bias"])
+    )  # (C,): the token whose values o_proj maps to zero
+    x = zero.float().repeat(1, 9, 1)  # (1, T, C), every token that one
+    u = 2.0**-24
+    for fast in (True, False):
+        with torch.inference_mode():
+            y = MultiHeadAttention.from_weights(config, weights, fast=fast)(x)
+        error = relative_error(y, attention_view(x, weights, config))
+        assert error > 1e-3 and error > 8 * u * score_rounding_error(x, weights, config)
+        assert error <= u * linear_rounding_error(x, weights, config)
+    ordinary = torch.randn(2, 9, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
+    assert 1 <= linear_rounding_error(ordinary, weights, config) < 1e3  # the terms' size is at least the answer's
 
 
 @pytest.mark.parametrize(

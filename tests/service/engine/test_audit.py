@@ -159,6 +159,38 @@ def test_fp32s_own_error_on_a_large_input_is_no_mismatch_and_a_fault_still_is() 
     assert max(errors) > 1e-5, errors  # beyond the tolerance: the case this test is about
 
 
+def _zero_of(*names: str) -> torch.Tensor:
+    """(C,): the token that the named layers, applied in turn, map to zero, biases and all."""
+    w = {k: v.to(torch.float64) for k, v in WEIGHTS.items()}
+    matrix, bias = torch.eye(32, dtype=torch.float64), torch.zeros(32, dtype=torch.float64)
+    for name in names:
+        matrix, bias = w[f"{name}.weight"] @ matrix, w[f"{name}.weight"] @ bias + w[f"{name}.bias"]
+    return torch.linalg.solve(matrix, -bias).float()
+
+
+ANSWERS_ZERO = _zero_of("v_proj", "o_proj").repeat(1, 16, 1).numpy()  # (1, 16, C): each token's values answer 0
+
+
+def test_an_input_whose_terms_cancel_is_no_mismatch_and_a_fault_still_is() -> None:
+    """An input made to answer zero, or a step's token made to have zero keys, is computed by fp32
+    as exactly as it can, far off relative to that zero: no mismatch. A fault beyond that fails."""
+    reference = Reference(SMALL, WEIGHTS, 1e-5)
+    for fast in (True, False):
+        with torch.no_grad():
+            y = MultiHeadAttention.from_weights(SMALL, WEIGHTS, fast=fast)(torch.from_numpy(ANSWERS_ZERO)).numpy()
+        check = reference.check(ANSWERS_ZERO, y)
+        assert check.passed and check.error > 1e-3, check  # far off relative to the answer, yet exact
+        y[0, -1, 0] += 0.05  # the Corrupting backend's fault, on one value
+        assert not reference.check(ANSWERS_ZERO, y).passed
+    prefix = _answer(1, 12)[0]
+    prefix[0, 9:] = _zero_of("k_proj").numpy()  # the step's three tokens have keys of zero
+    x, y, keys, values = _step(prefix, 9)
+    check = reference.check(x, y, (keys.numpy(), values.numpy()))
+    assert check.passed, check
+    keys[0, 1, 10, 0] += 0.05
+    assert not reference.check(x, y, (keys.numpy(), values.numpy())).passed
+
+
 def test_a_full_queue_a_spent_allowance_and_a_busy_server_skip_and_say_why() -> None:
     clock = FakeTimer()
     auditor, verdicts = _auditor(AuditLimits(rate=0.5, queue=1, max_cpu=0.05, busy_depth=4), clock)
@@ -384,8 +416,9 @@ def test_at_rate_one_every_answer_of_the_grid_is_checked_and_none_is_wrong(
     settings = make_settings(model, backend=backend, precision=precision, audit_rate=1.0)  # nothing else
     shapes = [(b, t) for b in (1, 3) for t in (1, 7, 33, 64)]
     inputs = [np.random.default_rng(i).standard_normal((b, t, 32), dtype=np.float32) for i, (b, t) in enumerate(shapes)]
-    inputs += LARGE if precision == "fp32" else []  # beyond fp32's 1e-5 on any backend, within its own error
+    inputs += [*LARGE, ANSWERS_ZERO] if precision == "fp32" else []  # beyond 1e-5 on any backend: fp32's own error
     prefix = np.random.default_rng(9).standard_normal((2, 40, 32), dtype=np.float32)
+    prefix[:, 30:] = _zero_of("k_proj").numpy()  # the last step's tokens have keys of zero
     chunks = [(0, 5), (5, 6), (6, 7), (7, 30), (30, 40)]  # decode steps of 5, 1, 1, 23 and 10 tokens
     with ServerThread(settings) as server, MHAClient(server.url) as client:
         for x in inputs:
