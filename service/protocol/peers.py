@@ -6,7 +6,10 @@ between steps (curl, most HTTP clients, a channel that reconnects) lands on any 
 sequence's state lives in one process only, its owner's: the worker its first step reached, so
 that a client on one channel never pays a hand-over. Each live sequence names its owner in a
 folder the workers share (a symbolic link, made atomically, named by a digest of the id), so
-every connection reaches it; the owner removes the name when the sequence ends or is evicted.
+every connection reaches it; the owner removes the name when the sequence ends or is evicted, and
+names itself instead in a second folder as the worker that held it last: a step that arrives after
+is handed to that worker, which says what became of the sequence (ended, evicted and why, dropped),
+not merely that this worker does not know it.
 The owner answers the handed-over request as it would its own (service/protocol/handover.py);
 its status and message come back as they are. System shared memory regions are kept by one
 worker (REGION_KEEPER) for all of them: registrations, status and requests that name a region
@@ -26,6 +29,7 @@ import hashlib
 import logging
 import os
 import struct
+from collections import OrderedDict
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -62,6 +66,8 @@ REQUESTS: dict[int, type[Message]] = {
     CUDA_STATUS: pb.CudaSharedMemoryStatusRequest,
 }
 OWNERS = "owners"  # the folder, beside the sockets, where each live sequence names its owner
+HELD = "held"  # the folder where a sequence no worker holds names the one that held it last
+HELD_NAMES = 4096  # how many each worker keeps named: as many ids as a sequence store remembers
 REGION_KEEPER = 0  # the worker that keeps the shared memory regions of all workers
 ANSWER_HEAD = struct.Struct("!BI")  # status code (0: OK), then the response's bytes or the error message
 CODES = {code.value[0]: code for code in grpc.StatusCode}
@@ -74,10 +80,11 @@ def socket_path(directory: Path, index: int) -> Path:
     return directory / f"worker-{index}.sock"
 
 
-def owner_path(directory: Path, sequence_id: SequenceId) -> Path:
-    """Where the owner of `sequence_id` is named (1 and "1" are two sequences, as in the store)."""
+def owner_path(directory: Path, sequence_id: SequenceId, folder: str = OWNERS) -> Path:
+    """Where the owner of `sequence_id` is named (1 and "1" are two sequences, as in the store), or
+    in the folder HELD the worker that held it last."""
     key = f"{type(sequence_id).__name__}:{sequence_id}".encode()
-    return directory / OWNERS / hashlib.sha256(key).hexdigest()[:40]
+    return directory / folder / hashlib.sha256(key).hexdigest()[:40]
 
 
 def _named_owner(path: Path) -> int | None:
@@ -108,14 +115,17 @@ class WorkerPeers:
         self._idle: dict[int, list[Connection]] = {}
         self._all_listening = False
         self._mine: set[SequenceId] = set()  # the sequences this worker owns
-        (directory / OWNERS).mkdir(exist_ok=True)
-        for entry in os.scandir(directory / OWNERS):
-            self.release_path(Path(entry.path))
+        self._held: OrderedDict[SequenceId, None] = OrderedDict()  # those it is named as the last holder of
+        for folder in (OWNERS, HELD):
+            (directory / folder).mkdir(exist_ok=True)
+            for entry in os.scandir(directory / folder):
+                self.release_path(Path(entry.path))
 
     def owner(self, sequence_id: SequenceId, start: bool) -> int | None:
         """The owner of `sequence_id` when it is another worker; None when it is this one, or when
         no worker holds it: a first step (`start`) makes this worker its owner, unless another
-        worker did so first; any other step is answered here (the sequence is not known)."""
+        worker did so first; any other step goes to the worker that held it last, which says what
+        became of it, or is answered here (the sequence is not known)."""
         if sequence_id in self._mine:
             return None
         path = owner_path(self.directory, sequence_id)
@@ -127,13 +137,30 @@ class WorkerPeers:
                 return None
             except FileExistsError:
                 owner = _named_owner(path)
+        if owner is None:  # nobody holds it now
+            owner = _named_owner(owner_path(self.directory, sequence_id, HELD))
         return None if owner in (None, self.index) else owner
 
     def release(self, sequence_id: SequenceId) -> None:
         """This worker keeps `sequence_id` no longer (ended, evicted, or its first step refused):
-        it owns it no longer."""
-        self._mine.discard(sequence_id)
+        it owns it no longer, and is named as the worker that held it last."""
+        if sequence_id in self._mine:
+            self._mine.discard(sequence_id)
+            self._name_holder(sequence_id)
         self.release_path(owner_path(self.directory, sequence_id))
+
+    def _name_holder(self, sequence_id: SequenceId) -> None:
+        """Name this worker as the last holder of `sequence_id` (in place of any other: a link made
+        aside and renamed over), forgetting the oldest it named beyond HELD_NAMES."""
+        path = owner_path(self.directory, sequence_id, HELD)
+        aside = path.with_name(f"{path.name}.{self.index}")
+        aside.unlink(missing_ok=True)
+        os.symlink(str(self.index), aside)
+        os.replace(aside, path)
+        self._held[sequence_id] = None
+        self._held.move_to_end(sequence_id)
+        while len(self._held) > HELD_NAMES:
+            self.release_path(owner_path(self.directory, self._held.popitem(last=False)[0], HELD))
 
     def release_path(self, path: Path) -> None:
         if _named_owner(path) == self.index:

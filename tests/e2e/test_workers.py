@@ -209,6 +209,12 @@ def test_every_connection_reaches_a_sequences_state_with_two_workers(small_model
             with pytest.raises(urllib.error.HTTPError) as info:
                 _http_step(server.http_port, "http-0", x, 32, timeout_us=1)
             assert info.value.code == 504, info.value.read()
+        with MHAClient(server.url) as client:
+            client.step("grpc-0", x, 32, end=True)
+        for _ in range(8):  # after its end, wherever a step lands, it is told what became of the sequence
+            with MHAClient(server.url) as client, pytest.raises(InferenceError) as refused:
+                client.step("grpc-0", x, 33)
+            assert refused.value.code == grpc.StatusCode.NOT_FOUND and "ended (sequence_end)" in str(refused.value)
     finally:
         server.kill()
 

@@ -6,10 +6,12 @@ from __future__ import annotations
 import threading
 from pathlib import Path
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from service.protocol.peers import OWNERS, WorkerPeers
+from service.protocol import peers
+from service.protocol.peers import HELD, OWNERS, WorkerPeers
 
 
 def _workers(folder: Path) -> tuple[WorkerPeers, WorkerPeers]:
@@ -39,6 +41,33 @@ def test_only_the_owner_releases_a_sequence(tmp_path: Path) -> None:
     zero.release(7)
     assert one.owner(7, start=True) is None  # free again: the next first step takes it
     assert zero.owner(7, start=False) == 1
+
+
+def test_a_step_after_its_sequence_is_gone_goes_to_the_worker_that_held_it(tmp_path: Path) -> None:
+    """There it is told what became of the sequence (ended, evicted, dropped), not only that
+    another worker does not know it."""
+    zero, one = _workers(tmp_path)
+    zero.owner("s", start=True)
+    zero.release("s")  # ended or evicted on worker 0
+    assert one.owner("s", start=False) == 0 and zero.owner("s", start=False) is None
+    assert one.owner("s", start=True) is None  # a first step still takes it: worker 1 owns it now
+    assert zero.owner("s", start=False) == 1
+    one.release("s")
+    assert zero.owner("s", start=False) == 1  # the last holder, in place of the one before
+    WorkerPeers(1, 2, tmp_path)  # worker 1 restarted: what it held went with it
+    assert zero.owner("s", start=False) is None
+
+
+def test_each_worker_names_a_bounded_number_of_the_sequences_it_held(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(peers, "HELD_NAMES", 3)
+    zero, one = _workers(tmp_path)
+    for i in range(5):
+        zero.owner(i, start=True)
+        zero.release(i)
+    assert [one.owner(i, start=False) for i in range(5)] == [None, None, 0, 0, 0]
+    assert len(list((tmp_path / HELD).iterdir())) == 3
 
 
 def test_int_and_string_ids_are_two_sequences(tmp_path: Path) -> None:
