@@ -18,6 +18,8 @@ import grpc
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from export.layout import precision_tolerance
 from export.pipeline import export_model_dir
@@ -189,6 +191,27 @@ def test_an_input_whose_terms_cancel_is_no_mismatch_and_a_fault_still_is() -> No
     assert check.passed, check
     keys[0, 1, 10, 0] += 0.05
     assert not reference.check(x, y, (keys.numpy(), values.numpy())).passed
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.integers(1, 40),
+    st.sampled_from([0.0, 1e-6, 1e-3, 1.0, 30.0]),
+    st.sampled_from([1.0, 0.01, 30.0]),
+    st.booleans(),
+    st.integers(0, 2**31),
+)
+def test_honest_fp32_answers_near_a_cancelling_input_are_no_mismatch(
+    T: int, noise: float, scale: float, fast: bool, seed: int
+) -> None:
+    """Whatever mix of a token made to answer zero (scaled) and noise a client sends, PyTorch's fp32
+    answer is within what the audit allows: a client cannot make it report a fault."""
+    noisy = np.random.default_rng(seed).standard_normal((1, T, 32)) * noise
+    x = (_zero_of("v_proj", "o_proj").numpy() * scale + noisy).astype(np.float32)  # (1, T, C)
+    with torch.no_grad():
+        y = MultiHeadAttention.from_weights(SMALL, WEIGHTS, fast=fast)(torch.from_numpy(x)).numpy()
+    check = Reference(SMALL, WEIGHTS, 1e-5).check(x, y)
+    assert check.passed, check
 
 
 def test_a_full_queue_a_spent_allowance_and_a_busy_server_skip_and_say_why() -> None:
