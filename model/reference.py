@@ -88,21 +88,37 @@ def term_magnitudes(x: torch.Tensor, weights: Mapping[str, torch.Tensor], name: 
 
 
 def score_rounding_error(
-    x: torch.Tensor, weights: Mapping[str, torch.Tensor], config: MHAConfig, past: Past | None = None
+    x: torch.Tensor,
+    weights: Mapping[str, torch.Tensor],
+    config: MHAConfig,
+    past: Past | None = None,
+    roundoff: float | None = None,
 ) -> float:
-    """How far rounding the attention scores moves the answer, to first order: ||dy|| / ||y|| when
-    each score may be off by one unit of the size its dot product reaches, |q| |k| / sqrt(hs)
-    (a sum that cancels is rounded at the size of its terms). A score off by e_ij moves a head's
-    row i by sum_j p_ij e_ij (v_j - y_i): nothing where the softmax is sure, most where it weighs
-    distant values alike. Heads fill columns of their own; o_proj scales by its spectral norm.
-    `past` as attention_view's."""
+    """How far rounding the attention scores moves the answer: ||dy|| / ||y|| when each score may
+    be off by one unit of the size its dot product reaches, |q| |k| / sqrt(hs) (a sum that cancels
+    is rounded at the size of its terms). To first order (in units of u): a score off by e_ij moves
+    a head's row i by sum_j p_ij e_ij (v_j - y_i), nothing where the softmax is sure, most where it
+    weighs distant values alike. With `roundoff` (u, or a multiple of it), not to first order: a
+    row whose scores may each be off by E lets each weight grow or shrink by up to exp(2 E), and
+    move by at most all of itself, which covers scores so large that their rounding can reorder
+    near ties (where the first order says nothing moves). Heads fill columns of their own; o_proj
+    scales by its spectral norm. `past` as attention_view's."""
     x = x.to(torch.float64)
     q, k, v = _qkv(x, weights, config, past)  # (B, nh, T, hs), (B, nh, P + T, hs) twice
+    T = q.shape[2]
     reach = q.norm(dim=-1)[..., :, None] * k.norm(dim=-1)[..., None, :]  # (B, nh, T, P + T), times sqrt(hs)
+    error = reach / math.sqrt(config.head_size)  # (B, nh, T, P + T): each score's, in units of u
+    if config.causal:
+        error = error.masked_fill(~causal_mask(T, k.shape[2] - T), 0.0)
     p = _probabilities(q, k, config)  # (B, nh, T, P + T)
     y = p @ v  # (B, nh, T, hs)
     square = (v * v).sum(-1)[..., None, :] + (y * y).sum(-1)[..., :, None] - 2 * (y @ v.transpose(-2, -1))
-    moved = (p * reach * square.clamp_min(0).sqrt()).sum(-1) / math.sqrt(config.head_size)  # (B, nh, T)
+    distance = square.clamp_min(0).sqrt()  # (B, nh, T, P + T): |v_j - y_i|
+    if roundoff is None:
+        moved = (p * error * distance).sum(-1)  # (B, nh, T)
+    else:
+        grow = torch.expm1((2 * roundoff * error.amax(-1, keepdim=True)).clamp_max(700.0))  # (B, nh, T, 1)
+        moved = ((p * grow).clamp_max(1.0) * distance).sum(-1)  # (B, nh, T)
     o_norm = torch.linalg.matrix_norm(weights["o_proj.weight"].to(torch.float64), ord=2)
     size = float(_linear(_merged(y), weights, "o_proj").norm())  # the answer's
     return float(o_norm * moved.norm()) / size if size > 0 else 0.0

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 import threading
 import time
 from collections.abc import Callable
@@ -18,7 +19,7 @@ import grpc
 import numpy as np
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from export.layout import precision_tolerance
@@ -182,7 +183,7 @@ def test_an_input_whose_terms_cancel_is_no_mismatch_and_a_fault_still_is() -> No
             y = MultiHeadAttention.from_weights(SMALL, WEIGHTS, fast=fast)(torch.from_numpy(ANSWERS_ZERO)).numpy()
         check = reference.check(ANSWERS_ZERO, y)
         assert check.passed and check.error > 1e-3, check  # far off relative to the answer, yet exact
-        y[0, -1, 0] += 0.05  # the Corrupting backend's fault, on one value
+        y[0, -1] += 1.0  # one token's row off by 1: far beyond what fp32 makes of terms of about 1e3
         assert not reference.check(ANSWERS_ZERO, y).passed
     prefix = _answer(1, 12)[0]
     prefix[0, 9:] = _zero_of("k_proj").numpy()  # the step's three tokens have keys of zero
@@ -194,10 +195,11 @@ def test_an_input_whose_terms_cancel_is_no_mismatch_and_a_fault_still_is() -> No
 
 
 @settings(max_examples=60, deadline=None)
+@example(T=8, noise=1.0, scale=30.0, fast=False, seed=7393)  # scores near 1e9 that nearly tie: found by hypothesis
 @given(
     st.integers(1, 40),
     st.sampled_from([0.0, 1e-6, 1e-3, 1.0, 30.0]),
-    st.sampled_from([1.0, 0.01, 30.0]),
+    st.sampled_from([1.0, 0.01, 30.0, 100.0]),
     st.booleans(),
     st.integers(0, 2**31),
 )
@@ -270,7 +272,7 @@ def test_a_step_is_checked_against_the_keys_and_values_it_left() -> None:
         wrong_keys = keys.clone()
         wrong_keys[0, 1, position] += 0.01 * keys.abs().max()
         check = reference.check(x, y, (wrong_keys.numpy(), values.numpy()))
-        assert not check.passed and check.allowed == 1e-5, why  # no rounding excuses a wrong cache
+        assert not check.passed and check.allowed < 2e-5, (why, check)  # little rounding to excuse at unit scale
     errors = []
     for prefix in LARGE:  # fp32's own error on large scores is no mismatch, after a past as before
         x, y, keys, values = _step(prefix, 32)
@@ -391,7 +393,8 @@ def test_a_corrupting_backend_is_caught_counted_logged_and_benched(
             time.sleep(0.01)
     incidents = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR and "audit:" in r.getMessage()]
     assert len(incidents) == 1, incidents
-    assert "shape (1, 12, 32)" in incidents[0] and victim.name in incidents[0] and "> 1.0e-05" in incidents[0]
+    assert "shape (1, 12, 32)" in incidents[0] and victim.name in incidents[0]
+    assert re.search(r"relative error \d\.\d\de-02 > \d\.\de-05 ", incidents[0]), incidents[0]  # 0.04 against ~1e-5
 
 
 @pytest.mark.parametrize("fault", ["answer", "keys"])
