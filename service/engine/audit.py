@@ -125,7 +125,7 @@ class Reference:
 
     def _written(self, x: torch.Tensor, cache: Cache) -> Check:
         """The keys and values a step wrote against its tokens' own: within the tolerance, or
-        within u times the size of the terms their sums add (an input whose terms cancel)."""
+        within ROUNDING_FACTOR u times the size of the terms their sums add (terms that cancel)."""
         P = cache[0].shape[2] - x.shape[1]
         for held, name in zip(cache, ("k_proj", "v_proj"), strict=True):
             ref = heads(x, self.weights, self.config, name)  # (1, nh, T, hs)
