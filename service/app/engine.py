@@ -4,6 +4,7 @@ scrape. The one place these parts meet."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -12,7 +13,7 @@ from functools import partial
 
 from service.batching import Clock, MonotonicClock
 from service.budget import MIB, InflightBudget
-from service.engine.audit import AuditLimits, Auditor, Check, Sample, mismatch_message
+from service.engine.audit import AuditLimits, Auditor, Check, Sample, distrusted, mismatch_message
 from service.engine.door import Door, SequenceId
 from service.engine.inflight import InFlight
 from service.engine.keeper import Compute, ComputeHook, VersionKeeper, merged_rows
@@ -94,7 +95,8 @@ def build_engine(
     executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="infer")  # every version's batches
     compute = Compute(executor, clock or MonotonicClock(), InFlight(), schedule, tracing, hook)
     keeper = VersionKeeper(s, life, compute, publish, metrics, source, sequence_gone)
-    audit = Auditor(_audit_limits(s), _audited(metrics, executor), metrics.audit.skipped_one)
+    audited = _audited(metrics, executor, asyncio.get_running_loop())
+    audit = Auditor(_audit_limits(s), audited, metrics.audit.skipped_one)
     budget = InflightBudget(_inflight_limit(s))  # bytes of requests and answers held at once
     door = Door(life, keeper, publish, audit, budget, others_ready)
     _follow(metrics, s, life, keeper, budget)
@@ -126,10 +128,18 @@ def _audit_limits(s: Settings) -> AuditLimits:
     return AuditLimits(*limits, busy_depth=merged_rows(s))
 
 
-def _audited(metrics: Metrics, executor: ThreadPoolExecutor) -> Callable[[Sample, Check, float], None]:
+def _audited(
+    metrics: Metrics, executor: ThreadPoolExecutor, loop: asyncio.AbstractEventLoop
+) -> Callable[[Sample, Check, float], None]:
     """An audit's verdict (on the audit thread): counted; a mismatch logged, counted by backend,
-    device and precision, its backend quarantined on the compute thread (where the chain runs) and
-    a step's sequence dropped."""
+    device and precision, its backend quarantined on the compute thread (where the chain runs),
+    then, on the event loop, every live sequence whose steps it computed dropped (a step computed
+    on it before the quarantine has recorded it by then: the compute thread runs one thing at a time)."""
+
+    def distrust(sample: Sample) -> None:
+        assert sample.sequences is not None
+        if dropped := sample.sequences.drop(distrusted(sample.backend), written_by=sample.backend):
+            log.warning("audit: %d live sequences dropped: %s computed steps of them", dropped, sample.backend)
 
     def audited(sample: Sample, check: Check, spent_s: float) -> None:
         metrics.audit.checked_one(spent_s)
@@ -137,9 +147,9 @@ def _audited(metrics: Metrics, executor: ThreadPoolExecutor) -> Callable[[Sample
             return
         metrics.audit.mismatch(sample.backend, sample.device, sample.precision)
         log.error(mismatch_message(sample, check))
-        executor.submit(sample.quarantine, sample.backend)
-        if sample.forget is not None:  # a step's sequence, its keys and values no longer trusted
-            sample.forget()
+        quarantined = executor.submit(sample.quarantine, sample.backend)
+        if sample.sequences is not None:
+            quarantined.add_done_callback(lambda _: loop.call_soon_threadsafe(distrust, sample))
 
     return audited
 

@@ -69,6 +69,8 @@ class StepBatcher(BatchEngine[StepInput, np.ndarray]):
 
     def compute(self, payloads: list[StepInput]) -> Computed:
         ys, backend = self._run(payloads)  # the backend reads and writes the caches itself: all of it is inference
+        for step in payloads:  # an audit that finds `backend` wrong drops what it wrote
+            step.cache.writers.add(backend.name)
         return Computed(ys, backend.name)
 
     def deliver(self, payload: StepInput, output: np.ndarray) -> np.ndarray:
@@ -105,7 +107,7 @@ class Decoder:
         if self._expiry is not None:
             self._expiry.cancel()
         await self.steps.stop()
-        self.sequences.clear()
+        self.sequences.drop("was dropped at shutdown")
 
     async def step(self, control: SequenceControl, x: np.ndarray, deadline: float | None = None) -> Stepped:
         """(B, t, C) new tokens of the sequence -> their (B, t, C) outputs, the tokens the sequence

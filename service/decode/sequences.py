@@ -53,6 +53,7 @@ class LiveSequence:
     length: int = 0
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     live: bool = True  # False once ended, evicted or replaced by a restart
+    writers: set[str] = field(default_factory=set)  # the backends that computed its steps (the compute thread's)
 
     @property
     def nbytes(self) -> int:
@@ -93,7 +94,7 @@ class SequenceStore:
         self.home = Home(device, process_label)
         self._live: OrderedDict[SequenceId, LiveSequence] = OrderedDict()  # least recently used first
         self._gone: OrderedDict[SequenceId, str] = OrderedDict()  # id -> what became of it
-        self._on_change = on_change  # (store, eviction reason or None, the id of a sequence gone or None)
+        self._on_change = on_change or (lambda *_: None)  # (store, eviction reason or None, a gone id or None)
         self.state_bytes = 0
 
     def __len__(self) -> int:
@@ -155,9 +156,12 @@ class SequenceStore:
         for sequence in [s for s in self._live.values() if s.last_used < deadline and not s.busy()]:
             self._drop(sequence, f"was evicted after {self.limits.idle_timeout_s:g} s idle", "idle")
 
-    def clear(self) -> None:
-        for sequence in list(self._live.values()):
-            self._drop(sequence, "was dropped at shutdown", None)
+    def drop(self, why: str, written_by: str | None = None) -> int:
+        """Drop every live sequence (at shutdown), or each one whose steps `written_by` computed; how many."""
+        doomed = [s for s in self._live.values() if written_by is None or written_by in s.writers]
+        for sequence in doomed:
+            self._drop(sequence, why, None)
+        return len(doomed)
 
     def _begin(self, sequence_id: SequenceId, rows: int) -> LiveSequence:
         old = self._live.get(sequence_id)
@@ -170,7 +174,7 @@ class SequenceStore:
         self._live[sequence_id] = sequence
         self._gone.pop(sequence_id, None)
         self.state_bytes += sequence.nbytes
-        self._changed(None)
+        self._on_change(self, None, None)
         return sequence
 
     def _grow(self, sequence: LiveSequence, need: int) -> None:
@@ -180,12 +184,11 @@ class SequenceStore:
         extra = self._cache_bytes(sequence.rows, capacity - sequence.capacity)
         self._evict_for(count=0, nbytes=extra, keep=sequence)
         for name in ("keys", "values"):
-            old = getattr(sequence, name)
             new = _cache(sequence.rows, self.config, capacity, self.home.device)  # (B, nh, capacity, hs)
-            new[:, :, : sequence.length] = old[:, :, : sequence.length]
+            new[:, :, : sequence.length] = getattr(sequence, name)[:, :, : sequence.length]
             setattr(sequence, name, new)
         self.state_bytes += extra
-        self._changed(None)
+        self._on_change(self, None, None)
 
     def _cache_bytes(self, rows: int, positions: int) -> int:
         """Keys and values of `positions` tokens of `rows` rows, float32."""
@@ -221,8 +224,4 @@ class SequenceStore:
             self._gone.popitem(last=False)
         if reason is not None:
             log.info("sequence %s %s", quote(str(sequence.id), 48), what)
-        self._changed(reason, None if restarted else sequence.id)
-
-    def _changed(self, reason: str | None, gone: SequenceId | None = None) -> None:
-        if self._on_change is not None:
-            self._on_change(self, reason, gone)
+        self._on_change(self, reason, None if restarted else sequence.id)

@@ -14,10 +14,11 @@ the held past as it is (each earlier step's rows were checked when that step was
 
 A mismatch is an incident. It is counted and logged once, with the request id, the shape, the
 backend, the error and the tolerance. The backend is quarantined at once, as repeated errors quarantine it,
-so the fallback chain takes over until its probe (the self-check) passes again. A step's sequence is
-dropped too: keys and values its backend wrote at steps not sampled may be wrong as well, and every
-later step would attend to them. Its next step is refused NOT_FOUND, and the client starts it again
-with its prefix.
+so the fallback chain takes over until its probe (the self-check) passes again. Every live sequence
+of the version whose steps that backend computed is dropped too, the audited step's own and
+others alike: keys and values it wrote at steps not sampled may be wrong as well, and every later
+step would attend to them. Their next steps are refused NOT_FOUND, saying why, and the clients
+start them again with their prefixes.
 
 It never costs a client. The answer is sent before its audit. The audit copies one row of the
 request and its answer (a causal model's prefix of up to `--audit-max-tokens` tokens is exact on
@@ -30,8 +31,6 @@ and the skip is counted. At rate 1 (every answer, asked for) only the queue's bo
 
 from __future__ import annotations
 
-import asyncio
-import functools
 import logging
 import math
 import threading
@@ -57,10 +56,10 @@ from model.reference import (
 from service.errors import quote
 from service.metrics import AUDIT_SKIPS
 
-__all__ = ["AUDIT_SKIPS", "AuditLimits", "Auditor", "Check", "Reference", "Sample", "mismatch_message"]
+__all__ = ["AUDIT_SKIPS", "AuditLimits", "Auditor", "Check", "Reference", "Sample", "distrusted", "mismatch_message"]
 
 if TYPE_CHECKING:
-    from service.decode.sequences import LiveSequence
+    from service.decode.sequences import LiveSequence, SequenceStore
     from service.engine.versions import Loaded
 
 log = logging.getLogger(__name__)
@@ -77,7 +76,6 @@ class AuditLimits:
 
 
 Cache = tuple[np.ndarray, np.ndarray]  # a step's row of keys and values after it, (1, nh, P + t, hs) each
-FOUND_WRONG = "was dropped (an audit found one of its steps computed wrongly: its keys and values are not trusted)"
 ROUNDING_FACTOR = 8.0  # the estimates at 8 u: fp32 answers came within 0.04x of them (docs/operations.md)
 
 
@@ -151,7 +149,7 @@ class Sample:
     precision: str  # the version's
     quarantine: Callable[[str], None]  # quarantines a backend of the version's chain, by name
     cache: Cache | None = None  # a decode step's keys and values after it
-    forget: Callable[[], object] | None = None  # a step's: drops its sequence (from any thread)
+    sequences: SequenceStore | None = None  # the version's live sequences (the event loop's)
 
     @property
     def past(self) -> int | None:
@@ -257,9 +255,7 @@ class Auditor:
         keys, values = (
             c[row : row + 1, :, :held].cpu().numpy().copy() for c in (cache.keys, cache.values)
         )  # (1, nh, P + t', hs)
-        discard = loaded.decoder.sequences.end  # on the event loop's thread, as everything of a sequence
-        forget = functools.partial(asyncio.get_running_loop().call_soon_threadsafe, discard, cache, FOUND_WRONG)
-        self._submit(reference, answer, (keys, values), x.shape, backend, request_id, loaded, forget)
+        self._submit(reference, answer, (keys, values), x.shape, backend, request_id, loaded)
         return None
 
     def _sampled(self) -> bool:
@@ -295,13 +291,12 @@ class Auditor:
         backend: str,
         request_id: str,
         loaded: Loaded,
-        forget: Callable[[], object] | None = None,
     ) -> None:
         chain = loaded.chain  # resolved here, on the event loop, not on the audit thread
         device = next((b.device for b in chain.backends + chain.step_backends if b.name == backend), "unknown")
         x, y = answer
         who = (backend, request_id, loaded.version, device, loaded.model.precision)
-        sample = Sample(x, y, shape, *who, chain.quarantine.enter, cache, forget)
+        sample = Sample(x, y, shape, *who, chain.quarantine.enter, cache, loaded.decoder.sequences)
         self._thread.submit(self._check, sample, reference)
 
     def _check(self, sample: Sample, reference: Reference) -> None:
@@ -318,6 +313,14 @@ class Auditor:
 
     def close(self) -> None:
         self._thread.shutdown(wait=True, cancel_futures=True)
+
+
+def distrusted(backend: str) -> str:
+    """What became of a sequence dropped because an audit found `backend` computing wrongly."""
+    return (
+        f"was dropped (an audit found {backend} computing wrongly, and {backend} computed steps of it: its keys "
+        "and values are not trusted)"
+    )
 
 
 def mismatch_message(sample: Sample, check: Check) -> str:

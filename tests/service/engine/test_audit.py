@@ -422,7 +422,7 @@ def test_a_corrupting_step_backend_is_caught_and_its_sequence_started_again(
         with pytest.raises(InferenceError) as refused:
             client.step(7, prefix[:, 3:4], offset=3)
         assert refused.value.code == grpc.StatusCode.NOT_FOUND
-        assert "was dropped (an audit found one of its steps computed wrongly" in str(refused.value)
+        assert f"was dropped (an audit found {victim.name} computing wrongly" in str(refused.value)
         for i in range(3, 8):  # restarted with its prefix, on the other backend: exact
             y = sequence.send(prefix[:, i : i + 1])
             assert relative_error(torch.from_numpy(y), ref[:, i : i + 1]) < 1e-5
@@ -431,6 +431,56 @@ def test_a_corrupting_step_backend_is_caught_and_its_sequence_started_again(
         assert server.registry.get_sample_value("mha_audit_mismatches_total", mismatches) == 1
     incidents = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR and "audit:" in r.getMessage()]
     assert len(incidents) == 1 and "a decode step of shape (1, 1, 32) after 2 tokens" in incidents[0], incidents
+
+
+@pytest.mark.parametrize("found", ["step", "stateless"])
+def test_a_backend_found_wrong_takes_every_sequence_it_computed_with_it(
+    small_model_dir: Path, caplog: pytest.LogCaptureFixture, found: str
+) -> None:
+    """Keys and values a backend wrote at steps nobody audited may be wrong too: once an audit finds
+    it wrong (a step of another sequence, or a stateless answer), every live sequence whose steps it
+    computed is dropped, saying why, and a sequence only the other backend computed goes on, exact."""
+    config, weights = load_checkpoint(small_model_dir / "weights.safetensors")
+    settings = make_settings(small_model_dir, threads=1, audit_rate=1.0, audit_max_cpu=1.0, audit_when_busy=True)
+    prefix = np.random.default_rng(7).standard_normal((1, 8, 32), dtype=np.float32)
+    ref = attention_view(torch.from_numpy(prefix), weights, config)  # (1, 8, C)
+    with ServerThread(settings) as server, MHAClient(server.url) as client:
+        chain, sequences = server.engine.loaded.chain, server.engine.loaded.decoder.sequences
+        steps = chain.step_backends
+        assert len(steps) == 2, "both CPU backends step: one to find wrong, one that stays trusted"
+        victim = steps[0]
+        steps.reverse()  # the other one computes sequence 1
+        kept = client.sequence(1)
+        for i in range(2):
+            kept.send(prefix[:, i : i + 1])
+        steps.reverse()  # the victim computes sequence 2, rightly: its audits pass
+        for i in range(2):
+            client.step(2, prefix[:, i : i + 1], offset=i, start=i == 0)
+        if found == "step":
+            steps[0] = Corrupting(victim, every=1)
+            client.step(3, prefix[:, :1], offset=0, start=True)  # answered wrongly
+        else:  # a stateless answer of the backend of the same name
+            for order in chain.orders():
+                order[:] = [Corrupting(b, every=1) if b.name == victim.name else b for b in order]
+                order.sort(key=lambda b: b.name != victim.name)
+            client.infer(prefix[:, :4])
+        deadline = time.monotonic() + 30
+        while sequences.holds(2):  # dropped on the event loop once the victim is quarantined
+            assert time.monotonic() < deadline, "a sequence the wrong backend computed was never dropped"
+            time.sleep(0.01)
+        assert sequences.holds(1) and chain.quarantined() == [victim.name]
+        with pytest.raises(InferenceError) as refused:
+            client.step(2, prefix[:, 2:3], offset=2)
+        assert refused.value.code == grpc.StatusCode.NOT_FOUND
+        assert f"was dropped (an audit found {victim.name} computing wrongly" in str(refused.value)
+        for i in range(2, 8):  # the sequence the other backend computed goes on, exact
+            y = kept.send(prefix[:, i : i + 1])
+            assert relative_error(torch.from_numpy(y), ref[:, i : i + 1]) < 1e-5
+        assert kept.restarts == 0
+    dropped = [r.getMessage() for r in caplog.records if "live sequences dropped" in r.getMessage()]
+    assert dropped == [
+        f"audit: {2 if found == 'step' else 1} live sequences dropped: {victim.name} computed steps of them"
+    ]
 
 
 @pytest.mark.parametrize("backend,precision", [("ort-cpu", "fp32"), ("torch", "fp32"), ("auto", "fp16")])
