@@ -125,13 +125,18 @@ def score_rounding_error(
 
 
 def linear_rounding_error(
-    x: torch.Tensor, weights: Mapping[str, torch.Tensor], config: MHAConfig, past: Past | None = None
+    x: torch.Tensor,
+    weights: Mapping[str, torch.Tensor],
+    config: MHAConfig,
+    past: Past | None = None,
+    past_terms: torch.Tensor | None = None,
 ) -> float:
     """How far rounding the sums of the linear layers may move the answer: ||y_abs|| / ||y||, y_abs
     the size of the terms carried through (v_proj's, the attention weights over those, o_proj's;
     `term_magnitudes`). The values' and the output's sums are rounded at the size of their terms,
     so an input whose terms cancel (one made to answer near zero) is answered off by u times
-    y_abs, however small the answer. `past` as attention_view's (its values' magnitudes as given)."""
+    y_abs, however small the answer. `past` as attention_view's; `past_terms` the size of its
+    values' terms (B, nh, P, hs), where they were computed from tokens (else their magnitudes)."""
     x = x.to(torch.float64)
     B, T, _ = x.shape
     q, k, v = _qkv(x, weights, config, past)  # (B, nh, T, hs), (B, nh, P + T, hs) twice
@@ -139,7 +144,8 @@ def linear_rounding_error(
         term_magnitudes(x, weights, "v_proj").view(B, T, config.n_head, config.head_size).transpose(1, 2)
     )  # (B, nh, T, hs)
     if past is not None:
-        v_abs = torch.cat([past[1].to(torch.float64).abs(), v_abs], dim=2)  # (B, nh, P + T, hs)
+        held = past[1].to(torch.float64).abs() if past_terms is None else past_terms
+        v_abs = torch.cat([held, v_abs], dim=2)  # (B, nh, P + T, hs)
     p = _probabilities(q, k, config)  # (B, nh, T, P + T)
     terms = float(term_magnitudes(_merged(p @ v_abs), weights, "o_proj").norm())
     size = float(_linear(_merged(p @ v), weights, "o_proj").norm())  # the answer's

@@ -152,7 +152,7 @@ class Settings:
     audit_rate: float = setting(0.001, "share of answers and steps recomputed in float64; 1: all", low=0, high=1)
     audit_max_cpu: float = setting(0.05, "share of one CPU the audit may take, on average", low=0.001, high=1)
     audit_queue: int = setting(64, "answers waiting for their audit at most; beyond: skipped", "answers", low=1)
-    audit_max_tokens: int = setting(256, "tokens of one row an audit recomputes (a causal prefix)", "tokens", low=1)
+    audit_max_tokens: int = setting(256, "tokens of one row an audit checks (windows in turn)", "tokens", low=1)
     audit_when_busy: bool = setting(False, "audit even while a full batch waits (off: saturated servers skip)")
     log_format: str = setting("auto", "log lines: text on a terminal, JSON otherwise (auto)", choices=LOG_FORMATS)
     log_level: str = setting("INFO", "log level", choices=LOG_LEVELS, flag=False)

@@ -20,11 +20,17 @@ others alike: keys and values it wrote at steps not sampled may be wrong as well
 step would attend to them. Their next steps are refused NOT_FOUND, saying why, and the clients
 start them again with their prefixes.
 
-It never costs a client. The answer is sent before its audit. The audit copies one row of the
-request and its answer (a causal model's prefix of up to `--audit-max-tokens` tokens is exact on
-its own, as padding is; for a step, its first new tokens and the keys and values they attend to),
-into a bounded queue. A full queue (`--audit-queue` answers, or the token rows of that many
-stateless ones), a spent CPU allowance (`--audit-max-cpu`, measured as the audit thread's wall
+Which tokens: one row of the request, rows in turn, and of it a window of up to
+`--audit-max-tokens` tokens, windows in turn along the row, so that over many answers every
+position of a long one is checked. The window's answers are checked against the reference on the
+row's tokens up to its end (a causal model's answers do not depend on the tokens after them, as
+with padding); the tokens before it are only projected to keys and values, so a window's cost
+grows with its position linearly, not with the row's length squared. A step's window is of its
+new tokens, with every key and value they attend to.
+
+It never costs a client. The answer is sent before its audit. The audit copies what it checks into
+a bounded queue. A full queue (`--audit-queue` answers, or `--audit-queue` times
+2 `--audit-max-tokens` token rows), a spent CPU allowance (`--audit-max-cpu`, measured as the audit thread's wall
 time, which overstates it) or a full batch waiting (unless `--audit-when-busy`) skips the audit,
 and the skip is counted. At rate 1 (every answer, asked for) only the queue's bound applies.
 """
@@ -102,24 +108,37 @@ class Reference:
         self.weights = {name: w.to(torch.float64) for name, w in weights.items()}
 
     def check(self, x: np.ndarray, y: np.ndarray, cache: Cache | None = None) -> Check:
-        """The served (1, T, C) `y` against the reference on `x`. For a decode step, `cache` holds
-        the keys and values as the step left them: the last T rows must be `x`'s own, and `y` is
-        that of `x` attending to the first P rows as given."""
+        """The served (1, w, C) `y` against the reference: the answers to `x`'s last w tokens, its
+        first ones (none, or a window's prefix) attended to. For a decode step, `cache` holds the
+        keys and values as the step left them: the last w rows must be those tokens' own, and `y`
+        is that of those tokens attending to the rows before them as given."""
         with torch.no_grad():
-            x64, past = torch.from_numpy(x), None
+            start = x.shape[1] - y.shape[1]  # x's tokens before those answered
+            x64, past, past_terms = torch.from_numpy(x[:, start:]), None, None
             if cache is not None:
                 if not (written := self._written(x64, cache)).passed:
                     return written
-                P = cache[0].shape[2] - x.shape[1]
+                P = cache[0].shape[2] - x64.shape[1]
                 past = (torch.from_numpy(cache[0][:, :, :P]), torch.from_numpy(cache[1][:, :, :P]))
-            ref = attention_view(x64, self.weights, self.config, past)  # (1, T, C) float64
+            elif start:
+                past, past_terms = self._prefix(torch.from_numpy(x[:, :start]))
+            ref = attention_view(x64, self.weights, self.config, past)  # (1, w, C) float64
             error = relative_error(torch.from_numpy(y), ref)
             if not error > self.tolerance:  # within it, or NaN: the scores change neither verdict
                 return Check(error, self.tolerance)
             roundoff = ROUNDING_FACTOR * self.roundoff
             scores = score_rounding_error(x64, self.weights, self.config, past, roundoff)
-            terms = roundoff * linear_rounding_error(x64, self.weights, self.config, past)
+            terms = roundoff * linear_rounding_error(x64, self.weights, self.config, past, past_terms)
             return Check(error, max(self.tolerance, scores + terms))
+
+    def _prefix(self, x: torch.Tensor) -> tuple[tuple[torch.Tensor, torch.Tensor], torch.Tensor]:
+        """The keys and values of a row's tokens before a window, as the served graph computes them
+        from the tokens, and the size of the values' terms (1, nh, P, hs): rounded at that size."""
+        B, P, _ = x.shape
+        nh, hs = self.config.n_head, self.config.head_size
+        past = (heads(x, self.weights, self.config, "k_proj"), heads(x, self.weights, self.config, "v_proj"))
+        terms = term_magnitudes(x, self.weights, "v_proj").view(B, P, nh, hs).transpose(1, 2)  # (1, nh, P, hs)
+        return past, terms
 
     def _written(self, x: torch.Tensor, cache: Cache) -> Check:
         """The keys and values a step wrote against its tokens' own: within the tolerance, or
@@ -137,10 +156,11 @@ class Reference:
 
 @dataclass(frozen=True)
 class Sample:
-    """What one audit checks: a row of the request (a prefix) and of its answer, and who served it."""
+    """What one audit checks: a row of the request up to a window's end, the window's answers, and
+    who served them."""
 
-    x: np.ndarray  # (1, T', C) copy
-    y: np.ndarray  # (1, T', C) copy
+    x: np.ndarray  # (1, end, C) copy: the window's tokens last
+    y: np.ndarray  # (1, w, C) copy: the window's answers
     shape: tuple[int, ...]  # the request's (B, T, C)
     backend: str
     request_id: str
@@ -157,9 +177,14 @@ class Sample:
         return None if self.cache is None else self.cache[0].shape[2] - self.x.shape[1]
 
     @property
+    def window(self) -> tuple[int, int]:
+        """The tokens audited, [first, last], of the request's row (a step's: of its new tokens)."""
+        return self.x.shape[1] - self.y.shape[1], self.x.shape[1] - 1
+
+    @property
     def rows(self) -> int:
-        """The token rows it holds: the answer's, and a step's keys and values."""
-        return 2 * (self.x.shape[1] + (0 if self.cache is None else self.cache[0].shape[2]))
+        """The token rows it holds: the row's up to the window's end, its answers, a step's keys and values."""
+        return self.x.shape[1] + self.y.shape[1] + (0 if self.cache is None else 2 * self.cache[0].shape[2])
 
 
 Verdict = Callable[[Sample, Check, float], None]  # (sample, its verdict, seconds)
@@ -180,7 +205,7 @@ class Allowance:
         """One audit of `rows` token rows queued (""), or why not: it is larger than the whole
         queue, the queue is full, or the CPU allowance spent (unless `every` answer was asked for:
         then only the queue's bound applies). The queue holds `queue` audits, and at most the rows
-        of that many stateless ones (a step's held keys and values may be many more than a prefix)."""
+        of that many first windows (a late window's row, or a step's keys and values, hold more)."""
         bound = self.limits.queue * 2 * self.limits.max_tokens
         if rows > bound:
             return "too_large"
@@ -217,7 +242,7 @@ class Auditor:
         self.limits, self._on_checked, self._on_skipped = limits, on_checked, on_skipped
         self._timer = timer  # what an audit's cost is measured with
         self._credit = 1.0 - limits.rate  # the rate accumulated: the first answer, then every 1/rate-th
-        self._turn = 0  # which row of a request the next audit takes, in turn
+        self._turn = self._windows = 0  # which row of a request, and which window of a row, in turn
         self._allowance = Allowance(limits, clock)
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="audit")
 
@@ -227,13 +252,13 @@ class Auditor:
         reference = loaded.reference
         if reference is None or not self._sampled():
             return ""
-        tokens = min(x.shape[1], self.limits.max_tokens)
-        if not reference.config.causal and x.shape[1] > tokens:  # without causality no prefix stands alone
+        if not reference.config.causal and x.shape[1] > self.limits.max_tokens:  # no part stands alone
             return self._skipped("too_large")
-        if reason := self._take(loaded.batcher.depth, 2 * tokens):
+        first, end = self._window(x.shape[1])
+        if reason := self._take(loaded.batcher.depth, end + end - first):
             return self._skipped(reason)
         row = self._next_row(x.shape[0])
-        answer = (x[row : row + 1, :tokens].copy(), y[row : row + 1, :tokens].copy())  # (1, T', C) each
+        answer = (x[row : row + 1, :end].copy(), y[row : row + 1, first:end].copy())  # (1, end, C), (1, w, C)
         self._submit(reference, answer, None, x.shape, backend, request_id, loaded)
         return None
 
@@ -241,20 +266,20 @@ class Auditor:
         self, x: np.ndarray, y: np.ndarray, cache: LiveSequence, backend: str, request_id: str, loaded: Loaded
     ) -> str | None:
         """A decode step's answer (B, t, C), `cache` its sequence after it (holding `cache.length`
-        tokens, the step's last): as `offer`. Its first new tokens are audited with every key and
-        value they attend to, copied now (a later step of the sequence writes past them)."""
+        tokens, the step's last): as `offer`. A window of its new tokens is audited with every key
+        and value they attend to, copied now (a later step of the sequence writes past them)."""
         reference = loaded.reference
         if reference is None or not self._sampled():
             return ""
-        tokens = min(x.shape[1], self.limits.max_tokens)
-        held = cache.length - x.shape[1] + tokens  # the past, and the new tokens audited
-        if reason := self._take(loaded.decoder.steps.depth, 2 * tokens + 2 * held):
+        first, end = self._window(x.shape[1])
+        held = cache.length - x.shape[1] + end  # the past, and the new tokens up to the window's end
+        if reason := self._take(loaded.decoder.steps.depth, end + end - first + 2 * held):
             return self._skipped(reason)
         row = self._next_row(x.shape[0])
-        answer = (x[row : row + 1, :tokens].copy(), y[row : row + 1, :tokens].copy())  # (1, t', C) each
+        answer = (x[row : row + 1, :end].copy(), y[row : row + 1, first:end].copy())  # (1, end, C), (1, w, C)
         keys, values = (
             c[row : row + 1, :, :held].cpu().numpy().copy() for c in (cache.keys, cache.values)
-        )  # (1, nh, P + t', hs)
+        )  # (1, nh, P + end, hs)
         self._submit(reference, answer, (keys, values), x.shape, backend, request_id, loaded)
         return None
 
@@ -264,6 +289,15 @@ class Auditor:
             return False
         self._credit -= 1.0
         return True
+
+    def _window(self, tokens: int) -> tuple[int, int]:
+        """The tokens [first, end) of a row the next audit takes: windows of `max_tokens`, in turn
+        along the row, so that over many answers every position of long ones is audited."""
+        size = self.limits.max_tokens
+        windows = -(-tokens // size)  # the last may be shorter
+        first = self._windows % windows * size
+        self._windows += 1
+        return first, min(first + size, tokens)
 
     def _next_row(self, rows: int) -> int:
         self._turn += 1
@@ -324,9 +358,10 @@ def distrusted(backend: str) -> str:
 
 
 def mismatch_message(sample: Sample, check: Check) -> str:
-    past, tokens = sample.past, sample.x.shape[1]
+    past, (first, last) = sample.past, sample.window
     what = f"shape {sample.shape}" if past is None else f"a decode step of shape {sample.shape} after {past} tokens"
-    over = f"a row's first {tokens} tokens" if past is None else f"a row's first {tokens} new tokens"
+    new = "" if past is None else "new "
+    over = f"a row's first {last + 1} {new}tokens" if first == 0 else f"a row's {new}tokens {first} to {last}"
     return (
         f"audit: the answer to request {quote(sample.request_id)} ({what}, version {quote(sample.version)}) from "
         f"{sample.backend} differs from the float64 reference: relative error {check.error:.2e} > "
