@@ -23,10 +23,10 @@ start them again with their prefixes.
 Which tokens: one row of the request, rows in turn, and of it a window of up to
 `--audit-max-tokens` tokens, windows in turn along the row, so that over many answers every
 position of a long one is checked. The window's answers are checked against the reference on the
-row's tokens up to its end (a causal model's answers do not depend on the tokens after them, as
-with padding); the tokens before it are only projected to keys and values, so a window's cost
-grows with its position linearly, not with the row's length squared. A step's window is of its
-new tokens, with every key and value they attend to.
+tokens they depend on: a causal model's row up to the window's end (not the tokens after it, as
+with padding), a non-causal model's whole row. The other tokens are only projected to keys and
+values, so a window's cost grows with the row's length linearly, not squared. A step's window is
+of its new tokens, with every key and value they attend to.
 
 It never costs a client. The answer is sent before its audit. The audit copies what it checks into
 a bounded queue. A full queue (`--audit-queue` answers, or `--audit-queue` times
@@ -107,21 +107,23 @@ class Reference:
         self.config, self.tolerance, self.roundoff = config, tolerance, UNIT_ROUNDOFF[precision]
         self.weights = {name: w.to(torch.float64) for name, w in weights.items()}
 
-    def check(self, x: np.ndarray, y: np.ndarray, cache: Cache | None = None) -> Check:
-        """The served (1, w, C) `y` against the reference: the answers to `x`'s last w tokens, its
-        first ones (none, or a window's prefix) attended to. For a decode step, `cache` holds the
-        keys and values as the step left them: the last w rows must be those tokens' own, and `y`
-        is that of those tokens attending to the rows before them as given."""
+    def check(self, x: np.ndarray, y: np.ndarray, cache: Cache | None = None, first: int | None = None) -> Check:
+        """The served (1, w, C) `y` against the reference: the answers to `x`'s w tokens from
+        `first` (by default its last w), its other tokens attended to (a causal row's tokens before
+        them; a non-causal row's before and after). For a decode step, `cache` holds the keys and
+        values as the step left them: the last w rows must be the window's own, and `y` is that of
+        its tokens attending to the rows before them as given."""
         with torch.no_grad():
-            start = x.shape[1] - y.shape[1]  # x's tokens before those answered
-            x64, past, past_terms = torch.from_numpy(x[:, start:]), None, None
+            first = x.shape[1] - y.shape[1] if first is None else first
+            end = first + y.shape[1]
+            x64, past, past_terms = torch.from_numpy(x[:, first:end]), None, None
             if cache is not None:
                 if not (written := self._written(x64, cache)).passed:
                     return written
                 P = cache[0].shape[2] - x64.shape[1]
                 past = (torch.from_numpy(cache[0][:, :, :P]), torch.from_numpy(cache[1][:, :, :P]))
-            elif start:
-                past, past_terms = self._prefix(torch.from_numpy(x[:, :start]))
+            elif end - first < x.shape[1]:  # the other tokens' keys and values (order is the mask's concern)
+                past, past_terms = self._others(torch.from_numpy(np.concatenate([x[:, :first], x[:, end:]], axis=1)))
             ref = attention_view(x64, self.weights, self.config, past)  # (1, w, C) float64
             error = relative_error(torch.from_numpy(y), ref)
             if not error > self.tolerance:  # within it, or NaN: the scores change neither verdict
@@ -131,9 +133,9 @@ class Reference:
             terms = roundoff * linear_rounding_error(x64, self.weights, self.config, past, past_terms)
             return Check(error, max(self.tolerance, scores + terms))
 
-    def _prefix(self, x: torch.Tensor) -> tuple[tuple[torch.Tensor, torch.Tensor], torch.Tensor]:
-        """The keys and values of a row's tokens before a window, as the served graph computes them
-        from the tokens, and the size of the values' terms (1, nh, P, hs): rounded at that size."""
+    def _others(self, x: torch.Tensor) -> tuple[tuple[torch.Tensor, torch.Tensor], torch.Tensor]:
+        """The keys and values of a row's tokens outside a window, as the served graph computes
+        them from the tokens, and the size of the values' terms (1, nh, P, hs): rounded at that size."""
         B, P, _ = x.shape
         nh, hs = self.config.n_head, self.config.head_size
         past = (heads(x, self.weights, self.config, "k_proj"), heads(x, self.weights, self.config, "v_proj"))
@@ -156,11 +158,11 @@ class Reference:
 
 @dataclass(frozen=True)
 class Sample:
-    """What one audit checks: a row of the request up to a window's end, the window's answers, and
-    who served them."""
+    """What one audit checks: a row of the request, the answers of a window of it, and who served them."""
 
-    x: np.ndarray  # (1, end, C) copy: the window's tokens last
+    x: np.ndarray  # (1, T', C) copy: the row up to the window's end (a non-causal model's: all of it)
     y: np.ndarray  # (1, w, C) copy: the window's answers
+    first: int  # the window's first token in x
     shape: tuple[int, ...]  # the request's (B, T, C)
     backend: str
     request_id: str
@@ -174,16 +176,16 @@ class Sample:
     @property
     def past(self) -> int | None:
         """A decode step's tokens before it (None: a stateless answer)."""
-        return None if self.cache is None else self.cache[0].shape[2] - self.x.shape[1]
+        return None if self.cache is None else self.cache[0].shape[2] - self.first - self.y.shape[1]
 
     @property
     def window(self) -> tuple[int, int]:
         """The tokens audited, [first, last], of the request's row (a step's: of its new tokens)."""
-        return self.x.shape[1] - self.y.shape[1], self.x.shape[1] - 1
+        return self.first, self.first + self.y.shape[1] - 1
 
     @property
     def rows(self) -> int:
-        """The token rows it holds: the row's up to the window's end, its answers, a step's keys and values."""
+        """The token rows it holds: the row's, the window's answers, a step's keys and values."""
         return self.x.shape[1] + self.y.shape[1] + (0 if self.cache is None else 2 * self.cache[0].shape[2])
 
 
@@ -252,14 +254,13 @@ class Auditor:
         reference = loaded.reference
         if reference is None or not self._sampled():
             return ""
-        if not reference.config.causal and x.shape[1] > self.limits.max_tokens:  # no part stands alone
-            return self._skipped("too_large")
         first, end = self._window(x.shape[1])
-        if reason := self._take(loaded.batcher.depth, end + end - first):
+        whole = end if reference.config.causal else x.shape[1]  # the tokens the window's answers depend on
+        if reason := self._take(loaded.batcher.depth, whole + end - first):
             return self._skipped(reason)
         row = self._next_row(x.shape[0])
-        answer = (x[row : row + 1, :end].copy(), y[row : row + 1, first:end].copy())  # (1, end, C), (1, w, C)
-        self._submit(reference, answer, None, x.shape, backend, request_id, loaded)
+        answer = (x[row : row + 1, :whole].copy(), y[row : row + 1, first:end].copy())  # (1, T', C), (1, w, C)
+        self._submit(reference, answer, first, None, x.shape, backend, request_id, loaded)
         return None
 
     def offer_step(
@@ -280,7 +281,7 @@ class Auditor:
         keys, values = (
             c[row : row + 1, :, :held].cpu().numpy().copy() for c in (cache.keys, cache.values)
         )  # (1, nh, P + end, hs)
-        self._submit(reference, answer, (keys, values), x.shape, backend, request_id, loaded)
+        self._submit(reference, answer, first, (keys, values), x.shape, backend, request_id, loaded)
         return None
 
     def _sampled(self) -> bool:
@@ -320,6 +321,7 @@ class Auditor:
         self,
         reference: Reference,
         answer: tuple[np.ndarray, np.ndarray],
+        first: int,
         cache: Cache | None,
         shape: tuple[int, ...],
         backend: str,
@@ -330,13 +332,13 @@ class Auditor:
         device = next((b.device for b in chain.backends + chain.step_backends if b.name == backend), "unknown")
         x, y = answer
         who = (backend, request_id, loaded.version, device, loaded.model.precision)
-        sample = Sample(x, y, shape, *who, chain.quarantine.enter, cache, loaded.decoder.sequences)
+        sample = Sample(x, y, first, shape, *who, chain.quarantine.enter, cache, loaded.decoder.sequences)
         self._thread.submit(self._check, sample, reference)
 
     def _check(self, sample: Sample, reference: Reference) -> None:
         began = self._timer()
         try:
-            check: Check | None = reference.check(sample.x, sample.y, sample.cache)
+            check: Check | None = reference.check(sample.x, sample.y, sample.cache, sample.first)
         except Exception:  # the audit's own failure is logged, never a client's
             log.exception("audit of request %s failed", quote(sample.request_id))
             check = None

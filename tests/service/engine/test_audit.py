@@ -47,11 +47,11 @@ class HeldReference(Reference):
         super().__init__(config, WEIGHTS, tolerance=1e-5)
         self.gate, self.timer, self.cost = threading.Semaphore(0), timer, cost
 
-    def check(self, x: np.ndarray, y: np.ndarray, cache: Cache | None = None) -> Check:
+    def check(self, x: np.ndarray, y: np.ndarray, cache: Cache | None = None, first: int | None = None) -> Check:
         assert self.gate.acquire(timeout=30), "the test never let this audit run"
         if self.timer is not None:
             self.timer.t += self.cost
-        return super().check(x, y, cache)
+        return super().check(x, y, cache, first)
 
 
 class FakeTimer:
@@ -353,12 +353,23 @@ def test_a_long_steps_windows_find_a_key_it_wrote_late() -> None:
     assert [error > 1e-3 for _, error in verdicts.checked] == [False, False, True]
 
 
-def test_without_causality_a_long_request_is_skipped_not_cut() -> None:
+def test_without_causality_a_window_is_checked_against_the_whole_row() -> None:
+    """A non-causal model's answers depend on every token of the row, after the window too: a
+    window of a long request is checked against the whole row, and a fault in it is found."""
     config = replace(SMALL, causal=False)
-    auditor, _ = _auditor(AuditLimits(rate=1.0, max_tokens=8))
-    x, y = _answer(1, 9)
-    assert auditor.offer(x, y, "ort-cpu", "r", Version(Reference(config, WEIGHTS, 1e-5), Depth())) == "too_large"  # type: ignore[arg-type]
+    auditor, verdicts = _auditor(AuditLimits(rate=1.0, max_tokens=8, max_cpu=1.0))
+    reference = HeldReference(config)
+    x = np.random.default_rng(3).standard_normal((1, 20, 32), dtype=np.float32)
+    with torch.no_grad():
+        y = MultiHeadAttention.from_weights(config, WEIGHTS)(torch.from_numpy(x)).numpy()  # (1, 20, C) fp32
+    y[0, 19, 0] += 0.05
+    for i in range(3):
+        assert auditor.offer(x, y, "ort-cpu", f"r{i}", Version(reference, Depth())) is None  # type: ignore[arg-type]
+        reference.gate.release()
+        assert verdicts.done.acquire(timeout=30)
     auditor.close()
+    assert [(s.window, s.x.shape[1]) for s, _ in verdicts.checked] == [((0, 7), 20), ((8, 15), 20), ((16, 19), 20)]
+    assert [error > 1e-3 for _, error in verdicts.checked] == [False, False, True]  # honest windows exact
 
 
 # Behind a real server ---------------------------------------------------------------------------------
