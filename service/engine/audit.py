@@ -244,7 +244,7 @@ class Auditor:
         self.limits, self._on_checked, self._on_skipped = limits, on_checked, on_skipped
         self._timer = timer  # what an audit's cost is measured with
         self._credit = 1.0 - limits.rate  # the rate accumulated: the first answer, then every 1/rate-th
-        self._turn = self._windows = 0  # which row of a request, and which window of a row, in turn
+        self._turn = 0  # which row of a request, and which window of the row, the next audit takes
         self._allowance = Allowance(limits, clock)
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="audit")
 
@@ -254,11 +254,10 @@ class Auditor:
         reference = loaded.reference
         if reference is None or not self._sampled():
             return ""
-        first, end = self._window(x.shape[1])
+        row, first, end = self._place(*x.shape[:2])
         whole = end if reference.config.causal else x.shape[1]  # the tokens the window's answers depend on
         if reason := self._take(loaded.batcher.depth, whole + end - first):
             return self._skipped(reason)
-        row = self._next_row(x.shape[0])
         answer = (x[row : row + 1, :whole].copy(), y[row : row + 1, first:end].copy())  # (1, T', C), (1, w, C)
         self._submit(reference, answer, first, None, x.shape, backend, request_id, loaded)
         return None
@@ -272,11 +271,10 @@ class Auditor:
         reference = loaded.reference
         if reference is None or not self._sampled():
             return ""
-        first, end = self._window(x.shape[1])
+        row, first, end = self._place(*x.shape[:2])
         held = cache.length - x.shape[1] + end  # the past, and the new tokens up to the window's end
         if reason := self._take(loaded.decoder.steps.depth, end + end - first + 2 * held):
             return self._skipped(reason)
-        row = self._next_row(x.shape[0])
         answer = (x[row : row + 1, :end].copy(), y[row : row + 1, first:end].copy())  # (1, end, C), (1, w, C)
         keys, values = (
             c[row : row + 1, :, :held].cpu().numpy().copy() for c in (cache.keys, cache.values)
@@ -291,18 +289,15 @@ class Auditor:
         self._credit -= 1.0
         return True
 
-    def _window(self, tokens: int) -> tuple[int, int]:
-        """The tokens [first, end) of a row the next audit takes: windows of `max_tokens`, in turn
-        along the row, so that over many answers every position of long ones is audited."""
-        size = self.limits.max_tokens
-        windows = -(-tokens // size)  # the last may be shorter
-        first = self._windows % windows * size
-        self._windows += 1
-        return first, min(first + size, tokens)
-
-    def _next_row(self, rows: int) -> int:
+    def _place(self, rows: int, tokens: int) -> tuple[int, int, int]:
+        """The row of a request the next audit takes, and its window [first, end) of `max_tokens`
+        tokens (the last may be shorter): both in turn, so that over many answers every row and
+        every position of long ones is audited."""
+        size, turn = self.limits.max_tokens, self._turn
         self._turn += 1
-        return (self._turn - 1) % rows
+        windows = -(-tokens // size)  # tokens / size rounded up
+        first = (turn // rows) % windows * size
+        return turn % rows, first, min(first + size, tokens)
 
     def _skipped(self, reason: str) -> str:
         self._on_skipped(reason)
