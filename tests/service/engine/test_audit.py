@@ -29,7 +29,9 @@ from model.checkpoint import init_weights, load_checkpoint
 from model.reference import attention_view, relative_error
 from service.backends.base import Backend
 from service.client.client import InferenceError, MHAClient
+from service.decode.sequences import SequenceStore
 from service.engine.audit import AuditLimits, Auditor, Cache, Check, Reference, Sample, mismatch_message
+from service.settings import Settings
 from tests.support import ServerThread, make_settings
 
 SMALL = MHAConfig(d_model=32, n_head=4, max_seq_len=64)
@@ -313,6 +315,17 @@ def test_a_sampled_step_is_copied_with_the_keys_and_values_it_attended_to() -> N
     auditor.close()
 
 
+def _offer_in_turn(
+    auditor: Auditor, verdicts: Verdicts, reference: HeldReference, x: np.ndarray, y: np.ndarray, times: int
+) -> None:
+    """The same answer offered `times` times, each audit let through and waited for, then the auditor closed."""
+    for i in range(times):
+        assert auditor.offer(x, y, "ort-cpu", f"r{i}", Version(reference, Depth())) is None  # type: ignore[arg-type]
+        reference.gate.release()
+        assert verdicts.done.acquire(timeout=30)
+    auditor.close()
+
+
 def test_windows_take_turns_along_a_long_row_and_find_a_late_fault() -> None:
     """Over three answers of 40 tokens, windows of 16 cover every position: a fault at position 35,
     which the first 16 tokens never show, is found by the third, and named by its window."""
@@ -320,11 +333,7 @@ def test_windows_take_turns_along_a_long_row_and_find_a_late_fault() -> None:
     reference = HeldReference(SMALL)
     x, y = _answer(1, 40)
     y[0, 35, 3] += 0.05
-    for i in range(3):
-        assert auditor.offer(x, y, "torch-cpu", f"r{i}", Version(reference, Depth())) is None  # type: ignore[arg-type]
-        reference.gate.release()
-        assert verdicts.done.acquire(timeout=30)
-    auditor.close()
+    _offer_in_turn(auditor, verdicts, reference, x, y, 3)
     assert [s.window for s, _ in verdicts.checked] == [(0, 15), (16, 31), (32, 39)]
     assert [s.x.shape[1] for s, _ in verdicts.checked] == [16, 32, 40]  # the row up to the window's end
     assert [error > 1e-3 for _, error in verdicts.checked] == [False, False, True]
@@ -363,11 +372,7 @@ def test_without_causality_a_window_is_checked_against_the_whole_row() -> None:
     with torch.no_grad():
         y = MultiHeadAttention.from_weights(config, WEIGHTS)(torch.from_numpy(x)).numpy()  # (1, 20, C) fp32
     y[0, 19, 0] += 0.05
-    for i in range(3):
-        assert auditor.offer(x, y, "ort-cpu", f"r{i}", Version(reference, Depth())) is None  # type: ignore[arg-type]
-        reference.gate.release()
-        assert verdicts.done.acquire(timeout=30)
-    auditor.close()
+    _offer_in_turn(auditor, verdicts, reference, x, y, 3)
     assert [(s.window, s.x.shape[1]) for s, _ in verdicts.checked] == [((0, 7), 20), ((8, 15), 20), ((16, 19), 20)]
     assert [error > 1e-3 for _, error in verdicts.checked] == [False, False, True]  # honest windows exact
 
@@ -450,6 +455,29 @@ def test_a_corrupting_backend_is_caught_counted_logged_and_benched(
     assert re.search(r"relative error \d\.\d\de-02 > \d\.\de-05 ", incidents[0]), incidents[0]  # 0.04 against ~1e-5
 
 
+def _every_step_audited(model_dir: Path, seed: int) -> tuple[Settings, np.ndarray, torch.Tensor]:
+    """Settings that audit every answer and step, a prefix of 8 tokens and its answers in float64."""
+    config, weights = load_checkpoint(model_dir / "weights.safetensors")
+    settings = make_settings(model_dir, threads=1, audit_rate=1.0, audit_max_cpu=1.0, audit_when_busy=True)
+    prefix = np.random.default_rng(seed).standard_normal((1, 8, 32), dtype=np.float32)
+    return settings, prefix, attention_view(torch.from_numpy(prefix), weights, config)  # (1, 8, C)
+
+
+def _dropped_and_refused(
+    client: MHAClient, sequences: SequenceStore, sequence_id: int, x: np.ndarray, offset: int, backend: str
+) -> None:
+    """The sequence is dropped (on the event loop, once its audit found `backend` wrong), and its
+    next step is refused NOT_FOUND, saying why."""
+    deadline = time.monotonic() + 30
+    while sequences.holds(sequence_id):
+        assert time.monotonic() < deadline, f"sequence {sequence_id} was never dropped"
+        time.sleep(0.01)
+    with pytest.raises(InferenceError) as refused:
+        client.step(sequence_id, x, offset=offset)
+    assert refused.value.code == grpc.StatusCode.NOT_FOUND
+    assert f"was dropped (an audit found {backend} computing wrongly" in str(refused.value)
+
+
 @pytest.mark.parametrize("fault", ["answer", "keys"])
 def test_a_corrupting_step_backend_is_caught_and_its_sequence_started_again(
     small_model_dir: Path, caplog: pytest.LogCaptureFixture, fault: str
@@ -457,10 +485,7 @@ def test_a_corrupting_step_backend_is_caught_and_its_sequence_started_again(
     """A step answered wrongly, or one that wrote a wrong key, is found by its audit: the backend
     is quarantined and the sequence dropped (every later step would attend to that key), so its
     next step is refused NOT_FOUND, saying why, and the client's restart with its prefix is exact."""
-    config, weights = load_checkpoint(small_model_dir / "weights.safetensors")
-    settings = make_settings(small_model_dir, threads=1, audit_rate=1.0, audit_max_cpu=1.0, audit_when_busy=True)
-    prefix = np.random.default_rng(6).standard_normal((1, 8, 32), dtype=np.float32)
-    ref = attention_view(torch.from_numpy(prefix), weights, config)  # (1, 8, C)
+    settings, prefix, ref = _every_step_audited(small_model_dir, seed=6)
     with ServerThread(settings) as server, MHAClient(server.url) as client:
         chain, sequences = server.engine.loaded.chain, server.engine.loaded.decoder.sequences
         victim = Corrupting(chain.step_backends[0], every=3, fault=fault)
@@ -468,14 +493,7 @@ def test_a_corrupting_step_backend_is_caught_and_its_sequence_started_again(
         sequence = client.sequence(7)
         for i in range(3):  # the third step is computed wrongly
             sequence.send(prefix[:, i : i + 1])
-        deadline = time.monotonic() + 30
-        while sequences.holds(7):  # dropped on the event loop once its audit found it
-            assert time.monotonic() < deadline, "the wrong step's sequence was never dropped"
-            time.sleep(0.01)
-        with pytest.raises(InferenceError) as refused:
-            client.step(7, prefix[:, 3:4], offset=3)
-        assert refused.value.code == grpc.StatusCode.NOT_FOUND
-        assert f"was dropped (an audit found {victim.name} computing wrongly" in str(refused.value)
+        _dropped_and_refused(client, sequences, 7, prefix[:, 3:4], offset=3, backend=victim.name)
         for i in range(3, 8):  # restarted with its prefix, on the other backend: exact
             y = sequence.send(prefix[:, i : i + 1])
             assert relative_error(torch.from_numpy(y), ref[:, i : i + 1]) < 1e-5
@@ -493,10 +511,7 @@ def test_a_backend_found_wrong_takes_every_sequence_it_computed_with_it(
     """Keys and values a backend wrote at steps nobody audited may be wrong too: once an audit finds
     it wrong (a step of another sequence, or a stateless answer), every live sequence whose steps it
     computed is dropped, saying why, and a sequence only the other backend computed goes on, exact."""
-    config, weights = load_checkpoint(small_model_dir / "weights.safetensors")
-    settings = make_settings(small_model_dir, threads=1, audit_rate=1.0, audit_max_cpu=1.0, audit_when_busy=True)
-    prefix = np.random.default_rng(7).standard_normal((1, 8, 32), dtype=np.float32)
-    ref = attention_view(torch.from_numpy(prefix), weights, config)  # (1, 8, C)
+    settings, prefix, ref = _every_step_audited(small_model_dir, seed=7)
     with ServerThread(settings) as server, MHAClient(server.url) as client:
         chain, sequences = server.engine.loaded.chain, server.engine.loaded.decoder.sequences
         steps = chain.step_backends
@@ -517,15 +532,8 @@ def test_a_backend_found_wrong_takes_every_sequence_it_computed_with_it(
                 order[:] = [Corrupting(b, every=1) if b.name == victim.name else b for b in order]
                 order.sort(key=lambda b: b.name != victim.name)
             client.infer(prefix[:, :4])
-        deadline = time.monotonic() + 30
-        while sequences.holds(2):  # dropped on the event loop once the victim is quarantined
-            assert time.monotonic() < deadline, "a sequence the wrong backend computed was never dropped"
-            time.sleep(0.01)
+        _dropped_and_refused(client, sequences, 2, prefix[:, 2:3], offset=2, backend=victim.name)
         assert sequences.holds(1) and chain.quarantined() == [victim.name]
-        with pytest.raises(InferenceError) as refused:
-            client.step(2, prefix[:, 2:3], offset=2)
-        assert refused.value.code == grpc.StatusCode.NOT_FOUND
-        assert f"was dropped (an audit found {victim.name} computing wrongly" in str(refused.value)
         for i in range(2, 8):  # the sequence the other backend computed goes on, exact
             y = kept.send(prefix[:, i : i + 1])
             assert relative_error(torch.from_numpy(y), ref[:, i : i + 1]) < 1e-5
