@@ -389,6 +389,23 @@ def test_a_sequence_is_reported_gone_when_it_ends_or_is_evicted_not_when_it_rest
     assert [g for g in gone if g is not None] == ["b", "a"]
 
 
+def test_a_backend_distrusted_drops_exactly_the_sequences_it_computed(small_model_dir: Path) -> None:
+    """`drop(why, written_by)`: every live sequence with a step that backend computed goes, saying
+    why, and is reported gone; the others stay. Without a backend (shutdown) every one goes."""
+    config, _ = load_checkpoint(small_model_dir / "weights.safetensors")
+    gone: list[object] = []
+    store = SequenceStore(config, SequenceLimits(), ManualClock().now, lambda s, r, g: gone.append(g))
+    writers = {"a": {"ort-cpu"}, "b": {"torch-cpu"}, "c": {"torch-cpu", "ort-cpu"}, "d": set()}
+    for name, backends in writers.items():
+        store.open(SequenceControl(name, start=True), 1, C).writers.update(backends)
+    assert store.drop("was dropped (ort-cpu found wrong)", written_by="ort-cpu") == 2
+    assert [g for g in gone if g is not None] == ["a", "c"]
+    assert store.holds("b") and store.holds("d") and not store.holds("a")
+    with pytest.raises(SequenceNotFound, match=r"sequence 'c' was dropped \(ort-cpu found wrong\) on "):
+        store.open(SequenceControl("c"), 1, C)
+    assert store.drop("was dropped at shutdown") == 2 and len(store) == 0
+
+
 def test_the_budget_evicts_idle_sequences_and_refuses_when_all_are_busy(small_model_dir: Path) -> None:
     config, _ = load_checkpoint(small_model_dir / "weights.safetensors")
     clock = ManualClock()
