@@ -13,6 +13,7 @@ from functools import partial
 
 from service.batching import Clock, MonotonicClock
 from service.budget import MIB, InflightBudget
+from service.decode.sequences import SequenceStore
 from service.engine.audit import AuditLimits, Auditor, Check, Sample, distrusted, mismatch_message
 from service.engine.door import Door, SequenceId
 from service.engine.inflight import InFlight
@@ -136,10 +137,9 @@ def _audited(
     then, on the event loop, every live sequence whose steps it computed dropped (a step computed
     on it before the quarantine has recorded it by then: the compute thread runs one thing at a time)."""
 
-    def distrust(sample: Sample) -> None:
-        assert sample.sequences is not None
-        if dropped := sample.sequences.drop(distrusted(sample.backend), written_by=sample.backend):
-            log.warning("audit: %d live sequences dropped: %s computed steps of them", dropped, sample.backend)
+    def distrust(sequences: SequenceStore, backend: str) -> None:
+        if dropped := sequences.drop(distrusted(backend), written_by=backend):
+            log.warning("audit: %d live sequences dropped: %s computed steps of them", dropped, backend)
 
     def audited(sample: Sample, check: Check, spent_s: float) -> None:
         metrics.audit.checked_one(spent_s)
@@ -148,8 +148,8 @@ def _audited(
         metrics.audit.mismatch(sample.backend, sample.device, sample.precision)
         log.error(mismatch_message(sample, check))
         quarantined = executor.submit(sample.quarantine, sample.backend)
-        if sample.sequences is not None:
-            quarantined.add_done_callback(lambda _: loop.call_soon_threadsafe(distrust, sample))
+        if (sequences := sample.sequences) is not None:
+            quarantined.add_done_callback(lambda _: loop.call_soon_threadsafe(distrust, sequences, sample.backend))
 
     return audited
 

@@ -29,10 +29,11 @@ values, so a window's cost grows with the row's length linearly, not squared. A 
 of its new tokens, with every key and value they attend to.
 
 It never costs a client. The answer is sent before its audit. The audit copies what it checks into
-a bounded queue. A full queue (`--audit-queue` answers, or `--audit-queue` times
-2 `--audit-max-tokens` token rows), a spent CPU allowance (`--audit-max-cpu`, measured as the audit thread's wall
-time, which overstates it) or a full batch waiting (unless `--audit-when-busy`) skips the audit,
-and the skip is counted. At rate 1 (every answer, asked for) only the queue's bound applies.
+a bounded queue. A full queue (`--audit-queue` answers, or `--audit-queue` times 2
+`--audit-max-tokens` token rows), a spent CPU allowance (`--audit-max-cpu`, measured as the audit
+thread's wall time, which overstates it) or a full batch waiting (unless `--audit-when-busy`)
+skips the audit, and the skip is counted. At rate 1 (every answer, asked for) only the queue's
+bound applies.
 """
 
 from __future__ import annotations
