@@ -25,11 +25,15 @@ def _linear(x: torch.Tensor, weights: Mapping[str, torch.Tensor], name: str) -> 
     return y + bias.to(torch.float64) if bias is not None else y
 
 
+def split_heads(y: torch.Tensor, config: MHAConfig) -> torch.Tensor:
+    """(B, T, C) split into heads."""
+    B, T, _ = y.shape
+    return y.view(B, T, config.n_head, config.head_size).transpose(1, 2)  # (B, nh, T, hs)
+
+
 def heads(x: torch.Tensor, weights: Mapping[str, torch.Tensor], config: MHAConfig, name: str) -> torch.Tensor:
     """(B, T, C) projected by `name` in float64 and split into heads."""
-    B, T, _ = x.shape
-    y = _linear(x.to(torch.float64), weights, name)  # (B, T, C)
-    return y.view(B, T, config.n_head, config.head_size).transpose(1, 2)  # (B, nh, T, hs)
+    return split_heads(_linear(x.to(torch.float64), weights, name), config)  # (B, nh, T, hs)
 
 
 def _qkv(x: torch.Tensor, weights: Mapping[str, torch.Tensor], config: MHAConfig, past: Past | None) -> QKV:
@@ -138,11 +142,8 @@ def linear_rounding_error(
     y_abs, however small the answer. `past` as attention_view's; `past_terms` the size of its
     values' terms (B, nh, P, hs), where they were computed from tokens (else their magnitudes)."""
     x = x.to(torch.float64)
-    B, T, _ = x.shape
     q, k, v = _qkv(x, weights, config, past)  # (B, nh, T, hs), (B, nh, P + T, hs) twice
-    v_abs = (
-        term_magnitudes(x, weights, "v_proj").view(B, T, config.n_head, config.head_size).transpose(1, 2)
-    )  # (B, nh, T, hs)
+    v_abs = split_heads(term_magnitudes(x, weights, "v_proj"), config)  # (B, nh, T, hs)
     if past is not None:
         held = past[1].to(torch.float64).abs() if past_terms is None else past_terms
         v_abs = torch.cat([held, v_abs], dim=2)  # (B, nh, P + T, hs)

@@ -58,6 +58,7 @@ from model.reference import (
     linear_rounding_error,
     relative_error,
     score_rounding_error,
+    split_heads,
     term_magnitudes,
 )
 from service.errors import quote
@@ -137,11 +138,8 @@ class Reference:
     def _others(self, x: torch.Tensor) -> tuple[tuple[torch.Tensor, torch.Tensor], torch.Tensor]:
         """The keys and values of a row's tokens outside a window, as the served graph computes
         them from the tokens, and the size of the values' terms (1, nh, P, hs): rounded at that size."""
-        B, P, _ = x.shape
-        nh, hs = self.config.n_head, self.config.head_size
         past = (heads(x, self.weights, self.config, "k_proj"), heads(x, self.weights, self.config, "v_proj"))
-        terms = term_magnitudes(x, self.weights, "v_proj").view(B, P, nh, hs).transpose(1, 2)  # (1, nh, P, hs)
-        return past, terms
+        return past, split_heads(term_magnitudes(x, self.weights, "v_proj"), self.config)  # (1, nh, P, hs)
 
     def _written(self, x: torch.Tensor, cache: Cache) -> Check:
         """The keys and values a step wrote against its tokens' own: within the tolerance, or
