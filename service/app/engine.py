@@ -23,6 +23,7 @@ from service.engine.readiness import DeviceHealth, Lifecycle
 from service.engine.served import ModelIdentity
 from service.engine.sources import ModelSource
 from service.engine.versions import Loaded, Versions
+from service.errors import quote
 from service.metrics import Metrics
 from service.resources import memory_limit_bytes
 from service.scheduling import SchedulePolicy
@@ -31,6 +32,8 @@ from service.tracing import Tracing
 
 log = logging.getLogger(__name__)
 INFLIGHT_SHARE = 4  # by default, a quarter of the memory limit goes to requests and answers in flight
+SHARED_DEVICE = "cpu"  # what every worker computes on alike: a GPU may be one worker's own (--workers auto)
+Tell = Callable[[str, str, str], None]  # (version, backend, device): a verdict told to the other workers
 
 
 @dataclass(frozen=True)
@@ -82,10 +85,12 @@ def build_engine(
     hook: ComputeHook | None = None,
     others_ready: Callable[[], bool] | None = None,
     sequence_gone: Callable[[SequenceId], None] | None = None,
+    tell: Tell | None = None,
 ) -> Engine:
     """`clock` is the batchers' (request deadlines are converted to it); `hook` see ComputeHook;
     `others_ready` the door's (with --workers: whether every other worker listens);
-    `sequence_gone` the keeper's (with --workers: a sequence's ownership released)."""
+    `sequence_gone` the keeper's (with --workers: a sequence's ownership released);
+    `tell` the audit's (with --workers: a backend found wrong on the CPU told to the others)."""
     s = settings
     identity = ModelIdentity(s.model_name, s.model_version, s.sequence_model_name or f"{s.model_name}_sequence")
     device = DeviceHealth(s.require_device, metrics)  # the server's health follows serving_ok()
@@ -96,10 +101,10 @@ def build_engine(
     executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="infer")  # every version's batches
     compute = Compute(executor, clock or MonotonicClock(), InFlight(), schedule, tracing, hook)
     keeper = VersionKeeper(s, life, compute, publish, metrics, source, sequence_gone)
-    audited = _audited(metrics, executor, asyncio.get_running_loop())
-    audit = Auditor(_audit_limits(s), audited, metrics.audit.skipped_one)
+    verdicts = Verdicts(metrics, life.versions, executor, asyncio.get_running_loop(), tell)
+    audit = Auditor(_audit_limits(s), verdicts.checked, metrics.audit.skipped_one)
     budget = InflightBudget(_inflight_limit(s))  # bytes of requests and answers held at once
-    door = Door(life, keeper, publish, audit, budget, others_ready)
+    door = Door(life, keeper, publish, audit, budget, verdicts.told, others_ready)
     _follow(metrics, s, life, keeper, budget)
     return Engine(s, metrics, life, keeper, publish, audit, door)
 
@@ -129,29 +134,68 @@ def _audit_limits(s: Settings) -> AuditLimits:
     return AuditLimits(*limits, busy_depth=merged_rows(s))
 
 
-def _audited(
-    metrics: Metrics, executor: ThreadPoolExecutor, loop: asyncio.AbstractEventLoop
-) -> Callable[[Sample, Check, float], None]:
-    """An audit's verdict (on the audit thread): counted; a mismatch logged, counted by backend,
-    device and precision, its backend quarantined on the compute thread (where the chain runs),
-    then, on the event loop, every live sequence whose steps it computed dropped (a step computed
-    on it before the quarantine has recorded it by then: the compute thread runs one thing at a time)."""
+class Verdicts:
+    """What follows an audit's verdict (`checked`, on the audit thread): counted; a mismatch logged,
+    counted by backend, device and precision, and its backend distrusted. Distrusted: quarantined on
+    the compute thread (where the chain runs), then, on the event loop, every live sequence whose
+    steps it computed dropped (a step computed on it before the quarantine has recorded it by then:
+    the compute thread runs one thing at a time). A backend computing on the CPU, which every
+    worker shares, is distrusted by the other workers too: `tell` tells them, `told` is their side."""
 
-    def distrust(sequences: SequenceStore, backend: str) -> None:
-        if dropped := sequences.drop(distrusted(backend), written_by=backend):
-            log.warning("audit: %d live sequences dropped: %s computed steps of them", dropped, backend)
+    def __init__(
+        self,
+        metrics: Metrics,
+        versions: Versions,
+        executor: ThreadPoolExecutor,
+        loop: asyncio.AbstractEventLoop,
+        tell: Tell | None,
+    ) -> None:
+        self._metrics, self._versions, self._executor, self._loop, self._tell = metrics, versions, executor, loop, tell
 
-    def audited(sample: Sample, check: Check, spent_s: float) -> None:
-        metrics.audit.checked_one(spent_s)
+    def checked(self, sample: Sample, check: Check, spent_s: float) -> None:
+        self._metrics.audit.checked_one(spent_s)
         if check.passed:
             return
-        metrics.audit.mismatch(sample.backend, sample.device, sample.precision)
+        self._metrics.audit.mismatch(sample.backend, sample.device, sample.precision)
         log.error(mismatch_message(sample, check))
-        quarantined = executor.submit(sample.quarantine, sample.backend)
-        if (sequences := sample.sequences) is not None:
-            quarantined.add_done_callback(lambda _: loop.call_soon_threadsafe(distrust, sequences, sample.backend))
+        tell = self._tell if sample.device == SHARED_DEVICE else None
+        then = None if tell is None else partial(tell, sample.version, sample.backend, sample.device)
+        self._distrust(sample.quarantine, sample.sequences, sample.backend, then)
 
-    return audited
+    def told(self, version: str, backend: str, device: str, by: str) -> None:
+        """`by`'s audit found `backend` of `version` computing wrongly on `device` (on the event loop):
+        this worker's backend of that name on that device is distrusted as its own audit would
+        distrust it. A version or backend not served here, or not on that device, is left as it is."""
+        loaded = self._versions.get(version)
+        chain = [] if loaded is None else loaded.chain.backends + loaded.chain.step_backends
+        if loaded is None or not any(b.name == backend and b.device == device for b in chain):
+            return
+        log.warning(
+            "audit: %s found %s of version %s computing wrongly; it is quarantined here too, until its "
+            "self-check passes again",
+            by,
+            backend,
+            quote(loaded.version),
+        )
+        self._distrust(loaded.chain.quarantine.enter, loaded.decoder.sequences, backend, None)
+
+    def _distrust(
+        self,
+        quarantine: Callable[[str], None],
+        sequences: SequenceStore | None,
+        backend: str,
+        then: Callable[[], None] | None,
+    ) -> None:
+        quarantined = self._executor.submit(quarantine, backend)
+        drop = partial(self._drop, sequences, backend, then)
+        quarantined.add_done_callback(lambda _: self._loop.call_soon_threadsafe(drop))
+
+    @staticmethod
+    def _drop(sequences: SequenceStore | None, backend: str, then: Callable[[], None] | None) -> None:
+        if sequences is not None and (dropped := sequences.drop(distrusted(backend), written_by=backend)):
+            log.warning("audit: %d live sequences dropped: %s computed steps of them", dropped, backend)
+        if then is not None:
+            then()
 
 
 def _inflight_limit(settings: Settings) -> int:

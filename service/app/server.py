@@ -37,7 +37,7 @@ from service.protocol.handover import Handover
 from service.protocol.http_app import HttpApi, ssl_context
 from service.protocol.http_wire import quiet_client_mistakes
 from service.protocol.metrics_http import MetricsServer
-from service.protocol.peers import WorkerPeers, socket_path
+from service.protocol.peers import Broadcast, WorkerPeers, socket_path
 from service.protocol.shm import Regions
 from service.protocol.workers import WorkerAnswers
 from service.resources import freed_buffers_go_back
@@ -141,8 +141,9 @@ async def start(
     peers = _peers(settings)
     others_ready = None if peers is None else peers.all_listening  # ready once every worker is
     gone = None if peers is None else peers.release  # a sequence this worker keeps no longer: owned no longer
+    tell = None if peers is None else Broadcast(peers).distrust  # a backend an audit found wrong, told to the others
     engine = build_engine(
-        settings, metrics, source, schedule, clock, _tracing(settings), compute_hook, others_ready, gone
+        settings, metrics, source, schedule, clock, _tracing(settings), compute_hook, others_ready, gone, tell
     )
     token, credentials = _token(settings), _credentials(settings)  # read before a worker's long load
     if settings.reuse_port and not settings.worker_bind_first:

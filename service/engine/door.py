@@ -13,6 +13,7 @@ a request may ask of the model, all of it here:
     describe    metadata, config, the repository index, statistics
     settings    load and unload calls, trace settings
     calls       requests in flight, and closed calls into the statistics
+    distrust    another worker's audit verdict on a backend this worker shares, taken as its own
 
 The types its methods take and return are named here too, so that the wire imports one module.
 
@@ -88,6 +89,7 @@ Answer = tuple[np.ndarray, str]  # (B, T, C) and the backend that computed it
 StepAnswer = tuple[np.ndarray, str, dict[str, int | str]]  # ... and the sequence's length and home
 RunBatch = Callable[[np.ndarray], tuple[np.ndarray, "Backend"]]  # (B, T, C) -> ((B, T, C), the backend that ran it)
 Batched = tuple[np.ndarray, Timing]  # a batched request's (B, T, C) and how its batch went
+Distrust = Callable[[str, str, str, str], None]  # (version, backend found wrong, its device, by whom)
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,13 +111,14 @@ class Door:
         publish: Publisher,
         audit: Auditor,
         budget: InflightBudget,
+        distrust: Distrust,
         others_ready: Callable[[], bool] | None = None,
     ) -> None:
         """`others_ready`: whether every other part this server answers for can take every
         request (with --workers, every other worker: the app passes that in); None: there is none."""
         self._life, self._keeper, self._publish, self._audit = life, keeper, publish, audit
-        self._tracing = keeper.compute.tracing
         self._others_ready = others_ready
+        self.distrust = distrust  # (version, backend, device, by): another worker's audit verdict, as its own
         self.hold: Callable[..., Lease] = budget.take  # (nbytes, what): bytes in flight until released
         self.now: Callable[[], float] = keeper.compute.clock.now  # the clock request deadlines are given on
 
@@ -175,7 +178,7 @@ class Door:
             raise FeatureOff(NO_STEPS)
         version.model.check_magnitude(x)  # the cached keys and values were checked with their own steps
         try:
-            with self._tracing.step(control.label, int(x.shape[1])) as span:
+            with self._keeper.compute.tracing.step(control.label, int(x.shape[1])) as span:
                 stepped = await version.decoder.step(control, x, deadline)
                 if span is not None:
                     span.set_attribute("mha.sequence.tokens_held", stepped.length)
@@ -236,7 +239,7 @@ class Door:
 
     def trace_settings(self, changes: Mapping[str, list[str] | None]) -> TraceValues:
         """Triton's trace settings, changed by `changes` (empty: read), as they are now."""
-        control = self._tracing.control
+        control = self._keeper.compute.tracing.control
         return control.change(changes) if changes else control.settings()
 
     @property

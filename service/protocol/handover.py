@@ -1,8 +1,8 @@
 """The receiving side of a hand-over (`--workers N`): the steps of this worker's sequences that
 reached another worker, (on the region keeper) the shared memory calls and the requests that name
 a region, and another worker's load, unload and settings calls, answered here as if they had
-arrived here (peers.py has the sending side and the frame format, workers.py the wrapper that
-decides what goes where)."""
+arrived here; and another worker's audit verdicts, taken as this worker's own (peers.py has the
+sending side and the frame format, workers.py the wrapper that decides what goes where)."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from typing import Any
 
 import grpc
 from google.protobuf.message import DecodeError, Message
+from google.protobuf.struct_pb2 import Struct
 
 from service.proto import grpc_service_pb2 as pb
 from service.protocol import log_calls, render, trace_calls
@@ -24,6 +25,7 @@ from service.protocol.peers import (
     CUDA_REGISTER,
     CUDA_STATUS,
     CUDA_UNREGISTER,
+    DISTRUST,
     FORWARDED_METHOD,
     INFER,
     LOAD,
@@ -119,6 +121,10 @@ class Handover:
             return trace_calls.to_proto(await local.trace_settings(trace_calls.from_proto(request.settings)))
         if kind == STATS:  # another worker's statistics call: this worker's part of the sums
             return pb.ModelStatisticsResponse(model_stats=await local.statistics(request.name, request.version))
+        if kind == DISTRUST:  # another worker's audit found a backend computing wrongly
+            by = f"worker {int(request['worker'])}"
+            local.door.distrust(request["version"], request["backend"], request["device"], by)
+            return Struct()
         return render.system_shm_status(await local.status(request.name))
 
     async def stop(self) -> None:

@@ -14,6 +14,8 @@ The owner answers the handed-over request as it would its own (service/protocol/
 its status and message come back as they are. System shared memory regions are kept by one
 worker (REGION_KEEPER) for all of them: registrations, status and requests that name a region
 are handed to it (service/protocol/workers.py), so every connection sees one set of regions.
+An audit that finds a backend computing wrongly on the CPU, which every worker shares, tells the
+others (`Broadcast`), and each distrusts its backend of that name as its own audit would.
 
 The hand-over is one frame each way on a pooled stream connection, not a gRPC call: the request
 as gRPC's message, its mha-sequence-id header and its remaining time; the answer's
@@ -35,6 +37,7 @@ from typing import TYPE_CHECKING
 
 import grpc
 from google.protobuf.message import Message
+from google.protobuf.struct_pb2 import Struct
 
 from service.errors import DeadlineExceeded, NotReady, Relayed
 from service.proto import grpc_service_pb2 as pb
@@ -51,6 +54,7 @@ FORWARDED_METHOD = HANDED_OVER  # the metric label, on the receiving worker, of 
 REQUEST_HEAD = struct.Struct("!BIHd")  # kind, request bytes, header bytes, seconds left (< 0: no deadline)
 INFER, REGISTER, UNREGISTER, STATUS, LOAD, UNLOAD, LOG, TRACE, STATS = range(9)  # ..., statistics
 CUDA_REGISTER, CUDA_UNREGISTER, CUDA_STATUS = range(9, 12)  # CUDA shared memory regions
+DISTRUST = 12  # an audit's verdict: a backend found computing wrongly on a device the workers share
 REQUESTS: dict[int, type[Message]] = {
     INFER: pb.ModelInferRequest,
     REGISTER: pb.SystemSharedMemoryRegisterRequest,
@@ -64,6 +68,7 @@ REQUESTS: dict[int, type[Message]] = {
     CUDA_REGISTER: pb.CudaSharedMemoryRegisterRequest,
     CUDA_UNREGISTER: pb.CudaSharedMemoryUnregisterRequest,
     CUDA_STATUS: pb.CudaSharedMemoryStatusRequest,
+    DISTRUST: Struct,  # worker, version, backend, device
 }
 OWNERS = "owners"  # the folder, beside the sockets, where each live sequence names its owner
 HELD = "held"  # the folder where a sequence no worker holds names the one that held it last
@@ -240,6 +245,30 @@ class WorkerPeers:
                 with contextlib.suppress(OSError):
                     await writer.wait_closed()
         self._idle.clear()
+
+
+class Broadcast:
+    """What a worker tells every other one without waiting for their answers (on the event loop):
+    a worker that cannot be reached, or refuses, is logged."""
+
+    def __init__(self, peers: WorkerPeers) -> None:
+        self._peers = peers
+        self._telling: set[asyncio.Task[None]] = set()  # what is being told: held until it is
+
+    def distrust(self, version: str, backend: str, device: str) -> None:
+        """This worker's audit found `backend` of `version` computing wrongly on `device`."""
+        verdict = Struct()
+        verdict.update({"worker": self._peers.index, "version": version, "backend": backend, "device": device})
+        for worker in self._peers.others:
+            task = asyncio.get_running_loop().create_task(self._tell(worker, DISTRUST, verdict))
+            self._telling.add(task)
+            task.add_done_callback(self._telling.discard)
+
+    async def _tell(self, worker: int, kind: int, request: Message) -> None:
+        try:
+            await self._peers.call(worker, kind, request)
+        except Exception as exc:  # the teller goes on: the log says who was not told
+            log.warning("worker %d was not told of an audit's verdict: %s", worker, exc)
 
 
 def _unreachable(worker: int, exc: BaseException) -> str:

@@ -27,6 +27,7 @@ from export.pipeline import export_model_dir
 from model import MHAConfig, MultiHeadAttention
 from model.checkpoint import init_weights, load_checkpoint
 from model.reference import attention_view, relative_error
+from service.app.server import load_and_serve
 from service.backends.base import Backend
 from service.client.client import InferenceError, MHAClient
 from service.decode.sequences import SequenceStore
@@ -541,6 +542,73 @@ def test_a_backend_found_wrong_takes_every_sequence_it_computed_with_it(
     dropped = [r.getMessage() for r in caplog.records if "live sequences dropped" in r.getMessage()]
     assert dropped == [
         f"audit: {2 if found == 'step' else 1} live sequences dropped: {victim.name} computed steps of them"
+    ]
+
+
+class Workers:
+    """Two workers of one replica, each a real server in this process: the sockets of their
+    hand-overs in one folder, as the supervisor gives them (a client reaches one by its port)."""
+
+    def __init__(self, settings: Settings, folder: Path) -> None:
+        self.servers = [
+            ServerThread(replace(settings, worker_index=i, worker_peers=2, worker_socket_dir=folder), wait_ready=False)
+            for i in range(2)
+        ]
+
+    def __enter__(self) -> list[ServerThread]:
+        for server in self.servers:
+            server.__enter__()
+        loads = [server.submit(load_and_serve(server.running)) for server in self.servers]  # each waits for both
+        for load in loads:
+            load.result(120)
+        return self.servers
+
+    def __exit__(self, *exc: object) -> None:
+        for server in self.servers:
+            server.__exit__(*exc)
+
+
+def test_a_backend_one_worker_finds_wrong_on_the_cpu_is_distrusted_by_every_worker(
+    small_model_dir: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The workers compute on the same CPUs, with the same library and model files: a backend one
+    worker's audit finds wrong is quarantined by the other too, and the other's sequences that
+    backend computed are dropped, saying why; its sequences only the other backend computed go on."""
+    settings, prefix, ref = _every_step_audited(small_model_dir, seed=8)
+    with Workers(settings, tmp_path) as (finder, other), MHAClient(other.url) as client:
+        chain, sequences = other.engine.loaded.chain, other.engine.loaded.decoder.sequences
+        steps = chain.step_backends
+        victim = steps[0].name
+        steps.reverse()  # the other backend computes sequence 1
+        kept = client.sequence(1)
+        for i in range(2):
+            kept.send(prefix[:, i : i + 1])
+        steps.reverse()  # the victim computes sequence 2, rightly
+        for i in range(2):
+            client.step(2, prefix[:, i : i + 1], offset=i, start=i == 0)
+        for order in finder.engine.loaded.chain.orders():  # the finder's backend of that name, corrupt
+            order[:] = [Corrupting(b, every=1) if b.name == victim else b for b in order]
+            order.sort(key=lambda b: b.name != victim)
+        with MHAClient(finder.url) as finders_client:
+            finders_client.infer(prefix[:, :4])
+        _dropped_and_refused(client, sequences, 2, prefix[:, 2:3], offset=2, backend=victim)
+        assert sequences.holds(1) and chain.quarantined() == [victim]
+        for i in range(2, 8):  # the sequence the other backend computed goes on, exact
+            y = kept.send(prefix[:, i : i + 1])
+            assert relative_error(torch.from_numpy(y), ref[:, i : i + 1]) < 1e-5
+        assert kept.restarts == 0
+
+        async def verdict(version: str, backend: str, device: str) -> None:
+            other.engine.door.distrust(version, backend, device, "worker 0")
+
+        other_backend = steps[1].name  # a verdict on a device or version this worker does not serve: nothing
+        other.call(verdict("1", other_backend, "cuda:0"))
+        other.call(verdict("9", other_backend, "cpu"))
+        assert chain.quarantined() == [victim]
+    told = [r.getMessage() for r in caplog.records if "quarantined here too" in r.getMessage()]
+    assert told == [
+        f"audit: worker 0 found {victim} of version '1' computing wrongly; it is quarantined here too, until "
+        "its self-check passes again"
     ]
 
 

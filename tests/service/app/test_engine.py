@@ -1,0 +1,43 @@
+"""What follows an audit's verdict (service/app/engine.py's Verdicts): a mismatch quarantines its
+backend on the compute thread, then, on the event loop, drops its sequences and tells the other
+workers, for a backend on the device they all share (the CPU), not for one on a GPU, which may be
+one worker's own."""
+
+from __future__ import annotations
+
+import asyncio
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import pytest
+from prometheus_client import CollectorRegistry
+
+from service.app.engine import Verdicts
+from service.engine.audit import Check, Sample
+from service.engine.versions import Versions
+from service.metrics import Metrics
+
+
+def _sample(device: str, quarantine: list[str]) -> Sample:
+    x = np.zeros((1, 4, 8), np.float32)  # (1, T, C)
+    return Sample(x, x.copy(), 0, x.shape, "ort-cpu", "r-1", "3", device, "fp32", quarantine.append)
+
+
+@pytest.mark.parametrize("device,shared", [("cpu", True), ("cuda:0", False)])
+@pytest.mark.parametrize("check,wrong", [(Check(0.5, 1e-5), True), (Check(1e-7, 1e-5), False)])
+def test_a_mismatch_on_the_cpu_is_told_to_the_other_workers_after_its_quarantine(
+    device: str, shared: bool, check: Check, wrong: bool
+) -> None:
+    quarantined: list[str] = []
+    told: list[tuple[str, str, str]] = []
+    loop = asyncio.new_event_loop()
+    with ThreadPoolExecutor(max_workers=1) as compute:
+        metrics, versions = Metrics(CollectorRegistry()), Versions("mha")
+        verdicts = Verdicts(metrics, versions, compute, loop, lambda *verdict: told.append(verdict))
+        verdicts.checked(_sample(device, quarantined), check, 0.01)  # this thread stands for the audit's
+        compute.submit(lambda: None).result()  # the quarantine ran, and scheduled what follows it
+        assert told == []  # the others are told on the event loop, after the quarantine
+        loop.run_until_complete(asyncio.sleep(0))
+    loop.close()
+    assert quarantined == (["ort-cpu"] if wrong else [])
+    assert told == ([("3", "ort-cpu", "cpu")] if wrong and shared else [])
