@@ -65,11 +65,17 @@ class LightRoute:
 class _Health:
     consecutive_failures: int = 0
     quarantined_until: float = 0.0  # time.monotonic(); 0 when serving
+    found_wrong: int = 0  # audits that found it computing wrongly, in this process's life
+
+
+MAX_DOUBLINGS = 7  # a backend found wrong again and again sits out at most 2**7 cool-downs at a time
 
 
 class Quarantine:
     """Which backends sit out a cool-down after repeated failures, and whether one may serve
-    again (its probe passes once the cool-down is over). `changes` counts quarantines and returns:
+    again (its probe passes once the cool-down is over). A backend an audit found computing wrongly
+    sits out twice as long each time it is found so again: its probe is a fixed input, and a fault
+    that shows on some inputs only passes it. `changes` counts quarantines and returns:
     who shows the serving backends looks again when it moves, or while one is quarantined (a
     cool-down ends with the clock, not with a change)."""
 
@@ -121,8 +127,12 @@ class Quarantine:
             self._quarantined -= 1
             return True
         log.warning("backend %s failed its probe after the cool-down (%s); quarantined again", backend.name, why)
-        health.quarantined_until = self._clock() + self._cooldown
+        health.quarantined_until = self._clock() + self._cooldown_of(health)
         return False
+
+    def _cooldown_of(self, health: _Health) -> float:
+        """The cool-down, doubled for each audit that found the backend wrong after the first."""
+        return self._cooldown * 2 ** min(max(health.found_wrong - 1, 0), MAX_DOUBLINGS)
 
     def failed(self, backend: Backend) -> None:
         health = self._of(backend)
@@ -143,12 +153,19 @@ class Quarantine:
 
     def enter(self, name: str) -> None:
         """Quarantine the backend `name` at once (an answer of its was found wrong): batches go to the
-        next one, and it serves again only once its probe passes after the cool-down."""
+        next one, and it serves again only once its probe passes after the cool-down, doubled for
+        each time it was found wrong before. Found wrong while out (an answer it gave before, audited
+        late): nothing more, as it is one incident."""
         health = self.health.setdefault(name, _Health())
-        if health.quarantined_until == 0.0:
-            self._quarantined += 1
-        health.quarantined_until = self._clock() + self._cooldown
+        if health.quarantined_until != 0.0:
+            return
+        health.found_wrong += 1
+        cooldown = self._cooldown_of(health)
+        health.quarantined_until = self._clock() + cooldown
+        self._quarantined += 1
         self.changes += 1
+        times = "once" if health.found_wrong == 1 else f"{health.found_wrong} times"
+        log.warning("backend %s quarantined for %.0f s: found computing wrongly %s", name, cooldown, times)
 
     def blame_probe(self, backend: Backend) -> bool:
         """The backend's self-check, run at most once per cool-down to judge who is to blame for

@@ -448,6 +448,26 @@ def test_a_chain_whose_every_backend_is_quarantined_is_unavailable_and_says_when
     assert to_status(info.value, "r")[0] == grpc.StatusCode.UNAVAILABLE
 
 
+def test_a_backend_found_wrong_again_sits_out_twice_as_long_each_time(small_model_dir: Path) -> None:
+    """Its probe is a fixed input, which a fault on some inputs passes: each audit that finds it
+    wrong again doubles its cool-down (up to 2**7 of them); more mismatches while it sits out are
+    answers it gave before, one incident, and change nothing."""
+    config, weights = load_checkpoint(small_model_dir / "weights.safetensors")
+    a, b = (Flaky(name, TorchBackend(config, weights)) for name in "ab")
+    clock = ManualClock()
+    chain = BackendChain([a, b], probe=lambda backend: (True, "passes"), cooldown_s=10, clock=clock.now)
+    x = np.zeros((1, 2, 32), np.float32)
+    sat_out = []
+    for _ in range(10):
+        chain.quarantine.enter("a")
+        chain.quarantine.enter("a")  # an earlier answer of it, audited late: the same incident
+        began = clock.t
+        while chain.run(x)[1] is not a:  # b answers until a's cool-down is over and its probe passes
+            clock.t += 5.0
+        sat_out.append(clock.t - began)
+    assert sat_out == [10.0, 20.0, 40.0, 80.0, 160.0, 320.0, 640.0, 1280.0, 1280.0, 1280.0]
+
+
 class NaNs(Backend):
     name, device, platform = "nan", "cpu", "test"
 
