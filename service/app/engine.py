@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -149,18 +150,33 @@ class Verdicts:
         executor: ThreadPoolExecutor,
         loop: asyncio.AbstractEventLoop,
         tell: Tell | None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._metrics, self._versions, self._executor, self._loop, self._tell = metrics, versions, executor, loop, tell
+        self._clock = clock
+        self._passed: dict[tuple[str, str], tuple[float, str]] = {}  # (version, backend): its last pass, when, whose
 
     def checked(self, sample: Sample, check: Check, spent_s: float) -> None:
         self._metrics.audit.checked_one(spent_s)
         if check.passed:
+            self._passed[sample.version, sample.backend] = (self._clock(), sample.request_id)
             return
         self._metrics.audit.mismatch(sample.backend, sample.device, sample.precision)
-        log.error(mismatch_message(sample, check))
+        log.error("%s; %s", mismatch_message(sample, check), self._since(sample))
         tell = self._tell if sample.device == SHARED_DEVICE else None
         then = None if tell is None else partial(tell, sample.version, sample.backend, sample.device)
         self._distrust(sample.quarantine, sample.sequences, sample.backend, then)
+
+    def _since(self, sample: Sample) -> str:
+        """Since when its answers may be wrong: after the last audit of it that passed."""
+        backend = sample.backend
+        if (last := self._passed.get((sample.version, backend))) is None:
+            return f"no audit of {backend} passed before in this worker: any answer of it may be wrong"
+        when, request_id = last
+        return (
+            f"answers of {backend} since its last audit that passed, {self._clock() - when:.1f} s before (request "
+            f"{quote(request_id)}), may be wrong too"
+        )
 
     def told(self, version: str, backend: str, device: str, by: str) -> None:
         """`by`'s audit found `backend` of `version` computing wrongly on `device` (on the event loop):

@@ -1,7 +1,7 @@
 """What follows an audit's verdict (service/app/engine.py's Verdicts): a mismatch quarantines its
 backend on the compute thread, then, on the event loop, drops its sequences and tells the other
 workers, for a backend on the device they all share (the CPU), not for one on a GPU, which may be
-one worker's own."""
+one worker's own. The incident's log line says since when the backend's answers may be wrong."""
 
 from __future__ import annotations
 
@@ -18,9 +18,9 @@ from service.engine.versions import Versions
 from service.metrics import Metrics
 
 
-def _sample(device: str, quarantine: list[str]) -> Sample:
+def _sample(device: str, quarantine: list[str], request_id: str = "r-1", backend: str = "ort-cpu") -> Sample:
     x = np.zeros((1, 4, 8), np.float32)  # (1, T, C)
-    return Sample(x, x.copy(), 0, x.shape, "ort-cpu", "r-1", "3", device, "fp32", quarantine.append)
+    return Sample(x, x.copy(), 0, x.shape, backend, request_id, "3", device, "fp32", quarantine.append)
 
 
 @pytest.mark.parametrize("device,shared", [("cpu", True), ("cuda:0", False)])
@@ -41,3 +41,25 @@ def test_a_mismatch_on_the_cpu_is_told_to_the_other_workers_after_its_quarantine
     loop.close()
     assert quarantined == (["ort-cpu"] if wrong else [])
     assert told == ([("3", "ort-cpu", "cpu")] if wrong and shared else [])
+
+
+def test_a_mismatch_says_since_when_the_backends_answers_may_be_wrong(caplog: pytest.LogCaptureFixture) -> None:
+    """After the last audit of that backend (of that version) that passed: what went out before it
+    was checked; a backend never checked before may have answered wrongly from its start."""
+    now, quarantined, loop = [100.0], [], asyncio.new_event_loop()
+    with ThreadPoolExecutor(max_workers=1) as compute:  # the quarantines run there, then schedule the drops
+        metrics, versions = Metrics(CollectorRegistry()), Versions("mha")
+        verdicts = Verdicts(metrics, versions, compute, loop, None, clock=lambda: now[0])
+        wrong, right = Check(0.5, 1e-5), Check(1e-7, 1e-5)
+        verdicts.checked(_sample("cpu", quarantined, "r-0"), wrong, 0.01)
+        verdicts.checked(_sample("cpu", quarantined, "r-1"), right, 0.01)
+        verdicts.checked(_sample("cpu", quarantined, "r-2", backend="torch-cpu"), right, 0.01)  # another's pass
+        now[0] += 3.25
+        verdicts.checked(_sample("cpu", quarantined, "r-3"), wrong, 0.01)
+    loop.close()
+    incidents = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
+    assert len(incidents) == 2 and "request 'r-0'" in incidents[0] and "request 'r-3'" in incidents[1]
+    assert incidents[0].endswith("; no audit of ort-cpu passed before in this worker: any answer of it may be wrong")
+    assert incidents[1].endswith(
+        "; answers of ort-cpu since its last audit that passed, 3.2 s before (request 'r-1'), may be wrong too"
+    )
