@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import logging
+import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -12,6 +14,18 @@ from model import MHAConfig
 from model.checkpoint import init_weights
 
 SMALL = MHAConfig(d_model=32, n_head=4, max_seq_len=64)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _temporary_folders_in_the_sessions(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """Temporary folders (the supervisor's sockets and metrics folders among them) go into this
+    session's folder, which pytest removes after three more sessions, not into /tmp for good: a
+    supervisor a test kills with SIGKILL cannot remove them, nor can one a unit test only builds."""
+    patch = pytest.MonkeyPatch()
+    patch.setenv("TMPDIR", str(tmp_path_factory.mktemp("tmp")))  # servers the tests start inherit it
+    patch.setattr(tempfile, "tempdir", None)  # this process finds it again: gettempdir() caches its first
+    yield
+    patch.undo()
 
 
 @pytest.fixture(scope="session")
