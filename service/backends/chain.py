@@ -66,6 +66,7 @@ class _Health:
     consecutive_failures: int = 0
     quarantined_until: float = 0.0  # time.monotonic(); 0 when serving
     found_wrong: int = 0  # audits that found it computing wrongly, in this process's life
+    found_out: bool = False  # its quarantine now is an audit's
 
 
 MAX_DOUBLINGS = 7  # a backend found wrong again and again sits out at most 2**7 cool-downs at a time
@@ -123,7 +124,7 @@ class Quarantine:
         self.changes += 1
         if ok:
             log.info("backend %s passed its probe after the cool-down (%s); serving again", backend.name, why)
-            health.quarantined_until, health.consecutive_failures = 0.0, 0
+            health.quarantined_until, health.consecutive_failures, health.found_out = 0.0, 0, False
             self._quarantined -= 1
             return True
         log.warning("backend %s failed its probe after the cool-down (%s); quarantined again", backend.name, why)
@@ -154,15 +155,17 @@ class Quarantine:
     def enter(self, name: str) -> None:
         """Quarantine the backend `name` at once (an answer of its was found wrong): batches go to the
         next one, and it serves again only once its probe passes after the cool-down, doubled for
-        each time it was found wrong before. Found wrong while out (an answer it gave before, audited
-        late): nothing more, as it is one incident."""
+        each time it was found wrong before. Found wrong again while an audit keeps it out (an answer
+        it gave before, audited late): nothing more, as it is one incident."""
         health = self.health.setdefault(name, _Health())
-        if health.quarantined_until != 0.0:
+        if health.found_out:
             return
         health.found_wrong += 1
         cooldown = self._cooldown_of(health)
-        health.quarantined_until = self._clock() + cooldown
-        self._quarantined += 1
+        if health.quarantined_until == 0.0:
+            self._quarantined += 1
+        health.quarantined_until = max(health.quarantined_until, self._clock() + cooldown)
+        health.found_out = True
         self.changes += 1
         times = "once" if health.found_wrong == 1 else f"{health.found_wrong} times"
         log.warning("backend %s quarantined for %.0f s: found computing wrongly %s", name, cooldown, times)

@@ -468,6 +468,30 @@ def test_a_backend_found_wrong_again_sits_out_twice_as_long_each_time(small_mode
     assert sat_out == [10.0, 20.0, 40.0, 80.0, 160.0, 320.0, 640.0, 1280.0, 1280.0, 1280.0]
 
 
+def test_an_answer_found_wrong_while_a_backend_sits_out_for_errors_is_an_incident_of_its_own(
+    small_model_dir: Path,
+) -> None:
+    """Out for raising errors, then found to have answered wrongly before: that counts, and it
+    sits out the audit's cool-down from then, not only the rest of the errors'."""
+    config, weights = load_checkpoint(small_model_dir / "weights.safetensors")
+    a, b = (Flaky(name, TorchBackend(config, weights)) for name in "ab")
+    clock = ManualClock()
+    chain = BackendChain([a, b], lambda backend: (True, "passes"), failure_threshold=1, cooldown_s=10, clock=clock.now)
+    x = np.zeros((1, 2, 32), np.float32)
+    a.broken = True
+    assert chain.run(x)[1] is b  # a raised: out for 10 s
+    a.broken = False
+    clock.t += 5.0
+    chain.quarantine.enter("a")  # an answer it gave before, found wrong: out until 15
+    clock.t += 6.0
+    assert chain.run(x)[1] is b
+    clock.t += 5.0
+    assert chain.run(x)[1] is a
+    chain.quarantine.enter("a")  # found wrong a second time: 20 s
+    clock.t += 19.0
+    assert chain.run(x)[1] is b
+
+
 class NaNs(Backend):
     name, device, platform = "nan", "cpu", "test"
 
