@@ -378,6 +378,9 @@ async def load_and_serve(running: Running) -> None:
         await load(engine, engine.settings)
         if running.handover is not None and running.peers is not None:  # the first worker, bound first
             await running.handover.start(socket_path(running.peers.directory, running.peers.index))
+    if running.peers is not None:  # what an audit found wrong in the cool-down before this worker (re)started
+        for version, backend, device, by in running.peers.verdicts(engine.settings.fallback_cooldown_s):
+            engine.door.distrust(version, backend, device, by)
     if running.peers is not None:  # a replica serves once every worker can take its sequences' steps
         while not running.peers.all_listening():
             await asyncio.sleep(PEERS_POLL_S)

@@ -15,7 +15,8 @@ its status and message come back as they are. System shared memory regions are k
 worker (REGION_KEEPER) for all of them: registrations, status and requests that name a region
 are handed to it (service/protocol/workers.py), so every connection sees one set of regions.
 An audit that finds a backend computing wrongly on the CPU, which every worker shares, tells the
-others (`Broadcast`), and each distrusts its backend of that name as its own audit would.
+others (`Broadcast`), and each distrusts its backend of that name as its own audit would; it also
+names the verdict in a third folder, so that a worker restarted within the cool-down does too.
 
 The hand-over is one frame each way on a pooled stream connection, not a gRPC call: the request
 as gRPC's message, its mha-sequence-id header and its remaining time; the answer's
@@ -28,9 +29,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
+import json
 import logging
 import os
 import struct
+import time
 from collections import OrderedDict
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -72,6 +75,9 @@ REQUESTS: dict[int, type[Message]] = {
 }
 OWNERS = "owners"  # the folder, beside the sockets, where each live sequence names its owner
 HELD = "held"  # the folder where a sequence no worker holds names the one that held it last
+VERDICTS = (
+    "distrusted"  # the folder where each backend an audit found wrong is named, with when: for workers started later
+)
 HELD_NAMES = 4096  # how many each worker keeps named: as many ids as a sequence store remembers
 REGION_KEEPER = 0  # the worker that keeps the shared memory regions of all workers
 ANSWER_HEAD = struct.Struct("!BI")  # status code (0: OK), then the response's bytes or the error message
@@ -121,6 +127,7 @@ class WorkerPeers:
         self._all_listening = False
         self._mine: set[SequenceId] = set()  # the sequences this worker owns
         self._held: OrderedDict[SequenceId, None] = OrderedDict()  # those it is named as the last holder of
+        (directory / VERDICTS).mkdir(exist_ok=True)
         for folder in (OWNERS, HELD):
             (directory / folder).mkdir(exist_ok=True)
             for entry in os.scandir(directory / folder):
@@ -170,6 +177,17 @@ class WorkerPeers:
     def release_path(self, path: Path) -> None:
         if _named_owner(path) == self.index:
             path.unlink(missing_ok=True)  # only its owner removes a name: nobody else made it since
+
+    def verdicts(self, within_s: float) -> list[tuple[str, str, str, str]]:
+        """What the workers' audits found wrong in the last `within_s` seconds, for a worker that
+        started since: (version, backend, device, which worker found it)."""
+        found = []
+        for entry in os.scandir(self.directory / VERDICTS):
+            with contextlib.suppress(OSError, ValueError, KeyError, TypeError):  # one being written
+                v = json.loads(Path(entry.path).read_text())
+                if time.time() - v["at"] < within_s:
+                    found.append((v["version"], v["backend"], v["device"], f"worker {int(v['worker'])}"))
+        return found
 
     @property
     def others(self) -> list[int]:
@@ -256,13 +274,32 @@ class Broadcast:
         self._telling: set[asyncio.Task[None]] = set()  # what is being told: held until it is
 
     def distrust(self, version: str, backend: str, device: str) -> None:
-        """This worker's audit found `backend` of `version` computing wrongly on `device`."""
+        """This worker's audit found `backend` of `version` computing wrongly on `device`: the
+        others are told, and the verdict named for a worker that starts later."""
+        fields: dict[str, str | int] = {
+            "worker": self._peers.index,
+            "version": version,
+            "backend": backend,
+            "device": device,
+        }
         verdict = Struct()
-        verdict.update({"worker": self._peers.index, "version": version, "backend": backend, "device": device})
+        verdict.update(fields)
         for worker in self._peers.others:
             task = asyncio.get_running_loop().create_task(self._tell(worker, DISTRUST, verdict))
             self._telling.add(task)
             task.add_done_callback(self._telling.discard)
+        try:
+            self._name(fields)
+        except OSError as exc:  # the workers running now were told: only a later one will not know
+            log.warning("an audit's verdict could not be named for workers started later: %s", exc)
+
+    def _name(self, fields: dict[str, str | int]) -> None:
+        """The verdict named in VERDICTS (written aside, then renamed over), with when it was reached."""
+        key = "/".join(str(fields[k]) for k in ("version", "backend", "device"))
+        path = self._peers.directory / VERDICTS / hashlib.sha256(key.encode()).hexdigest()[:40]
+        aside = path.with_suffix(".new")
+        aside.write_text(json.dumps({**fields, "at": time.time()}))
+        aside.replace(path)
 
     async def _tell(self, worker: int, kind: int, request: Message) -> None:
         try:

@@ -573,8 +573,10 @@ def test_a_backend_one_worker_finds_wrong_on_the_cpu_is_distrusted_by_every_work
 ) -> None:
     """The workers compute on the same CPUs, with the same library and model files: a backend one
     worker's audit finds wrong is quarantined by the other too, and the other's sequences that
-    backend computed are dropped, saying why; its sequences only the other backend computed go on."""
+    backend computed are dropped, saying why; its sequences only the other backend computed go on.
+    Workers (re)started within the cool-down distrust it from their start."""
     settings, prefix, ref = _every_step_audited(small_model_dir, seed=8)
+    settings = replace(settings, fallback_cooldown_s=600.0)  # the verdict outlasts the test, however slow
     with Workers(settings, tmp_path) as (finder, other), MHAClient(other.url) as client:
         chain, sequences = other.engine.loaded.chain, other.engine.loaded.decoder.sequences
         steps = chain.step_backends
@@ -605,11 +607,13 @@ def test_a_backend_one_worker_finds_wrong_on_the_cpu_is_distrusted_by_every_work
         other.call(verdict("1", other_backend, "cuda:0"))
         other.call(verdict("9", other_backend, "cpu"))
         assert chain.quarantined() == [victim]
-    told = [r.getMessage() for r in caplog.records if "quarantined here too" in r.getMessage()]
-    assert told == [
-        f"audit: worker 0 found {victim} of version '1' computing wrongly; it is quarantined here too, until "
-        "its self-check passes again"
-    ]
+    said = f"audit: worker 0 found {victim} of version '1' computing wrongly; it is quarantined here too, until "
+    said += "its self-check passes again"
+    assert [r.getMessage() for r in caplog.records if "quarantined here too" in r.getMessage()] == [said]
+    caplog.clear()
+    with Workers(settings, tmp_path) as restarted:  # within the cool-down: the verdict holds in both from the start
+        assert [worker.engine.loaded.chain.quarantined() for worker in restarted] == [[victim], [victim]]
+    assert [r.getMessage() for r in caplog.records if "quarantined here too" in r.getMessage()] == [said, said]
 
 
 @pytest.mark.parametrize("backend,precision", [("ort-cpu", "fp32"), ("torch", "fp32"), ("auto", "fp16")])

@@ -1,5 +1,6 @@
 """What a worker tells the others without waiting for them (peers.Broadcast): an audit's verdict.
-A worker that cannot be told is logged, and the teller goes on. (A verdict that arrives is taken
+A worker that cannot be told is logged, and the teller goes on; the verdict is named for a worker
+that starts later. (A verdict that arrives is taken
 as the receiver's own: tests/service/engine/test_audit.py, with two workers.)"""
 
 from __future__ import annotations
@@ -28,3 +29,6 @@ def test_a_worker_that_cannot_be_told_is_logged_and_the_teller_goes_on(
         "worker 2 was not told of an audit's verdict",
     ]
     assert all("is not reachable" in message for message in untold), untold
+    started_later = WorkerPeers(1, 3, tmp_path)  # the verdict is named for it, with when it was reached
+    assert started_later.verdicts(within_s=600) == [("1", "ort-cpu", "cpu", "worker 0")]
+    assert started_later.verdicts(within_s=0) == []  # older than the cool-down: its own audits will tell
