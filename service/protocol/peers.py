@@ -183,7 +183,9 @@ class WorkerPeers:
         started since: (version, backend, device, which worker found it)."""
         found = []
         for entry in os.scandir(self.directory / VERDICTS):
-            with contextlib.suppress(OSError, ValueError, KeyError, TypeError):  # one being written
+            if entry.name.endswith(".new"):  # being written: its name follows
+                continue
+            with contextlib.suppress(OSError, ValueError, KeyError, TypeError):  # not a verdict after all
                 v = json.loads(Path(entry.path).read_text())
                 if time.time() - v["at"] < within_s:
                     found.append((v["version"], v["backend"], v["device"], f"worker {int(v['worker'])}"))
