@@ -378,11 +378,10 @@ async def load_and_serve(running: Running) -> None:
         await load(engine, engine.settings)
         if running.handover is not None and running.peers is not None:  # the first worker, bound first
             await running.handover.start(socket_path(running.peers.directory, running.peers.index))
-    if running.peers is not None:  # what an audit found wrong in the cool-down before this worker (re)started
+    if running.peers is not None:
         for version, backend, device, by in running.peers.verdicts(engine.settings.fallback_cooldown_s):
-            engine.door.distrust(version, backend, device, by)
-    if running.peers is not None:  # a replica serves once every worker can take its sequences' steps
-        while not running.peers.all_listening():
+            engine.door.distrust(version, backend, device, by)  # found wrong before this worker (re)started
+        while not running.peers.all_listening():  # a replica serves once every worker can take its steps
             await asyncio.sleep(PEERS_POLL_S)
     life.device.on_serving = lambda ok: _health_task(running, ok)
     if engine.settings.model_control_mode == "poll":  # until draining begins
