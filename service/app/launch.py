@@ -129,6 +129,17 @@ class ServerProcess:
             self.proc.kill()
             self.proc.wait(10)
 
+    def stop(self, timeout: float = 30) -> None:
+        """SIGTERM, then SIGKILL after `timeout`: a server of several workers stops them and waits
+        for them before it exits, so none outlives this call (after a SIGKILL, they would drain
+        on their own for a while)."""
+        if self.proc is None:
+            return
+        try:
+            self.terminate(timeout)
+        except subprocess.TimeoutExpired:
+            self.kill()
+
 
 def wait_serving(url: str, timeout: float, proc: subprocess.Popen[str] | None = None) -> None:
     from grpc_health.v1 import health_pb2, health_pb2_grpc

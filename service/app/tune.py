@@ -236,7 +236,7 @@ class Tuner:
         try:
             server.start(log_dir / f"server-{len(self.measured)}-{port or 0}.log", ready_timeout=300, tied=True)
         except (RuntimeError, TimeoutError) as exc:
-            server.kill()
+            server.stop()
             last = server.log().strip().splitlines()[-1:] or ["(no output)"]
             raise TuneError(f"{candidate.label()}: the server did not start ({exc}): {last[0][:300]}", 1) from exc
         self.start_s = time.monotonic() - began
@@ -270,7 +270,7 @@ class Tuner:
         except TuneError as exc:
             measured.error = str(exc)
         finally:
-            server.kill()
+            server.stop()
         return measured
 
     def best(self) -> Measured:
@@ -313,12 +313,11 @@ class Tuner:
         point's concurrency, round by round (the order alternating)."""
         point, rounds = chosen.best_point(self.request.target_ms), self.request.rounds
         assert point is not None, "a chosen candidate was measured"
-        servers = {
-            "chosen": self.started(chosen.candidate, log_dir, self.request.grpc_port or None),
-            "default": self.started(Candidate(), log_dir, 0),
-        }
+        servers: dict[str, ServerProcess] = {}
         results = []
         try:
+            servers["chosen"] = self.started(chosen.candidate, log_dir, self.request.grpc_port or None)
+            servers["default"] = self.started(Candidate(), log_dir, 0)
             for n in range(rounds):
                 order = ("chosen", "default") if n % 2 == 0 else ("default", "chosen")
                 self.progress(f"confirming: round {n + 1} of {rounds}")
@@ -329,7 +328,7 @@ class Tuner:
                 results.append(row)
         finally:
             for server in servers.values():
-                server.kill()
+                server.stop()
         return Confirmation(chosen.candidate.settings(), point.concurrency, results)
 
 

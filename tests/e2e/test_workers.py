@@ -327,6 +327,24 @@ def test_no_worker_outlives_its_supervisor(small_model_dir: Path, tmp_path: Path
         alone.kill()
 
 
+def test_a_server_stopped_by_its_launcher_leaves_no_worker_and_no_folder(small_model_dir: Path, tmp_path: Path) -> None:
+    """`ServerProcess.stop`, as `mha tune` stops each server it measured: when it returns, no
+    worker is left running and the supervisor's sockets and metrics folders are gone."""
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
+    server = ServerProcess(["--model-dir", str(small_model_dir), "--workers", "2"], env={"TMPDIR": str(scratch)})
+    server.start(tmp_path / "server.log")
+    try:
+        _until(lambda: len(STARTED.findall(server.log())) == 2)
+        pids = [int(pid) for _, pid, _ in STARTED.findall(server.log())]
+        assert {"mha-metrics", "mha-workers"} <= {p.name[:11] for p in scratch.iterdir()}
+        server.stop()
+        assert [pid for pid in pids if _alive(pid)] == []
+        assert [p.name for p in scratch.iterdir() if p.name.startswith("mha-")] == []
+    finally:
+        server.kill()
+
+
 def _stub_call(url: str, method: str, request: object, metadata: tuple = ()) -> object:
     """One call on a channel of its own: a new connection, which either worker may accept."""
     with grpc.insecure_channel(url) as channel:
