@@ -16,7 +16,7 @@ from service.batching import Clock, MonotonicClock
 from service.budget import MIB, InflightBudget
 from service.decode.sequences import SequenceStore
 from service.engine.audit import AuditLimits, Auditor, Check, Sample, distrusted, mismatch_message
-from service.engine.door import Door, SequenceId
+from service.engine.door import Door, SequenceId, Verdict
 from service.engine.inflight import InFlight
 from service.engine.keeper import Compute, ComputeHook, VersionKeeper, merged_rows
 from service.engine.publishing import Publisher, ServingBackends
@@ -34,7 +34,7 @@ from service.tracing import Tracing
 log = logging.getLogger(__name__)
 INFLIGHT_SHARE = 4  # by default, a quarter of the memory limit goes to requests and answers in flight
 SHARED_DEVICE = "cpu"  # what every worker computes on alike: a GPU may be one worker's own (--workers auto)
-Tell = Callable[[str, str, str], None]  # (version, backend, device): a verdict told to the other workers
+Tell = Callable[[str, str, str, int], None]  # (version, backend, device, times): told to the other workers
 
 
 @dataclass(frozen=True)
@@ -165,7 +165,7 @@ class Verdicts:
         log.error("%s; %s", mismatch_message(sample, check), self._since(sample))
         tell = self._tell if sample.device == SHARED_DEVICE else None
         then = None if tell is None else partial(tell, sample.version, sample.backend, sample.device)
-        self._distrust(sample.quarantine, sample.sequences, sample.backend, then)
+        self._distrust(sample.quarantine, sample.sequences, sample.backend, then)  # then(times): a new incident
 
     def _since(self, sample: Sample) -> str:
         """Since when its answers may be wrong: after the last audit of it that passed."""
@@ -178,40 +178,44 @@ class Verdicts:
             f"{quote(request_id)}), may be wrong too"
         )
 
-    def told(self, version: str, backend: str, device: str, by: str) -> None:
-        """`by`'s audit found `backend` of `version` computing wrongly on `device` (on the event loop):
-        this worker's backend of that name on that device is distrusted as its own audit would
-        distrust it. A version or backend not served here, or not on that device, is left as it is."""
-        loaded = self._versions.get(version)
+    def told(self, verdict: Verdict) -> None:
+        """Another worker's audit found a backend computing wrongly (on the event loop): this
+        worker's backend of that name on that device counts it, and sits out what is left of the
+        cool-down, as if its own audit had found it. A version or backend not served here, or not
+        on that device, is left as it is."""
+        loaded = self._versions.get(verdict.version)
         chain = [] if loaded is None else loaded.chain.backends + loaded.chain.step_backends
-        if loaded is None or not any(b.name == backend and b.device == device for b in chain):
+        if loaded is None or not any(b.name == verdict.backend and b.device == verdict.device for b in chain):
             return
         log.warning(
-            "audit: %s found %s of version %s computing wrongly; it is quarantined here too, until its "
-            "self-check passes again",
-            by,
-            backend,
+            "audit: %s found %s of version %s computing wrongly, %.0f s ago (%s); this worker distrusts it too",
+            verdict.by,
+            verdict.backend,
             quote(loaded.version),
+            verdict.ago_s,
+            "once" if verdict.times == 1 else f"{verdict.times} times so far",
         )
-        self._distrust(loaded.chain.quarantine.enter, loaded.decoder.sequences, backend, None)
+        join = partial(loaded.chain.quarantine.join, times=verdict.times, ago_s=verdict.ago_s)
+        self._distrust(join, loaded.decoder.sequences, verdict.backend, None)
 
     def _distrust(
         self,
-        quarantine: Callable[[str], None],
+        quarantine: Callable[[str], int],
         sequences: SequenceStore | None,
         backend: str,
-        then: Callable[[], None] | None,
+        then: Callable[[int], None] | None,
     ) -> None:
         quarantined = self._executor.submit(quarantine, backend)
-        drop = partial(self._drop, sequences, backend, then)
-        quarantined.add_done_callback(lambda _: self._loop.call_soon_threadsafe(drop))
+        quarantined.add_done_callback(
+            lambda done: self._loop.call_soon_threadsafe(self._drop, sequences, backend, then, done.result())
+        )
 
     @staticmethod
-    def _drop(sequences: SequenceStore | None, backend: str, then: Callable[[], None] | None) -> None:
+    def _drop(sequences: SequenceStore | None, backend: str, then: Callable[[int], None] | None, times: int) -> None:
         if sequences is not None and (dropped := sequences.drop(distrusted(backend), written_by=backend)):
             log.warning("audit: %d live sequences dropped: %s computed steps of them", dropped, backend)
-        if then is not None:
-            then()
+        if then is not None and times:  # a new incident (0: one the others were told of already)
+            then(times)
 
 
 def _inflight_limit(settings: Settings) -> int:

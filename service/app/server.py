@@ -379,8 +379,8 @@ async def load_and_serve(running: Running) -> None:
         if running.handover is not None and running.peers is not None:  # the first worker, bound first
             await running.handover.start(socket_path(running.peers.directory, running.peers.index))
     if running.peers is not None:
-        for version, backend, device, by in running.peers.verdicts(engine.settings.fallback_cooldown_s):
-            engine.door.distrust(version, backend, device, by)  # found wrong before this worker (re)started
+        for verdict in running.peers.verdicts():
+            engine.door.distrust(verdict)  # found wrong before this worker (re)started
         while not running.peers.all_listening():  # a replica serves once every worker can take its steps
             await asyncio.sleep(PEERS_POLL_S)
     life.device.on_serving = lambda ok: _health_task(running, ok)

@@ -128,12 +128,12 @@ class Quarantine:
             self._quarantined -= 1
             return True
         log.warning("backend %s failed its probe after the cool-down (%s); quarantined again", backend.name, why)
-        health.quarantined_until = self._clock() + self._cooldown_of(health)
+        health.quarantined_until = self._clock() + self._cooldown_for(health.found_wrong)
         return False
 
-    def _cooldown_of(self, health: _Health) -> float:
+    def _cooldown_for(self, found_wrong: int) -> float:
         """The cool-down, doubled for each audit that found the backend wrong after the first."""
-        return self._cooldown * 2 ** min(max(health.found_wrong - 1, 0), MAX_DOUBLINGS)
+        return self._cooldown * 2 ** min(max(found_wrong - 1, 0), MAX_DOUBLINGS)
 
     def failed(self, backend: Backend) -> None:
         health = self._of(backend)
@@ -152,23 +152,41 @@ class Quarantine:
     def succeeded(self, backend: Backend) -> None:
         self._of(backend).consecutive_failures = 0
 
-    def enter(self, name: str) -> None:
+    def enter(self, name: str) -> int:
         """Quarantine the backend `name` at once (an answer of its was found wrong): batches go to the
         next one, and it serves again only once its probe passes after the cool-down, doubled for
         each time it was found wrong before. Found wrong again while an audit keeps it out (an answer
-        it gave before, audited late): nothing more, as it is one incident."""
+        it gave before, audited late): nothing more, as it is one incident. Returns how many times it
+        has been found wrong, or 0 for that same incident."""
         health = self.health.setdefault(name, _Health())
         if health.found_out:
-            return
-        health.found_wrong += 1
-        cooldown = self._cooldown_of(health)
+            return 0
+        self._sit_out(name, health, health.found_wrong + 1, self._clock())
+        return health.found_wrong
+
+    def join(self, name: str, times: int, ago_s: float) -> bool:
+        """Another worker's audit found `name` computing wrongly, its `times`-th time, `ago_s`
+        seconds ago: this worker counts as many, and sits out what is left of that incident's
+        cool-down (a worker started since may find nothing left). Whether it sits out now."""
+        health = self.health.setdefault(name, _Health())
+        own, times = health.found_wrong, max(times, health.found_wrong)
+        since = self._clock() - max(ago_s, 0.0)
+        if since + self._cooldown_for(times) <= self._clock():
+            health.found_wrong = times
+            return False
+        if not health.found_out or times > own:
+            self._sit_out(name, health, times, since)
+        return True
+
+    def _sit_out(self, name: str, health: _Health, times: int, since: float) -> None:
         if health.quarantined_until == 0.0:
             self._quarantined += 1
-        health.quarantined_until = max(health.quarantined_until, self._clock() + cooldown)
-        health.found_out = True
+        health.found_wrong, health.found_out = times, True
+        health.quarantined_until = max(health.quarantined_until, since + self._cooldown_for(times))
         self.changes += 1
-        times = "once" if health.found_wrong == 1 else f"{health.found_wrong} times"
-        log.warning("backend %s quarantined for %.0f s: found computing wrongly %s", name, cooldown, times)
+        said = "once" if times == 1 else f"{times} times"
+        left = health.quarantined_until - self._clock()
+        log.warning("backend %s quarantined for %.0f s: found computing wrongly %s", name, left, said)
 
     def blame_probe(self, backend: Backend) -> bool:
         """The backend's self-check, run at most once per cool-down to judge who is to blame for

@@ -168,7 +168,7 @@ class Sample:
     version: str
     device: str  # the backend's
     precision: str  # the version's
-    quarantine: Callable[[str], None]  # quarantines a backend of the version's chain, by name
+    quarantine: Callable[[str], int]  # quarantines a backend of the chain by name: the times found wrong (0: again)
     cache: Cache | None = None  # a decode step's keys and values after it
     sequences: SequenceStore | None = None  # the version's live sequences (the event loop's)
 

@@ -75,6 +75,7 @@ __all__ = [
     "Serving",
     "StepAnswer",
     "Timing",
+    "Verdict",
     "VersionPolicy",
 ]
 T = TypeVar("T")
@@ -89,7 +90,21 @@ Answer = tuple[np.ndarray, str]  # (B, T, C) and the backend that computed it
 StepAnswer = tuple[np.ndarray, str, dict[str, int | str]]  # ... and the sequence's length and home
 RunBatch = Callable[[np.ndarray], tuple[np.ndarray, "Backend"]]  # (B, T, C) -> ((B, T, C), the backend that ran it)
 Batched = tuple[np.ndarray, Timing]  # a batched request's (B, T, C) and how its batch went
-Distrust = Callable[[str, str, str, str], None]  # (version, backend found wrong, its device, by whom)
+
+
+@dataclass(frozen=True, slots=True)
+class Verdict:
+    """Another worker's audit found `backend` of `version` computing wrongly on `device`."""
+
+    version: str
+    backend: str
+    device: str
+    by: str  # who found it: "worker 0"
+    times: int  # the how-many-th time it was found so (the first: 1)
+    ago_s: float  # how long ago
+
+
+Distrust = Callable[[Verdict], None]  # another worker's verdict, taken as this worker's own
 
 
 @dataclass(frozen=True, slots=True)
@@ -118,7 +133,7 @@ class Door:
         request (with --workers, every other worker: the app passes that in); None: there is none."""
         self._life, self._keeper, self._publish, self._audit = life, keeper, publish, audit
         self._others_ready = others_ready
-        self.distrust = distrust  # (version, backend, device, by): another worker's audit verdict, as its own
+        self.distrust = distrust  # another worker's audit verdict, as its own
         self.hold: Callable[..., Lease] = budget.take  # (nbytes, what): bytes in flight until released
         self.now: Callable[[], float] = keeper.compute.clock.now  # the clock request deadlines are given on
 

@@ -38,6 +38,7 @@ from service.protocol.peers import (
     UNREGISTER,
     answer_frame,
     read_request,
+    verdict_of,
 )
 
 log = logging.getLogger(__name__)
@@ -122,8 +123,7 @@ class Handover:
         if kind == STATS:  # another worker's statistics call: this worker's part of the sums
             return pb.ModelStatisticsResponse(model_stats=await local.statistics(request.name, request.version))
         if kind == DISTRUST:  # another worker's audit found a backend computing wrongly
-            by = f"worker {int(request['worker'])}"
-            local.door.distrust(request["version"], request["backend"], request["device"], by)
+            local.door.distrust(verdict_of(request))
             return Struct()
         return render.system_shm_status(await local.status(request.name))
 

@@ -16,7 +16,7 @@ worker (REGION_KEEPER) for all of them: registrations, status and requests that 
 are handed to it (service/protocol/workers.py), so every connection sees one set of regions.
 An audit that finds a backend computing wrongly on the CPU, which every worker shares, tells the
 others (`Broadcast`), and each distrusts its backend of that name as its own audit would; it also
-names the verdict in a third folder, so that a worker restarted within the cool-down does too.
+names the verdict in a third folder, so that a worker restarted later does too.
 
 The hand-over is one frame each way on a pooled stream connection, not a gRPC call: the request
 as gRPC's message, its mha-sequence-id header and its remaining time; the answer's
@@ -35,13 +35,15 @@ import os
 import struct
 import time
 from collections import OrderedDict
+from collections.abc import Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import grpc
 from google.protobuf.message import Message
 from google.protobuf.struct_pb2 import Struct
 
+from service.engine.door import Verdict
 from service.errors import DeadlineExceeded, NotReady, Relayed
 from service.proto import grpc_service_pb2 as pb
 from service.protocol.calls import HANDED_OVER
@@ -71,7 +73,7 @@ REQUESTS: dict[int, type[Message]] = {
     CUDA_REGISTER: pb.CudaSharedMemoryRegisterRequest,
     CUDA_UNREGISTER: pb.CudaSharedMemoryUnregisterRequest,
     CUDA_STATUS: pb.CudaSharedMemoryStatusRequest,
-    DISTRUST: Struct,  # worker, version, backend, device
+    DISTRUST: Struct,  # worker, version, backend, device, times, at (see verdict_of)
 }
 OWNERS = "owners"  # the folder, beside the sockets, where each live sequence names its owner
 HELD = "held"  # the folder where a sequence no worker holds names the one that held it last
@@ -178,17 +180,15 @@ class WorkerPeers:
         if _named_owner(path) == self.index:
             path.unlink(missing_ok=True)  # only its owner removes a name: nobody else made it since
 
-    def verdicts(self, within_s: float) -> list[tuple[str, str, str, str]]:
-        """What the workers' audits found wrong in the last `within_s` seconds, for a worker that
-        started since: (version, backend, device, which worker found it)."""
+    def verdicts(self) -> list[Verdict]:
+        """What the workers' audits found wrong, for a worker that started since: each backend's
+        latest verdict (its count, and how long ago, say what is left of its cool-down)."""
         found = []
         for entry in os.scandir(self.directory / VERDICTS):
             if entry.name.endswith(".new"):  # being written: its name follows
                 continue
             with contextlib.suppress(OSError, ValueError, KeyError, TypeError):  # not a verdict after all
-                v = json.loads(Path(entry.path).read_text())
-                if time.time() - v["at"] < within_s:
-                    found.append((v["version"], v["backend"], v["device"], f"worker {int(v['worker'])}"))
+                found.append(verdict_of(json.loads(Path(entry.path).read_text())))
         return found
 
     @property
@@ -275,14 +275,16 @@ class Broadcast:
         self._peers = peers
         self._telling: set[asyncio.Task[None]] = set()  # what is being told: held until it is
 
-    def distrust(self, version: str, backend: str, device: str) -> None:
-        """This worker's audit found `backend` of `version` computing wrongly on `device`: the
-        others are told, and the verdict named for a worker that starts later."""
-        fields: dict[str, str | int] = {
+    def distrust(self, version: str, backend: str, device: str, times: int) -> None:
+        """This worker's audit found `backend` of `version` computing wrongly on `device`, its
+        `times`-th time: the others are told, and the verdict named for a worker that starts later."""
+        fields: dict[str, str | float] = {
             "worker": self._peers.index,
             "version": version,
             "backend": backend,
             "device": device,
+            "times": times,
+            "at": time.time(),  # the workers share a host, and so a clock
         }
         verdict = Struct()
         verdict.update(fields)
@@ -295,12 +297,12 @@ class Broadcast:
         except OSError as exc:  # the workers running now were told: only a later one will not know
             log.warning("an audit's verdict could not be named for workers started later: %s", exc)
 
-    def _name(self, fields: dict[str, str | int]) -> None:
-        """The verdict named in VERDICTS (written aside, then renamed over), with when it was reached."""
+    def _name(self, fields: dict[str, str | float]) -> None:
+        """The verdict named in VERDICTS (written aside, then renamed over)."""
         key = "/".join(str(fields[k]) for k in ("version", "backend", "device"))
         path = self._peers.directory / VERDICTS / hashlib.sha256(key.encode()).hexdigest()[:40]
         aside = path.with_suffix(".new")
-        aside.write_text(json.dumps({**fields, "at": time.time()}))
+        aside.write_text(json.dumps(fields))
         aside.replace(path)
 
     async def _tell(self, worker: int, kind: int, request: Message) -> None:
@@ -308,6 +310,13 @@ class Broadcast:
             await self._peers.call(worker, kind, request)
         except Exception as exc:  # the teller goes on: the log says who was not told
             log.warning("worker %d was not told of an audit's verdict: %s", worker, exc)
+
+
+def verdict_of(fields: Mapping[str, Any]) -> Verdict:
+    """A verdict as `Broadcast` tells it and names it; KeyError, ValueError or TypeError if it is not one."""
+    by, times = f"worker {int(fields['worker'])}", int(fields["times"])
+    ago_s = max(0.0, time.time() - float(fields["at"]))
+    return Verdict(str(fields["version"]), str(fields["backend"]), str(fields["device"]), by, times, ago_s)
 
 
 def _unreachable(worker: int, exc: BaseException) -> str:

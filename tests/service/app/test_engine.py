@@ -18,29 +18,40 @@ from service.engine.versions import Versions
 from service.metrics import Metrics
 
 
-def _sample(device: str, quarantine: list[str], request_id: str = "r-1", backend: str = "ort-cpu") -> Sample:
+def _sample(
+    device: str, quarantine: list[str], request_id: str = "r-1", backend: str = "ort-cpu", times: int = 1
+) -> Sample:
+    """`times`: what its quarantine answers, the times its backend was found wrong (0: the same incident)."""
     x = np.zeros((1, 4, 8), np.float32)  # (1, T, C)
-    return Sample(x, x.copy(), 0, x.shape, backend, request_id, "3", device, "fp32", quarantine.append)
+
+    def enter(name: str) -> int:
+        quarantine.append(name)
+        return times
+
+    return Sample(x, x.copy(), 0, x.shape, backend, request_id, "3", device, "fp32", enter)
 
 
+@pytest.mark.parametrize("times,new", [(2, True), (0, False)])
 @pytest.mark.parametrize("device,shared", [("cpu", True), ("cuda:0", False)])
 @pytest.mark.parametrize("check,wrong", [(Check(0.5, 1e-5), True), (Check(1e-7, 1e-5), False)])
 def test_a_mismatch_on_the_cpu_is_told_to_the_other_workers_after_its_quarantine(
-    device: str, shared: bool, check: Check, wrong: bool
+    device: str, shared: bool, check: Check, wrong: bool, times: int, new: bool
 ) -> None:
+    """With the times it was found wrong, for the others to count as many; not at all when it was
+    the same incident (an earlier answer audited late), which they were told of already."""
     quarantined: list[str] = []
-    told: list[tuple[str, str, str]] = []
+    told: list[tuple[str, str, str, int]] = []
     loop = asyncio.new_event_loop()
     with ThreadPoolExecutor(max_workers=1) as compute:
         metrics, versions = Metrics(CollectorRegistry()), Versions("mha")
         verdicts = Verdicts(metrics, versions, compute, loop, lambda *verdict: told.append(verdict))
-        verdicts.checked(_sample(device, quarantined), check, 0.01)  # this thread stands for the audit's
+        verdicts.checked(_sample(device, quarantined, times=times), check, 0.01)  # this thread: the audit's
         compute.submit(lambda: None).result()  # the quarantine ran, and scheduled what follows it
         assert told == []  # the others are told on the event loop, after the quarantine
         loop.run_until_complete(asyncio.sleep(0))
     loop.close()
     assert quarantined == (["ort-cpu"] if wrong else [])
-    assert told == ([("3", "ort-cpu", "cpu")] if wrong and shared else [])
+    assert told == ([("3", "ort-cpu", "cpu", 2)] if wrong and shared and new else [])
 
 
 def test_a_mismatch_says_since_when_the_backends_answers_may_be_wrong(caplog: pytest.LogCaptureFixture) -> None:

@@ -492,6 +492,39 @@ def test_an_answer_found_wrong_while_a_backend_sits_out_for_errors_is_an_inciden
     assert chain.run(x)[1] is b
 
 
+def test_another_workers_verdict_counts_here_and_sits_out_what_is_left_of_its_cool_down(
+    small_model_dir: Path,
+) -> None:
+    """`join`: a verdict another worker reached (its count, how long ago) is this worker's own:
+    the count carries on, the backend sits out only the rest of that incident's cool-down, and a
+    verdict whose cool-down has passed (read by a worker started since) counts without
+    quarantining. `enter` says the count, or 0 for the same incident."""
+    config, weights = load_checkpoint(small_model_dir / "weights.safetensors")
+    a, b = (Flaky(name, TorchBackend(config, weights)) for name in "ab")
+    clock = ManualClock()
+    chain = BackendChain([a, b], probe=lambda backend: (True, "passes"), cooldown_s=10, clock=clock.now)
+    x, quarantine = np.zeros((1, 2, 32), np.float32), chain.quarantine
+
+    def sits_out() -> float:
+        began = clock.t
+        while chain.run(x)[1] is not a:
+            clock.t += 1.0
+        return clock.t - began
+
+    assert quarantine.join("a", times=3, ago_s=50.0) is False  # a 40 s cool-down, over 10 s ago
+    assert chain.run(x)[1] is a  # not out, but the count carries on: found wrong a 4th time, 80 s
+    assert quarantine.enter("a") == 4 and quarantine.enter("a") == 0  # then the same incident
+    assert sits_out() == 80.0
+    assert quarantine.join("a", times=6, ago_s=300.0) is True  # 320 s, 20 left
+    assert sits_out() == 20.0
+    assert quarantine.enter("a") == 7
+    clock.t += 100.0
+    assert quarantine.join("a", times=7, ago_s=100.0) is True  # this worker's own incident: nothing changes
+    assert quarantine.join("a", times=5, ago_s=0.0) is True  # an older count: its own stays
+    assert sits_out() == 540.0  # 640 s from its own finding
+    assert quarantine.health["a"].found_wrong == 7
+
+
 class NaNs(Backend):
     name, device, platform = "nan", "cpu", "test"
 

@@ -32,6 +32,7 @@ from service.backends.base import Backend
 from service.client.client import InferenceError, MHAClient
 from service.decode.sequences import SequenceStore
 from service.engine.audit import AuditLimits, Auditor, Cache, Check, Reference, Sample, mismatch_message
+from service.engine.door import Verdict
 from service.settings import Settings
 from tests.support import ServerThread, make_settings
 
@@ -601,19 +602,23 @@ def test_a_backend_one_worker_finds_wrong_on_the_cpu_is_distrusted_by_every_work
         assert kept.restarts == 0
 
         async def verdict(version: str, backend: str, device: str) -> None:
-            other.engine.door.distrust(version, backend, device, "worker 0")
+            other.engine.door.distrust(Verdict(version, backend, device, "worker 0", times=1, ago_s=0.0))
 
         other_backend = steps[1].name  # a verdict on a device or version this worker does not serve: nothing
         other.call(verdict("1", other_backend, "cuda:0"))
         other.call(verdict("9", other_backend, "cpu"))
         assert chain.quarantined() == [victim]
-    said = f"audit: worker 0 found {victim} of version '1' computing wrongly; it is quarantined here too, until "
-    said += "its self-check passes again"
-    assert [r.getMessage() for r in caplog.records if "quarantined here too" in r.getMessage()] == [said]
+    said = f"audit: worker 0 found {victim} of version '1' computing wrongly, 0 s ago (once); this worker distrusts"
+    assert [r.getMessage() for r in caplog.records if "this worker distrusts" in r.getMessage()] == [f"{said} it too"]
     caplog.clear()
     with Workers(settings, tmp_path) as restarted:  # within the cool-down: the verdict holds in both from the start
         assert [worker.engine.loaded.chain.quarantined() for worker in restarted] == [[victim], [victim]]
-    assert [r.getMessage() for r in caplog.records if "quarantined here too" in r.getMessage()] == [said, said]
+    assert len([r for r in caplog.records if f"{victim} of version '1' computing wrongly" in r.getMessage()]) == 2
+    over = replace(settings, fallback_cooldown_s=0.001)
+    with Workers(over, tmp_path) as restarted:  # its cool-down over: serving, but the count carries on
+        for worker in restarted:
+            quarantine = worker.engine.loaded.chain.quarantine
+            assert worker.engine.loaded.chain.quarantined() == [] and quarantine.health[victim].found_wrong == 1
 
 
 @pytest.mark.parametrize("backend,precision", [("ort-cpu", "fp32"), ("torch", "fp32"), ("auto", "fp16")])
