@@ -96,9 +96,8 @@ class Settings:
     worker_index: int = setting(0, "this process's index among --workers (set by the supervisor)", low=0)
     worker_peers: int = setting(1, "workers sharing the ports, this one included (set by the supervisor)", low=1)
     worker_socket_dir: Path | None = setting(None, "directory of the workers' Unix sockets (set by the supervisor)")
-    worker_bind_first: bool = setting(
-        False, "a worker that binds before it loads, NOT_SERVING meanwhile (set by the supervisor for its first)"
-    )
+    worker_bind_first: bool = setting(False, "bind before loading, NOT_SERVING meanwhile (set by the supervisor)")
+    worker_own_gpu: bool = setting(False, "this worker's GPU is its own, not the workers' (set by the supervisor)")
     threads: int = setting(
         0, "intra-op threads of the CPU backends; 0: the CPUs this process may use (affinity, cgroup CPU limit)", low=0
     )

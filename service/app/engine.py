@@ -33,7 +33,7 @@ from service.tracing import Tracing
 
 log = logging.getLogger(__name__)
 INFLIGHT_SHARE = 4  # by default, a quarter of the memory limit goes to requests and answers in flight
-SHARED_DEVICE = "cpu"  # what every worker computes on alike: a GPU may be one worker's own (--workers auto)
+CPU = "cpu"  # what every worker computes on alike; a GPU too, unless each has its own (--workers auto)
 Tell = Callable[[str, str, str, int], None]  # (version, backend, device, times): told to the other workers
 
 
@@ -102,7 +102,7 @@ def build_engine(
     executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="infer")  # every version's batches
     compute = Compute(executor, clock or MonotonicClock(), InFlight(), schedule, tracing, hook)
     keeper = VersionKeeper(s, life, compute, publish, metrics, source, sequence_gone)
-    verdicts = Verdicts(metrics, life.versions, executor, asyncio.get_running_loop(), tell)
+    verdicts = Verdicts(metrics, life.versions, executor, asyncio.get_running_loop(), tell, s.worker_own_gpu)
     audit = Auditor(_audit_limits(s), verdicts.checked, metrics.audit.skipped_one)
     budget = InflightBudget(_inflight_limit(s))  # bytes of requests and answers held at once
     door = Door(life, keeper, publish, audit, budget, verdicts.told, others_ready)
@@ -140,8 +140,9 @@ class Verdicts:
     counted by backend, device and precision, and its backend distrusted. Distrusted: quarantined on
     the compute thread (where the chain runs), then, on the event loop, every live sequence whose
     steps it computed dropped (a step computed on it before the quarantine has recorded it by then:
-    the compute thread runs one thing at a time). A backend computing on the CPU, which every
-    worker shares, is distrusted by the other workers too: `tell` tells them, `told` is their side."""
+    the compute thread runs one thing at a time). A backend computing on a device every worker
+    shares (the CPU; the GPUs, unless each worker has its own) is distrusted by the other workers
+    too: `tell` tells them, `told` is their side."""
 
     def __init__(
         self,
@@ -150,10 +151,12 @@ class Verdicts:
         executor: ThreadPoolExecutor,
         loop: asyncio.AbstractEventLoop,
         tell: Tell | None,
+        own_gpu: bool = False,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
+        """`own_gpu`: each worker computes on a GPU of its own, so that a GPU's verdict is its alone."""
         self._metrics, self._versions, self._executor, self._loop, self._tell = metrics, versions, executor, loop, tell
-        self._clock = clock
+        self._own_gpu, self._clock = own_gpu, clock
         self._passed: dict[tuple[str, str], tuple[float, str]] = {}  # (version, backend): its last pass, when, whose
 
     def checked(self, sample: Sample, check: Check, spent_s: float) -> None:
@@ -163,7 +166,7 @@ class Verdicts:
             return
         self._metrics.audit.mismatch(sample.backend, sample.device, sample.precision)
         log.error("%s; %s", mismatch_message(sample, check), self._since(sample))
-        tell = self._tell if sample.device == SHARED_DEVICE else None
+        tell = self._tell if sample.device == CPU or not self._own_gpu else None
         then = None if tell is None else partial(tell, sample.version, sample.backend, sample.device)
         self._distrust(sample.quarantine, sample.sequences, sample.backend, then)  # then(times): a new incident
 

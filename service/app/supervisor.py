@@ -189,15 +189,22 @@ class Supervisor:
         self._stopping = False
         self.sockets = Path(tempfile.mkdtemp(prefix="mha-workers-"))  # 0700: the workers' hand-over sockets
 
-    def _command(self, worker: Worker, first: bool = False) -> list[str]:
+    @property
+    def own_gpus(self) -> bool:
+        """Each worker computes on a GPU of its own (else they share the GPUs they see)."""
+        return len(self.gpus) == len(self.workers)
+
+    def command(self, worker: Worker, first: bool = False) -> list[str]:
         own = worker_flags(worker.index, len(self.workers), worker.metrics_port, self.sockets)
-        return serve_command([*self._argv, *own, *(["--worker-bind-first"] if first and self.bind_first else [])])
+        own += ["--worker-bind-first"] if first and self.bind_first else []
+        own += ["--worker-own-gpu"] if self.own_gpus else []
+        return serve_command([*self._argv, *own])
 
     def environment(self, worker: Worker) -> dict[str, str]:
         """A worker's environment: one GPU of its own where the workers are one per GPU."""
         env = {**os.environ, "MHA_LOG_LEVEL": self.settings.log_level, MULTIPROC_ENV: str(self.merged.directory)}
         env["PYTHONPATH"] = package_path(os.environ)  # the supervisor's own code, never the working directory's
-        if len(self.gpus) == len(self.workers):
+        if self.own_gpus:
             env["CUDA_VISIBLE_DEVICES"] = cuda_devices(len(self.gpus), os.environ)[worker.index]  # its cuda:0
         return env
 
@@ -205,7 +212,7 @@ class Supervisor:
         env = self.environment(worker)
         die_with_me = partial(die_with_parent, os.getpid())
         worker.answered, worker.started = False, time.monotonic()
-        command = self._command(worker, first)
+        command = self.command(worker, first)
         worker.process = await asyncio.create_subprocess_exec(*command, env=env, preexec_fn=die_with_me)
         if announce:
             _announce(worker)

@@ -178,7 +178,8 @@ def test_a_server_reports_the_ports_it_picked(small_model_dir: Path) -> None:
 
 
 def test_auto_workers_get_a_gpu_each(tmp_path: Path) -> None:
-    """A stand-in /dev with three GPUs: three workers, each seeing only its own (no GPU here)."""
+    """A stand-in /dev with three GPUs: three workers, each seeing only its own (no GPU here), and
+    told so (an audit's verdict on a GPU then stays with its worker)."""
     from service.app.supervisor import Supervisor, gpu_devices, worker_count
 
     for name in ("nvidia0", "nvidia1", "nvidia2", "nvidiactl", "nvidia-uvm", "null"):
@@ -191,6 +192,8 @@ def test_auto_workers_get_a_gpu_each(tmp_path: Path) -> None:
     fixed = Supervisor(Settings(workers="2"), [], 2, [])  # a number of workers: they share what they see
     inherited = os.environ.get("CUDA_VISIBLE_DEVICES")
     assert [fixed.environment(w).get("CUDA_VISIBLE_DEVICES") for w in fixed.workers] == [inherited, inherited]
+    assert all("--worker-own-gpu" in supervisor.command(w) for w in supervisor.workers)  # a GPU's verdict its own
+    assert not any("--worker-own-gpu" in fixed.command(w) for w in fixed.workers)  # told to the others
 
 
 def test_a_pods_gpus_are_numbered_as_cuda_numbers_them_not_by_their_device_nodes(

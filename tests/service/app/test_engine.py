@@ -1,7 +1,7 @@
 """What follows an audit's verdict (service/app/engine.py's Verdicts): a mismatch quarantines its
 backend on the compute thread, then, on the event loop, drops its sequences and tells the other
-workers, for a backend on the device they all share (the CPU), not for one on a GPU, which may be
-one worker's own. The incident's log line says since when the backend's answers may be wrong."""
+workers, for a backend on a device they all share (the CPU; a GPU, unless each worker has its own).
+The incident's log line says since when the backend's answers may be wrong."""
 
 from __future__ import annotations
 
@@ -32,26 +32,30 @@ def _sample(
 
 
 @pytest.mark.parametrize("times,new", [(2, True), (0, False)])
-@pytest.mark.parametrize("device,shared", [("cpu", True), ("cuda:0", False)])
+@pytest.mark.parametrize(
+    "device,own_gpu,shared",
+    [("cpu", False, True), ("cpu", True, True), ("cuda:0", False, True), ("cuda:0", True, False)],
+)
 @pytest.mark.parametrize("check,wrong", [(Check(0.5, 1e-5), True), (Check(1e-7, 1e-5), False)])
-def test_a_mismatch_on_the_cpu_is_told_to_the_other_workers_after_its_quarantine(
-    device: str, shared: bool, check: Check, wrong: bool, times: int, new: bool
+def test_a_mismatch_on_a_shared_device_is_told_to_the_other_workers_after_its_quarantine(
+    device: str, own_gpu: bool, shared: bool, check: Check, wrong: bool, times: int, new: bool
 ) -> None:
-    """With the times it was found wrong, for the others to count as many; not at all when it was
+    """The CPU, and the GPUs unless each worker has one of its own (`--workers auto` on a GPU host).
+    With the times it was found wrong, for the others to count as many; not at all when it was
     the same incident (an earlier answer audited late), which they were told of already."""
     quarantined: list[str] = []
     told: list[tuple[str, str, str, int]] = []
     loop = asyncio.new_event_loop()
     with ThreadPoolExecutor(max_workers=1) as compute:
         metrics, versions = Metrics(CollectorRegistry()), Versions("mha")
-        verdicts = Verdicts(metrics, versions, compute, loop, lambda *verdict: told.append(verdict))
+        verdicts = Verdicts(metrics, versions, compute, loop, lambda *verdict: told.append(verdict), own_gpu)
         verdicts.checked(_sample(device, quarantined, times=times), check, 0.01)  # this thread: the audit's
         compute.submit(lambda: None).result()  # the quarantine ran, and scheduled what follows it
         assert told == []  # the others are told on the event loop, after the quarantine
         loop.run_until_complete(asyncio.sleep(0))
     loop.close()
     assert quarantined == (["ort-cpu"] if wrong else [])
-    assert told == ([("3", "ort-cpu", "cpu", 2)] if wrong and shared and new else [])
+    assert told == ([("3", "ort-cpu", device, 2)] if wrong and shared and new else [])
 
 
 def test_a_mismatch_says_since_when_the_backends_answers_may_be_wrong(caplog: pytest.LogCaptureFixture) -> None:
