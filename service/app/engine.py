@@ -191,7 +191,8 @@ class Verdicts:
         if loaded is None or not any(b.name == verdict.backend and b.device == verdict.device for b in chain):
             return
         log.warning(
-            "audit: %s found %s of version %s computing wrongly, %.0f s ago (%s); this worker distrusts it too",
+            "audit: %s found %s of version %s computing wrongly, %.0f s ago (%s); this worker takes the verdict as "
+            "its own",
             verdict.by,
             verdict.backend,
             quote(loaded.version),

@@ -608,8 +608,10 @@ def test_a_backend_one_worker_finds_wrong_on_the_cpu_is_distrusted_by_every_work
         other.call(verdict("1", other_backend, "cuda:0"))
         other.call(verdict("9", other_backend, "cpu"))
         assert chain.quarantined() == [victim]
-    said = f"audit: worker 0 found {victim} of version '1' computing wrongly, 0 s ago (once); this worker distrusts"
-    assert [r.getMessage() for r in caplog.records if "this worker distrusts" in r.getMessage()] == [f"{said} it too"]
+    said = f"audit: worker 0 found {victim} of version '1' computing wrongly, 0 s ago (once); this worker takes"
+    assert [r.getMessage() for r in caplog.records if "this worker takes" in r.getMessage()] == [
+        f"{said} the verdict as its own"
+    ]
     caplog.clear()
     with Workers(settings, tmp_path) as restarted:  # within the cool-down: the verdict holds in both from the start
         assert [worker.engine.loaded.chain.quarantined() for worker in restarted] == [[victim], [victim]]
