@@ -94,6 +94,12 @@ class BackendFailure(ServiceError):
     """Every backend failed on this batch: a real server fault, answered without details."""
 
 
+class AnswerRejected(NotReady):
+    """An answer found wrong against the float64 reference before it was sent
+    (--audit-before-answer): nothing was sent, its backend is quarantined, and a retry is computed
+    by another (UNAVAILABLE, which clients and balancers retry)."""
+
+
 class DeviceLost(NotReady):
     """A sticky CUDA error: the device's context is broken for every backend of this process,
     so nothing falls back onto it; the server stops serving and exits to be replaced. The client

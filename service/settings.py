@@ -119,9 +119,7 @@ class Settings:
         60.0, "how long an HTTP client may take to read its answer before its connection is closed", "s", low=0.001
     )
     require_sequence_offset: bool = setting(
-        False,
-        "refuse a step of a live sequence that does not say sequence_offset (FAILED_PRECONDITION): turn on "
-        "where several replicas serve, so that a stale state can never answer",
+        False, "refuse a step without sequence_offset (FAILED_PRECONDITION): on where several replicas serve"
     )
     stream_window: int = setting(
         32, "requests a gRPC stream may have read and not had written back; past it, it is not read", "requests", low=1
@@ -153,6 +151,7 @@ class Settings:
     audit_queue: int = setting(64, "answers waiting for their audit at most; beyond: skipped", "answers", low=1)
     audit_max_tokens: int = setting(256, "tokens of one row an audit checks (windows in turn)", "tokens", low=1)
     audit_when_busy: bool = setting(False, "audit even while a full batch waits (off: saturated servers skip)")
+    audit_before_answer: bool = setting(False, "check every answer, whole, before it is sent; refuse one found wrong")
     log_format: str = setting("auto", "log lines: text on a terminal, JSON otherwise (auto)", choices=LOG_FORMATS)
     log_level: str = setting("INFO", "log level", choices=LOG_LEVELS, flag=False)
 

@@ -15,7 +15,7 @@ from functools import partial
 from service.batching import Clock, MonotonicClock
 from service.budget import MIB, InflightBudget
 from service.decode.sequences import SequenceStore
-from service.engine.audit import AuditLimits, Auditor, Check, Sample, distrusted, mismatch_message
+from service.engine.audit import Audit, AuditLimits, Auditor, Check, Gate, Sample, distrusted, mismatch_message
 from service.engine.door import Door, SequenceId, Verdict
 from service.engine.inflight import InFlight
 from service.engine.keeper import Compute, ComputeHook, VersionKeeper, merged_rows
@@ -46,7 +46,7 @@ class Engine:
     life: Lifecycle
     keeper: VersionKeeper
     publish: Publisher
-    audit: Auditor
+    audit: Audit
     door: Door
 
     @property
@@ -103,7 +103,11 @@ def build_engine(
     compute = Compute(executor, clock or MonotonicClock(), InFlight(), schedule, tracing, hook)
     keeper = VersionKeeper(s, life, compute, publish, metrics, source, sequence_gone)
     verdicts = Verdicts(metrics, life.versions, executor, asyncio.get_running_loop(), tell, s.worker_own_gpu)
-    audit = Auditor(_audit_limits(s), verdicts.checked, metrics.audit.skipped_one)
+    audit: Audit = (
+        Gate(verdicts.checked)
+        if s.audit_before_answer
+        else Auditor(_audit_limits(s), verdicts.checked, metrics.audit.skipped_one)
+    )
     budget = InflightBudget(_inflight_limit(s))  # bytes of requests and answers held at once
     door = Door(life, keeper, publish, audit, budget, verdicts.told, others_ready)
     _follow(metrics, s, life, keeper, budget)
@@ -171,8 +175,11 @@ class Verdicts:
         self._distrust(sample.quarantine, sample.sequences, sample.backend, then)  # then(times): a new incident
 
     def _since(self, sample: Sample) -> str:
-        """Since when its answers may be wrong: after the last audit of it that passed."""
+        """Since when its answers may be wrong: after the last audit of it that passed (none,
+        where every answer waits for its check)."""
         backend = sample.backend
+        if sample.held:
+            return "the answer waited for this check and was not sent: its request is refused"
         if (last := self._passed.get((sample.version, backend))) is None:
             return f"no audit of {backend} passed before in this worker: any answer of it may be wrong"
         when, request_id = last

@@ -38,6 +38,7 @@ bound applies.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import math
 import threading
@@ -61,10 +62,21 @@ from model.reference import (
     split_heads,
     term_magnitudes,
 )
-from service.errors import quote
+from service.errors import AnswerRejected, SequenceNotFound, quote
 from service.metrics import AUDIT_SKIPS
 
-__all__ = ["AUDIT_SKIPS", "AuditLimits", "Auditor", "Check", "Reference", "Sample", "distrusted", "mismatch_message"]
+__all__ = [
+    "AUDIT_SKIPS",
+    "Audit",
+    "AuditLimits",
+    "Auditor",
+    "Check",
+    "Gate",
+    "Reference",
+    "Sample",
+    "distrusted",
+    "mismatch_message",
+]
 
 if TYPE_CHECKING:
     from service.decode.sequences import LiveSequence, SequenceStore
@@ -171,6 +183,7 @@ class Sample:
     quarantine: Callable[[str], int]  # quarantines a backend of the chain by name: the times found wrong (0: again)
     cache: Cache | None = None  # a decode step's keys and values after it
     sequences: SequenceStore | None = None  # the version's live sequences (the event loop's)
+    held: bool = False  # the answer waits for this check before it is sent (--audit-before-answer)
 
     @property
     def past(self) -> int | None:
@@ -188,7 +201,7 @@ class Sample:
         return self.x.shape[1] + self.y.shape[1] + (0 if self.cache is None else 2 * self.cache[0].shape[2])
 
 
-Verdict = Callable[[Sample, Check, float], None]  # (sample, its verdict, seconds)
+OnChecked = Callable[[Sample, Check, float], None]  # (sample, its verdict, seconds)
 
 
 class Allowance:
@@ -235,7 +248,7 @@ class Auditor:
     def __init__(
         self,
         limits: AuditLimits,
-        on_checked: Verdict,
+        on_checked: OnChecked,
         on_skipped: Callable[[str], None],
         clock: Callable[[], float] = time.monotonic,
         timer: Callable[[], float] = time.perf_counter,
@@ -281,6 +294,15 @@ class Auditor:
         self._submit(reference, answer, first, (keys, values), x.shape, backend, request_id, loaded)
         return None
 
+    async def answered(self, x: np.ndarray, y: np.ndarray, backend: str, request_id: str, loaded: Loaded) -> None:
+        """Before an answer goes: sampled for its audit, after it (as `Gate.answered`'s door)."""
+        self.offer(x, y, backend, request_id, loaded)
+
+    async def answered_step(
+        self, x: np.ndarray, y: np.ndarray, sequence: LiveSequence, backend: str, request_id: str, loaded: Loaded
+    ) -> None:
+        self.offer_step(x, y, sequence, backend, request_id, loaded)
+
     def _sampled(self) -> bool:
         self._credit += self.limits.rate
         if self._credit < 1.0:
@@ -322,11 +344,7 @@ class Auditor:
         request_id: str,
         loaded: Loaded,
     ) -> None:
-        chain = loaded.chain  # resolved here, on the event loop, not on the audit thread
-        device = next((b.device for b in chain.backends + chain.step_backends if b.name == backend), "unknown")
-        x, y = answer
-        who = (backend, request_id, loaded.version, device, loaded.model.precision)
-        sample = Sample(x, y, first, shape, *who, chain.quarantine.enter, cache, loaded.decoder.sequences)
+        sample = sample_of(loaded, answer, first, cache, shape, backend, request_id)
         self._thread.submit(self._check, sample, reference)
 
     def _check(self, sample: Sample, reference: Reference) -> None:
@@ -343,6 +361,100 @@ class Auditor:
 
     def close(self) -> None:
         self._thread.shutdown(wait=True, cancel_futures=True)
+
+
+def sample_of(
+    loaded: Loaded,
+    answer: tuple[np.ndarray, np.ndarray],
+    first: int,
+    cache: Cache | None,
+    shape: tuple[int, ...],
+    backend: str,
+    request_id: str,
+    held: bool = False,
+) -> Sample:
+    """What checks `answer`, a row (1, T', C) and its window's answers (1, w, C) from `first`, of
+    version `loaded` (on the event loop, which the chain's backends are read on)."""
+    chain = loaded.chain
+    device = next((b.device for b in chain.backends + chain.step_backends if b.name == backend), "unknown")
+    x, y = answer
+    who = (backend, request_id, loaded.version, device, loaded.model.precision)
+    return Sample(x, y, first, shape, *who, chain.quarantine.enter, cache, loaded.decoder.sequences, held)
+
+
+class Gate:
+    """--audit-before-answer: every answer checked whole, each row of it, against the float64
+    reference before it is sent, on a thread of its own (the sampled audit is then not needed).
+    A mismatch is an incident as an audit's (`on_checked`), and the request is refused: UNAVAILABLE
+    for a stateless answer (a retry is computed by another backend), NOT_FOUND for a step, whose
+    sequence is dropped with every other one that backend computed (their clients start them
+    again, as after an audit). The answer found wrong is never sent."""
+
+    def __init__(self, on_checked: OnChecked, timer: Callable[[], float] = time.perf_counter) -> None:
+        self._on_checked, self._timer = on_checked, timer
+        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="gate")
+
+    async def answered(self, x: np.ndarray, y: np.ndarray, backend: str, request_id: str, loaded: Loaded) -> None:
+        """Returns once every row of the answer (B, T, C) passed; raises AnswerRejected if one did not."""
+        rows = [(x[r : r + 1], y[r : r + 1]) for r in range(x.shape[0])]  # (1, T, C) each
+        samples = [sample_of(loaded, row, 0, None, x.shape, backend, request_id, True) for row in rows]
+        if (failed := await self._checked(samples, loaded)) is not None:
+            raise AnswerRejected(f"{rejected(failed)}: retry, and another backend computes it")
+
+    async def answered_step(
+        self, x: np.ndarray, y: np.ndarray, sequence: LiveSequence, backend: str, request_id: str, loaded: Loaded
+    ) -> None:
+        """As `answered`, for a decode step (B, t, C) that left `sequence` holding its tokens."""
+        keys, values = (c[:, :, : sequence.length].cpu().numpy().copy() for c in (sequence.keys, sequence.values))
+        samples = [
+            sample_of(
+                loaded,
+                (x[r : r + 1], y[r : r + 1]),
+                0,
+                (keys[r : r + 1], values[r : r + 1]),
+                x.shape,
+                backend,
+                request_id,
+                True,
+            )
+            for r in range(x.shape[0])
+        ]  # (1, nh, P + t, hs) each
+        if (failed := await self._checked(samples, loaded)) is None:
+            return
+        loaded.decoder.sequences.drop(distrusted(backend), written_by=backend)  # now, before a retry can step it
+        raise SequenceNotFound(
+            f"sequence {quote(str(sequence.id), 48)} {distrusted(backend)}: {rejected(failed)}; start it again "
+            "with sequence_start and its whole prefix"
+        )
+
+    async def _checked(self, samples: list[Sample], loaded: Loaded) -> tuple[Sample, Check] | None:
+        """The first sample found wrong, with its verdict; None when every one passed."""
+        reference = loaded.reference
+        assert reference is not None, "the versions keep a reference where answers are checked"
+        return await asyncio.get_running_loop().run_in_executor(self._thread, self._check_all, samples, reference)
+
+    def _check_all(self, samples: list[Sample], reference: Reference) -> tuple[Sample, Check] | None:
+        for sample in samples:
+            began = self._timer()
+            check = reference.check(sample.x, sample.y, sample.cache, sample.first)
+            self._on_checked(sample, check, self._timer() - began)
+            if not check.passed:
+                return sample, check
+        return None
+
+    def close(self) -> None:
+        self._thread.shutdown(wait=True, cancel_futures=True)
+
+
+Audit = Auditor | Gate  # what the door hands each answer to before it goes
+
+
+def rejected(failed: tuple[Sample, Check]) -> str:
+    sample, check = failed
+    return (
+        f"the answer {sample.backend} computed differs from the float64 reference (relative error "
+        f"{check.error:.2e} > {check.allowed:.1e}) and was not sent; {sample.backend} is quarantined"
+    )
 
 
 def distrusted(backend: str) -> str:

@@ -39,7 +39,7 @@ from service.batch_engine import BatchEngine, Computed, Item, Timing
 from service.batching import BatcherConfig, BatchEvent, Clock, Plan, form_at, merge, plan_batch, split
 from service.budget import InflightBudget, Lease
 from service.decode.control import SequenceControl, SequenceId
-from service.engine.audit import Auditor
+from service.engine.audit import Audit
 from service.engine.inflight import InFlight
 from service.engine.publishing import Publisher
 from service.engine.readiness import Lifecycle
@@ -124,7 +124,7 @@ class Door:
         life: Lifecycle,
         keeper: VersionKeeper,
         publish: Publisher,
-        audit: Auditor,
+        audit: Audit,
         budget: InflightBudget,
         distrust: Distrust,
         others_ready: Callable[[], bool] | None = None,
@@ -181,7 +181,7 @@ class Door:
         if not timing.finite:  # the chain found this input to blame (BackendChain)
             refuse_non_finite(x, y)
         self._publish.answered(x.shape, timing, version.version)
-        self._audit.offer(x, y, timing.backend, request_id, version)  # sampled, checked off the hot path
+        await self._audit.answered(x, y, timing.backend, request_id, version)  # sampled, or checked before it goes
         return y, timing.backend
 
     async def step(
@@ -203,7 +203,7 @@ class Door:
             raise
         self._publish.answered(x.shape, stepped.timing, version.version, steps=True)
         backend = stepped.timing.backend
-        self._audit.offer_step(x, stepped.y, stepped.sequence, backend, request_id, version)  # as infer's
+        await self._audit.answered_step(x, stepped.y, stepped.sequence, backend, request_id, version)  # as infer's
         s = self.settings
         return (
             stepped.y,

@@ -177,7 +177,7 @@ class VersionKeeper:
         )
         decoder = Decoder(self._sequences(model, chain), steps, require_offset=s.require_sequence_offset)
         check = selection.check
-        audit = s.audit_rate > 0
+        audit = s.audit_rate > 0 or s.audit_before_answer
         reference = Reference(check.config, check.weights, check.tolerance, model.precision) if audit else None
         loaded = Loaded(model, selection, chain, batcher, decoder, reference=reference)
         batcher.start()

@@ -457,6 +457,73 @@ def test_a_corrupting_backend_is_caught_counted_logged_and_benched(
     assert re.search(r"relative error \d\.\d\de-02 > \d\.\de-05 ", incidents[0]), incidents[0]  # 0.04 against ~1e-5
 
 
+def test_before_answer_a_wrong_answer_is_never_sent_and_the_retry_is_exact(
+    small_model_dir: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """--audit-before-answer: every answer waits for its check, every row of it whole. The one a
+    faulty backend computes is refused UNAVAILABLE, saying why, and never sent; the backend is
+    quarantined, and the retry is computed by the other one, exactly. Honest answers all pass."""
+    config, weights = load_checkpoint(small_model_dir / "weights.safetensors")
+    settings = make_settings(small_model_dir, threads=1, audit_before_answer=True, audit_rate=0.0)
+    x = np.random.default_rng(5).standard_normal((3, 40, 32), dtype=np.float32)
+    x[1] *= 50  # large scores: fp32's own error there is no mismatch
+    ref = attention_view(torch.from_numpy(x), weights, config)
+    with ServerThread(settings) as server, MHAClient(server.url) as client:
+        chain = server.engine.loaded.chain
+        serving = chain.order_for(*x.shape[:2])[0]
+        victim = Corrupting(serving, every=3)
+        for order in chain.orders():
+            order[:] = [victim if b is serving else b for b in order]
+        for _ in range(2):
+            y, backend = client.infer_with_backend(x)
+            assert backend == victim.name and relative_error(torch.from_numpy(y), ref) < 1e-5
+        with pytest.raises(InferenceError) as refused:  # the third is computed wrongly
+            client.infer(x)
+        assert refused.value.code == grpc.StatusCode.UNAVAILABLE
+        said = str(refused.value)
+        assert f"the answer {victim.name} computed differs from the float64 reference" in said and "not sent" in said
+        y, backend = client.infer_with_backend(x)  # the retry
+        assert backend != victim.name and relative_error(torch.from_numpy(y), ref) < 1e-5
+        assert chain.quarantined() == [victim.name]
+        registry = server.registry
+        assert registry.get_sample_value("mha_audit_checked_total") == 3 + 3 + 1 + 3  # every row; the wrong one's first
+        mismatches = {"backend": victim.name, "device": "cpu", "precision": "fp32"}
+        assert registry.get_sample_value("mha_audit_mismatches_total", mismatches) == 1
+    incidents = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR and "audit:" in r.getMessage()]
+    assert len(incidents) == 1 and incidents[0].endswith("was not sent: its request is refused"), incidents
+
+
+@pytest.mark.parametrize("fault", ["answer", "keys"])
+def test_before_answer_a_wrong_step_is_never_sent_and_its_sequence_starts_again(
+    small_model_dir: Path, fault: str
+) -> None:
+    """A step answered wrongly, or one that wrote a wrong key, is refused before its answer goes:
+    NOT_FOUND, saying why, its sequence already dropped when the refusal arrives (a retry of the
+    step must not attend to that key), and the client's restart with its prefix is exact."""
+    _, prefix, ref = _every_step_audited(small_model_dir, seed=6)
+    settings = make_settings(small_model_dir, threads=1, audit_before_answer=True)
+    with ServerThread(settings) as server, MHAClient(server.url) as client:
+        chain, sequences = server.engine.loaded.chain, server.engine.loaded.decoder.sequences
+        victim = Corrupting(chain.step_backends[0], every=3, fault=fault)
+        chain.step_backends[0] = victim
+        quarantine, release = chain.quarantine.enter, threading.Event()
+        chain.quarantine.enter = lambda name: (release.wait(30), quarantine(name))[1]  # the incident's drop waits
+        for i in range(2):
+            client.step(6, prefix[:, i : i + 1], offset=i, start=i == 0)
+        with pytest.raises(InferenceError) as refused:  # the third step is computed wrongly
+            client.step(6, prefix[:, 2:3], offset=2)
+        assert refused.value.code == grpc.StatusCode.NOT_FOUND and not sequences.holds(6)  # dropped by the gate
+        release.set()
+        assert f"was dropped (an audit found {victim.name} computing wrongly" in str(refused.value)
+        assert "was not sent" in str(refused.value)
+        victim.calls = 0  # whoever computes it (the quarantine may be on its way), every answer given is exact
+        sequence = client.sequence(7)
+        for i in range(8):
+            y = sequence.send(prefix[:, i : i + 1])
+            assert relative_error(torch.from_numpy(y), ref[:, i : i + 1]) < 1e-5, (fault, i)
+        assert chain.quarantined() == [victim.name]
+
+
 def _every_step_audited(model_dir: Path, seed: int) -> tuple[Settings, np.ndarray, torch.Tensor]:
     """Settings that audit every answer and step, a prefix of 8 tokens and its answers in float64."""
     config, weights = load_checkpoint(model_dir / "weights.safetensors")
