@@ -271,7 +271,8 @@ class Auditor:
         if reason := self._take(loaded.batcher.depth, whole + end - first):
             return self._skipped(reason)
         answer = (x[row : row + 1, :whole].copy(), y[row : row + 1, first:end].copy())  # (1, T', C), (1, w, C)
-        self._submit(reference, answer, first, None, x.shape, backend, request_id, loaded)
+        sample = sample_of(loaded, answer, first, None, x.shape, backend, request_id)
+        self._thread.submit(self._check, sample, reference)
         return None
 
     def offer_step(
@@ -291,7 +292,8 @@ class Auditor:
         keys, values = (
             c[row : row + 1, :, :held].cpu().numpy().copy() for c in (cache.keys, cache.values)
         )  # (1, nh, P + end, hs)
-        self._submit(reference, answer, first, (keys, values), x.shape, backend, request_id, loaded)
+        sample = sample_of(loaded, answer, first, (keys, values), x.shape, backend, request_id)
+        self._thread.submit(self._check, sample, reference)
         return None
 
     async def answered(self, x: np.ndarray, y: np.ndarray, backend: str, request_id: str, loaded: Loaded) -> None:
@@ -332,20 +334,6 @@ class Auditor:
         if waiting >= self.limits.busy_depth and not (self.limits.when_busy or every):
             return "busy"
         return self._allowance.take(every, rows)
-
-    def _submit(
-        self,
-        reference: Reference,
-        answer: tuple[np.ndarray, np.ndarray],
-        first: int,
-        cache: Cache | None,
-        shape: tuple[int, ...],
-        backend: str,
-        request_id: str,
-        loaded: Loaded,
-    ) -> None:
-        sample = sample_of(loaded, answer, first, cache, shape, backend, request_id)
-        self._thread.submit(self._check, sample, reference)
 
     def _check(self, sample: Sample, reference: Reference) -> None:
         began = self._timer()
@@ -405,20 +393,10 @@ class Gate:
         self, x: np.ndarray, y: np.ndarray, sequence: LiveSequence, backend: str, request_id: str, loaded: Loaded
     ) -> None:
         """As `answered`, for a decode step (B, t, C) that left `sequence` holding its tokens."""
-        keys, values = (c[:, :, : sequence.length].cpu().numpy().copy() for c in (sequence.keys, sequence.values))
-        samples = [
-            sample_of(
-                loaded,
-                (x[r : r + 1], y[r : r + 1]),
-                0,
-                (keys[r : r + 1], values[r : r + 1]),
-                x.shape,
-                backend,
-                request_id,
-                True,
-            )
-            for r in range(x.shape[0])
-        ]  # (1, nh, P + t, hs) each
+        held = (c[:, :, : sequence.length].cpu().numpy().copy() for c in (sequence.keys, sequence.values))
+        keys, values = held  # (B, nh, P + t, hs)
+        rows = [((x[r : r + 1], y[r : r + 1]), (keys[r : r + 1], values[r : r + 1])) for r in range(x.shape[0])]
+        samples = [sample_of(loaded, row, 0, cache, x.shape, backend, request_id, True) for row, cache in rows]
         if (failed := await self._checked(samples, loaded)) is None:
             return
         loaded.decoder.sequences.drop(distrusted(backend), written_by=backend)  # now, before a retry can step it
