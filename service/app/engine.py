@@ -104,7 +104,7 @@ def build_engine(
     keeper = VersionKeeper(s, life, compute, publish, metrics, source, sequence_gone)
     verdicts = Verdicts(metrics, life.versions, executor, asyncio.get_running_loop(), tell, s.worker_own_gpu)
     audit: Audit = (
-        Gate(verdicts.checked)
+        Gate(verdicts.checked, s.audit_max_tokens)
         if s.audit_before_answer
         else Auditor(_audit_limits(s), verdicts.checked, metrics.audit.skipped_one)
     )

@@ -371,32 +371,48 @@ def sample_of(
 
 
 class Gate:
-    """--audit-before-answer: every answer checked whole, each row of it, against the float64
-    reference before it is sent, on a thread of its own (the sampled audit is then not needed).
-    A mismatch is an incident as an audit's (`on_checked`), and the request is refused: UNAVAILABLE
-    for a stateless answer (a retry is computed by another backend), NOT_FOUND for a step, whose
-    sequence is dropped with every other one that backend computed (their clients start them
-    again, as after an audit). The answer found wrong is never sent."""
+    """--audit-before-answer: every answer checked, every token of every row of it, against the
+    float64 reference before it is sent, on a thread of its own (the sampled audit is then not
+    needed). Rows are checked in windows of `max_tokens` tokens, as the audit's, so that memory
+    grows with a row's length linearly. A mismatch is an incident as an audit's (`on_checked`),
+    and the request is refused: UNAVAILABLE for a stateless answer (a retry is computed by another
+    backend), NOT_FOUND for a step, whose sequence is dropped with every other one that backend
+    computed (their clients start them again, as after an audit). The answer found wrong is never
+    sent."""
 
-    def __init__(self, on_checked: OnChecked, timer: Callable[[], float] = time.perf_counter) -> None:
-        self._on_checked, self._timer = on_checked, timer
+    def __init__(self, on_checked: OnChecked, max_tokens: int, timer: Callable[[], float] = time.perf_counter) -> None:
+        self._on_checked, self._max_tokens, self._timer = on_checked, max_tokens, timer
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="gate")
 
+    def _windows(self, tokens: int) -> range:
+        return range(0, tokens, self._max_tokens)  # each window's first token
+
     async def answered(self, x: np.ndarray, y: np.ndarray, backend: str, request_id: str, loaded: Loaded) -> None:
-        """Returns once every row of the answer (B, T, C) passed; raises AnswerRejected if one did not."""
-        rows = [(x[r : r + 1], y[r : r + 1]) for r in range(x.shape[0])]  # (1, T, C) each
-        samples = [sample_of(loaded, row, 0, None, x.shape, backend, request_id, True) for row in rows]
+        """Returns once every window of every row of the answer (B, T, C) passed; raises
+        AnswerRejected if one did not."""
+        causal, (B, T) = loaded.model.config.causal, x.shape[:2]
+        samples = []
+        for r, first in ((r, first) for r in range(B) for first in self._windows(T)):
+            end = min(first + self._max_tokens, T)
+            answer = (x[r : r + 1, : end if causal else T], y[r : r + 1, first:end])  # (1, T', C), (1, w, C)
+            samples.append(sample_of(loaded, answer, first, None, x.shape, backend, request_id, True))
         if (failed := await self._checked(samples, loaded)) is not None:
             raise AnswerRejected(f"{rejected(failed)}: retry, and another backend computes it")
 
     async def answered_step(
         self, x: np.ndarray, y: np.ndarray, sequence: LiveSequence, backend: str, request_id: str, loaded: Loaded
     ) -> None:
-        """As `answered`, for a decode step (B, t, C) that left `sequence` holding its tokens."""
+        """As `answered`, for a decode step (B, t, C) that left `sequence` holding its tokens: each
+        window of its new tokens with every key and value they attend to."""
+        past = sequence.length - x.shape[1]
         held = (c[:, :, : sequence.length].cpu().numpy().copy() for c in (sequence.keys, sequence.values))
         keys, values = held  # (B, nh, P + t, hs)
-        rows = [((x[r : r + 1], y[r : r + 1]), (keys[r : r + 1], values[r : r + 1])) for r in range(x.shape[0])]
-        samples = [sample_of(loaded, row, 0, cache, x.shape, backend, request_id, True) for row, cache in rows]
+        samples = []
+        for r, first in ((r, first) for r in range(x.shape[0]) for first in self._windows(x.shape[1])):
+            end = min(first + self._max_tokens, x.shape[1])
+            cache = (keys[r : r + 1, :, : past + end], values[r : r + 1, :, : past + end])  # (1, nh, P + end, hs)
+            answer = (x[r : r + 1, :end], y[r : r + 1, first:end])  # (1, end, C), (1, w, C)
+            samples.append(sample_of(loaded, answer, first, cache, x.shape, backend, request_id, True))
         if (failed := await self._checked(samples, loaded)) is None:
             return
         loaded.decoder.sequences.drop(distrusted(backend), written_by=backend)  # now, before a retry can step it

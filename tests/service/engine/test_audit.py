@@ -384,7 +384,8 @@ def test_without_causality_a_window_is_checked_against_the_whole_row() -> None:
 
 class Corrupting(Backend):
     """A backend that computes one call in `every` slightly wrong, as a silently faulty core would:
-    a batch's answer, a step's answer (`fault` "answer") or a key a step writes ("keys")."""
+    a batch's answer (its rows' last token only: `fault` "last"), a step's answer ("answer") or a
+    key a step writes ("keys")."""
 
     def __init__(self, inner: Backend, every: int, fault: str = "answer") -> None:
         self.inner, self.every, self.fault, self.calls = inner, every, fault, 0
@@ -397,7 +398,9 @@ class Corrupting(Backend):
     def run(self, x: np.ndarray) -> np.ndarray:
         self.calls += 1
         y = np.array(self.inner.run(x), copy=True)
-        if self.calls % self.every == 0:
+        if self.calls % self.every == 0 and self.fault == "last":
+            y[:, -1, 0] += 0.05  # the last token of each row only
+        elif self.calls % self.every == 0:
             y[..., 0] += 0.05  # far beyond fp32's tolerance, far within what looks plausible
         return y
 
@@ -460,18 +463,19 @@ def test_a_corrupting_backend_is_caught_counted_logged_and_benched(
 def test_before_answer_a_wrong_answer_is_never_sent_and_the_retry_is_exact(
     small_model_dir: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """--audit-before-answer: every answer waits for its check, every row of it whole. The one a
-    faulty backend computes is refused UNAVAILABLE, saying why, and never sent; the backend is
-    quarantined, and the retry is computed by the other one, exactly. Honest answers all pass."""
+    """--audit-before-answer: every answer waits for its check, every token of every row, in
+    windows of --audit-max-tokens. The one a faulty backend computes (wrong in its last token
+    only) is refused UNAVAILABLE, saying why, and never sent; the backend is quarantined, and the
+    retry is computed by the other one, exactly. Honest answers all pass."""
     config, weights = load_checkpoint(small_model_dir / "weights.safetensors")
-    settings = make_settings(small_model_dir, threads=1, audit_before_answer=True, audit_rate=0.0)
+    settings = make_settings(small_model_dir, threads=1, audit_before_answer=True, audit_rate=0.0, audit_max_tokens=16)
     x = np.random.default_rng(5).standard_normal((3, 40, 32), dtype=np.float32)
     x[1] *= 50  # large scores: fp32's own error there is no mismatch
     ref = attention_view(torch.from_numpy(x), weights, config)
     with ServerThread(settings) as server, MHAClient(server.url) as client:
         chain = server.engine.loaded.chain
         serving = chain.order_for(*x.shape[:2])[0]
-        victim = Corrupting(serving, every=3)
+        victim = Corrupting(serving, every=3, fault="last")
         for order in chain.orders():
             order[:] = [victim if b is serving else b for b in order]
         for _ in range(2):
@@ -486,7 +490,8 @@ def test_before_answer_a_wrong_answer_is_never_sent_and_the_retry_is_exact(
         assert backend != victim.name and relative_error(torch.from_numpy(y), ref) < 1e-5
         assert chain.quarantined() == [victim.name]
         registry = server.registry
-        assert registry.get_sample_value("mha_audit_checked_total") == 3 + 3 + 1 + 3  # every row; the wrong one's first
+        checked = 9 + 9 + 3 + 9  # 3 rows of 3 windows (16, 16 and 8 tokens); the wrong one up to its row 0's last
+        assert registry.get_sample_value("mha_audit_checked_total") == checked
         mismatches = {"backend": victim.name, "device": "cpu", "precision": "fp32"}
         assert registry.get_sample_value("mha_audit_mismatches_total", mismatches) == 1
     incidents = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR and "audit:" in r.getMessage()]
