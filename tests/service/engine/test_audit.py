@@ -695,13 +695,17 @@ def test_a_backend_one_worker_finds_wrong_on_the_cpu_is_distrusted_by_every_work
             assert worker.engine.loaded.chain.quarantined() == [] and quarantine.health[victim].found_wrong == 1
 
 
+@pytest.mark.parametrize("gate", [False, True], ids=["audit", "before-answer"])
 @pytest.mark.parametrize("backend,precision", [("ort-cpu", "fp32"), ("torch", "fp32"), ("auto", "fp16")])
 def test_at_rate_one_every_answer_of_the_grid_is_checked_and_none_is_wrong(
-    tmp_path: Path, backend: str, precision: str
+    tmp_path: Path, backend: str, precision: str, gate: bool
 ) -> None:
+    """Every answer audited, or every answer checked before it goes: no honest answer is found
+    wrong (with the gate, none refused: a sequence started again would hide it, so none may be)."""
     model = tmp_path / "model"
     export_model_dir(model, SMALL, WEIGHTS, precisions=("fp32", "fp16"))
-    settings = make_settings(model, backend=backend, precision=precision, audit_rate=1.0, audit_max_tokens=16)
+    limits = {"audit_rate": 1.0, "audit_max_tokens": 16, "audit_before_answer": gate}
+    settings = make_settings(model, backend=backend, precision=precision, **limits)
     shapes = [(b, t) for b in (1, 3) for t in (1, 7, 33, 64)]
     inputs = [np.random.default_rng(i).standard_normal((b, t, 32), dtype=np.float32) for i, (b, t) in enumerate(shapes)]
     inputs += [*LARGE, ANSWERS_ZERO] if precision == "fp32" else []  # beyond 1e-5 on any backend: fp32's own error
@@ -722,5 +726,5 @@ def test_at_rate_one_every_answer_of_the_grid_is_checked_and_none_is_wrong(
         assert mismatches and all(s.value == 0 for s in mismatches if s.name.endswith("_total")), mismatches
         assert {s.labels["precision"] for s in mismatches} == {precision}
         skipped = [s.value for f in registry.collect() if f.name == "mha_audit_skipped" for s in f.samples]
-        assert sum(skipped) == 0
+        assert sum(skipped) == 0 and sequence.restarts == 0
     assert precision_tolerance(precision, SMALL) >= 1e-5
