@@ -151,7 +151,7 @@ class Settings:
     audit_queue: int = setting(64, "answers waiting for their audit at most; beyond: skipped", "answers", low=1)
     audit_max_tokens: int = setting(256, "tokens of one row an audit checks (windows in turn)", "tokens", low=1)
     audit_when_busy: bool = setting(False, "audit even while a full batch waits (off: saturated servers skip)")
-    audit_before_answer: bool = setting(False, "check every answer, whole, before it is sent; refuse one found wrong")
+    audit_before_answer: bool = setting(False, "check every token of every answer before sending it; refuse if wrong")
     log_format: str = setting("auto", "log lines: text on a terminal, JSON otherwise (auto)", choices=LOG_FORMATS)
     log_level: str = setting("INFO", "log level", choices=LOG_LEVELS, flag=False)
 

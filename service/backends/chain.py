@@ -65,7 +65,7 @@ class LightRoute:
 class _Health:
     consecutive_failures: int = 0
     quarantined_until: float = 0.0  # time.monotonic(); 0 when serving
-    found_wrong: int = 0  # audits that found it computing wrongly, in this process's life
+    found_wrong: int = 0  # audits that found it computing wrongly, this server's workers' (and so on after a restart)
     found_out: bool = False  # its quarantine now is an audit's
 
 

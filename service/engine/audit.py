@@ -297,7 +297,8 @@ class Auditor:
         return None
 
     async def answered(self, x: np.ndarray, y: np.ndarray, backend: str, request_id: str, loaded: Loaded) -> None:
-        """Before an answer goes: sampled for its audit, after it (as `Gate.answered`'s door)."""
+        """The door's call for every answer before it goes: sampled here for an audit after it
+        (`Gate.answered` checks it before instead)."""
         self.offer(x, y, backend, request_id, loaded)
 
     async def answered_step(

@@ -14,9 +14,10 @@ The owner answers the handed-over request as it would its own (service/protocol/
 its status and message come back as they are. System shared memory regions are kept by one
 worker (REGION_KEEPER) for all of them: registrations, status and requests that name a region
 are handed to it (service/protocol/workers.py), so every connection sees one set of regions.
-An audit that finds a backend computing wrongly on the CPU, which every worker shares, tells the
-others (`Broadcast`), and each distrusts its backend of that name as its own audit would; it also
-names the verdict in a third folder, so that a worker restarted later does too.
+An audit that finds a backend computing wrongly on a device the workers share (the CPU; the GPUs,
+unless each has its own) tells the others (`Broadcast`), and each distrusts its backend of that
+name as its own audit would; it also names the verdict in a third folder, so that a worker
+restarted later does too.
 
 The hand-over is one frame each way on a pooled stream connection, not a gRPC call: the request
 as gRPC's message, its mha-sequence-id header and its remaining time; the answer's
