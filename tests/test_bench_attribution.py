@@ -3,6 +3,9 @@ and turned into microseconds per request of the main thread and of the others.""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from types import ModuleType
 
 import pytest
@@ -50,11 +53,42 @@ def test_samples_are_counted_by_thread_and_library(attribution: ModuleType) -> N
     }
 
 
-def test_per_request_splits_the_main_thread_from_the_others(attribution: ModuleType) -> None:
+def test_per_request_splits_the_main_thread_from_its_process_and_the_others(attribution: ModuleType) -> None:
     counts = attribution.parse_samples(PERF_SCRIPT)
-    us = attribution.per_request(counts, main_tid=17074, requests=2)
+    threads = {17074: {17074, 17093}, 17086: {17086}}
+    rows = attribution.classify(counts, [17074, 17086], threads.__getitem__)
+    us = attribution.per_request(rows, requests=2)
     tick = 1e6 / attribution.FREQUENCY_HZ / 2  # one sample's CPU, shared by the two requests
     assert us["Python interpreter"] == pytest.approx(2 * tick, abs=0.1)
     assert us["main thread, all"] == pytest.approx(4 * tick, abs=0.1)
-    assert us["other threads"] == pytest.approx(2 * tick, abs=0.1)
-    assert next(iter(us)) == "Python interpreter"  # the largest first
+    assert us["other threads: ONNX Runtime"] == pytest.approx(tick, abs=0.1)
+    assert us["other threads, all"] == pytest.approx(tick, abs=0.1)
+    assert us["other processes"] == pytest.approx(tick, abs=0.1)  # 17086 is not of the serving process
+    assert list(us)[:2] == ["Python interpreter", "ONNX Runtime"]  # the largest first
+
+
+def test_the_serving_process_is_the_one_whose_main_thread_worked(attribution: ModuleType) -> None:
+    """A server of several workers: the supervisor (17000) and the idle worker (17086) did less."""
+    counts = attribution.parse_samples(PERF_SCRIPT)
+    assert attribution.serving_process(counts, [17000, 17074, 17086]) == 17074
+
+
+def test_the_process_tree_holds_this_process_and_its_children(attribution: ModuleType) -> None:
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        tree = attribution.process_tree(os.getpid())
+        assert tree[0] == os.getpid() and child.pid in tree
+    finally:
+        child.kill()
+        child.wait()
+
+
+def test_each_visit_counts_the_worker_its_client_reached(attribution: ModuleType) -> None:
+    """Two visits to a server of two workers, each client reaching another one: both visits'
+    work is the main thread's, none of it another process's."""
+    first = attribution.parse_samples(_line("mha", 201, "7f00", "f", PYTHON))
+    second = attribution.parse_samples(_line("mha", 202, "7f00", "f", PYTHON))
+    threads = {201: {201}, 202: {202}}
+    rows = attribution.classify(first, [200, 201, 202], threads.__getitem__)
+    rows += attribution.classify(second, [200, 201, 202], threads.__getitem__)
+    assert rows == {"Python interpreter": 2}
