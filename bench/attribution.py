@@ -126,7 +126,9 @@ def threads_of(pid: int) -> set[int]:
 
 def serving_process(counts: collections.Counter[tuple[int, str]], pids: Sequence[int]) -> int:
     """The process whose main thread did the most: the worker the lone client's connection reached."""
-    main = collections.Counter({tid: n for (tid, _), n in counts.items() if tid in pids})
+    main: collections.Counter[int] = collections.Counter()
+    for (tid, _), n in counts.items():
+        main[tid] += n  # every library group of the thread
     return max(pids, key=lambda pid: main[pid])
 
 

@@ -71,6 +71,13 @@ def test_the_serving_process_is_the_one_whose_main_thread_worked(attribution: Mo
     """A server of several workers: the supervisor (17000) and the idle worker (17086) did less."""
     counts = attribution.parse_samples(PERF_SCRIPT)
     assert attribution.serving_process(counts, [17000, 17074, 17086]) == 17074
+    # its samples summed over every library: 3 in ORT and 1 in Python beat the other worker's 2 in Python
+    worker = "\n".join(
+        [_line("mha", 301, "7f00", "f", ORT)] * 3
+        + [_line("mha", 301, "7f00", "f", PYTHON)]
+        + [_line("mha", 302, "7f00", "f", PYTHON)] * 2
+    )
+    assert attribution.serving_process(attribution.parse_samples(worker), [300, 302, 301]) == 301
 
 
 def test_the_process_tree_holds_this_process_and_its_children(attribution: ModuleType) -> None:
