@@ -29,6 +29,7 @@ PRECISION_CHOICES = ("fp32", "fp16", "bf16")
 MODEL_CONTROL_MODES = ("none", "poll", "explicit")
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 OFF = "off"  # a port that is not opened
+GRPC_S: dict[str, Any] = {"unit": "s", "low": 0, "high": (2**31 - 1) / 1000}  # gRPC takes C ints of ms
 
 
 def setting(
@@ -138,6 +139,8 @@ class Settings:
         1024.0, "attention memory (B x heads x T x T x 4 bytes) per request and per batch", "MiB", low=1
     )
     max_message_mb: int = setting(64, "gRPC message size, each way, before RESOURCE_EXHAUSTED", "MiB", low=1)
+    grpc_max_connection_age_s: float = setting(0.0, "GOAWAY to a gRPC connection this old; 0: never", **GRPC_S)
+    grpc_max_connection_age_grace_s: float = setting(0.0, "calls may last this long after GOAWAY; 0: no cap", **GRPC_S)
     grace_s: float = setting(20.0, "time in-flight requests get to finish on SIGTERM", "s", low=0)
     fallback_failures: int = setting(3, "consecutive failures that quarantine a backend", low=1)
     fallback_cooldown_s: float = setting(30.0, "time a quarantined backend waits before its probe", "s", low=0)

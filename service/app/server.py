@@ -146,6 +146,7 @@ async def start(
         settings, metrics, source, schedule, clock, _tracing(settings), compute_hook, others_ready, gone, tell
     )
     token, credentials = _token(settings), _credentials(settings)  # read before a worker's long load
+    options = grpc_options(settings)  # ... and checked
     if settings.reuse_port and not settings.worker_bind_first:
         try:
             await load(engine, settings)
@@ -160,7 +161,7 @@ async def start(
     regions = Regions("system" in kinds, settings.max_shared_memory_regions, cuda="cuda" in kinds)
     local = Answers(door, regions)
     answers: Answering = local if peers is None else WorkerAnswers(local, peers)  # workers at the edge
-    server = _grpc_server(settings, InferenceServicer(door, answers, calls), calls, token, health_servicer)
+    server = _grpc_server(options, InferenceServicer(door, answers, calls), calls, token, health_servicer)
     port = _bind(server, settings.host, settings.grpc_port, credentials, "--grpc-port", settings.reuse_port)
     running = Running(server, engine, health_servicer, grpc_port=port, metrics_port=0, regions=regions, peers=peers)
     if peers is not None:  # where the other workers hand over the steps of this worker's sequences
@@ -228,7 +229,7 @@ def _token(settings: Settings) -> str | None:
 
 
 def _grpc_server(
-    settings: Settings,
+    options: list[tuple[str, int]],
     servicer: InferenceServicer,
     calls: Calls,
     token: str | None,
@@ -236,15 +237,31 @@ def _grpc_server(
 ) -> grpc.aio.Server:
     """The server with every service on it: inference (through one call scope), health, reflection."""
     interceptors = [BearerTokenInterceptor(BearerToken(token), calls.refuse)] if token is not None else []
-    limit = settings.max_message_mb * 1024 * 1024
-    options = [("grpc.max_receive_message_length", limit), ("grpc.max_send_message_length", limit)]
-    reuse = ("grpc.so_reuseport", 1 if settings.reuse_port else 0)  # shared only among --workers
-    server = grpc.aio.server(interceptors=interceptors, options=[*options, reuse])
+    server = grpc.aio.server(interceptors=interceptors, options=options)
     server.add_generic_rpc_handlers((generic_handler(servicer, calls),))
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     health_name = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
     reflection.enable_server_reflection((INFERENCE_SERVICE, health_name, reflection.SERVICE_NAME), server)
     return server
+
+
+def grpc_options(settings: Settings) -> list[tuple[str, int]]:
+    """The gRPC server's channel arguments: message sizes, the shared port, connection ages."""
+    limit = settings.max_message_mb * 1024 * 1024
+    options = [("grpc.max_receive_message_length", limit), ("grpc.max_send_message_length", limit)]
+    options.append(("grpc.so_reuseport", 1 if settings.reuse_port else 0))  # shared only among --workers
+    age, grace = settings.grpc_max_connection_age_s, settings.grpc_max_connection_age_grace_s
+    if grace > 0 and age == 0:
+        raise StartupError("--grpc-max-connection-age-grace-s is a grace after --grpc-max-connection-age-s: give both")
+    if age > 0:  # gRPC's default: a connection lives as long as its client keeps it
+        options.append(("grpc.max_connection_age_ms", _milliseconds(age)))
+    if grace > 0:  # gRPC's default: no limit
+        options.append(("grpc.max_connection_age_grace_ms", _milliseconds(grace)))
+    return options
+
+
+def _milliseconds(seconds: float) -> int:
+    return max(1, round(seconds * 1000))
 
 
 async def _start_metrics(running: Running, settings: Settings, metrics: Metrics) -> None:

@@ -13,6 +13,11 @@ FALSE, TRUE = ("false", "0", "no", "off"), ("true", "1", "yes", "on")
 Translation = tuple[list[str], list[str]]  # (global flags, serve flags) that take its place
 
 RENAMED = {"--model-store": "--model-repository", "--exit-timeout-secs": "--grace-s"}
+MILLISECONDS = {  # Triton's flag in milliseconds -> ours in seconds
+    "--grpc-max-connection-age": "--grpc-max-connection-age-s",
+    "--grpc-max-connection-age-grace": "--grpc-max-connection-age-grace-s",
+}
+KEEPALIVE = "there is no keepalive setting here: gRPC's server defaults apply; drop it"
 # Triton's flag -> (what its `false` means here, or the refusal when it has no meaning here)
 SWITCHED: dict[str, tuple[list[str] | None, str]] = {
     "--allow-http": (["--http-port", "off"], ""),
@@ -44,6 +49,12 @@ REFUSED = {
     "--metrics-interval-ms": "metrics are read at each scrape; drop it",
     "--rate-limit": "use --max-queue-size and --max-inflight-mb",
     "--model-load-thread-count": "versions load one at a time, beside the one serving; drop it",
+    "--grpc-keepalive-time": KEEPALIVE,
+    "--grpc-keepalive-timeout": KEEPALIVE,
+    "--grpc-keepalive-permit-without-calls": KEEPALIVE,
+    "--grpc-http2-max-pings-without-data": KEEPALIVE,
+    "--grpc-http2-min-recv-ping-interval-without-data": KEEPALIVE,
+    "--grpc-http2-max-ping-strikes": KEEPALIVE,
 }
 LOG_LEVELS = {"--log-info": "INFO", "--log-warning": "WARNING", "--log-error": "ERROR"}
 
@@ -52,6 +63,10 @@ def _one(flag: str, value: str, refuse: Callable[[str], NoReturn]) -> Translatio
     """What Triton's `flag value` becomes here: ([global flags], [serve flags])."""
     if flag in RENAMED:
         return [], [RENAMED[flag], value]
+    if flag in MILLISECONDS:
+        if not value.strip().isascii() or not value.strip().isdigit():
+            refuse(f"{flag} {value[:32]!r}: expected whole milliseconds (Triton's flag)")
+        return [], [MILLISECONDS[flag], str(int(value) / 1000)]
     if flag in REFUSED:
         refuse(f"{flag} is Triton's: {REFUSED[flag]}")
     if flag == "--log-verbose":
@@ -72,7 +87,8 @@ def _one(flag: str, value: str, refuse: Callable[[str], NoReturn]) -> Translatio
 
 def triton_flag(arg: str) -> str | None:
     name = arg.split("=", 1)[0]
-    known = name in RENAMED or name in REFUSED or name in SWITCHED or name in LOG_LEVELS or name == "--log-verbose"
+    known = name in RENAMED or name in MILLISECONDS or name in REFUSED or name in SWITCHED or name in LOG_LEVELS
+    known = known or name == "--log-verbose"
     return name if known else None
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import queue
 import re
 import signal
 import threading
@@ -141,6 +142,35 @@ def test_workers_share_the_health_port_and_the_ports_picked_for_them(small_model
 def _ready_workers(server: ServerProcess) -> int:
     samples = _samples(server.metrics_port)
     return sum(samples.get(("mha_ready", (("worker", str(i)),)), 0.0) == 1.0 for i in range(2))
+
+
+def test_one_channel_reaches_every_worker_as_its_connection_ages(small_model_dir: Path, tmp_path: Path) -> None:
+    """--grpc-max-connection-age-s: the server asks an aged connection to go, its client reconnects,
+    and the kernel gives the new connection to either worker, so the requests of one channel reach
+    both over time (without it they stay on one for as long as the channel lives). A stream open
+    across the ages goes on (no grace limit by default), and no call fails."""
+    args = ["--model-dir", str(small_model_dir), "--backend", "torch", "--workers", "2"]
+    server = ServerProcess([*args, "--grpc-max-connection-age-s", "0.3"])
+    server.start(tmp_path / "server.log")
+    try:
+        started = {int(i): int(port) for i, _, port in STARTED.findall(server.log())}
+        _until(lambda: _ready_workers(server) == 2)
+        x = np.ones((1, 3, 32), np.float32)
+        requests: queue.Queue[pb.ModelInferRequest | None] = queue.Queue()
+        with MHAClient(server.url) as client:  # one channel, one connection at a time
+            stream = client.stub.ModelStreamInfer(iter(requests.get, None), timeout=120)
+            requests.put(encode_infer_request(x, request_id="before"))
+            assert next(stream).infer_response.id == "before"
+            deadline = time.monotonic() + 60
+            while min(_ok(_samples(port)) for port in started.values()) == 0:
+                assert time.monotonic() < deadline, "one channel's requests stayed on one worker"
+                for _ in range(10):
+                    client.infer(x, timeout=30)  # raises if any call fails
+            requests.put(encode_infer_request(x, request_id="after"))
+            assert next(stream).infer_response.id == "after"  # on the connection that was asked to go
+            requests.put(None)
+    finally:
+        server.stop()
 
 
 def _grpc_step(url: str, sequence_id: str, x: np.ndarray, offset: int, entry: str = "mha") -> tuple[np.ndarray, dict]:

@@ -102,6 +102,14 @@ CASES = {  # name: (arguments given the fixtures, environment, exit code, what t
         2,
         "--grpc-port must be <= 65535",
     ),
+    "connection-grace-without-age": (  # gRPC would apply no grace without an age: refused, not ignored
+        lambda f: _serve(
+            f["model"], "--grpc-port", "0", "--metrics-port", "off", "--grpc-max-connection-age-grace-s", "5"
+        ),
+        {},
+        2,
+        "--grpc-max-connection-age-grace-s is a grace after --grpc-max-connection-age-s: give both",
+    ),
     "padding-ratio-out-of-range": (lambda f: _serve(f["model"], "--max-padding-ratio", "2"), {}, 2, "must be <= 1"),
     "threads-negative": (lambda f: _serve(f["model"], "--threads", "-1"), {}, 2, "--threads must be >= 0"),
     "model-dir-missing": (lambda f: _serve(f["tmp"] / "none"), {}, 2, "no such directory; export one with"),
@@ -356,7 +364,15 @@ def test_misuse_gets_one_clear_line(
 
 
 @pytest.mark.parametrize(
-    "case", ["grpc-port-taken", "metrics-port-taken", "model-dir-corrupt", "tls-cert-missing", "trace-sampler-unknown"]
+    "case",
+    [
+        "grpc-port-taken",
+        "metrics-port-taken",
+        "model-dir-corrupt",
+        "tls-cert-missing",
+        "trace-sampler-unknown",
+        "connection-grace-without-age",
+    ],
 )
 def test_with_workers_a_failed_start_is_still_one_line(
     case: str, small_model_dir: Path, taken_port: int, tmp_path: Path

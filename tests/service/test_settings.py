@@ -61,6 +61,7 @@ def test_every_flagged_setting_has_a_flag_an_env_variable_and_a_documented_defau
         (["--model-name", ""], "--model-name '': expected a name without '/'"),  # before: served, unaddressable
         (["--model-name", "a/b"], "--model-name 'a/b': expected a name without '/'"),  # HTTP routes split it
         (["--sequence-model-name", "mha"], "--sequence-model-name 'mha' is the --model-name too"),  # 2 entries
+        (["--grpc-max-connection-age-s", "3000000"], "--grpc-max-connection-age-s must be <= 2.14748e\\+06"),
     ],
 )
 def test_out_of_bounds_and_bad_combinations_are_refused(argv: list[str], message: str) -> None:

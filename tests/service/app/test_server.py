@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import queue
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -311,3 +312,18 @@ def test_a_drain_answers_what_is_in_flight_and_refuses_what_comes_after(small_mo
         y = answers[i]
         assert isinstance(y, np.ndarray), y
         assert relative_error(torch.from_numpy(y.copy()), attention_view(torch.from_numpy(x), weights, config)) < 1e-5
+
+
+def test_a_stream_is_closed_once_its_connection_is_past_its_age_and_grace(small_model_dir: Path) -> None:
+    """--grpc-max-connection-age-grace-s bounds how long calls may go on once their connection is
+    asked to go: a stream left open is then ended UNAVAILABLE, which a client retries elsewhere."""
+    settings = make_settings(small_model_dir, grpc_max_connection_age_s=0.3, grpc_max_connection_age_grace_s=0.3)
+    requests: queue.Queue[pb.ModelInferRequest | None] = queue.Queue()
+    with ServerThread(settings) as server, MHAClient(server.url) as client:
+        stream = client.stub.ModelStreamInfer(iter(requests.get, None), timeout=20)
+        requests.put(encode_infer_request(np.ones((1, 2, 32), np.float32), request_id="first"))
+        assert next(stream).infer_response.id == "first"
+        with pytest.raises(grpc.RpcError) as ended:  # no more requests: the stream waits, open, until closed
+            next(stream)
+        assert ended.value.code() == grpc.StatusCode.UNAVAILABLE, ended.value
+        requests.put(None)

@@ -75,3 +75,20 @@ def test_triton_values_we_cannot_honour_are_refused(argv: list[str], says: str) 
 def test_other_commands_and_our_flags_pass_untouched() -> None:
     assert translated(["export", "--out", "m", "--id", "x"], _refuse) == ["export", "--out", "m", "--id", "x"]
     assert translated(["serve", "--grace-s", "3"], _refuse) == ["serve", "--grace-s", "3"]
+
+
+def test_connection_ages_in_milliseconds_become_ours_in_seconds() -> None:
+    argv = ["serve", "--grpc-max-connection-age=300000", "--grpc-max-connection-age-grace", "123456789"]
+    translation = translated(argv, _refuse)
+    assert translation == [
+        "serve",
+        "--grpc-max-connection-age-s",
+        "300.0",
+        "--grpc-max-connection-age-grace-s",
+        "123456.789",
+    ]
+    settings = settings_from_namespace(build_parser({}).parse_args(translation), "INFO")
+    assert (settings.grpc_max_connection_age_s, settings.grpc_max_connection_age_grace_s) == (300.0, 123456.789)
+    for value in ("1.5", "-3", "5m", "\u0661"):  # Triton's flag takes whole milliseconds, ASCII digits
+        with pytest.raises(Refused, match="expected whole milliseconds"):
+            translated(["serve", f"--grpc-max-connection-age={value}"], _refuse)
