@@ -391,7 +391,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     """Closed-loop load at each concurrency in turn: a table on the terminal, JSON/CSV on request."""
     from dataclasses import replace
 
-    from service.client.loadgen import run_load, server_cpu_seconds
+    from service.client.loadgen import CONNECTIONS, run_load, server_cpu_seconds
 
     levels, seqs = _int_list(args.concurrency, "--concurrency"), _int_list(args.seq_lens, "--seq-lens")
     _positive(args.seconds, "--seconds")
@@ -411,12 +411,23 @@ def cmd_bench(args: argparse.Namespace) -> int:
             metrics_url,
         )
         metrics_url = None
+    modes = CONNECTIONS if args.connections == "both" else (args.connections,)
+    runs = [(clients, mode) for clients in levels for mode in modes]
     results = []
-    for n, clients in enumerate(levels, 1):
-        progress = _progress_bar(f"[{n}/{len(levels)}] {clients:>4} clients", args.seconds)
+    for n, (clients, mode) in enumerate(runs, 1):
+        progress = _progress_bar(f"[{n}/{len(runs)}] {clients:>4} clients, {mode:<11}", args.seconds)
         cpu_before = server_cpu_seconds(metrics_url) if metrics_url else None
+        own = mode == "per-client"
         result = run_load(
-            args.url, clients, args.seconds, seqs, batch=args.batch, d_model=d_model, progress=progress, **security
+            args.url,
+            clients,
+            args.seconds,
+            seqs,
+            batch=args.batch,
+            d_model=d_model,
+            progress=progress,
+            own_connection=own,
+            **security,
         )
         progress(args.seconds, result.requests, done=True)
         cpu_after = server_cpu_seconds(metrics_url) if metrics_url else None
@@ -490,7 +501,7 @@ def _write_results(results: list[Any], args: argparse.Namespace) -> None:
     import csv
     import json
 
-    columns = ["concurrency", "requests", "throughput_rps", "p50_ms", "p90_ms", "p95_ms", "p99_ms"]
+    columns = ["concurrency", "connections", "requests", "throughput_rps", "p50_ms", "p90_ms", "p95_ms", "p99_ms"]
     columns.append("server_cpu_ms_per_request")
     lines = [" ".join(f"{TABLE_HEADINGS[c]:>14}" for c in columns)]
     for r in results:
@@ -520,6 +531,7 @@ def _cell(value: object) -> str:
 
 TABLE_HEADINGS = {
     "concurrency": "clients",
+    "connections": "connections",
     "requests": "requests",
     "throughput_rps": "req/s",
     "p50_ms": "p50 ms",
@@ -634,6 +646,13 @@ def build_parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
     p = sub.add_parser("bench", help="closed-loop load on a running server: req/s, latency percentiles, CPU")
     p.add_argument("--url", default="127.0.0.1:8001", help=GRPC_URL_HELP)
     p.add_argument("--concurrency", default="1,8,32", help="clients per level, comma-separated (default 1,8,32)")
+    p.add_argument(
+        "--connections",
+        choices=("both", "one-channel", "per-client"),
+        default="both",
+        help="one-channel: the clients share one gRPC channel, as the threads of most applications do; per-client: "
+        "a connection each, as separate processes; both (default): each level both ways, side by side",
+    )
     p.add_argument("--seconds", type=float, default=10.0, help="duration of each level (default 10)")
     p.add_argument("--batch", type=int, default=1, help="B per request (default 1)")
     p.add_argument("--seq-lens", default="64", help="T values drawn at random, comma-separated (default 64)")

@@ -28,12 +28,11 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from service.app.launch import ServerProcess
-from service.client.loadgen import LoadResult, run_load
+from service.client.loadgen import CONNECTIONS, LoadResult, run_load
 
 log = logging.getLogger(__name__)
 
 Shape = tuple[int, int, int]
-MODES = ("one channel", "connection per client")
 ENV_NAMES = {
     "backend": "MHA_BACKEND",
     "workers": "MHA_WORKERS",
@@ -224,7 +223,7 @@ class Tuner:
 
     def cost_s(self) -> float:
         """What measuring one more candidate is expected to take."""
-        return self.start_s + len(self.request.concurrency) * len(MODES) * (self.request.seconds + 0.5)
+        return self.start_s + len(self.request.concurrency) * len(CONNECTIONS) * (self.request.seconds + 0.5)
 
     def server(self, candidate: Candidate, port: int | None = None) -> ServerProcess:
         args = ["--model-dir", str(self.request.model_dir), *candidate.args()]
@@ -247,8 +246,8 @@ class Tuner:
         points, r = [], self.request
         for clients in concurrency or r.concurrency:
             runs = []
-            for mode in MODES:
-                result = run_load(url, clients, r.seconds, [], shapes=r.shapes, own_connection=mode != MODES[0])
+            for mode in CONNECTIONS:
+                result = run_load(url, clients, r.seconds, [], shapes=r.shapes, own_connection=mode == "per-client")
                 if result.stopped or not result.requests:
                     raise TuneError(f"the requests failed: {result.stopped or result.errors}", 1)
                 runs.append(result)
@@ -422,12 +421,12 @@ def check_request(request: Request, config: Any) -> None:
     finite = all(0 < value < math.inf for value in (request.seconds, request.budget_s))  # nan and inf parse
     if min(request.concurrency) < 1 or not finite or request.rounds < 3:
         raise TuneError("--concurrency, --seconds and --budget-s must be positive and finite, and --rounds at least 3")
-    points = len(request.concurrency) * len(MODES)
+    points = len(request.concurrency) * len(CONNECTIONS)
     least_s = points * request.seconds  # the defaults' load alone, no start counted
     if request.budget_s < least_s:
         raise TuneError(
             f"--budget-s {request.budget_s:g}: measuring even the defaults takes at least {least_s:g} s "
-            f"({len(request.concurrency)} concurrency points x {len(MODES)} connection modes x --seconds "
+            f"({len(request.concurrency)} concurrency points x {len(CONNECTIONS)} connection modes x --seconds "
             f"{request.seconds:g}), and the search and its confirmation more: give a larger --budget-s, or fewer "
             "--concurrency points or --seconds"
         )
@@ -459,7 +458,7 @@ def tune(request: Request, progress: Progress | None = None) -> int:
     check_request(request, config)
     began = time.monotonic()
     tuner = Tuner(request, progress or progress_line())
-    points_per_round = 2 * len(MODES) * (request.seconds + 0.5)
+    points_per_round = 2 * len(CONNECTIONS) * (request.seconds + 0.5)
 
     def deadline() -> float:  # the confirmation's time kept aside
         return began + request.budget_s - 2 * tuner.start_s - request.rounds * points_per_round

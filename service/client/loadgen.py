@@ -25,6 +25,9 @@ STOP_ON = {
 }
 
 
+CONNECTIONS = ("one-channel", "per-client")  # every client on one shared channel, or a connection each
+
+
 @dataclass(frozen=True)
 class LoadResult:
     concurrency: int
@@ -38,6 +41,7 @@ class LoadResult:
     p99_ms: float
     stopped: str = ""  # why the run stopped early: the server's own message
     server_cpu_ms_per_request: float | None = None  # from the server's process_cpu_seconds_total
+    connections: str = "per-client"  # one of CONNECTIONS
 
     def to_dict(self) -> dict[str, object]:
         return asdict(self)
@@ -139,6 +143,7 @@ def run_load(
         p95_ms=_percentile(latencies, 0.95),
         p99_ms=_percentile(latencies, 0.99),
         stopped=stopped[0] if stopped else "",
+        connections=CONNECTIONS[bool(client_kwargs["own_connection"])],
     )
 
 

@@ -7,6 +7,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -16,7 +17,7 @@ import torch
 from model.checkpoint import load_checkpoint
 from model.reference import attention_view, relative_error
 from service.cli import main as mha
-from service.client.loadgen import VARIANTS, input_pool
+from service.client.loadgen import CONNECTIONS, VARIANTS, input_pool
 from tests.support import ServerThread, make_settings
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -87,18 +88,41 @@ def test_bench_sweeps_concurrency_and_writes_json_and_csv(
         args += ["--plot", str(tmp_path / "r.png")]
         assert mha(args) == 0
     table = capsys.readouterr().out.splitlines()
-    assert table[0].split()[:3] == ["clients", "requests", "req/s"] and "p50 ms" in table[0] and len(table) == 4
-    assert "server CPU ms/req" in table[0]  # every column with its unit
-    assert table[3] == f"wrote {tmp_path / 'r.json'}, {tmp_path / 'r.csv'}, {tmp_path / 'r.png'}"
+    assert table[0].split()[:4] == ["clients", "connections", "requests", "req/s"] and "p50 ms" in table[0]
+    assert "server CPU ms/req" in table[0] and len(table) == 6  # every column with its unit; 4 runs
+    assert [row.split()[:2] for row in table[1:5]] == [[str(n), mode] for n in (1, 2) for mode in CONNECTIONS]
+    assert table[5] == f"wrote {tmp_path / 'r.json'}, {tmp_path / 'r.csv'}, {tmp_path / 'r.png'}"
     results = json.loads((tmp_path / "r.json").read_text())
-    assert [r["concurrency"] for r in results] == [1, 2]
+    assert [(r["concurrency"], r["connections"]) for r in results] == [(n, m) for n in (1, 2) for m in CONNECTIONS]
     for r in results:
         assert r["requests"] > 0 and r["errors"] == {} and not r["stopped"]
         assert r["p99_ms"] >= r["p95_ms"] >= r["p90_ms"] >= r["p50_ms"] > 0
         assert r["server_cpu_ms_per_request"] > 0
-    assert (tmp_path / "r.csv").read_text().splitlines()[0].startswith("concurrency,requests,throughput_rps")
+    assert (tmp_path / "r.csv").read_text().splitlines()[0].startswith("concurrency,connections,requests")
     png = (tmp_path / "r.png").read_bytes()
     assert png.startswith(b"\x89PNG\r\n\x1a\n") and len(png) > 10_000, "a real plot, not an empty image"
+
+
+def _connections_to(port: int) -> int:
+    """Established TCP connections to `port` from this machine's clients (/proc/net/tcp and tcp6:
+    gRPC may open either)."""
+    rows = [line.split() for name in ("tcp", "tcp6") for line in Path(f"/proc/net/{name}").read_text().splitlines()[1:]]
+    return sum(1 for row in rows if row[2].endswith(f":{port:04X}") and row[3] == "01")  # remote port, ESTABLISHED
+
+
+@pytest.mark.parametrize(("connections", "expected"), [("one-channel", 1), ("per-client", 4)])
+def test_bench_connects_its_clients_as_asked(server: ServerThread, connections: str, expected: int) -> None:
+    """One channel is one connection however many clients share it; per-client, one each."""
+    port = int(server.url.rsplit(":", 1)[1])
+    args = ["bench", "--url", server.url, "--concurrency", "4", "--seconds", "2", "--metrics-url", "off"]
+    with ThreadPoolExecutor(1) as pool:
+        run = pool.submit(mha, [*args, "--connections", connections])
+        seen = 0
+        while not run.done():
+            seen = max(seen, _connections_to(port))
+            time.sleep(0.05)
+        assert run.result() == 0
+    assert seen == expected
 
 
 def test_load_inputs_are_drawn_once_for_every_sequence_length() -> None:
