@@ -141,6 +141,8 @@ class Settings:
     max_message_mb: int = setting(64, "gRPC message size, each way, before RESOURCE_EXHAUSTED", "MiB", low=1)
     grpc_max_connection_age_s: float = setting(0.0, "GOAWAY to a gRPC connection this old; 0: never", **GRPC_S)
     grpc_max_connection_age_grace_s: float = setting(0.0, "calls may last this long after GOAWAY; 0: no cap", **GRPC_S)
+    grpc_client_ping_interval_s: float = setting(0.0, "least gap between a client's pings; 0: 5 min", **GRPC_S)
+    grpc_client_pings_without_calls: bool = setting(False, "take clients' pings while no call is in flight")
     grace_s: float = setting(20.0, "time in-flight requests get to finish on SIGTERM", "s", low=0)
     fallback_failures: int = setting(3, "consecutive failures that quarantine a backend", low=1)
     fallback_cooldown_s: float = setting(30.0, "time a quarantined backend waits before its probe", "s", low=0)
@@ -193,9 +195,7 @@ class Settings:
 
     @property
     def cpu_threads(self) -> int:
-        if self.threads > 0:
-            return self.threads
-        return self.cpus
+        return self.threads if self.threads > 0 else self.cpus
 
 
 def schedule_policy(s: Settings) -> SchedulePolicy:

@@ -257,6 +257,10 @@ def grpc_options(settings: Settings) -> list[tuple[str, int]]:
         options.append(("grpc.max_connection_age_ms", _milliseconds(age)))
     if grace > 0:  # gRPC's default: no limit
         options.append(("grpc.max_connection_age_grace_ms", _milliseconds(grace)))
+    if (ping := settings.grpc_client_ping_interval_s) > 0:  # gRPC's default: 5 min
+        options.append(("grpc.http2.min_ping_interval_without_data_ms", _milliseconds(ping)))
+    if settings.grpc_client_pings_without_calls:  # gRPC's default: 2 h apart while no call is in flight
+        options.append(("grpc.keepalive_permit_without_calls", 1))
     return options
 
 

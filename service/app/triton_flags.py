@@ -16,8 +16,10 @@ RENAMED = {"--model-store": "--model-repository", "--exit-timeout-secs": "--grac
 MILLISECONDS = {  # Triton's flag in milliseconds -> ours in seconds
     "--grpc-max-connection-age": "--grpc-max-connection-age-s",
     "--grpc-max-connection-age-grace": "--grpc-max-connection-age-grace-s",
+    "--grpc-http2-min-recv-ping-interval-without-data": "--grpc-client-ping-interval-s",
 }
-KEEPALIVE = "there is no keepalive setting here: gRPC's server defaults apply; drop it"
+BOOLEAN = {"--grpc-keepalive-permit-without-calls": "--grpc-client-pings-without-calls"}  # Triton's -> ours
+KEEPALIVE = "use --grpc-client-ping-interval-s and --grpc-client-pings-without-calls; the rest is gRPC's default"
 # Triton's flag -> (what its `false` means here, or the refusal when it has no meaning here)
 SWITCHED: dict[str, tuple[list[str] | None, str]] = {
     "--allow-http": (["--http-port", "off"], ""),
@@ -51,9 +53,7 @@ REFUSED = {
     "--model-load-thread-count": "versions load one at a time, beside the one serving; drop it",
     "--grpc-keepalive-time": KEEPALIVE,
     "--grpc-keepalive-timeout": KEEPALIVE,
-    "--grpc-keepalive-permit-without-calls": KEEPALIVE,
     "--grpc-http2-max-pings-without-data": KEEPALIVE,
-    "--grpc-http2-min-recv-ping-interval-without-data": KEEPALIVE,
     "--grpc-http2-max-ping-strikes": KEEPALIVE,
 }
 LOG_LEVELS = {"--log-info": "INFO", "--log-warning": "WARNING", "--log-error": "ERROR"}
@@ -69,6 +69,8 @@ def _one(flag: str, value: str, refuse: Callable[[str], NoReturn]) -> Translatio
         return [], [MILLISECONDS[flag], str(int(value) / 1000)]
     if flag in REFUSED:
         refuse(f"{flag} is Triton's: {REFUSED[flag]}")
+    if flag in BOOLEAN and value.lower() in FALSE + TRUE:
+        return [], [BOOLEAN[flag], "true" if value.lower() in TRUE else "false"]
     if flag == "--log-verbose":
         return (["--log-level", "DEBUG"] if value.strip() not in ("", "0") else []), []
     if flag in LOG_LEVELS:
@@ -88,7 +90,7 @@ def _one(flag: str, value: str, refuse: Callable[[str], NoReturn]) -> Translatio
 def triton_flag(arg: str) -> str | None:
     name = arg.split("=", 1)[0]
     known = name in RENAMED or name in MILLISECONDS or name in REFUSED or name in SWITCHED or name in LOG_LEVELS
-    known = known or name == "--log-verbose"
+    known = known or name in BOOLEAN or name == "--log-verbose"
     return name if known else None
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import queue
+import threading
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -327,3 +328,31 @@ def test_a_stream_is_closed_once_its_connection_is_past_its_age_and_grace(small_
             next(stream)
         assert ended.value.code() == grpc.StatusCode.UNAVAILABLE, ended.value
         requests.put(None)
+
+
+def _dropped_while_idle_pinging(server: ServerThread, within_s: float) -> bool:
+    """A client that pings every 0.1 s with no call in flight: whether the server dropped its
+    connection (GOAWAY too_many_pings, as gRPC's default server does) within `within_s`."""
+    options = [
+        ("grpc.keepalive_time_ms", 100),
+        ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.http2.max_pings_without_data", 0),
+    ]
+    left_ready = threading.Event()
+    with grpc.insecure_channel(server.url, options=options) as channel:
+        health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=10)  # connected
+        channel.subscribe(lambda state: state is not grpc.ChannelConnectivity.READY and left_ready.set())
+        dropped = left_ready.wait(within_s)
+        health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=10)  # served either way
+    return dropped
+
+
+def test_clients_keepalive_pings_are_taken_as_the_settings_allow(small_model_dir: Path) -> None:
+    """--grpc-client-ping-interval-s and --grpc-client-pings-without-calls: a client that pings an
+    idle connection often (to keep a NAT's or a balancer's idle timeout from closing it) is cut off
+    by gRPC's defaults, and keeps its connection where the settings allow its pings."""
+    with ServerThread(make_settings(small_model_dir)) as server:
+        assert _dropped_while_idle_pinging(server, 30.0)  # about 3 s here
+    allowed = make_settings(small_model_dir, grpc_client_ping_interval_s=0.05, grpc_client_pings_without_calls=True)
+    with ServerThread(allowed) as server:
+        assert not _dropped_while_idle_pinging(server, 6.0)

@@ -92,3 +92,17 @@ def test_connection_ages_in_milliseconds_become_ours_in_seconds() -> None:
     for value in ("1.5", "-3", "5m", "\u0661"):  # Triton's flag takes whole milliseconds, ASCII digits
         with pytest.raises(Refused, match="expected whole milliseconds"):
             translated(["serve", f"--grpc-max-connection-age={value}"], _refuse)
+
+
+def test_the_pings_triton_lets_clients_send_are_ours_to_allow_too() -> None:
+    argv = ["serve", "--grpc-http2-min-recv-ping-interval-without-data=10000"]
+    translation = translated([*argv, "--grpc-keepalive-permit-without-calls=1"], _refuse)
+    assert translation[1:] == ["--grpc-client-ping-interval-s", "10.0", "--grpc-client-pings-without-calls", "true"]
+    settings = settings_from_namespace(build_parser({}).parse_args(translation), "INFO")
+    assert (settings.grpc_client_ping_interval_s, settings.grpc_client_pings_without_calls) == (10.0, True)
+    assert translated(["serve", "--grpc-keepalive-permit-without-calls", "false"], _refuse)[1:] == [
+        "--grpc-client-pings-without-calls",
+        "false",
+    ]
+    with pytest.raises(Refused, match="expected true or false"):
+        translated(["serve", "--grpc-keepalive-permit-without-calls=maybe"], _refuse)
