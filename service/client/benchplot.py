@@ -9,6 +9,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from service.client.loadgen import CONNECTIONS
+
 
 def plot_sweep(results: Sequence[Any], path: Path, title: str) -> None:
     """Two panels over concurrency: p50/p90/p99 in ms (log scale), and req/s; a line each for
@@ -20,7 +22,7 @@ def plot_sweep(results: Sequence[Any], path: Path, title: str) -> None:
 
     clients = sorted({r.concurrency for r in results})
     fig, (latency, throughput) = plt.subplots(1, 2, figsize=(10, 4), constrained_layout=True)
-    for mode, color in (("one-channel", "tab:blue"), ("per-client", "tab:green")):
+    for mode, color in zip(CONNECTIONS, ("tab:blue", "tab:green"), strict=True):
         runs = [r for r in results if r.connections == mode]
         if not runs:
             continue

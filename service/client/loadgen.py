@@ -143,7 +143,7 @@ def run_load(
         p95_ms=_percentile(latencies, 0.95),
         p99_ms=_percentile(latencies, 0.99),
         stopped=stopped[0] if stopped else "",
-        connections=CONNECTIONS[bool(client_kwargs["own_connection"])],
+        connections="per-client" if client_kwargs["own_connection"] else "one-channel",
     )
 
 
