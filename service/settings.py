@@ -47,7 +47,47 @@ def setting(
 
 
 @dataclass(frozen=True)
-class Settings:
+class NetworkSettings:
+    """How the server meets its clients: addresses and ports, TLS and tokens, the gRPC and HTTP
+    transports. Settings holds these too; they are apart to keep each class short."""
+
+    host: str = setting("0.0.0.0", "address to bind")
+    grpc_port: int = setting(8001, "gRPC port; 0 picks a free one", low=0, high=65535)
+    http_port: int | None = setting(8000, "HTTP/REST port (KServe v2); 0 picks one; off: none", low=0, high=65535)
+    metrics_port: int | None = setting(8002, "Prometheus /metrics port; 0 picks one; off: none", low=0, high=65535)
+    metrics_host: str | None = setting(None, "address the /metrics port binds; unset: the same as --host")
+    health_port: int | None = setting(
+        None, "plaintext port of the gRPC health service alone, for probes under mTLS; 0 picks one", low=0, high=65535
+    )
+    http_write_timeout_s: float = setting(
+        60.0, "how long an HTTP client may take to read its answer before its connection is closed", "s", low=0.001
+    )
+    stream_window: int = setting(
+        32, "requests a gRPC stream may have read and not had written back; past it, it is not read", "requests", low=1
+    )
+    max_message_mb: int = setting(64, "gRPC message size, each way, before RESOURCE_EXHAUSTED", "MiB", low=1)
+    grpc_max_connection_age_s: float = setting(0.0, "GOAWAY to a gRPC connection this old; 0: never", **GRPC_S)
+    grpc_max_connection_age_grace_s: float = setting(0.0, "calls may last this long after GOAWAY; 0: no cap", **GRPC_S)
+    grpc_client_ping_interval_s: float = setting(0.0, "least gap between a client's pings; 0: 5 min", **GRPC_S)
+    grpc_keepalive_time_s: float = setting(0.0, "ping a connection silent this long; 0: 2 h", **GRPC_S)
+    grpc_keepalive_timeout_s: float = setting(0.0, "close a connection not answering a ping by then; 0: 60 s", **GRPC_S)
+    grpc_pings_without_calls: bool = setting(False, "keepalive pings, clients' and ours, while no call is in flight")
+    tls_cert: Path | None = setting(None, "PEM server certificate; with --tls-key, serve TLS")
+    tls_key: Path | None = setting(None, "PEM private key of --tls-cert")
+    tls_client_ca: Path | None = setting(None, "PEM CA bundle; clients must present a certificate it signed (mTLS)")
+    auth_token_file: Path | None = setting(None, "file holding the bearer token clients must send")
+
+    def __post_init__(self) -> None:
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise ValueError("--tls-cert and --tls-key go together; give both or neither")
+        if self.tls_client_ca is not None and self.tls_cert is None:
+            raise ValueError("--tls-client-ca (mTLS) needs --tls-cert and --tls-key")
+        if self.grpc_max_connection_age_grace_s > 0 and self.grpc_max_connection_age_s == 0:
+            raise ValueError("--grpc-max-connection-age-grace-s is a grace after --grpc-max-connection-age-s: set both")
+
+
+@dataclass(frozen=True)
+class Settings(NetworkSettings):
     model_dir: Path | None = setting(None, "model directory from `mha export`; unset: the default model")
     default_model_dir: Path | None = setting(
         None,
@@ -70,18 +110,10 @@ class Settings:
     sequence_model_name: str = setting(
         "", "the model's entry for sequences (sequence batching: each request a step); empty: <model-name>_sequence"
     )
-    host: str = setting("0.0.0.0", "address to bind")
-    grpc_port: int = setting(8001, "gRPC port; 0 picks a free one", low=0, high=65535)
-    http_port: int | None = setting(8000, "HTTP/REST port (KServe v2); 0 picks one; off: none", low=0, high=65535)
-    metrics_port: int | None = setting(8002, "Prometheus /metrics port; 0 picks one; off: none", low=0, high=65535)
-    metrics_host: str | None = setting(None, "address the /metrics port binds; unset: the same as --host")
     otlp_endpoint: str | None = setting(
         None,
         "OTLP/HTTP collector for traces, e.g. http://otel-collector:4318; unset: the OTEL_EXPORTER_OTLP_* "
         "variables, or no tracing (docs/operations.md#tracing)",
-    )
-    health_port: int | None = setting(
-        None, "plaintext port of the gRPC health service alone, for probes under mTLS; 0 picks one", low=0, high=65535
     )
     backend: str = setting("auto", "backend; auto measures and falls back", choices=BACKEND_CHOICES)
     precision: str = setting(
@@ -116,14 +148,8 @@ class Settings:
         "MiB",
         low=0,
     )
-    http_write_timeout_s: float = setting(
-        60.0, "how long an HTTP client may take to read its answer before its connection is closed", "s", low=0.001
-    )
     require_sequence_offset: bool = setting(
         False, "refuse a step without sequence_offset (FAILED_PRECONDITION): on where several replicas serve"
-    )
-    stream_window: int = setting(
-        32, "requests a gRPC stream may have read and not had written back; past it, it is not read", "requests", low=1
     )
     max_padding_ratio: float = setting(0.25, "padded share of a batch's tokens when merging T", low=0, high=1)
     max_request_rows: int = setting(256, "largest B in one request", "rows", low=1)
@@ -138,19 +164,10 @@ class Settings:
     max_attention_mb: float = setting(
         1024.0, "attention memory (B x heads x T x T x 4 bytes) per request and per batch", "MiB", low=1
     )
-    max_message_mb: int = setting(64, "gRPC message size, each way, before RESOURCE_EXHAUSTED", "MiB", low=1)
-    grpc_max_connection_age_s: float = setting(0.0, "GOAWAY to a gRPC connection this old; 0: never", **GRPC_S)
-    grpc_max_connection_age_grace_s: float = setting(0.0, "calls may last this long after GOAWAY; 0: no cap", **GRPC_S)
-    grpc_client_ping_interval_s: float = setting(0.0, "least gap between a client's pings; 0: 5 min", **GRPC_S)
-    grpc_client_pings_without_calls: bool = setting(False, "take clients' pings while no call is in flight")
     grace_s: float = setting(20.0, "time in-flight requests get to finish on SIGTERM", "s", low=0)
     fallback_failures: int = setting(3, "consecutive failures that quarantine a backend", low=1)
     fallback_cooldown_s: float = setting(30.0, "time a quarantined backend waits before its probe", "s", low=0)
     allow_unverified: bool = setting(False, "serve files manifest.json does not vouch for (logged as an error)")
-    tls_cert: Path | None = setting(None, "PEM server certificate; with --tls-key, serve TLS")
-    tls_key: Path | None = setting(None, "PEM private key of --tls-cert")
-    tls_client_ca: Path | None = setting(None, "PEM CA bundle; clients must present a certificate it signed (mTLS)")
-    auth_token_file: Path | None = setting(None, "file holding the bearer token clients must send")
     audit_rate: float = setting(0.001, "share of answers and steps recomputed in float64; 1: all", low=0, high=1)
     audit_max_cpu: float = setting(0.05, "share of one CPU the audit may take, on average", low=0.001, high=1)
     audit_queue: int = setting(64, "answers waiting for their audit at most; beyond: skipped", "answers", low=1)
@@ -163,8 +180,7 @@ class Settings:
     def __post_init__(self) -> None:
         for f in fields(self):
             _check(f, getattr(self, f.name))
-        if (self.tls_cert is None) != (self.tls_key is None):
-            raise ValueError("--tls-cert and --tls-key go together; give both or neither")
+        super().__post_init__()
         if self.workers != "auto" and not re.fullmatch(r"0*[1-9][0-9]*", self.workers):  # ASCII: int() fails on '²'
             raise ValueError(f"--workers {self.workers!r}: expected a positive number or auto")
         if self.model_repository is not None and self.model_dir is not None:
@@ -178,8 +194,6 @@ class Settings:
             raise ValueError(f"--load-model {self.load_model[:64]!r}: this server serves {self.model_name!r} (or *)")
         if self.load_model and self.model_control_mode != "explicit":
             raise ValueError("--load-model is for --model-control-mode explicit (the other modes load at start)")
-        if self.tls_client_ca is not None and self.tls_cert is None:
-            raise ValueError("--tls-client-ca (mTLS) needs --tls-cert and --tls-key")
         schedule_policy(self)  # its checks: the levels and --queue-policy
         _check_names(self.model_name, self.sequence_model_name)
 

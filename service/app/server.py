@@ -146,7 +146,6 @@ async def start(
         settings, metrics, source, schedule, clock, _tracing(settings), compute_hook, others_ready, gone, tell
     )
     token, credentials = _token(settings), _credentials(settings)  # read before a worker's long load
-    options = grpc_options(settings)  # ... and checked
     if settings.reuse_port and not settings.worker_bind_first:
         try:
             await load(engine, settings)
@@ -161,7 +160,8 @@ async def start(
     regions = Regions("system" in kinds, settings.max_shared_memory_regions, cuda="cuda" in kinds)
     local = Answers(door, regions)
     answers: Answering = local if peers is None else WorkerAnswers(local, peers)  # workers at the edge
-    server = _grpc_server(options, InferenceServicer(door, answers, calls), calls, token, health_servicer)
+    servicer = InferenceServicer(door, answers, calls)
+    server = _grpc_server(grpc_options(settings), servicer, calls, token, health_servicer)
     port = _bind(server, settings.host, settings.grpc_port, credentials, "--grpc-port", settings.reuse_port)
     running = Running(server, engine, health_servicer, grpc_port=port, metrics_port=0, regions=regions, peers=peers)
     if peers is not None:  # where the other workers hand over the steps of this worker's sequences
@@ -246,20 +246,22 @@ def _grpc_server(
 
 
 def grpc_options(settings: Settings) -> list[tuple[str, int]]:
-    """The gRPC server's channel arguments: message sizes, the shared port, connection ages."""
+    """The gRPC server's channel arguments: message sizes, the shared port, connection ages, keepalive
+    pings; each left at gRPC's default where its setting is 0 (or off)."""
     limit = settings.max_message_mb * 1024 * 1024
     options = [("grpc.max_receive_message_length", limit), ("grpc.max_send_message_length", limit)]
     options.append(("grpc.so_reuseport", 1 if settings.reuse_port else 0))  # shared only among --workers
-    age, grace = settings.grpc_max_connection_age_s, settings.grpc_max_connection_age_grace_s
-    if grace > 0 and age == 0:
-        raise StartupError("--grpc-max-connection-age-grace-s is a grace after --grpc-max-connection-age-s: give both")
-    if age > 0:  # gRPC's default: a connection lives as long as its client keeps it
-        options.append(("grpc.max_connection_age_ms", _milliseconds(age)))
-    if grace > 0:  # gRPC's default: no limit
-        options.append(("grpc.max_connection_age_grace_ms", _milliseconds(grace)))
-    if (ping := settings.grpc_client_ping_interval_s) > 0:  # gRPC's default: 5 min
-        options.append(("grpc.http2.min_ping_interval_without_data_ms", _milliseconds(ping)))
-    if settings.grpc_client_pings_without_calls:  # gRPC's default: 2 h apart while no call is in flight
+    timeout = settings.grpc_keepalive_timeout_s  # grpcio drops an unanswered peer at its ping timeout, not this one
+    chosen = {
+        "grpc.max_connection_age_ms": settings.grpc_max_connection_age_s,  # default: as long as the client keeps it
+        "grpc.max_connection_age_grace_ms": settings.grpc_max_connection_age_grace_s,  # default: no limit
+        "grpc.http2.min_ping_interval_without_data_ms": settings.grpc_client_ping_interval_s,  # default: 5 min
+        "grpc.keepalive_time_ms": settings.grpc_keepalive_time_s,  # default: 2 h
+        "grpc.keepalive_timeout_ms": timeout,
+        "grpc.http2.ping_timeout_ms": timeout,  # default: 60 s
+    }
+    options += [(name, _milliseconds(seconds)) for name, seconds in chosen.items() if seconds > 0]
+    if settings.grpc_pings_without_calls:  # default, with no call in flight: no pings sent, one taken per 2 h
         options.append(("grpc.keepalive_permit_without_calls", 1))
     return options
 

@@ -17,9 +17,11 @@ MILLISECONDS = {  # Triton's flag in milliseconds -> ours in seconds
     "--grpc-max-connection-age": "--grpc-max-connection-age-s",
     "--grpc-max-connection-age-grace": "--grpc-max-connection-age-grace-s",
     "--grpc-http2-min-recv-ping-interval-without-data": "--grpc-client-ping-interval-s",
+    "--grpc-keepalive-time": "--grpc-keepalive-time-s",
+    "--grpc-keepalive-timeout": "--grpc-keepalive-timeout-s",
 }
-BOOLEAN = {"--grpc-keepalive-permit-without-calls": "--grpc-client-pings-without-calls"}  # Triton's -> ours
-KEEPALIVE = "use --grpc-client-ping-interval-s and --grpc-client-pings-without-calls; the rest is gRPC's default"
+BOOLEAN = {"--grpc-keepalive-permit-without-calls": "--grpc-pings-without-calls"}  # Triton's -> ours
+PINGS = "use --grpc-client-ping-interval-s and --grpc-pings-without-calls to allow pings; counts keep gRPC's defaults"
 # Triton's flag -> (what its `false` means here, or the refusal when it has no meaning here)
 SWITCHED: dict[str, tuple[list[str] | None, str]] = {
     "--allow-http": (["--http-port", "off"], ""),
@@ -51,10 +53,8 @@ REFUSED = {
     "--metrics-interval-ms": "metrics are read at each scrape; drop it",
     "--rate-limit": "use --max-queue-size and --max-inflight-mb",
     "--model-load-thread-count": "versions load one at a time, beside the one serving; drop it",
-    "--grpc-keepalive-time": KEEPALIVE,
-    "--grpc-keepalive-timeout": KEEPALIVE,
-    "--grpc-http2-max-pings-without-data": KEEPALIVE,
-    "--grpc-http2-max-ping-strikes": KEEPALIVE,
+    "--grpc-http2-max-pings-without-data": PINGS,
+    "--grpc-http2-max-ping-strikes": PINGS,
 }
 LOG_LEVELS = {"--log-info": "INFO", "--log-warning": "WARNING", "--log-error": "ERROR"}
 

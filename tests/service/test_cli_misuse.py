@@ -108,7 +108,7 @@ CASES = {  # name: (arguments given the fixtures, environment, exit code, what t
         ),
         {},
         2,
-        "--grpc-max-connection-age-grace-s is a grace after --grpc-max-connection-age-s: give both",
+        "--grpc-max-connection-age-grace-s is a grace after --grpc-max-connection-age-s: set both",
     ),
     "padding-ratio-out-of-range": (lambda f: _serve(f["model"], "--max-padding-ratio", "2"), {}, 2, "must be <= 1"),
     "threads-negative": (lambda f: _serve(f["model"], "--threads", "-1"), {}, 2, "--threads must be >= 0"),

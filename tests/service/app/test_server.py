@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import queue
 import threading
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -272,8 +271,6 @@ def test_a_drain_answers_what_is_in_flight_and_refuses_what_comes_after(small_mo
     """Computes held at a gate, so that the test decides what is in flight when the drain begins:
     4 requests (one computing, three queued) are answered exactly after it began, a new one is
     refused UNAVAILABLE, and the server stops once they are answered."""
-    import threading
-
     from service.app.server import drain_and_stop
 
     settings = make_settings(small_model_dir, backend="torch", max_batch_size=1)
@@ -313,46 +310,3 @@ def test_a_drain_answers_what_is_in_flight_and_refuses_what_comes_after(small_mo
         y = answers[i]
         assert isinstance(y, np.ndarray), y
         assert relative_error(torch.from_numpy(y.copy()), attention_view(torch.from_numpy(x), weights, config)) < 1e-5
-
-
-def test_a_stream_is_closed_once_its_connection_is_past_its_age_and_grace(small_model_dir: Path) -> None:
-    """--grpc-max-connection-age-grace-s bounds how long calls may go on once their connection is
-    asked to go: a stream left open is then ended UNAVAILABLE, which a client retries elsewhere."""
-    settings = make_settings(small_model_dir, grpc_max_connection_age_s=0.3, grpc_max_connection_age_grace_s=0.3)
-    requests: queue.Queue[pb.ModelInferRequest | None] = queue.Queue()
-    with ServerThread(settings) as server, MHAClient(server.url) as client:
-        stream = client.stub.ModelStreamInfer(iter(requests.get, None), timeout=20)
-        requests.put(encode_infer_request(np.ones((1, 2, 32), np.float32), request_id="first"))
-        assert next(stream).infer_response.id == "first"
-        with pytest.raises(grpc.RpcError) as ended:  # no more requests: the stream waits, open, until closed
-            next(stream)
-        assert ended.value.code() == grpc.StatusCode.UNAVAILABLE, ended.value
-        requests.put(None)
-
-
-def _dropped_while_idle_pinging(server: ServerThread, within_s: float) -> bool:
-    """A client that pings every 0.1 s with no call in flight: whether the server dropped its
-    connection (GOAWAY too_many_pings, as gRPC's default server does) within `within_s`."""
-    options = [
-        ("grpc.keepalive_time_ms", 100),
-        ("grpc.keepalive_permit_without_calls", 1),
-        ("grpc.http2.max_pings_without_data", 0),
-    ]
-    left_ready = threading.Event()
-    with grpc.insecure_channel(server.url, options=options) as channel:
-        health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=10)  # connected
-        channel.subscribe(lambda state: state is not grpc.ChannelConnectivity.READY and left_ready.set())
-        dropped = left_ready.wait(within_s)
-        health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=10)  # served either way
-    return dropped
-
-
-def test_clients_keepalive_pings_are_taken_as_the_settings_allow(small_model_dir: Path) -> None:
-    """--grpc-client-ping-interval-s and --grpc-client-pings-without-calls: a client that pings an
-    idle connection often (to keep a NAT's or a balancer's idle timeout from closing it) is cut off
-    by gRPC's defaults, and keeps its connection where the settings allow its pings."""
-    with ServerThread(make_settings(small_model_dir)) as server:
-        assert _dropped_while_idle_pinging(server, 30.0)  # about 3 s here
-    allowed = make_settings(small_model_dir, grpc_client_ping_interval_s=0.05, grpc_client_pings_without_calls=True)
-    with ServerThread(allowed) as server:
-        assert not _dropped_while_idle_pinging(server, 6.0)

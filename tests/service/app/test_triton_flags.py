@@ -97,12 +97,26 @@ def test_connection_ages_in_milliseconds_become_ours_in_seconds() -> None:
 def test_the_pings_triton_lets_clients_send_are_ours_to_allow_too() -> None:
     argv = ["serve", "--grpc-http2-min-recv-ping-interval-without-data=10000"]
     translation = translated([*argv, "--grpc-keepalive-permit-without-calls=1"], _refuse)
-    assert translation[1:] == ["--grpc-client-ping-interval-s", "10.0", "--grpc-client-pings-without-calls", "true"]
+    assert translation[1:] == ["--grpc-client-ping-interval-s", "10.0", "--grpc-pings-without-calls", "true"]
     settings = settings_from_namespace(build_parser({}).parse_args(translation), "INFO")
-    assert (settings.grpc_client_ping_interval_s, settings.grpc_client_pings_without_calls) == (10.0, True)
+    assert (settings.grpc_client_ping_interval_s, settings.grpc_pings_without_calls) == (10.0, True)
     assert translated(["serve", "--grpc-keepalive-permit-without-calls", "false"], _refuse)[1:] == [
-        "--grpc-client-pings-without-calls",
+        "--grpc-pings-without-calls",
         "false",
     ]
     with pytest.raises(Refused, match="expected true or false"):
         translated(["serve", "--grpc-keepalive-permit-without-calls=maybe"], _refuse)
+
+
+def test_the_servers_own_keepalive_pings_take_tritons_flags() -> None:
+    """Triton's --grpc-keepalive-time and --grpc-keepalive-timeout (milliseconds, Triton's defaults
+    here) become ours in seconds; the ping-count flags stay refused, naming what allows pings."""
+    translation = translated(["serve", "--grpc-keepalive-time=7200000", "--grpc-keepalive-timeout", "20000"], _refuse)
+    assert translation[1:] == ["--grpc-keepalive-time-s", "7200.0", "--grpc-keepalive-timeout-s", "20.0"]
+    settings = settings_from_namespace(build_parser({}).parse_args(translation), "INFO")
+    assert (settings.grpc_keepalive_time_s, settings.grpc_keepalive_timeout_s) == (7200.0, 20.0)
+    with pytest.raises(Refused, match="expected whole milliseconds"):
+        translated(["serve", "--grpc-keepalive-timeout=20s"], _refuse)
+    for flag in ("--grpc-http2-max-pings-without-data", "--grpc-http2-max-ping-strikes"):
+        with pytest.raises(Refused, match="use --grpc-client-ping-interval-s and --grpc-pings-without-calls"):
+            translated(["serve", f"{flag}=0"], _refuse)
