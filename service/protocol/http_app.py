@@ -37,7 +37,7 @@ from service.protocol.http_codec import (
     request_from_json,
     response_to_http,
 )
-from service.protocol.http_wire import route_errors
+from service.protocol.http_wire import ConnectionAges, route_errors
 from service.protocol.inference import SEQUENCE_HEADER
 from service.protocol.status import http_status
 from service.settings import Settings
@@ -151,6 +151,8 @@ class HttpApi:
     def app(self) -> web.Application:
         app = web.Application(client_max_size=self.door.settings.max_message_mb * 2**20, middlewares=[route_errors])
         app[BODY_LIMIT_MIB] = self.door.settings.max_message_mb
+        if (age := self.door.settings.http_max_connection_age_s) > 0:
+            app.on_response_prepare.append(ConnectionAges(age, self.door.now).on_prepare)
         model = "/v2/models/{name}"
         versioned = "/v2/models/{name}/versions/{version}"
         app.router.add_get("/v2/health/live", self._live)

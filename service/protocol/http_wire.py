@@ -1,13 +1,17 @@
-"""What the HTTP server answers before a request reaches a route: an unknown path or a method a
-path does not take answers the documented `{"error": "..."}` JSON with a message that says what
-was wrong and what is expected; a request aiohttp cannot read (a request line or header too
-long, a malformed message) gets aiohttp's own 400. Each is logged at INFO on one line: a
-client's mistake, not a server fault.
+"""What the HTTP server answers around its routes: an unknown path or a method a path does not
+take answers the documented `{"error": "..."}` JSON with a message that says what was wrong and
+what is expected; a request aiohttp cannot read (a request line or header too long, a malformed
+message) gets aiohttp's own 400. Each is logged at INFO on one line: a client's mistake, not a
+server fault. A keep-alive connection past its age is asked to close.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import random
+import weakref
+from collections.abc import Callable
 from typing import Any
 
 from aiohttp import web
@@ -65,3 +69,26 @@ def quiet_client_mistakes() -> None:
     logger = logging.getLogger("aiohttp.server")
     if CLIENT_MISTAKES not in logger.filters:
         logger.addFilter(CLIENT_MISTAKES)
+
+
+class ConnectionAges:
+    """--http-max-connection-age-s: an answer on a keep-alive connection past its age says
+    `Connection: close`, and the connection closes once it is sent; its client connects again, and
+    through a balancer may reach a replica started since. The age is counted from the connection's
+    first answer and varied by a tenth either way, as gRPC varies its own, so that clients that
+    connected together do not all connect again together."""
+
+    def __init__(self, max_age_s: float, now: Callable[[], float], spread: Callable[[], float] = random.random) -> None:
+        self.max_age_s, self.now, self.spread = max_age_s, now, spread
+        self._ends: weakref.WeakKeyDictionary[asyncio.BaseTransport, float] = weakref.WeakKeyDictionary()
+
+    async def on_prepare(self, request: web.Request, response: web.StreamResponse) -> None:
+        """aiohttp's `on_response_prepare`: every answer, before its headers are sent."""
+        if (transport := request.transport) is None:
+            return
+        now = self.now()
+        if (end := self._ends.get(transport)) is None:
+            end = self._ends[transport] = now + self.max_age_s * (0.9 + 0.2 * self.spread())
+        if now >= end:  # the header for the client (aiohttp settles its own before this signal), the close for aiohttp
+            response.headers["Connection"] = "close"
+            response.force_close()

@@ -19,7 +19,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from service.client.client import MHAClient
 from service.proto import grpc_service_pb2 as pb
 from service.protocol.grpc_codec import encode_infer_request
-from tests.support import ServerThread, make_settings
+from tests.support import ManualClock, ServerThread, make_settings
 
 SETTINGS, PING, GOAWAY, ACK = 4, 6, 7, 1  # HTTP/2 frame types, and the ACK flag
 STREAM = b"/inference.GRPCInferenceService/ModelStreamInfer"
@@ -167,3 +167,40 @@ def test_clients_keepalive_pings_are_taken_as_the_settings_allow(small_model_dir
     allowed = make_settings(small_model_dir, grpc_client_ping_interval_s=0.05, grpc_pings_without_calls=True)
     with ServerThread(allowed) as server:
         assert not _dropped_while_idle_pinging(server, 6.0)
+
+
+def _answered(conn: socket.socket) -> dict[str, str]:
+    """GET /v2/health/live on an open connection: the answer's headers (names in lower case)."""
+    conn.sendall(b"GET /v2/health/live HTTP/1.1\r\nHost: test\r\n\r\n")
+    data = b""
+    while b"\r\n\r\n" not in data:
+        data += conn.recv(4096)
+    head, _, body = data.partition(b"\r\n\r\n")
+    lines = head.decode().split("\r\n")
+    assert lines[0].startswith("HTTP/1.1 200"), lines[0]
+    headers = {name.lower(): value.strip() for name, _, value in (line.partition(":") for line in lines[1:])}
+    while len(body) < int(headers["content-length"]):
+        body += conn.recv(4096)
+    return headers
+
+
+@pytest.mark.parametrize("age", [10.0, 0.0])
+def test_an_http_connection_past_its_age_is_asked_to_close(small_model_dir: Path, age: float) -> None:
+    """--http-max-connection-age-s: a keep-alive connection's answers once it is past its age
+    (10 s, varied by a tenth either way, on the server's clock) say `Connection: close`, and the
+    server closes it; its client's next connection starts a new age. 0, the default: never."""
+    clock = ManualClock()
+    settings = make_settings(small_model_dir, http_port=0, http_max_connection_age_s=age)
+    with ServerThread(settings, clock=clock) as server:
+        with socket.create_connection(("127.0.0.1", server.http_port), timeout=10) as conn:
+            assert "connection" not in _answered(conn)  # kept alive, HTTP/1.1's default
+            clock.t += 8.9  # under its age less a tenth
+            assert "connection" not in _answered(conn)  # the same connection, still kept
+            clock.t += 2.2  # past its age and a tenth
+            if age == 0:
+                assert "connection" not in _answered(conn)
+                return
+            assert _answered(conn)["connection"] == "close"
+            assert conn.recv(1) == b"", "the server closed it"
+        with socket.create_connection(("127.0.0.1", server.http_port), timeout=10) as conn:
+            assert "connection" not in _answered(conn)  # a new connection, a new age
