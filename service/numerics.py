@@ -64,13 +64,16 @@ def all_finite(x: np.ndarray) -> bool:
     return bool(np.isfinite(total)) or bool(np.isfinite(x).all())
 
 
+FLOAT32_RANGE = " (a number beyond float32's range, |x| > 3.4e38, is read as inf)"
+
+
 def not_finite(x: np.ndarray) -> str:
     """Why a request's output is not finite. Its input's values were checked only then: a NaN or
     inf in the input always reaches the output of its own rows, so a finite output proves the input
     finite without a pass over it."""
     bad = int(np.count_nonzero(~np.isfinite(x)))
     if bad:
-        return f"the input holds {bad} NaN or inf values; expected finite floats"
+        return f"the input holds {bad} NaN or inf values; expected finite floats{FLOAT32_RANGE}"
     return (
         f"the output is not finite: the input's values (largest |x| = {float(np.abs(x).max()):.3g}) "
         "overflow float32 inside attention; scale them down (see docs/api.md for the safe range)"

@@ -80,6 +80,7 @@ BAD = {
         "holds an integer of more than 4300 digits",
     ),
     "integer-beyond-float": (_with(tensor={"data": [10**400] + [1] * 31}), 400, "an integer too large for FP32"),
+    "number-beyond-float32": (_with(tensor={"data": [1e39] + [1.0] * 31}), 400, "|x| > 3.4e38, is read as inf"),
     "ragged-data": (_with(tensor={"data": [[1.0] * 16, [1.0] * 15]}), 400, "numbers in equal-length lists"),
     "sequence": (
         _infer_json(np.zeros((1, 2, 32), np.float32), parameters={"sequence_id": 7}),
