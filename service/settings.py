@@ -296,16 +296,20 @@ def default_model_home(cwd: Path, environ: Mapping[str, str]) -> Path:
 
 
 def add_serve_arguments(parser: argparse.ArgumentParser, environ: Mapping[str, str]) -> None:
-    """One flag per Settings field, defaulting to MHA_<NAME> where set (argparse parses it too)."""
+    """One flag per Settings field, defaulting to MHA_<NAME> where set (argparse parses it too);
+    the network's flags listed after the others, under a heading of their own."""
     hints = get_type_hints(Settings)
-    for f in fields(Settings):
+    network = {f.name for f in fields(NetworkSettings)}
+    heading = "addresses and ports, TLS and tokens, the gRPC and HTTP transports"
+    groups = {False: parser, True: parser.add_argument_group("network", heading)}
+    for f in sorted(fields(Settings), key=lambda f: f.name in network):  # stable: declared order in each
         if not f.metadata["flag"]:
             continue
         env = f"MHA_{f.name.upper()}"
         unit = f" ({f.metadata['unit']})" if f.metadata["unit"] else ""
         kind = _parser_type(hints[f.name])
         flag_kind: dict[str, Any] = {"nargs": "?", "const": True} if kind is _boolean else {}  # `--flag` alone: on
-        parser.add_argument(
+        groups[f.name in network].add_argument(
             _flag(f.name),
             dest=f.name,
             type=kind,

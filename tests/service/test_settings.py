@@ -215,3 +215,11 @@ def test_a_pods_gpus_are_numbered_as_cuda_numbers_them_not_by_their_device_nodes
     assert cuda_devices(len(gpus), {}) == ["0", "1"]
     assert cuda_devices(2, {"CUDA_VISIBLE_DEVICES": "GPU-aaa, GPU-bbb"}) == ["GPU-aaa", "GPU-bbb"]
     assert cuda_devices(2, {"CUDA_VISIBLE_DEVICES": "7"}) == ["0", "1"]  # fewer than the workers: CUDA's own count
+
+
+def test_help_lists_the_models_flags_first_and_the_networks_under_a_heading() -> None:
+    whole = _parser({}).format_help()
+    text = whole[whole.index("\noptions:\n") :]  # past the usage lines
+    model, batch, heading = (text.index(flag) for flag in ("--model-dir MODEL_DIR", "--max-batch-size", "\nnetwork:\n"))
+    assert model < batch < heading < text.index("--grpc-port GRPC_PORT") < text.index("--tls-cert")
+    assert _parse(["--grpc-port", "9001", "--model-dir", "/m"]).grpc_port == 9001  # a group parses as the rest
