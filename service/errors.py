@@ -90,6 +90,10 @@ class Unauthenticated(ServiceError):
     """Missing or wrong bearer token."""
 
 
+class PermissionDenied(ServiceError):
+    """A known client's call that is not its to make: a control call made with the inference token."""
+
+
 class BackendFailure(ServiceError):
     """Every backend failed on this batch: a real server fault, answered without details."""
 

@@ -77,6 +77,9 @@ class NetworkSettings:
     tls_key: Path | None = setting(None, "PEM private key of --tls-cert")
     tls_client_ca: Path | None = setting(None, "PEM CA bundle; clients must present a certificate it signed (mTLS)")
     auth_token_file: Path | None = setting(None, "file holding the bearer token clients must send")
+    admin_token_file: Path | None = setting(
+        None, "file holding the token control calls need: repository, settings, regions"
+    )
 
     def __post_init__(self) -> None:
         if (self.tls_cert is None) != (self.tls_key is None):

@@ -30,7 +30,7 @@ from service.engine.readiness import State
 from service.metrics import Metrics
 from service.proto import grpc_service_pb2 as pb
 from service.protocol.answer import Answering, Answers
-from service.protocol.auth import BearerToken, BearerTokenInterceptor, read_token
+from service.protocol.auth import Access, BearerTokenInterceptor, read_token
 from service.protocol.calls import Calls
 from service.protocol.grpc_servicer import InferenceServicer, generic_handler
 from service.protocol.handover import Handover
@@ -145,7 +145,7 @@ async def start(
     engine = build_engine(
         settings, metrics, source, schedule, clock, _tracing(settings), compute_hook, others_ready, gone, tell
     )
-    token, credentials = _token(settings), _credentials(settings)  # read before a worker's long load
+    access, credentials = _access(settings), _credentials(settings)  # read before a worker's long load
     if settings.reuse_port and not settings.worker_bind_first:
         try:
             await load(engine, settings)
@@ -161,7 +161,7 @@ async def start(
     local = Answers(door, regions)
     answers: Answering = local if peers is None else WorkerAnswers(local, peers)  # workers at the edge
     servicer = InferenceServicer(door, answers, calls)
-    server = _grpc_server(grpc_options(settings), servicer, calls, token, health_servicer)
+    server = _grpc_server(grpc_options(settings), servicer, calls, access, health_servicer)
     port = _bind(server, settings.host, settings.grpc_port, credentials, "--grpc-port", settings.reuse_port)
     running = Running(server, engine, health_servicer, grpc_port=port, metrics_port=0, regions=regions, peers=peers)
     if peers is not None:  # where the other workers hand over the steps of this worker's sequences
@@ -173,7 +173,7 @@ async def start(
     if settings.health_port is not None:
         await _start_health_port(running, settings)
     if settings.http_port is not None:
-        await _start_http(running, settings, HttpApi(door, answers, calls, token))
+        await _start_http(running, settings, HttpApi(door, answers, calls, access))
     await server.start()
     running.tasks.add(asyncio.get_running_loop().create_task(_not_serving_when_lost(running)))
     if worker is not None:  # the supervisor reads this worker's files, never its registry
@@ -219,24 +219,37 @@ def _peers(settings: Settings) -> WorkerPeers | None:
     return WorkerPeers(settings.worker_index, settings.worker_peers, settings.worker_socket_dir)
 
 
-def _token(settings: Settings) -> str | None:
-    if settings.auth_token_file is None:
+def _access(settings: Settings) -> Access:
+    """Who may make which call, from --auth-token-file and --admin-token-file."""
+    token, admin = (
+        _token("--auth-token-file", settings.auth_token_file),
+        _token("--admin-token-file", settings.admin_token_file),
+    )
+    if admin is not None and admin == token:
+        raise StartupError(
+            "--admin-token-file holds the --auth-token-file's token: any client could make control calls", 2
+        )
+    return Access(token, admin)
+
+
+def _token(flag: str, path: Path | None) -> str | None:
+    if path is None:
         return None
     try:
-        return read_token(settings.auth_token_file)
+        return read_token(path)
     except (OSError, ValueError) as exc:
-        raise StartupError(f"--auth-token-file {settings.auth_token_file}: {exc}") from exc
+        raise StartupError(f"{flag} {path}: {exc}") from exc
 
 
 def _grpc_server(
     options: list[tuple[str, int]],
     servicer: InferenceServicer,
     calls: Calls,
-    token: str | None,
+    access: Access,
     health_servicer: health.aio.HealthServicer,
 ) -> grpc.aio.Server:
     """The server with every service on it: inference (through one call scope), health, reflection."""
-    interceptors = [BearerTokenInterceptor(BearerToken(token), calls.refuse)] if token is not None else []
+    interceptors = [] if access.open else [BearerTokenInterceptor(access, calls.refuse)]
     server = grpc.aio.server(interceptors=interceptors, options=options)
     server.add_generic_rpc_handlers((generic_handler(servicer, calls),))
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)

@@ -1,4 +1,5 @@
-"""Bearer-token authentication as a server interceptor; health and reflection stay open."""
+"""Who may make which call: bearer tokens, checked alike for both protocols (gRPC's through a
+server interceptor); health and reflection stay open."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from pathlib import Path
 
 import grpc
 
-from service.errors import ServiceError, Unauthenticated
+from service.errors import PermissionDenied, ServiceError, Unauthenticated
 
 log = logging.getLogger(__name__)
 
@@ -22,6 +23,16 @@ OPEN_SERVICES = (
 Refuse = Callable[[str, grpc.aio.ServicerContext, ServiceError], Awaitable[None]]  # (method, context, error)
 GRPC_HOW = "metadata 'authorization: Bearer <token>'"
 HTTP_HOW = "the header 'Authorization: Bearer <token>'"
+CONTROL_CALLS = frozenset(  # what changes or shows the server for every client: --admin-token-file's
+    {
+        "RepositoryIndex",
+        "RepositoryModelLoad",
+        "RepositoryModelUnload",
+        "LogSettings",
+        "TraceSetting",
+        *(f"{kind}SharedMemory{call}" for kind in ("System", "Cuda") for call in ("Status", "Register", "Unregister")),
+    }
+)
 
 
 def read_token(path: Path) -> str:
@@ -48,19 +59,41 @@ class BearerToken:
             raise self.refusal(how)
 
     @staticmethod
-    def refusal(how: str) -> Unauthenticated:
-        return Unauthenticated(f"missing or wrong credentials: send {how}")
+    def refusal(how: str, whose: str = "") -> Unauthenticated:
+        return Unauthenticated(f"missing or wrong credentials: send {how}{whose}")
+
+
+class Access:
+    """Who may make which call. With --auth-token-file every call needs its token; with
+    --admin-token-file the control calls (CONTROL_CALLS) need the admin token, which every other
+    call takes too. A control call made with the inference token is PERMISSION_DENIED: the client
+    is known, and the call is not its to make."""
+
+    def __init__(self, token: str | None = None, admin: str | None = None) -> None:
+        self._token = None if token is None else BearerToken(token)
+        self._admin = None if admin is None else BearerToken(admin)
+        self.open = token is None and admin is None
+
+    def check(self, method: str, given: str | bytes | None, how: str) -> None:
+        if self._admin is not None and self._admin.accepts(given):
+            return
+        if self._admin is not None and method in CONTROL_CALLS:
+            if self._token is not None and self._token.accepts(given):
+                raise PermissionDenied(f"{method} changes the server for every client: send the admin token in {how}")
+            raise BearerToken.refusal(how, ", the admin token")
+        if self._token is not None and not self._token.accepts(given):
+            raise BearerToken.refusal(how)
 
 
 class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
-    """Requires `authorization: Bearer <token>` metadata; compares in constant time.
+    """Requires `authorization: Bearer <token>` metadata as `access` says, for each method.
 
     A refused call is answered by `refuse`, the same call scope every RPC goes through, so it is
     logged and counted like any other.
     """
 
-    def __init__(self, token: BearerToken, refuse: Refuse) -> None:
-        self._token, self._refuse = token, refuse
+    def __init__(self, access: Access, refuse: Refuse) -> None:
+        self._access, self._refuse = access, refuse
 
     async def intercept_service(
         self,
@@ -68,23 +101,23 @@ class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
         details: grpc.HandlerCallDetails,
     ) -> grpc.RpcMethodHandler:
         method = details.method or ""
-        if method.startswith(OPEN_SERVICES) or self._authorized(details):
+        if method.startswith(OPEN_SERVICES):
             return await continuation(details)
         handler = await continuation(details)
         name = method.rsplit("/", 1)[-1] if handler is not None else "unknown"  # metric labels: a fixed set
-        return self._refusal(name, handler)
+        try:
+            self._access.check(name, _authorization(details), GRPC_HOW)
+        except ServiceError as refused:
+            return self._refusal(name, handler, refused)
+        return handler
 
-    def _authorized(self, details: grpc.HandlerCallDetails) -> bool:
-        for key, value in details.invocation_metadata or ():
-            if key == "authorization":
-                return self._token.accepts(value)
-        return False
-
-    def _refusal(self, method: str, handler: grpc.RpcMethodHandler | None) -> grpc.RpcMethodHandler:
-        """A handler of the same kind as the real one, answering UNAUTHENTICATED."""
+    def _refusal(
+        self, method: str, handler: grpc.RpcMethodHandler | None, refused: ServiceError
+    ) -> grpc.RpcMethodHandler:
+        """A handler of the same kind as the real one, answering `refused`."""
 
         async def deny(request: object, context: grpc.aio.ServicerContext) -> None:
-            await self._refuse(method, context, BearerToken.refusal(GRPC_HOW))
+            await self._refuse(method, context, refused)
 
         if handler is None:
             return grpc.unary_unary_rpc_method_handler(deny)
@@ -96,3 +129,10 @@ class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
         if handler.response_streaming:
             return grpc.unary_stream_rpc_method_handler(deny, deserializer, serializer)
         return grpc.unary_unary_rpc_method_handler(deny, deserializer, serializer)
+
+
+def _authorization(details: grpc.HandlerCallDetails) -> str | bytes | None:
+    for key, value in details.invocation_metadata or ():
+        if key == "authorization":
+            return value  # type: ignore[no-any-return]
+    return None

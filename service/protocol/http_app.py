@@ -26,7 +26,7 @@ from service.engine.door import Door
 from service.errors import ClientGone, InvalidInput, NotReady, TooLarge, UnsupportedEncoding, quote
 from service.protocol import model_calls, trace_calls
 from service.protocol.answer import Answering
-from service.protocol.auth import HTTP_HOW, BearerToken
+from service.protocol.auth import HTTP_HOW, Access
 from service.protocol.calls import Call, Calls
 from service.protocol.http_codec import (
     HEADER_LENGTH,
@@ -144,9 +144,8 @@ def error_response(call: Call) -> web.Response:
 
 
 class HttpApi:
-    def __init__(self, door: Door, answers: Answering, calls: Calls, token: str | None) -> None:
-        self.door, self.answers, self.calls = door, answers, calls
-        self._token = BearerToken(token) if token else None
+    def __init__(self, door: Door, answers: Answering, calls: Calls, access: Access) -> None:
+        self.door, self.answers, self.calls, self._access = door, answers, calls, access
 
     def app(self) -> web.Application:
         app = web.Application(client_max_size=self.door.settings.max_message_mb * 2**20, middlewares=[route_errors])
@@ -181,23 +180,19 @@ class HttpApi:
         return app
 
     def _guard(self, method: str, handler: Handler, inference: bool = False) -> Handler:
-        """The call scope every RPC goes through, with the bearer token checked first, and the
+        """The call scope every RPC goes through, with the caller's access checked first, and the
         model the path names (an inference's is checked with the request, by Answers.infer)."""
 
         async def handle(request: web.Request) -> web.StreamResponse:
             async with self.calls.in_band(method, None, inference=inference, headers=request.headers) as call:
                 request[CALL_KEY] = call  # the handler's call (an inference marks whether it was a step)
-                self._authorize(request)
+                self._access.check(method, request.headers.get("Authorization"), HTTP_HOW)
                 if not inference and "name" in request.match_info:
                     self.door.entry(request.match_info["name"])
                 return await handler(request)
             return error_response(call)
 
         return handle
-
-    def _authorize(self, request: web.Request) -> None:
-        if self._token is not None:
-            self._token.check(request.headers.get("Authorization"), HTTP_HOW)
 
     async def _live(self, request: web.Request) -> web.Response:
         return web.json_response({"live": True})

@@ -12,6 +12,7 @@ from service.errors import (
     NotFound,
     NotReady,
     Overloaded,
+    PermissionDenied,
     Precondition,
     RegionExists,
     Relayed,
@@ -30,6 +31,7 @@ STATUS: dict[type[ServiceError], grpc.StatusCode] = {
     NotReady: grpc.StatusCode.UNAVAILABLE,
     DeadlineExceeded: grpc.StatusCode.DEADLINE_EXCEEDED,
     Unauthenticated: grpc.StatusCode.UNAUTHENTICATED,
+    PermissionDenied: grpc.StatusCode.PERMISSION_DENIED,
     ClientGone: grpc.StatusCode.CANCELLED,
     Precondition: grpc.StatusCode.FAILED_PRECONDITION,
 }
@@ -64,6 +66,7 @@ HTTP_STATUS = {
     grpc.StatusCode.OK: 200,
     grpc.StatusCode.INVALID_ARGUMENT: 400,
     grpc.StatusCode.UNAUTHENTICATED: 401,
+    grpc.StatusCode.PERMISSION_DENIED: 403,
     grpc.StatusCode.NOT_FOUND: 404,
     grpc.StatusCode.ALREADY_EXISTS: 409,
     grpc.StatusCode.FAILED_PRECONDITION: 409,

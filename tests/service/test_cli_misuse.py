@@ -37,6 +37,10 @@ def small_server(small_model_dir: Path) -> Iterator[ServerThread]:
         yield s
 
 
+def _same_token(path: Path) -> list[str]:
+    return ["--auth-token-file", str(path), "--admin-token-file", str(path)]
+
+
 def _serve(model_dir: Path, *extra: str) -> list[str]:
     return ["serve", "--model-dir", str(model_dir), "--host", "127.0.0.1", "--log-format", "text", *extra]
 
@@ -65,6 +69,14 @@ CASES = {  # name: (arguments given the fixtures, environment, exit code, what t
         {},
         2,
         "--auth-token-file /nope/token",
+    ),
+    "admin-token-is-the-auth-token": (  # any client holding the one token could then make control calls
+        lambda f: _serve(
+            f["model"], "--grpc-port", "0", "--metrics-port", "off", *_same_token(f["model"] / "manifest.json")
+        ),
+        {},
+        2,
+        "--admin-token-file holds the --auth-token-file's token: any client could make control calls",
     ),
     "host-not-this-machines": (  # before, with --workers: ": Name or service not known", no flag named
         lambda f: _serve(f["model"], "--grpc-port", "0", "--http-port", "0", "--host", "999.1.1.1"),

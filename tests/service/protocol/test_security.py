@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import datetime
+import http.client
 import ipaddress
+import json
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -19,6 +21,9 @@ from cryptography.x509.oid import NameOID
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from service.client.client import InferenceError, MHAClient
+from service.proto import grpc_service_pb2 as pb
+from service.proto import grpc_service_pb2_grpc as pb_grpc
+from service.protocol.auth import CONTROL_CALLS
 from tests.support import ServerThread, make_settings
 
 X = np.ones((1, 4, 32), np.float32)
@@ -202,3 +207,76 @@ def test_http_serves_tls_with_the_same_certificate(small_model_dir: Path, pki: d
             assert response.status == 200
         with pytest.raises((urllib.error.URLError, ConnectionError)):
             urllib.request.urlopen(f"http://127.0.0.1:{s.http_port}/v2/health/ready", timeout=10)
+
+
+USER, ADMIN = "user-token", "admin-token"
+
+
+def _grpc_code(url: str, method: str, request: object, token: str | None) -> grpc.StatusCode:
+    metadata = [] if token is None else [("authorization", f"Bearer {token}")]
+    with grpc.insecure_channel(url) as channel:
+        try:
+            getattr(pb_grpc.GRPCInferenceServiceStub(channel), method)(request, metadata=metadata, timeout=10)
+        except grpc.RpcError as exc:
+            return exc.code()  # type: ignore[no-any-return]
+    return grpc.StatusCode.OK
+
+
+def _http(port: int, method: str, path: str, token: str | None, body: bytes = b"") -> tuple[int, dict[str, object]]:
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+    headers = {} if token is None else {"Authorization": f"Bearer {token}"}
+    conn.request(method, path, body=body or None, headers=headers)
+    response = conn.getresponse()
+    answer = json.loads(response.read() or b"{}")
+    conn.close()
+    return response.status, answer
+
+
+CONTROLS = {  # a control call of each kind: (gRPC method, request), (HTTP method, path)
+    "repository": (("RepositoryIndex", pb.RepositoryIndexRequest()), ("POST", "/v2/repository/index")),
+    "log": (("LogSettings", pb.LogSettingsRequest()), ("GET", "/v2/logging")),
+    "trace": (("TraceSetting", pb.TraceSettingRequest()), ("GET", "/v2/trace/setting")),
+    "regions": (
+        ("SystemSharedMemoryStatus", pb.SystemSharedMemoryStatusRequest()),
+        ("GET", "/v2/systemsharedmemory/status"),
+    ),
+}
+
+
+def test_control_calls_are_every_kind_of_rpc_that_changes_the_server() -> None:
+    rpcs = set(pb.DESCRIPTOR.services_by_name["GRPCInferenceService"].methods_by_name)
+    assert CONTROL_CALLS <= rpcs, CONTROL_CALLS - rpcs
+    assert {"ModelInfer", "ModelStreamInfer", "ModelMetadata", "ModelStatistics"}.isdisjoint(CONTROL_CALLS)
+    kinds = ("Repository", "SystemSharedMemory", "CudaSharedMemory")
+    assert {call for call in rpcs if call.startswith(kinds)} <= CONTROL_CALLS
+
+
+def test_control_calls_need_the_admin_token(small_model_dir: Path, tmp_path: Path) -> None:
+    """--admin-token-file: repository, log, trace and shared-memory calls need the admin token,
+    on both protocols. The inference token is known, so with it they are PERMISSION_DENIED (403);
+    without a token or with a wrong one, UNAUTHENTICATED (401). Inference takes either token."""
+    (tmp_path / "user").write_text(USER + "\n")
+    (tmp_path / "admin").write_text(ADMIN + "\n")
+    files = {"auth_token_file": tmp_path / "user", "admin_token_file": tmp_path / "admin"}
+    with ServerThread(make_settings(small_model_dir, http_port=0, shared_memory="system", **files)) as s:
+        for (method, request), (verb, path) in CONTROLS.values():
+            codes = [_grpc_code(s.url, method, request, token) for token in (None, "wrong", USER, ADMIN)]
+            unknown, known = grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED
+            assert codes == [unknown, unknown, known, grpc.StatusCode.OK], (method, codes)
+            statuses = [_http(s.http_port, verb, path, token)[0] for token in (None, "wrong", USER, ADMIN)]
+            assert statuses == [401, 401, 403, 200], (path, statuses)
+        status, answer = _http(s.http_port, "POST", "/v2/repository/models/mha/unload", USER)
+        assert status == 403 and "send the admin token" in str(answer["error"]), answer
+        for token in (USER, ADMIN):
+            with MHAClient(s.url, token=token) as client:
+                assert client.infer(X).shape == X.shape
+        assert _grpc_code(s.url, "ServerReady", pb.ServerReadyRequest(), None) == grpc.StatusCode.UNAUTHENTICATED
+
+
+def test_the_admin_token_alone_guards_only_the_control_calls(small_model_dir: Path, tmp_path: Path) -> None:
+    (tmp_path / "admin").write_text(ADMIN)
+    with ServerThread(make_settings(small_model_dir, admin_token_file=tmp_path / "admin")) as s:
+        with MHAClient(s.url) as client:
+            assert client.infer(X).shape == X.shape
+        assert _grpc_code(s.url, "LogSettings", pb.LogSettingsRequest(), None) == grpc.StatusCode.UNAUTHENTICATED
+        assert _grpc_code(s.url, "LogSettings", pb.LogSettingsRequest(), ADMIN) == grpc.StatusCode.OK
