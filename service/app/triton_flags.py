@@ -20,7 +20,11 @@ MILLISECONDS = {  # Triton's flag in milliseconds -> ours in seconds
     "--grpc-keepalive-time": "--grpc-keepalive-time-s",
     "--grpc-keepalive-timeout": "--grpc-keepalive-timeout-s",
 }
-BOOLEAN = {"--grpc-keepalive-permit-without-calls": "--grpc-pings-without-calls"}  # Triton's -> ours
+BOOLEAN = {  # Triton's -> ours
+    "--grpc-keepalive-permit-without-calls": "--grpc-pings-without-calls",
+    "--reuse-grpc-port": "--reuse-port",  # one setting here, for every port
+    "--reuse-http-port": "--reuse-port",
+}
 PINGS = "use --grpc-client-ping-interval-s and --grpc-pings-without-calls to allow pings; counts keep gRPC's defaults"
 # Triton's flag -> (what its `false` means here, or the refusal when it has no meaning here)
 SWITCHED: dict[str, tuple[list[str] | None, str]] = {
@@ -28,7 +32,20 @@ SWITCHED: dict[str, tuple[list[str] | None, str]] = {
     "--allow-metrics": (["--metrics-port", "off"], ""),
     "--allow-grpc": (None, "the gRPC port cannot be turned off here: it is the server's main API"),
     "--strict-readiness": (None, "readiness here is always strict: ready only while a version serves"),
+    "--exit-on-error": (None, "startup errors here always stop the server (exit code 1 or 2)"),
 }
+OTHER_HTTP = "HTTP is KServe v2's here (--http-port): SageMaker's and Vertex AI's endpoints are not served"
+# Triton's flag -> why its `true` is refused; its `false` is what happens here already
+OFF_HERE = {
+    "--allow-gpu-metrics": "GPU metrics are not exported here: use DCGM's exporter beside the pod",
+    "--allow-cpu-metrics": "metrics of CPU and memory here are process_cpu_seconds_total and "
+    "process_resident_memory_bytes, by worker, always on",
+    "--allow-client-shm": "use --shared-memory system, cuda or system,cuda (off by default, as Triton's)",
+    "--allow-sagemaker": OTHER_HTTP,
+    "--allow-vertex-ai": OTHER_HTTP,
+}
+NO_CACHE = "there is no response cache here: every answer is computed; drop it"
+TOKENS = "use --auth-token-file, and --admin-token-file for the control calls (repository, settings, regions)"
 REFUSED = {
     "--backend-directory": "backends are built in: choose one with --backend (auto, ort-cuda, ort-cpu, torch)",
     "--backend-config": "use --backend, --threads, --precision and --gpu-mem-limit-mb",
@@ -55,6 +72,35 @@ REFUSED = {
     "--model-load-thread-count": "versions load one at a time, beside the one serving; drop it",
     "--grpc-http2-max-pings-without-data": PINGS,
     "--grpc-http2-max-ping-strikes": PINGS,
+    "--grpc-use-ssl-mutual": "use --tls-client-ca (mTLS), with --tls-cert and --tls-key",
+    "--grpc-restricted-protocol": TOKENS,
+    "--http-restricted-api": TOKENS,
+    "--grpc-infer-thread-count": "gRPC is served on each worker's event loop here: use --workers",
+    "--grpc-max-response-pool-size": "there is no response pool to size here; drop it",
+    "--grpc-infer-response-compression-level": "answers are sent uncompressed here; drop it",
+    "--grpc-header-forward-pattern": "there is no header forwarding here: a request's parameters carry it; drop it",
+    "--http-header-forward-pattern": "there is no header forwarding here: a request's parameters carry it; drop it",
+    "--http-max-input-size": "use --max-message-mb (MiB; it bounds HTTP bodies and gRPC messages alike)",
+    "--log-file": "logs go to stderr here (JSON with --log-format json), for the container runtime to keep",
+    "--buffer-manager-thread-count": "there is no buffer manager to size here; drop it",
+    "--cache-config": NO_CACHE,
+    "--cache-directory": NO_CACHE,
+    "--response-cache-byte-size": NO_CACHE,
+    "--cuda-virtual-address-size": "use --gpu-mem-limit-mb (ONNX Runtime's CUDA arena)",
+    "--model-load-gpu-limit": "use --gpu-mem-limit-mb (ONNX Runtime's CUDA arena)",
+    "--enable-peer-access": "there is no peer access to set: each worker computes on one GPU; drop it",
+    "--min-supported-compute-capability": "backends are self-checked on their device at start (docs/gpu.md); drop it",
+    "--host-policy": "use the container's CPU set and --threads",
+    "--metrics-config": "metrics have fixed latency buckets here (100 us to 10 s) and no summaries; drop it",
+    "--model-config-name": "the config is generated from the model directory; drop it",
+    "--model-load-retry-count": "there is no load retry to set here; drop it",
+    "--model-namespacing": "there is one model per server here; drop it",
+    "--rate-limit-resource": "use --max-queue-size and --max-inflight-mb",
+    "--repoagent-directory": "there are no repository agents here; drop it",
+    "--trace-count": "use OTEL_TRACES_SAMPLER (docs/operations.md#tracing)",
+    "--trace-log-frequency": "traces go to an OTLP collector: use --otlp-endpoint",
+    **{flag: OTHER_HTTP for flag in ("--sagemaker-port", "--sagemaker-safe-port-range", "--sagemaker-thread-count")},
+    **{flag: OTHER_HTTP for flag in ("--vertex-ai-port", "--vertex-ai-thread-count", "--vertex-ai-default-model")},
 }
 LOG_LEVELS = {"--log-info": "INFO", "--log-warning": "WARNING", "--log-error": "ERROR"}
 
@@ -79,6 +125,10 @@ def _one(flag: str, value: str, refuse: Callable[[str], NoReturn]) -> Translatio
         refuse(f"{flag} is Triton's: set the level instead, e.g. `mha --log-level WARNING serve`")
     if value.lower() not in FALSE + TRUE:
         refuse(f"{flag} {value[:32]!r}: expected true or false (Triton's flag)")
+    if flag in OFF_HERE:
+        if value.lower() in TRUE:
+            refuse(f"{flag}={value} is Triton's: {OFF_HERE[flag]}")
+        return [], []
     off, why = SWITCHED[flag]
     if value.lower() in TRUE:
         return [], []
@@ -89,9 +139,8 @@ def _one(flag: str, value: str, refuse: Callable[[str], NoReturn]) -> Translatio
 
 def triton_flag(arg: str) -> str | None:
     name = arg.split("=", 1)[0]
-    known = name in RENAMED or name in MILLISECONDS or name in REFUSED or name in SWITCHED or name in LOG_LEVELS
-    known = known or name in BOOLEAN or name == "--log-verbose"
-    return name if known else None
+    tables = (RENAMED, MILLISECONDS, REFUSED, SWITCHED, OFF_HERE, LOG_LEVELS, BOOLEAN)
+    return name if name == "--log-verbose" or any(name in table for table in tables) else None
 
 
 def translated(argv: Sequence[str], refuse: Callable[[str], NoReturn]) -> list[str]:

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from service.app.triton_flags import REFUSED, translated
+from service.app.triton_flags import OFF_HERE, REFUSED, translated, triton_flag
 from service.cli import build_parser
 from service.settings import settings_from_namespace
 
@@ -52,7 +52,7 @@ def test_flags_with_our_meaning_are_translated() -> None:
 
 @pytest.mark.parametrize("flag", sorted(REFUSED))
 def test_flags_without_our_meaning_name_the_equivalent(flag: str) -> None:
-    equivalent = "(use|backends|there|HTTP|traces|the config|metrics|versions)"
+    equivalent = "(use|backends|there|HTTP|traces|the config|metrics|versions|gRPC|answers|logs)"
     with pytest.raises(Refused, match=rf"^{flag} is Triton's: {equivalent}"):
         translated(["serve", f"{flag}=x"], _refuse)
 
@@ -120,3 +120,119 @@ def test_the_servers_own_keepalive_pings_take_tritons_flags() -> None:
     for flag in ("--grpc-http2-max-pings-without-data", "--grpc-http2-max-ping-strikes"):
         with pytest.raises(Refused, match="use --grpc-client-ping-interval-s and --grpc-pings-without-calls"):
             translated(["serve", f"{flag}=0"], _refuse)
+
+
+TRITON_FLAGS = (  # every flag of tritonserver 2.73 (src/command_line_parser.cc), --help aside
+    "--allow-client-shm",
+    "--allow-cpu-metrics",
+    "--allow-gpu-metrics",
+    "--allow-grpc",
+    "--allow-http",
+    "--allow-metrics",
+    "--allow-sagemaker",
+    "--allow-vertex-ai",
+    "--backend-config",
+    "--backend-directory",
+    "--buffer-manager-thread-count",
+    "--cache-config",
+    "--cache-directory",
+    "--cuda-memory-pool-byte-size",
+    "--cuda-virtual-address-size",
+    "--disable-auto-complete-config",
+    "--enable-peer-access",
+    "--exit-on-error",
+    "--exit-timeout-secs",
+    "--grpc-address",
+    "--grpc-header-forward-pattern",
+    "--grpc-http2-max-ping-strikes",
+    "--grpc-http2-max-pings-without-data",
+    "--grpc-http2-min-recv-ping-interval-without-data",
+    "--grpc-infer-allocation-pool-size",
+    "--grpc-infer-response-compression-level",
+    "--grpc-infer-thread-count",
+    "--grpc-keepalive-permit-without-calls",
+    "--grpc-keepalive-time",
+    "--grpc-keepalive-timeout",
+    "--grpc-max-connection-age",
+    "--grpc-max-connection-age-grace",
+    "--grpc-max-response-pool-size",
+    "--grpc-port",
+    "--grpc-restricted-protocol",
+    "--grpc-root-cert",
+    "--grpc-server-cert",
+    "--grpc-server-key",
+    "--grpc-use-ssl",
+    "--grpc-use-ssl-mutual",
+    "--host-policy",
+    "--http-address",
+    "--http-header-forward-pattern",
+    "--http-max-input-size",
+    "--http-port",
+    "--http-restricted-api",
+    "--http-thread-count",
+    "--id",
+    "--load-model",
+    "--log-error",
+    "--log-file",
+    "--log-format",
+    "--log-info",
+    "--log-verbose",
+    "--log-warning",
+    "--metrics-address",
+    "--metrics-config",
+    "--metrics-interval-ms",
+    "--metrics-port",
+    "--min-supported-compute-capability",
+    "--model-config-name",
+    "--model-control-mode",
+    "--model-load-gpu-limit",
+    "--model-load-retry-count",
+    "--model-load-thread-count",
+    "--model-namespacing",
+    "--model-repository",
+    "--model-store",
+    "--pinned-memory-pool-byte-size",
+    "--rate-limit",
+    "--rate-limit-resource",
+    "--repoagent-directory",
+    "--repository-poll-secs",
+    "--response-cache-byte-size",
+    "--reuse-grpc-port",
+    "--reuse-http-port",
+    "--sagemaker-port",
+    "--sagemaker-safe-port-range",
+    "--sagemaker-thread-count",
+    "--strict-model-config",
+    "--strict-readiness",
+    "--trace-config",
+    "--trace-count",
+    "--trace-file",
+    "--trace-level",
+    "--trace-log-frequency",
+    "--trace-rate",
+    "--vertex-ai-default-model",
+    "--vertex-ai-port",
+    "--vertex-ai-thread-count",
+)
+
+
+def test_every_triton_flag_is_ours_or_answered_in_one_line() -> None:
+    """No Triton flag meets argparse's bare "unrecognized arguments": each is ours, translated,
+    or refused with a line that names what to use here."""
+    ours = set(build_parser({}).parse_args(["serve"]).__dict__)
+    unknown = [flag for flag in TRITON_FLAGS if triton_flag(flag) is None and flag[2:].replace("-", "_") not in ours]
+    assert not unknown
+
+
+@pytest.mark.parametrize("flag", sorted(OFF_HERE))
+def test_what_is_off_here_is_accepted_off_and_refused_on(flag: str) -> None:
+    assert translated(["serve", f"{flag}=false"], _refuse) == ["serve"]
+    with pytest.raises(Refused, match=rf"^{flag}=true is Triton's: "):
+        translated(["serve", f"{flag}=true"], _refuse)
+
+
+def test_tritons_port_reuse_is_ours_for_every_port() -> None:
+    for flag in ("--reuse-grpc-port", "--reuse-http-port"):
+        translation = translated(["serve", f"{flag}=true"], _refuse)
+        assert translation[1:] == ["--reuse-port", "true"]
+        assert settings_from_namespace(build_parser({}).parse_args(translation), "INFO").reuse_port
