@@ -23,6 +23,7 @@ from tests.support import ROOT
 
 CHART = ROOT / "deploy" / "helm" / "mha-serve"
 RELEASE, NAMESPACE = "mha-serve", "serving"
+TOKENS = {"tokenSecret": "mha-serve-token", "adminTokenSecret": "mha-serve-admin-token"}  # the overlay's Secrets
 CHART_ONLY = ("app.kubernetes.io/instance", "app.kubernetes.io/managed-by", "helm.sh/chart")  # Helm's labels
 
 
@@ -93,7 +94,7 @@ def test_every_object_carries_the_release_so_two_installs_never_overlap() -> Non
 def test_the_objects_validate_strictly_against_1_30_and_lint_clean(tmp_path: Path) -> None:
     values = [None, {"gpu": {"enabled": True, "memoryLimitMb": 20000, "runtimeClassName": "nvidia"}},
               {"autoscaling": {"mode": "none"}, "replicaCount": 3, "priorityClassName": "inference"},
-              {"model": {"source": "checkpoint"}}, {"model": {"source": "repository"}}]  # fmt: skip
+              {"model": {"source": "checkpoint"}}, {"model": {"source": "repository"}}, {"auth": TOKENS}]  # fmt: skip
     for i, v in enumerate(values):
         path = tmp_path / f"{i}.yaml"
         path.write_text(yaml.safe_dump_all(_objects(v) + _objects(v, tests=True)))
@@ -112,6 +113,7 @@ def test_the_objects_validate_strictly_against_1_30_and_lint_clean(tmp_path: Pat
         ({"config": {"THREADS": "4"}}, "'THREADS' does not match"),
         ({"gpu": {"count": 0}}, "/gpu/count"),
         ({"replicas": 3}, "replicas"),
+        ({"auth": {"tokenSecret": "My_Token"}}, "/auth/tokenSecret"),
     ],
 )
 def test_the_values_schema_refuses_what_would_not_work(values: dict[str, Any], says: str) -> None:
@@ -325,3 +327,26 @@ def test_queue_time_joins_cpu_in_the_hpa_as_the_prometheus_overlay_has_it() -> N
     )
     charted = {(d["kind"], d["metadata"]["name"]) for d in docs}
     assert charted == {(d["kind"], base_name(d)) for d in render("cpu-prometheus")}
+
+
+def test_auth_renders_the_tokens_overlays_volume_mount_and_settings() -> None:
+    """auth: the cpu-tokens overlay's projected volume of both Secrets, its read-only mount and the
+    two settings that name the files. The `helm test` pod mounts the inference token alone and
+    sends it; with only an admin token, inference is open and it sends none."""
+    docs = _objects({"auth": TOKENS})
+    ours = _without_helms_own(_of(docs, "Deployment"))["spec"]["template"]["spec"]
+    theirs = by_kind("cpu-tokens", "Deployment")["spec"]["template"]["spec"]
+    assert ours["volumes"] == theirs["volumes"]
+    assert ours["containers"][0]["volumeMounts"] == theirs["containers"][0]["volumeMounts"]
+    config = _of(docs, "ConfigMap", "mha-serve-config")["data"]
+    assert config == by_kind("cpu-tokens", "ConfigMap", "mha-serve-config")["data"]
+    assert config["MHA_ADMIN_TOKEN_FILE"] != config["MHA_AUTH_TOKEN_FILE"]
+    (pod,) = _objects({"auth": TOKENS}, tests=True)
+    (volume,) = [v for v in pod["spec"]["volumes"] if v["name"] == "tokens"]
+    assert [s["secret"]["name"] for s in volume["projected"]["sources"]] == ["mha-serve-token"]  # not the admin's
+    args = pod["spec"]["containers"][0]["args"]
+    assert args[args.index("--token-file") + 1] == config["MHA_AUTH_TOKEN_FILE"]
+    (pod,) = _objects({"auth": {"adminTokenSecret": "mha-serve-admin-token"}}, tests=True)
+    assert "--token-file" not in pod["spec"]["containers"][0]["args"]
+    assert "tokens" not in [v["name"] for v in pod["spec"]["volumes"]]
+    assert "MHA_AUTH_TOKEN_FILE" not in _of(_objects(), "ConfigMap", "mha-serve-config")["data"]  # off by default

@@ -36,6 +36,7 @@ OVERLAYS = (
     "cpu-model-repository",
     "cpu-keda",
     "cpu-pod-deletion-cost",
+    "cpu-tokens",
     *BALANCED,
 )
 BARE = (
@@ -44,6 +45,7 @@ BARE = (
     "gpu-nvidia-runtime",
     "dev",
     "cpu-pod-deletion-cost",
+    "cpu-tokens",
 )  # apply to a cluster without the Prometheus Operator
 
 

@@ -50,6 +50,12 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 {{- $_ := set $config (trim $pair._0) (trim $pair._1) -}}
 {{- end -}}
 {{- end -}}
+{{- if .Values.auth.tokenSecret -}}
+{{- $_ := set $config "MHA_AUTH_TOKEN_FILE" "/etc/mha-serve/tokens/token" -}}
+{{- end -}}
+{{- if .Values.auth.adminTokenSecret -}}
+{{- $_ := set $config "MHA_ADMIN_TOKEN_FILE" "/etc/mha-serve/tokens/admin-token" -}}
+{{- end -}}
 {{- if eq .Values.model.source "checkpoint" -}}
 {{- $_ := set $config "MHA_MODEL_DIR" "/models/custom" -}}
 {{- else if eq .Values.model.source "repository" -}}
@@ -126,4 +132,26 @@ app.kubernetes.io/instance: {{ .Release.Name }}
     capabilities: {drop: [ALL]}
   volumeMounts:
     - {name: pod-cost-token, mountPath: /var/run/secrets/kubernetes.io/serviceaccount, readOnly: true}
+{{- end -}}
+
+{{- /* the tokens' Secrets as one read-only folder: the server's both, the test pod's only the token (`admin`: false) */ -}}
+{{- define "mha-serve.tokenVolume" -}}
+{{- $admin := and .admin .Values.auth.adminTokenSecret -}}
+{{- if or .Values.auth.tokenSecret $admin }}
+- name: tokens
+  projected:
+    sources:
+      {{- with .Values.auth.tokenSecret }}
+      - secret: {name: {{ . }}, items: [{key: token, path: token}]}
+      {{- end }}
+      {{- if $admin }}
+      - secret: {name: {{ .Values.auth.adminTokenSecret }}, items: [{key: token, path: admin-token}]}
+      {{- end }}
+{{- end }}
+{{- end -}}
+
+{{- define "mha-serve.tokenMount" -}}
+{{- if or .Values.auth.tokenSecret (and .admin .Values.auth.adminTokenSecret) }}
+- {name: tokens, mountPath: /etc/mha-serve/tokens, readOnly: true}
+{{- end }}
 {{- end -}}
