@@ -59,8 +59,8 @@ class BearerToken:
             raise self.refusal(how)
 
     @staticmethod
-    def refusal(how: str, whose: str = "") -> Unauthenticated:
-        return Unauthenticated(f"missing or wrong credentials: send {how}{whose}")
+    def refusal(how: str, which: str = "") -> Unauthenticated:
+        return Unauthenticated(f"missing or wrong credentials: send {which}{how}")
 
 
 class Access:
@@ -80,7 +80,7 @@ class Access:
         if self._admin is not None and method in CONTROL_CALLS:
             if self._token is not None and self._token.accepts(given):
                 raise PermissionDenied(f"{method} changes the server for every client: send the admin token in {how}")
-            raise BearerToken.refusal(how, ", the admin token")
+            raise BearerToken.refusal(how, "the admin token in ")
         if self._token is not None and not self._token.accepts(given):
             raise BearerToken.refusal(how)
 

@@ -280,3 +280,8 @@ def test_the_admin_token_alone_guards_only_the_control_calls(small_model_dir: Pa
             assert client.infer(X).shape == X.shape
         assert _grpc_code(s.url, "LogSettings", pb.LogSettingsRequest(), None) == grpc.StatusCode.UNAUTHENTICATED
         assert _grpc_code(s.url, "LogSettings", pb.LogSettingsRequest(), ADMIN) == grpc.StatusCode.OK
+        with grpc.insecure_channel(s.url) as channel, pytest.raises(grpc.RpcError) as refused:
+            pb_grpc.GRPCInferenceServiceStub(channel).RepositoryIndex(pb.RepositoryIndexRequest(), timeout=10)
+        assert refused.value.details() == (
+            "missing or wrong credentials: send the admin token in metadata 'authorization: Bearer <token>'"
+        )
