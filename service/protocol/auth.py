@@ -43,8 +43,8 @@ def read_token(path: Path) -> str:
 
 
 class BearerToken:
-    """The one check of a client's credentials, for both protocols: `Bearer <token>`, compared in
-    constant time; each protocol says in its own words how to send it."""
+    """One token a client may send: `Bearer <token>`, compared in constant time; each protocol
+    says in its own words how to send it."""
 
     def __init__(self, token: str) -> None:
         self._expected = f"Bearer {token}".encode()
@@ -53,10 +53,6 @@ class BearerToken:
         if given is None:
             return False
         return hmac.compare_digest(given.encode() if isinstance(given, str) else bytes(given), self._expected)
-
-    def check(self, given: str | bytes | None, how: str) -> None:
-        if not self.accepts(given):
-            raise self.refusal(how)
 
     @staticmethod
     def refusal(how: str, which: str = "") -> Unauthenticated:
