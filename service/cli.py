@@ -162,9 +162,11 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 def _client_security(args: argparse.Namespace) -> dict[str, Any]:
     """Client options for TLS, mTLS and bearer tokens, from --tls-ca, --tls-client-* and --token-file."""
+    from service.protocol.auth import read_tokens
+
     options: dict[str, Any] = {}
-    if args.token_file:
-        options["token"] = Path(args.token_file).read_text().strip()
+    if args.token_file:  # its first token, where it holds several (a server's, while one is rotated)
+        options["token"] = read_tokens(Path(args.token_file))[0]
     if args.tls_ca:
         options["root_certificates"] = Path(args.tls_ca).read_bytes()
     if args.tls_client_cert and args.tls_client_key:

@@ -30,7 +30,7 @@ from service.engine.readiness import State
 from service.metrics import Metrics
 from service.proto import grpc_service_pb2 as pb
 from service.protocol.answer import Answering, Answers
-from service.protocol.auth import Access, BearerTokenInterceptor, read_token
+from service.protocol.auth import Access, BearerTokenInterceptor, read_tokens
 from service.protocol.calls import Calls
 from service.protocol.grpc_servicer import InferenceServicer, generic_handler
 from service.protocol.handover import Handover
@@ -225,18 +225,16 @@ def _access(settings: Settings) -> Access:
         _token("--auth-token-file", settings.auth_token_file),
         _token("--admin-token-file", settings.admin_token_file),
     )
-    if admin is not None and admin == token:
-        raise StartupError(
-            "--admin-token-file holds the --auth-token-file's token: any client could make control calls", 2
-        )
+    if admin is not None and token is not None and set(admin) & set(token):
+        raise StartupError("--admin-token-file holds a --auth-token-file token: any client could make control calls", 2)
     return Access(token, admin)
 
 
-def _token(flag: str, path: Path | None) -> str | None:
+def _token(flag: str, path: Path | None) -> tuple[str, ...] | None:
     if path is None:
         return None
     try:
-        return read_token(path)
+        return read_tokens(path)
     except (OSError, ValueError) as exc:
         raise StartupError(f"{flag} {path}: {exc}") from exc
 

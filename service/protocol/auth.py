@@ -35,24 +35,26 @@ CONTROL_CALLS = frozenset(  # what changes or shows the server for every client:
 )
 
 
-def read_token(path: Path) -> str:
-    token = path.read_text().strip()
-    if not token:
+def read_tokens(path: Path) -> tuple[str, ...]:
+    """The tokens a file holds, one a line (blank lines aside): several while one is rotated."""
+    tokens = tuple(line.strip() for line in path.read_text().splitlines() if line.strip())
+    if not tokens:
         raise ValueError(f"{path} is empty; expected the bearer token clients must send")
-    return token
+    return tokens
 
 
 class BearerToken:
-    """One token a client may send: `Bearer <token>`, compared in constant time; each protocol
-    says in its own words how to send it."""
+    """The tokens a client may send, any one of them: `Bearer <token>`, compared in constant
+    time with each; each protocol says in its own words how to send it."""
 
-    def __init__(self, token: str) -> None:
-        self._expected = f"Bearer {token}".encode()
+    def __init__(self, tokens: tuple[str, ...]) -> None:
+        self._expected = [f"Bearer {token}".encode() for token in tokens]
 
     def accepts(self, given: str | bytes | None) -> bool:
         if given is None:
             return False
-        return hmac.compare_digest(given.encode() if isinstance(given, str) else bytes(given), self._expected)
+        sent = given.encode() if isinstance(given, str) else bytes(given)
+        return sum(hmac.compare_digest(sent, expected) for expected in self._expected) > 0  # every one compared
 
     @staticmethod
     def refusal(how: str, which: str = "") -> Unauthenticated:
@@ -65,7 +67,7 @@ class Access:
     call takes too. A control call made with the inference token is PERMISSION_DENIED: the client
     is known, and the call is not its to make."""
 
-    def __init__(self, token: str | None = None, admin: str | None = None) -> None:
+    def __init__(self, token: tuple[str, ...] | None = None, admin: tuple[str, ...] | None = None) -> None:
         self._token = None if token is None else BearerToken(token)
         self._admin = None if admin is None else BearerToken(admin)
         self.open = token is None and admin is None

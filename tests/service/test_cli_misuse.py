@@ -76,7 +76,7 @@ CASES = {  # name: (arguments given the fixtures, environment, exit code, what t
         ),
         {},
         2,
-        "--admin-token-file holds the --auth-token-file's token: any client could make control calls",
+        "--admin-token-file holds a --auth-token-file token: any client could make control calls",
     ),
     "host-not-this-machines": (  # before, with --workers: ": Name or service not known", no flag named
         lambda f: _serve(f["model"], "--grpc-port", "0", "--http-port", "0", "--host", "999.1.1.1"),

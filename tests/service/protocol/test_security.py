@@ -285,3 +285,22 @@ def test_the_admin_token_alone_guards_only_the_control_calls(small_model_dir: Pa
         assert refused.value.details() == (
             "missing or wrong credentials: send the admin token in metadata 'authorization: Bearer <token>'"
         )
+
+
+def test_a_token_file_of_several_lines_accepts_each_so_a_token_rotates(small_model_dir: Path, tmp_path: Path) -> None:
+    """One token a line: while a token is rotated, the file holds the new and the old, and clients
+    of either are served; a token no line holds is refused. `mha infer --token-file` sends the
+    first line's."""
+    (tmp_path / "tokens").write_text("new-token\n\nold-token\n")
+    with ServerThread(make_settings(small_model_dir, auth_token_file=tmp_path / "tokens")) as s:
+        for token in ("new-token", "old-token"):
+            with MHAClient(s.url, token=token) as client:
+                assert client.infer(X).shape == X.shape
+        for token in ("new-token old-token", "", "old"):
+            with MHAClient(s.url, token=token) as client, pytest.raises(InferenceError) as info:
+                client.infer(X, timeout=5)
+            assert info.value.code == grpc.StatusCode.UNAUTHENTICATED
+        shape = ",".join(str(n) for n in X.shape)
+        cli = [sys.executable, "-m", "service.cli", "infer", "--url", s.url, "--shape", shape]
+        done = subprocess.run([*cli, "--token-file", str(tmp_path / "tokens")], capture_output=True, text=True)
+        assert done.returncode == 0, done.stderr
