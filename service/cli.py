@@ -166,7 +166,10 @@ def _client_security(args: argparse.Namespace) -> dict[str, Any]:
 
     options: dict[str, Any] = {}
     if args.token_file:  # its first token, where it holds several (a server's, while one is rotated)
-        options["token"] = read_tokens(Path(args.token_file))[0]
+        try:
+            options["token"] = read_tokens(Path(args.token_file))[0]
+        except ValueError as exc:
+            raise CliError(f"--token-file {exc}", 2) from None
     if args.tls_ca:
         options["root_certificates"] = Path(args.tls_ca).read_bytes()
     if args.tls_client_cert and args.tls_client_key:

@@ -241,6 +241,12 @@ CASES = {  # name: (arguments given the fixtures, environment, exit code, what t
         2,
         "--shape '1,-1,128': expected B,T,C such as 1,64,128 (negative dimensions are not allowed)",
     ),
+    "infer-token-file-empty": (  # before this case: a traceback, the file read as no token at all
+        lambda f: ["infer", "--url", f["url"], "--token-file", str(f["empty"])],
+        {},
+        2,
+        "is empty; expected the bearer token clients must send",
+    ),
     "infer-token-file-missing": (
         lambda f: ["infer", "--url", f["url"], "--token-file", "/nope/token"],
         {},
@@ -358,8 +364,10 @@ def test_misuse_gets_one_clear_line(
     tmp_path: Path,
 ) -> None:
     np.save(complex_input := tmp_path / "complex.npy", np.ones((1, 4, 32), dtype=np.complex64))
+    (empty := tmp_path / "empty").write_text("\n")
     fixtures = {
         "complex": complex_input,
+        "empty": empty,
         "model": small_model_dir,
         "default": default_model_dir,
         "taken": taken_port,
