@@ -53,7 +53,10 @@ class BearerToken:
     def accepts(self, given: str | bytes | None) -> bool:
         if given is None:
             return False
-        sent = given.encode() if isinstance(given, str) else bytes(given)
+        try:  # a header's bytes that are not UTF-8 come back as they were sent (aiohttp's surrogateescape)
+            sent = given.encode("utf-8", "surrogateescape") if isinstance(given, str) else bytes(given)
+        except UnicodeEncodeError:
+            return False
         return sum(hmac.compare_digest(sent, expected) for expected in self._expected) > 0  # every one compared
 
     @staticmethod

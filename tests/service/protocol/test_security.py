@@ -232,6 +232,16 @@ def _http(port: int, method: str, path: str, token: str | None, body: bytes = b"
     return response.status, answer
 
 
+def _http_raw_authorization(port: int, value: bytes) -> int:
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+    conn.putrequest("GET", "/v2/logging")
+    conn.putheader("Authorization", value)
+    conn.endheaders()
+    status = conn.getresponse().status
+    conn.close()
+    return status
+
+
 CONTROLS = {  # a control call of each kind: (gRPC method, request), (HTTP method, path)
     "repository": (("RepositoryIndex", pb.RepositoryIndexRequest()), ("POST", "/v2/repository/index")),
     "log": (("LogSettings", pb.LogSettingsRequest()), ("GET", "/v2/logging")),
@@ -267,6 +277,8 @@ def test_control_calls_need_the_admin_token(small_model_dir: Path, tmp_path: Pat
             assert statuses == [401, 401, 403, 200], (path, statuses)
         status, answer = _http(s.http_port, "POST", "/v2/repository/models/mha/unload", USER)
         assert status == 403 and "send the admin token" in str(answer["error"]), answer
+        for garbage in (b"Bearer \xff\xfe", b"Bearer " + b"x" * 8000, "Bearer \u00fc".encode()):  # before: 500
+            assert _http_raw_authorization(s.http_port, garbage) == 401, garbage[:16]
         for token in (USER, ADMIN):
             with MHAClient(s.url, token=token) as client:
                 assert client.infer(X).shape == X.shape
