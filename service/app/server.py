@@ -30,7 +30,7 @@ from service.engine.readiness import State
 from service.metrics import Metrics
 from service.proto import grpc_service_pb2 as pb
 from service.protocol.answer import Answering, Answers
-from service.protocol.auth import Access, BearerTokenInterceptor, read_tokens
+from service.protocol.auth import Access, BearerTokenInterceptor, TokenFiles
 from service.protocol.calls import Calls
 from service.protocol.grpc_servicer import InferenceServicer, generic_handler
 from service.protocol.handover import Handover
@@ -50,6 +50,7 @@ INFERENCE_SERVICE = pb.DESCRIPTOR.services_by_name["GRPCInferenceService"].full_
 HEALTH_SERVICES = ("", INFERENCE_SERVICE)
 METRICS_REFRESH_S = 0.25  # a worker of several: how often its metrics reach its multiprocess files
 PEERS_POLL_S = 0.05  # a worker of several, loaded: how often it looks for the others before it serves
+TOKEN_FILES_READ_S = 10.0  # how often the token files are looked at for a change (a Secret updated in place)
 
 
 class StartupError(RuntimeError):
@@ -145,7 +146,8 @@ async def start(
     engine = build_engine(
         settings, metrics, source, schedule, clock, _tracing(settings), compute_hook, others_ready, gone, tell
     )
-    access, credentials = _access(settings), _credentials(settings)  # read before a worker's long load
+    tokens, credentials = _token_files(settings), _credentials(settings)  # read before a worker's long load
+    access = tokens.access
     if settings.reuse_port and not settings.worker_bind_first:
         try:
             await load(engine, settings)
@@ -176,6 +178,9 @@ async def start(
         await _start_http(running, settings, HttpApi(door, answers, calls, access))
     await server.start()
     running.tasks.add(asyncio.get_running_loop().create_task(_not_serving_when_lost(running)))
+    if not access.open:  # a token changed in its file is taken while serving
+        follow = tokens.follow(engine.keeper.compute.clock, asyncio.Event(), TOKEN_FILES_READ_S)
+        running.tasks.add(asyncio.get_running_loop().create_task(follow))
     if worker is not None:  # the supervisor reads this worker's files, never its registry
         running.tasks.add(asyncio.get_running_loop().create_task(_refresh_metrics(metrics)))
     tls = "TLS" if credentials else "plaintext"
@@ -219,24 +224,12 @@ def _peers(settings: Settings) -> WorkerPeers | None:
     return WorkerPeers(settings.worker_index, settings.worker_peers, settings.worker_socket_dir)
 
 
-def _access(settings: Settings) -> Access:
-    """Who may make which call, from --auth-token-file and --admin-token-file."""
-    token, admin = (
-        _token("--auth-token-file", settings.auth_token_file),
-        _token("--admin-token-file", settings.admin_token_file),
-    )
-    if admin is not None and token is not None and set(admin) & set(token):
-        raise StartupError("--admin-token-file holds a --auth-token-file token: any client could make control calls", 2)
-    return Access(token, admin)
-
-
-def _token(flag: str, path: Path | None) -> tuple[str, ...] | None:
-    if path is None:
-        return None
+def _token_files(settings: Settings) -> TokenFiles:
+    """--auth-token-file and --admin-token-file, read (a problem with either is a startup error)."""
     try:
-        return read_tokens(path)
-    except (OSError, ValueError) as exc:
-        raise StartupError(f"{flag} {path}: {exc}") from exc
+        return TokenFiles(settings.auth_token_file, settings.admin_token_file)
+    except ValueError as exc:
+        raise StartupError(str(exc)) from exc
 
 
 def _grpc_server(

@@ -3,13 +3,16 @@ server interceptor); health and reflection stay open."""
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import logging
+import os
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import grpc
 
+from service.batching import Clock
 from service.errors import PermissionDenied, ServiceError, Unauthenticated
 
 log = logging.getLogger(__name__)
@@ -71,9 +74,12 @@ class Access:
     is known, and the call is not its to make."""
 
     def __init__(self, token: tuple[str, ...] | None = None, admin: tuple[str, ...] | None = None) -> None:
+        self.replace(token, admin)
+        self.open = token is None and admin is None
+
+    def replace(self, token: tuple[str, ...] | None, admin: tuple[str, ...] | None) -> None:
         self._token = None if token is None else BearerToken(token)
         self._admin = None if admin is None else BearerToken(admin)
-        self.open = token is None and admin is None
 
     def check(self, method: str, given: str | bytes | None, how: str) -> None:
         if self._admin is not None and self._admin.accepts(given):
@@ -84,6 +90,66 @@ class Access:
             raise BearerToken.refusal(how, "the admin token in ")
         if self._token is not None and not self._token.accepts(given):
             raise BearerToken.refusal(how)
+
+
+FLAGS = ("--auth-token-file", "--admin-token-file")
+
+
+class TokenFiles:
+    """--auth-token-file and --admin-token-file, and the Access they give, read again whenever
+    either file changes (a Kubernetes Secret is updated in place), so that a token is added or
+    removed without a restart. A change that cannot be read, or that would put a token in both
+    files, leaves the tokens as they were, and says why."""
+
+    def __init__(self, token: Path | None, admin: Path | None) -> None:
+        self._paths = (token, admin)
+        self._seen = self._stamps()
+        self.access = Access(*self.read())  # what cannot be read at start is the caller's to refuse
+
+    def read(self) -> tuple[tuple[str, ...] | None, tuple[str, ...] | None]:
+        named = zip(FLAGS, self._paths, strict=True)
+        token, admin = (None if path is None else _read(flag, path) for flag, path in named)
+        if token is not None and admin is not None and set(token) & set(admin):
+            raise ValueError("--admin-token-file holds a --auth-token-file token: any client could make control calls")
+        return token, admin
+
+    def reread(self) -> bool:
+        """The files read again if either changed since last seen; whether the tokens changed."""
+        if (stamps := self._stamps()) == self._seen:
+            return False
+        self._seen = stamps
+        try:
+            self.access.replace(*self.read())
+        except ValueError as exc:
+            log.warning("the token files changed but were not taken, the tokens stay as they were: %s", exc)
+            return False
+        log.info("the token files changed: their tokens are the ones accepted now")
+        return True
+
+    async def follow(self, clock: Clock, stop: asyncio.Event, period_s: float) -> None:
+        while not stop.is_set():
+            await clock.wait(stop, clock.now() + period_s)
+            if not stop.is_set():
+                self.reread()
+
+    def _stamps(self) -> tuple[tuple[int, int, int] | None, ...]:
+        return tuple(None if path is None else _stamp(path) for path in self._paths)
+
+
+def _read(flag: str, path: Path) -> tuple[str, ...]:
+    try:
+        return read_tokens(path)
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"{flag} {path}: {exc}") from exc
+
+
+def _stamp(path: Path) -> tuple[int, int, int] | None:
+    """What changes when a file is written or replaced (a Secret's files are swapped in, not edited)."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return st.st_ino, st.st_mtime_ns, st.st_size
 
 
 class BearerTokenInterceptor(grpc.aio.ServerInterceptor):

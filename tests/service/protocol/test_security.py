@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import asyncio
 import datetime
 import http.client
 import ipaddress
 import json
+import os
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -23,8 +25,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from service.client.client import InferenceError, MHAClient
 from service.proto import grpc_service_pb2 as pb
 from service.proto import grpc_service_pb2_grpc as pb_grpc
-from service.protocol.auth import CONTROL_CALLS
-from tests.support import ServerThread, make_settings
+from service.protocol.auth import CONTROL_CALLS, Access, TokenFiles
+from tests.support import ManualClock, ServerThread, make_settings
 
 X = np.ones((1, 4, 32), np.float32)
 
@@ -316,3 +318,55 @@ def test_a_token_file_of_several_lines_accepts_each_so_a_token_rotates(small_mod
         cli = [sys.executable, "-m", "service.cli", "infer", "--url", s.url, "--shape", shape]
         done = subprocess.run([*cli, "--token-file", str(tmp_path / "tokens")], capture_output=True, text=True)
         assert done.returncode == 0, done.stderr
+
+
+def _taken(access: Access, token: str, method: str = "ModelInfer") -> bool:
+    try:
+        access.check(method, f"Bearer {token}", "a header")
+    except Exception:
+        return False
+    return True
+
+
+def test_token_files_changed_while_serving_are_taken_and_a_bad_change_is_not(tmp_path: Path) -> None:
+    """A token is added or removed without a restart: the files are read again once they change,
+    written in place or swapped in as a Kubernetes Secret's are. A change that cannot be read, or
+    that puts a token in both files, leaves the tokens as they were."""
+    token, admin = tmp_path / "token", tmp_path / "admin"
+    token.write_text("old\n")
+    admin.write_text("adm\n")
+    files = TokenFiles(token, admin)
+    access = files.access
+    assert not files.reread() and _taken(access, "old") and not _taken(access, "new")
+    token.write_text("new\nold\n")
+    assert files.reread() and _taken(access, "new") and _taken(access, "old")
+    for bad in ("", "adm\n"):  # empty; a token of the admin's file too
+        token.write_text(bad)
+        assert not files.reread() and _taken(access, "new") and _taken(access, "adm", "LogSettings")
+        assert not _taken(access, "new", "LogSettings")  # the admin token stays the only one for control calls
+    (swapped := tmp_path / "next").write_text("newest\n")
+    os.replace(swapped, token)  # a Secret's update: a new file in the old one's place
+    assert files.reread() and _taken(access, "newest") and not _taken(access, "new")
+    admin.unlink()  # a file gone: kept as it was
+    assert not files.reread() and _taken(access, "adm", "LogSettings")
+
+
+def test_the_files_are_looked_at_on_the_servers_clock(small_model_dir: Path, tmp_path: Path) -> None:
+    """While serving, the token file is looked at every 10 s of the server's clock: a token added
+    to it is accepted after the next look, and not before."""
+    (tmp_path / "token").write_text(USER)
+    clock = ManualClock()
+    with ServerThread(make_settings(small_model_dir, auth_token_file=tmp_path / "token"), clock=clock) as s:
+        metadata = pb.ServerMetadataRequest()
+        assert _grpc_code(s.url, "ServerMetadata", metadata, USER) == grpc.StatusCode.OK
+        (tmp_path / "token").write_text(f"{USER}\nrotated\n")
+        s.call(_advance(clock, 9.0))
+        assert _grpc_code(s.url, "ServerMetadata", metadata, "rotated") == grpc.StatusCode.UNAUTHENTICATED
+        s.call(_advance(clock, 1.5))
+        assert _grpc_code(s.url, "ServerMetadata", metadata, "rotated") == grpc.StatusCode.OK
+
+
+async def _advance(clock: ManualClock, seconds: float) -> None:
+    clock.advance(seconds)
+    for _ in range(10):  # the looks the clock woke take their turns
+        await asyncio.sleep(0)
