@@ -76,7 +76,7 @@ class NetworkSettings:
     tls_cert: Path | None = setting(None, "PEM server certificate; with --tls-key, serve TLS")
     tls_key: Path | None = setting(None, "PEM private key of --tls-cert")
     tls_client_ca: Path | None = setting(None, "PEM CA bundle; clients must present a certificate it signed (mTLS)")
-    auth_token_file: Path | None = setting(None, "file holding the bearer token clients must send")
+    auth_token_file: Path | None = setting(None, "file of the bearer tokens clients may send, one a line")
     admin_token_file: Path | None = setting(
         None, "file holding the token control calls need: repository, settings, regions"
     )
