@@ -9,7 +9,6 @@ import os
 import shutil
 import signal
 import socket
-import ssl
 import sys
 import time
 from dataclasses import dataclass, field
@@ -34,11 +33,12 @@ from service.protocol.auth import Access, BearerTokenInterceptor, TokenFiles
 from service.protocol.calls import Calls
 from service.protocol.grpc_servicer import InferenceServicer, generic_handler
 from service.protocol.handover import Handover
-from service.protocol.http_app import HttpApi, ssl_context
+from service.protocol.http_app import HttpApi
 from service.protocol.http_wire import quiet_client_mistakes
 from service.protocol.metrics_http import MetricsServer
 from service.protocol.peers import Broadcast, WorkerPeers, socket_path
 from service.protocol.shm import Regions
+from service.protocol.tls import TlsFiles
 from service.protocol.workers import WorkerAnswers
 from service.resources import freed_buffers_go_back
 from service.settings import Settings
@@ -50,7 +50,6 @@ INFERENCE_SERVICE = pb.DESCRIPTOR.services_by_name["GRPCInferenceService"].full_
 HEALTH_SERVICES = ("", INFERENCE_SERVICE)
 METRICS_REFRESH_S = 0.25  # a worker of several: how often its metrics reach its multiprocess files
 PEERS_POLL_S = 0.05  # a worker of several, loaded: how often it looks for the others before it serves
-TOKEN_FILES_READ_S = 10.0  # how often the token files are looked at for a change (a Secret updated in place)
 
 
 class StartupError(RuntimeError):
@@ -87,37 +86,15 @@ class Running:
     tasks: set[asyncio.Task[None]] = field(default_factory=set)  # keeps background tasks referenced
 
 
-def _check_tls_files(settings: Settings) -> None:
-    """Read the PEM files the way a TLS server will, so that a bad one is named with its reason
-    (gRPC itself only says that it failed to bind)."""
-    assert settings.tls_cert is not None and settings.tls_key is not None
-    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-    try:
-        context.load_cert_chain(settings.tls_cert, settings.tls_key)
-    except (OSError, ssl.SSLError) as exc:
-        raise StartupError(
-            f"--tls-cert {settings.tls_cert} with --tls-key {settings.tls_key}: {exc}; expected a PEM certificate "
-            "and the PEM private key that matches it"
-        ) from exc
-    if settings.tls_client_ca is not None:
-        try:
-            context.load_verify_locations(settings.tls_client_ca)
-        except (OSError, ssl.SSLError) as exc:
-            raise StartupError(
-                f"--tls-client-ca {settings.tls_client_ca}: {exc}; expected PEM CA certificates"
-            ) from exc
-
-
-def _credentials(settings: Settings) -> grpc.ServerCredentials | None:
+def _tls_files(settings: Settings) -> TlsFiles | None:
+    """--tls-cert, --tls-key and --tls-client-ca, read the way a TLS server reads them, so that a bad
+    one is named with its reason (gRPC itself only says that it failed to bind)."""
     if settings.tls_cert is None or settings.tls_key is None:
         return None
-    _check_tls_files(settings)
-    ca = settings.tls_client_ca.read_bytes() if settings.tls_client_ca is not None else None
-    return grpc.ssl_server_credentials(
-        [(settings.tls_key.read_bytes(), settings.tls_cert.read_bytes())],
-        root_certificates=ca,
-        require_client_auth=ca is not None,
-    )
+    try:
+        return TlsFiles(settings.tls_cert, settings.tls_key, settings.tls_client_ca)
+    except ValueError as exc:
+        raise StartupError(str(exc)) from exc
 
 
 async def start(
@@ -146,7 +123,8 @@ async def start(
     engine = build_engine(
         settings, metrics, source, schedule, clock, _tracing(settings), compute_hook, others_ready, gone, tell
     )
-    tokens, credentials = _token_files(settings), _credentials(settings)  # read before a worker's long load
+    tokens, tls = _token_files(settings), _tls_files(settings)  # read before a worker's long load
+    credentials = None if tls is None else tls.grpc_credentials()
     access = tokens.access
     if settings.reuse_port and not settings.worker_bind_first:
         try:
@@ -175,20 +153,19 @@ async def start(
     if settings.health_port is not None:
         await _start_health_port(running, settings)
     if settings.http_port is not None:
-        await _start_http(running, settings, HttpApi(door, answers, calls, access))
+        await _start_http(running, settings, HttpApi(door, answers, calls, access), tls)
     await server.start()
     running.tasks.add(asyncio.get_running_loop().create_task(_not_serving_when_lost(running)))
-    if not access.open:  # a token changed in its file is taken while serving
-        follow = tokens.follow(engine.keeper.compute.clock, asyncio.Event(), TOKEN_FILES_READ_S)
+    for watched in ([] if access.open else [tokens]) + ([] if tls is None else [tls]):  # changed: taken
+        follow = watched.follow(engine.keeper.compute.clock, asyncio.Event())
         running.tasks.add(asyncio.get_running_loop().create_task(follow))
     if worker is not None:  # the supervisor reads this worker's files, never its registry
         running.tasks.add(asyncio.get_running_loop().create_task(_refresh_metrics(metrics)))
-    tls = "TLS" if credentials else "plaintext"
     log.debug(  # a person reads "ready" (or the one line that says why not)
         "listening: gRPC %s:%d (%s), HTTP :%s, metrics :%s",
         settings.host,
         port,
-        tls,
+        "plaintext" if tls is None else "TLS",
         running.http_port or "off",
         running.metrics_port or "off",
     )
@@ -291,7 +268,7 @@ async def _refresh_metrics(metrics: Metrics) -> None:
         metrics.refresh()
 
 
-async def _start_http(running: Running, settings: Settings, api: HttpApi) -> None:
+async def _start_http(running: Running, settings: Settings, api: HttpApi, tls: TlsFiles | None) -> None:
     quiet_client_mistakes()
     running.side.http = web.AppRunner(api.app(), access_log=None, handle_signals=False, auto_decompress=False)
     await running.side.http.setup()
@@ -299,7 +276,7 @@ async def _start_http(running: Running, settings: Settings, api: HttpApi) -> Non
         running.side.http,
         settings.host,
         settings.http_port,
-        ssl_context=ssl_context(settings),
+        ssl_context=None if tls is None else tls.http_context(),
         reuse_port=settings.reuse_port or None,
     )
     try:

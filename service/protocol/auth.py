@@ -3,19 +3,14 @@ server interceptor); health and reflection stay open."""
 
 from __future__ import annotations
 
-import asyncio
 import hmac
-import logging
-import os
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import grpc
 
-from service.batching import Clock
 from service.errors import PermissionDenied, ServiceError, Unauthenticated
-
-log = logging.getLogger(__name__)
+from service.protocol.watched import WatchedFiles
 
 OPEN_SERVICES = (
     "/grpc.health.v1.Health/",
@@ -97,15 +92,15 @@ class Access:
 FLAGS = ("--auth-token-file", "--admin-token-file")
 
 
-class TokenFiles:
+class TokenFiles(WatchedFiles):
     """--auth-token-file and --admin-token-file, and the Access they give, read again whenever
-    either file changes (a Kubernetes Secret is updated in place), so that a token is added or
-    removed without a restart. A change that cannot be read, or that would put a token in both
-    files, leaves the tokens as they were, and says why."""
+    either file changes, so that a token is added or removed without a restart. A change that
+    cannot be read, or that would put a token in both files, leaves the tokens as they were."""
+
+    what = "the token files"
 
     def __init__(self, token: Path | None, admin: Path | None) -> None:
-        self._paths = (token, admin)
-        self._seen = self._stamps()
+        super().__init__(token, admin)
         self.access = Access(*self.read())  # what cannot be read at start is the caller's to refuse
 
     def read(self) -> tuple[tuple[str, ...] | None, tuple[str, ...] | None]:
@@ -115,27 +110,8 @@ class TokenFiles:
             raise ValueError("--admin-token-file holds a --auth-token-file token: any client could make control calls")
         return token, admin
 
-    def reread(self) -> bool:
-        """The files read again if either changed since last seen; whether the tokens changed."""
-        if (stamps := self._stamps()) == self._seen:
-            return False
-        self._seen = stamps
-        try:
-            self.access.replace(*self.read())
-        except ValueError as exc:
-            log.warning("the token files changed but were not taken, the tokens stay as they were: %s", exc)
-            return False
-        log.info("the token files changed: their tokens are the ones accepted now")
-        return True
-
-    async def follow(self, clock: Clock, stop: asyncio.Event, period_s: float) -> None:
-        while not stop.is_set():
-            await clock.wait(stop, clock.now() + period_s)
-            if not stop.is_set():
-                self.reread()
-
-    def _stamps(self) -> tuple[tuple[int, int, int] | None, ...]:
-        return tuple(None if path is None else _stamp(path) for path in self._paths)
+    def take(self) -> None:
+        self.access.replace(*self.read())
 
 
 def _read(flag: str, path: Path) -> tuple[str, ...]:
@@ -143,15 +119,6 @@ def _read(flag: str, path: Path) -> tuple[str, ...]:
         return read_tokens(path)
     except (OSError, ValueError) as exc:
         raise ValueError(f"{flag} {path}: {exc}") from exc
-
-
-def _stamp(path: Path) -> tuple[int, int, int] | None:
-    """What changes when a file is written or replaced (a Secret's files are swapped in, not edited)."""
-    try:
-        st = os.stat(path)
-    except OSError:
-        return None
-    return st.st_ino, st.st_mtime_ns, st.st_size
 
 
 class BearerTokenInterceptor(grpc.aio.ServerInterceptor):

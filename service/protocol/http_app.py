@@ -13,7 +13,6 @@ import asyncio
 import base64
 import binascii
 import logging
-import ssl
 import zlib
 from collections.abc import Awaitable, Callable
 from functools import partial
@@ -40,7 +39,6 @@ from service.protocol.http_codec import (
 from service.protocol.http_wire import ConnectionAges, route_errors
 from service.protocol.inference import SEQUENCE_HEADER
 from service.protocol.status import http_status
-from service.settings import Settings
 
 CALL_KEY = web.RequestKey("mha.call", Call)  # the call scope of the request, for its handler
 BODY_LIMIT_MIB = web.AppKey("mha.body_limit_mib", int)  # --max-message-mb: the largest body read
@@ -359,17 +357,6 @@ async def written(request: web.Request, response: web.StreamResponse, timeout_s:
         if request.transport is not None:
             request.transport.abort()
         raise asyncio.CancelledError from None
-
-
-def ssl_context(settings: Settings) -> ssl.SSLContext | None:
-    if settings.tls_cert is None or settings.tls_key is None:
-        return None
-    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-    context.load_cert_chain(settings.tls_cert, settings.tls_key)
-    if settings.tls_client_ca is not None:
-        context.load_verify_locations(settings.tls_client_ca)
-        context.verify_mode = ssl.CERT_REQUIRED
-    return context
 
 
 async def _settings_body(request: web.Request, what: str) -> dict[str, Any]:

@@ -26,6 +26,7 @@ from service.client.client import InferenceError, MHAClient
 from service.proto import grpc_service_pb2 as pb
 from service.proto import grpc_service_pb2_grpc as pb_grpc
 from service.protocol.auth import CONTROL_CALLS, Access, TokenFiles
+from service.protocol.tls import TlsFiles
 from tests.support import ManualClock, ServerThread, make_settings
 
 X = np.ones((1, 4, 32), np.float32)
@@ -86,12 +87,17 @@ def pki(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     paths["rogue_crt"], paths["rogue_key"] = _pair(
         d, "rogue", _cert("rogue", rogue_key, (other_ca, other_key)), rogue_key
     )
+    paths["other_ca"], _ = _pair(d, "other_ca", other_ca, other_key)  # the CA a rotation moves to
+    next_key = ec.generate_private_key(ec.SECP256R1())
+    paths["next_crt"], paths["next_key"] = _pair(
+        d, "next", _cert("localhost", next_key, (other_ca, other_key), server=True), next_key
+    )
     return paths
 
 
-def _tls_client(url: str, pki: dict[str, Path], who: str | None = None, **kw: object) -> MHAClient:
+def _tls_client(url: str, pki: dict[str, Path], who: str | None = None, ca: str = "ca", **kw: object) -> MHAClient:
     cert = (pki[f"{who}_key"].read_bytes(), pki[f"{who}_crt"].read_bytes()) if who else None
-    return MHAClient(url, root_certificates=pki["ca"].read_bytes(), client_cert=cert, **kw)  # type: ignore[arg-type]
+    return MHAClient(url, root_certificates=pki[ca].read_bytes(), client_cert=cert, **kw)  # type: ignore[arg-type]
 
 
 @pytest.fixture(scope="module")
@@ -370,3 +376,81 @@ async def _advance(clock: ManualClock, seconds: float) -> None:
     clock.advance(seconds)
     for _ in range(10):  # the looks the clock woke take their turns
         await asyncio.sleep(0)
+
+
+def _served(files: dict[str, Path], pki: dict[str, Path], cert: str, key: str, client_ca: str) -> None:
+    """What the server's TLS files hold, each swapped in as a Secret's files are."""
+    for name, source in (("tls.crt", cert), ("tls.key", key), ("ca.crt", client_ca)):
+        (staged := files["dir"] / f"{name}.next").write_bytes(pki[source].read_bytes())
+        os.replace(staged, files[name])
+
+
+def _grpc_tls_code(url: str, pki: dict[str, Path], who: str, ca: str) -> grpc.StatusCode:
+    with _tls_client(url, pki, who, ca) as client:
+        try:
+            client.infer(X, timeout=5)
+        except InferenceError as exc:
+            return exc.code
+    return grpc.StatusCode.OK
+
+
+def _https_status(port: int, pki: dict[str, Path], who: str, ca: str) -> int | str:
+    import ssl
+    import urllib.request
+
+    context = ssl.create_default_context(cafile=str(pki[ca]))
+    context.load_cert_chain(pki[f"{who}_crt"], pki[f"{who}_key"])
+    try:
+        with urllib.request.urlopen(f"https://127.0.0.1:{port}/v2/health/ready", context=context, timeout=10) as r:
+            return int(r.status)
+    except OSError as exc:  # urllib's URLError, or the connection closed on a refused certificate
+        return type(exc).__name__
+
+
+def test_a_renewed_certificate_is_served_without_a_restart(
+    small_model_dir: Path, pki: dict[str, Path], tmp_path: Path
+) -> None:
+    """cert-manager renews a certificate by updating its Secret in place. After the next look at
+    the files (every 10 s of the server's clock), new connections of both protocols get the new
+    certificate and are checked against the new client CA; a connection already open keeps going."""
+    files = {"dir": tmp_path, **{name: tmp_path / name for name in ("tls.crt", "tls.key", "ca.crt")}}
+    _served(files, pki, "server_crt", "server_key", "ca")
+    clock = ManualClock()
+    settings = make_settings(
+        small_model_dir,
+        tls_cert=files["tls.crt"],
+        tls_key=files["tls.key"],
+        tls_client_ca=files["ca.crt"],
+        http_port=0,
+        backend="torch",
+    )
+    with ServerThread(settings, clock=clock) as s, _tls_client(s.url, pki, "client") as open_before:
+        assert open_before.infer(X).shape == X.shape
+        assert _https_status(s.http_port, pki, "client", "ca") == 200
+        _served(files, pki, "next_crt", "next_key", "other_ca")
+        s.call(_advance(clock, 9.0))
+        assert _grpc_tls_code(s.url, pki, "client", "ca") == grpc.StatusCode.OK  # not looked at yet
+        s.call(_advance(clock, 1.5))
+        assert _grpc_tls_code(s.url, pki, "rogue", "other_ca") == grpc.StatusCode.OK  # the new CA's client
+        assert _grpc_tls_code(s.url, pki, "client", "ca") == grpc.StatusCode.UNAVAILABLE
+        assert _https_status(s.http_port, pki, "rogue", "other_ca") == 200
+        assert _https_status(s.http_port, pki, "client", "ca") != 200
+        assert open_before.infer(X).shape == X.shape
+
+
+def test_tls_files_half_written_are_not_taken(pki: dict[str, Path], tmp_path: Path) -> None:
+    """A certificate written before its key (two writes, not one swap) does not match the key
+    served: nothing is taken until the pair matches again, and gRPC is offered each change once."""
+    cert, key = tmp_path / "tls.crt", tmp_path / "tls.key"
+    cert.write_bytes(pki["server_crt"].read_bytes())
+    key.write_bytes(pki["server_key"].read_bytes())
+    files = TlsFiles(cert, key, None)
+    first = files.pem
+    assert not files.reread() and files._fetch() is None
+    cert.write_bytes(pki["next_crt"].read_bytes())  # the key not yet
+    assert not files.reread() and files.pem is first and files._fetch() is None
+    key.write_bytes(pki["next_key"].read_bytes())
+    assert files.reread() and files.pem.cert == pki["next_crt"].read_bytes()
+    assert files._fetch() is not None and files._fetch() is None
+    cert.unlink()  # gone: kept as it was
+    assert not files.reread() and files.pem.cert == pki["next_crt"].read_bytes()

@@ -1,0 +1,88 @@
+"""The server's certificate, its key and the client CA (--tls-cert, --tls-key, --tls-client-ca):
+checked at start, and taken again for new connections of both protocols whenever their files
+change, so that a renewed certificate (cert-manager updates its Secret in place) is served
+without a restart. Connections already open keep the certificate they began with."""
+
+from __future__ import annotations
+
+import ssl
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+
+from service.protocol.watched import WatchedFiles
+
+
+@dataclass(frozen=True)
+class Pem:
+    """One reading of the files, checked as a TLS server reads them."""
+
+    key: bytes
+    cert: bytes
+    client_ca: bytes | None
+    context: ssl.SSLContext  # HTTP's, built from the same files
+
+    def grpc_configuration(self) -> grpc.ServerCertificateConfiguration:
+        return grpc.ssl_server_certificate_configuration([(self.key, self.cert)], root_certificates=self.client_ca)
+
+
+class TlsFiles(WatchedFiles):
+    """The files, and what each protocol serves from them. gRPC asks `_fetch` at each handshake
+    (grpc.dynamic_ssl_server_credentials); HTTP's context hands each handshake to the newest
+    context (its SNI callback, which runs whether or not the client names a server)."""
+
+    what = "the TLS files"
+
+    def __init__(self, cert: Path, key: Path, client_ca: Path | None) -> None:
+        super().__init__(cert, key, client_ca)
+        self._cert, self._key, self._client_ca = cert, key, client_ca
+        self.pem = self.read()  # a ValueError naming the flag: the caller's to refuse at start
+        self._lock = threading.Lock()  # gRPC's handshakes call _fetch from its own threads
+        self._pending: Pem | None = None  # taken, not yet given to gRPC
+
+    def read(self) -> Pem:
+        context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        try:
+            context.load_cert_chain(self._cert, self._key)
+            key, cert = self._key.read_bytes(), self._cert.read_bytes()
+        except (OSError, ssl.SSLError) as exc:
+            raise ValueError(
+                f"--tls-cert {self._cert} with --tls-key {self._key}: {exc}; expected a PEM certificate "
+                "and the PEM private key that matches it"
+            ) from exc
+        if self._client_ca is None:
+            return Pem(key, cert, None, context)
+        try:
+            context.load_verify_locations(self._client_ca)
+            client_ca = self._client_ca.read_bytes()
+        except (OSError, ssl.SSLError) as exc:
+            raise ValueError(f"--tls-client-ca {self._client_ca}: {exc}; expected PEM CA certificates") from exc
+        context.verify_mode = ssl.CERT_REQUIRED
+        return Pem(key, cert, client_ca, context)
+
+    def take(self) -> None:
+        pem = self.read()
+        with self._lock:
+            self.pem = self._pending = pem
+
+    def grpc_credentials(self) -> grpc.ServerCredentials:
+        return grpc.dynamic_ssl_server_credentials(
+            self.pem.grpc_configuration(), self._fetch, require_client_authentication=self._client_ca is not None
+        )
+
+    def http_context(self) -> ssl.SSLContext:
+        first = self.pem.context
+        first.sni_callback = self._handshake
+        return first
+
+    def _fetch(self) -> grpc.ServerCertificateConfiguration | None:
+        """gRPC's question at each handshake: None keeps what it serves."""
+        with self._lock:
+            pem, self._pending = self._pending, None
+        return None if pem is None else pem.grpc_configuration()
+
+    def _handshake(self, connection: ssl.SSLObject, server_name: str | None, context: ssl.SSLContext) -> None:
+        if (newest := self.pem.context) is not context:
+            connection.context = newest
