@@ -37,6 +37,7 @@ OVERLAYS = (
     "cpu-keda",
     "cpu-pod-deletion-cost",
     "cpu-tokens",
+    "cpu-tls",
     *BALANCED,
 )
 BARE = (
@@ -46,6 +47,7 @@ BARE = (
     "dev",
     "cpu-pod-deletion-cost",
     "cpu-tokens",
+    "cpu-tls",
 )  # apply to a cluster without the Prometheus Operator
 
 
@@ -101,6 +103,7 @@ KINDS = {
     "cpu-gateway-api": [*SCALED, "GRPCRoute", "HTTPRoute", "BackendTrafficPolicy"],
     "cpu-istio": [*SCALED, "DestinationRule"],
     "cpu-pod-deletion-cost": [*SCALED, "Role", "RoleBinding"],
+    "cpu-tls": SCALED,
 }
 
 
@@ -244,11 +247,36 @@ def test_crds_validate_against_their_schemas(kind: str, schema: str) -> None:
 def test_probes_are_native_grpc_on_numeric_ports_for_registered_services(overlay: str) -> None:
     c = container(overlay)
     probes = {name: c[name]["grpc"] for name in ("startupProbe", "livenessProbe", "readinessProbe")}
+    config = by_kind(overlay, "ConfigMap", "mha-serve-config")["data"]
+    health = int(config.get("MHA_HEALTH_PORT", Settings().grpc_port))  # plaintext health alone, under TLS
     for probe in probes.values():
-        assert isinstance(probe["port"], int) and probe["port"] == Settings().grpc_port
+        assert isinstance(probe["port"], int) and probe["port"] == health
+        assert health in [p["containerPort"] for p in c["ports"]]
         assert probe["service"] in HEALTH_SERVICES
     assert probes["livenessProbe"]["service"] == ""
     assert probes["readinessProbe"]["service"] == "inference.GRPCInferenceService"
+
+
+def test_the_tls_overlay_serves_the_secret_a_renewal_reaches() -> None:
+    """components/tls: the Secret mounted as a volume (a subPath mount would never see a renewal),
+    the settings naming its files, the probes on the plaintext health port (the kubelet's gRPC
+    probes cannot speak TLS), and no Service port claiming plaintext HTTP/2."""
+    overlay = "cpu-tls"
+    pod = by_kind(overlay, "Deployment")["spec"]["template"]["spec"]
+    c = container(overlay)
+    (mount,) = [m for m in c["volumeMounts"] if m["name"] == "tls"]
+    assert mount["readOnly"] and "subPath" not in mount
+    volume = next(v for v in pod["volumes"] if v["name"] == "tls")["secret"]
+    assert volume["secretName"] == "mha-serve-tls" and volume["defaultMode"] == 0o440
+    config = by_kind(overlay, "ConfigMap", "mha-serve-config")["data"]
+    paths = {item["key"]: f"{mount['mountPath']}/{item['path']}" for item in volume["items"]}
+    assert (config["MHA_TLS_CERT"], config["MHA_TLS_KEY"]) == (paths["tls.crt"], paths["tls.key"])
+    settings = Settings(tls_cert=Path(paths["tls.crt"]), tls_key=Path(paths["tls.key"]), health_port=8003)
+    assert settings.health_port == int(config["MHA_HEALTH_PORT"]) != settings.grpc_port
+    for name in ("mha-serve", "mha-serve-headless"):
+        (grpc_port,) = [p for p in by_kind(overlay, "Service", name)["spec"]["ports"] if p["name"] == "grpc"]
+        assert "appProtocol" not in grpc_port, name
+    assert [p for p in by_kind("cpu", "Service")["spec"]["ports"] if p.get("appProtocol") == "kubernetes.io/h2c"]
 
 
 def test_only_the_gpu_overlay_asks_for_gpus() -> None:
