@@ -145,7 +145,10 @@ def request_from_json(body: bytes, header_length: int | None, name: str, version
             f"{len(binary) - offset} bytes of binary data follow the inputs' binary_data_size ({offset} bytes "
             f"in all); expected the body to end there"
         )
-    request = InferRequest(name, version, str(doc.get("id", ""))[:256], WORDS, inputs, outputs, parameters)
+    request_id = doc.get("id", "")
+    if not isinstance(request_id, str):  # echoed in the answer: a client's number or object would come back changed
+        raise InvalidInput(f"the request's id must be a JSON string, got {type(request_id).__name__}")
+    request = InferRequest(name, version, request_id[:256], WORDS, inputs, outputs, parameters)
     return request, binary_out
 
 

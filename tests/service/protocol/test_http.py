@@ -54,6 +54,8 @@ BAD = {
     "not-json": (b"{nope", 400, "not valid JSON"),
     "nested-too-deep": (b"[" * 100_000 + b"]" * 100_000, 400, "not valid JSON"),
     "parameters-a-list": (_with(parameters=[1]), 400, "the request's parameters must be a JSON object"),
+    "id-an-object": (_with(id={"x": 1}), 400, "the request's id must be a JSON string, got dict"),
+    "id-a-number": (_with(id=7), 400, "the request's id must be a JSON string, got int"),
     "outputs-not-objects": (_with(outputs=[5]), 400, "each requested output must be a JSON object"),
     "outputs-an-object": (_with(outputs={"a": 1}), 400, "outputs must be a JSON list"),
     "input-parameters-a-number": (_with(tensor={"parameters": 5}), 400, "an input's parameters must be a JSON"),
