@@ -61,7 +61,7 @@ def test_verbosity_changes_at_run_time_on_both_protocols(server: ServerThread) -
         ({"log_file": "/var/log/triton.log"}, "logs to stderr only"),
         ({"log_format": "ISO8601"}, "--log-format"),
         ({"log_colour": True}, "unknown log setting 'log_colour'"),
-        ({"log_info": 1}, "log setting log_info must be a bool"),
+        ({"log_info": 1}, "log setting log_info must be a boolean (true or false), got an integer"),
     ],
 )
 def test_settings_that_cannot_be_honoured_are_refused(server: ServerThread, settings: dict, says: str) -> None:
