@@ -118,6 +118,8 @@ def decode_input(request: InferRequest, model: ServedModel, regions: Regions | N
                     f"output {out.name!r} parameter {key!r} is not supported by this server; "
                     "send the request without it"
                 )
+    if len(request.outputs) > 1:  # one answer for two asks would leave a client's second one unanswered
+        raise InvalidInput(f"output {model.output_name!r} is requested {len(request.outputs)} times; request it once")
     where = region_slice(tensor.parameters, f"input {tensor.name!r}", regions)
     if where is None:
         return _read_data(tensor, shape, request.words)

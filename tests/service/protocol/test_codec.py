@@ -130,6 +130,11 @@ def test_structural_mistakes() -> None:
     wrong_output.outputs.add(name="logits")
     with pytest.raises(InvalidInput, match="unknown requested output 'logits'"):
         decode_infer_request(wrong_output, SPEC)
+    twice = _request([1, 4, 8])
+    twice.outputs.add(name="y")
+    twice.outputs.add(name="y")
+    with pytest.raises(InvalidInput, match="output 'y' is requested 2 times; request it once"):
+        decode_infer_request(twice, SPEC)
 
 
 def test_unknown_model() -> None:

@@ -58,6 +58,7 @@ BAD = {
     "id-a-number": (_with(id=7), 400, "the request's id must be a JSON string, got int"),
     "outputs-not-objects": (_with(outputs=[5]), 400, "each requested output must be a JSON object"),
     "outputs-an-object": (_with(outputs={"a": 1}), 400, "outputs must be a JSON list"),
+    "output-twice": (_with(outputs=[{"name": "y"}, {"name": "y"}]), 400, "output 'y' is requested 2 times"),
     "input-parameters-a-number": (_with(tensor={"parameters": 5}), 400, "an input's parameters must be a JSON"),
     "shape-over-64-bits": (_with(tensor={"shape": [1, 1, 1 << 70]}), 400, "shape must be a list of 64-bit integers"),
     "parameter-over-64-bits": (_with(parameters={"p": 1 << 70}), 400, "does not fit 64 bits"),
