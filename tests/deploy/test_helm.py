@@ -15,7 +15,7 @@ import jsonschema
 import pytest
 import yaml
 from helm_python import chart as helm
-from helm_python.errors import HelmValuesError
+from helm_python.errors import HelmRenderError, HelmValuesError
 
 from tests.deploy.test_crds import _errors
 from tests.deploy.test_k8s import GENERATED, SCHEMAS, _validate, base_name, by_kind, render
@@ -24,6 +24,7 @@ from tests.support import ROOT
 CHART = ROOT / "deploy" / "helm" / "mha-serve"
 RELEASE, NAMESPACE = "mha-serve", "serving"
 TOKENS = {"tokenSecret": "mha-serve-token", "adminTokenSecret": "mha-serve-admin-token"}  # the overlay's Secrets
+TLS = {"secret": "mha-serve-tls"}  # the cpu-tls overlay's Secret
 CHART_ONLY = ("app.kubernetes.io/instance", "app.kubernetes.io/managed-by", "helm.sh/chart")  # Helm's labels
 
 
@@ -94,7 +95,8 @@ def test_every_object_carries_the_release_so_two_installs_never_overlap() -> Non
 def test_the_objects_validate_strictly_against_1_30_and_lint_clean(tmp_path: Path) -> None:
     values = [None, {"gpu": {"enabled": True, "memoryLimitMb": 20000, "runtimeClassName": "nvidia"}},
               {"autoscaling": {"mode": "none"}, "replicaCount": 3, "priorityClassName": "inference"},
-              {"model": {"source": "checkpoint"}}, {"model": {"source": "repository"}}, {"auth": TOKENS}]  # fmt: skip
+              {"model": {"source": "checkpoint"}}, {"model": {"source": "repository"}}, {"auth": TOKENS},
+              {"tls": TLS, "auth": TOKENS}]  # fmt: skip
     for i, v in enumerate(values):
         path = tmp_path / f"{i}.yaml"
         path.write_text(yaml.safe_dump_all(_objects(v) + _objects(v, tests=True)))
@@ -114,6 +116,7 @@ def test_the_objects_validate_strictly_against_1_30_and_lint_clean(tmp_path: Pat
         ({"gpu": {"count": 0}}, "/gpu/count"),
         ({"replicas": 3}, "replicas"),
         ({"auth": {"tokenSecret": "My_Token"}}, "/auth/tokenSecret"),
+        ({"tls": {"secret": "My_Cert"}}, "/tls/secret"),
     ],
 )
 def test_the_values_schema_refuses_what_would_not_work(values: dict[str, Any], says: str) -> None:
@@ -350,3 +353,32 @@ def test_auth_renders_the_tokens_overlays_volume_mount_and_settings() -> None:
     assert "--token-file" not in pod["spec"]["containers"][0]["args"]
     assert "tokens" not in [v["name"] for v in pod["spec"]["volumes"]]
     assert "MHA_AUTH_TOKEN_FILE" not in _of(_objects(), "ConfigMap", "mha-serve-config")["data"]  # off by default
+
+
+def test_tls_renders_the_tls_overlays_volume_mount_probes_and_settings() -> None:
+    """tls.secret: the cpu-tls overlay's Secret volume, read-only mount, health port and probes,
+    settings, and Services without h2c. The `helm test` pod mounts the Secret's CA alone, never
+    the key, and reaches the Service by the name a certificate carries."""
+    docs = _objects({"tls": TLS})
+    ours = _without_helms_own(_of(docs, "Deployment"))["spec"]["template"]["spec"]
+    theirs = by_kind("cpu-tls", "Deployment")["spec"]["template"]["spec"]
+    assert ours["volumes"] == theirs["volumes"]
+    for field in ("volumeMounts", "ports", "startupProbe", "livenessProbe", "readinessProbe"):
+        assert ours["containers"][0][field] == theirs["containers"][0][field], field
+    config = _of(docs, "ConfigMap", "mha-serve-config")["data"]
+    assert config == by_kind("cpu-tls", "ConfigMap", "mha-serve-config")["data"]
+    for name in ("mha-serve", "mha-serve-headless"):
+        assert _of(docs, "Service", name)["spec"]["ports"] == by_kind("cpu-tls", "Service", name)["spec"]["ports"]
+    (pod,) = _objects({"tls": TLS}, tests=True)
+    (volume,) = [v for v in pod["spec"]["volumes"] if v["name"] == "tls"]
+    assert volume["secret"]["items"] == [{"key": "ca.crt", "path": "ca.crt"}]
+    args = pod["spec"]["containers"][0]["args"]
+    assert args[args.index("--url") + 1] == f"mha-serve.{NAMESPACE}.svc:8001"
+    (mount,) = [m for m in pod["spec"]["containers"][0]["volumeMounts"] if m["name"] == "tls"]
+    assert args[args.index("--tls-ca") + 1] == f"{mount['mountPath']}/ca.crt"
+    assert "MHA_TLS_CERT" not in _of(_objects(), "ConfigMap", "mha-serve-config")["data"]  # off by default
+
+
+def test_tls_with_a_balancer_in_front_is_refused_with_the_reason() -> None:
+    with pytest.raises(HelmRenderError, match=r"tls\.secret with routing: the balancer would speak plaintext"):
+        _objects({"tls": TLS, "routing": {"istio": {"enabled": True}}})

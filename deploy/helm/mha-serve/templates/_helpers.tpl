@@ -56,6 +56,11 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 {{- if .Values.auth.adminTokenSecret -}}
 {{- $_ := set $config "MHA_ADMIN_TOKEN_FILE" "/etc/mha-serve/tokens/admin-token" -}}
 {{- end -}}
+{{- if .Values.tls.secret -}}
+{{- $_ := set $config "MHA_TLS_CERT" "/etc/mha-serve/tls/tls.crt" -}}
+{{- $_ := set $config "MHA_TLS_KEY" "/etc/mha-serve/tls/tls.key" -}}
+{{- $_ := set $config "MHA_HEALTH_PORT" "8003" -}}
+{{- end -}}
 {{- if eq .Values.model.source "checkpoint" -}}
 {{- $_ := set $config "MHA_MODEL_DIR" "/models/custom" -}}
 {{- else if eq .Values.model.source "repository" -}}
@@ -154,4 +159,13 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 {{- if or .Values.auth.tokenSecret (and .admin .Values.auth.adminTokenSecret) }}
 - {name: tokens, mountPath: /etc/mha-serve/tokens, readOnly: true}
 {{- end }}
+{{- end -}}
+
+{{- /* the kubelet's gRPC probes speak plaintext: under TLS they go to the health port alone */ -}}
+{{- define "mha-serve.probePort" -}}
+{{- ternary 8003 8001 (not (empty .Values.tls.secret)) -}}
+{{- end -}}
+
+{{- define "mha-serve.grpcAppProtocol" -}}
+{{- if not .Values.tls.secret }}, appProtocol: kubernetes.io/h2c{{ end -}}
 {{- end -}}
