@@ -355,18 +355,25 @@ class RequestSeries:
                 self.fallbacks.labels(source, target, reason)
 
 
-class ServingSeries:
-    """What serves now and what it holds: requests and bytes in flight, the queue, readiness, the
-    backends serving and the device required. Gauges of this process (a worker's carry its label)."""
+class LoadSeries:
+    """What the server holds now, and how much it may: requests and bytes in flight, the queue."""
 
-    def __init__(
-        self, gauge: Callable[[str, str], Gauge], labelled: Callable[[str, str, list[str]], _Labelled]
-    ) -> None:
+    def __init__(self, gauge: Callable[[str, str], Gauge]) -> None:
         self.inflight = gauge("mha_inflight_requests", "Inference requests in the server now.")
         self.queue_depth = gauge("mha_queue_depth", "Requests waiting in the batching queue.")
         self.inflight_bytes = gauge("mha_inflight_bytes", "Bytes of requests and answers held now.")
         self.inflight_budget = gauge("mha_inflight_budget_bytes", "Bytes held at most before RESOURCE_EXHAUSTED.")
         self.queue_capacity = gauge("mha_queue_capacity", "Requests the queue holds before RESOURCE_EXHAUSTED.")
+
+
+class ServingSeries:
+    """What serves now and on what terms: the load held, readiness, the backends serving, the
+    device required, the certificate served. Gauges of this process (a worker's carry its label)."""
+
+    def __init__(
+        self, gauge: Callable[[str, str], Gauge], labelled: Callable[[str, str, list[str]], _Labelled]
+    ) -> None:
+        self.load = LoadSeries(gauge)
         self.ready = gauge("mha_ready", "1 when the model is loaded, self-checked and serving.")
         self.backend_info = labelled(
             "mha_backend_info",
@@ -375,6 +382,10 @@ class ServingSeries:
         )
         self.device_required = labelled(
             "mha_device_required", "1 for the device this server must serve on (--require-device).", ["device"]
+        )
+        self.tls_expiry = gauge(
+            "mha_tls_certificate_expiry_timestamp_seconds",
+            "When the TLS certificate served to new connections expires, in Unix time; 0 without TLS.",
         )
 
     def set_backends(self, serving: list[tuple[str, str]], loaded: list[tuple[str, str]]) -> None:

@@ -117,11 +117,11 @@ def build_engine(
 def _follow(metrics: Metrics, s: Settings, life: Lifecycle, keeper: VersionKeeper, budget: InflightBudget) -> None:
     """The gauges read from the engine at each scrape."""
     requests = keeper.compute.requests
-    metrics.serving.queue_capacity.set(s.max_queue_size)
-    metrics.follow(metrics.serving.inflight, lambda: requests.count)
-    metrics.follow(metrics.serving.inflight_bytes, lambda: budget.held)
-    metrics.follow(metrics.serving.queue_depth, lambda: sum(v.batcher.depth for v in life.versions))
-    metrics.serving.inflight_budget.set(budget.limit)
+    metrics.serving.load.queue_capacity.set(s.max_queue_size)
+    metrics.follow(metrics.serving.load.inflight, lambda: requests.count)
+    metrics.follow(metrics.serving.load.inflight_bytes, lambda: budget.held)
+    metrics.follow(metrics.serving.load.queue_depth, lambda: sum(v.batcher.depth for v in life.versions))
+    metrics.serving.load.inflight_budget.set(budget.limit)
     metrics.follow(metrics.serving.ready, lambda: 1 if life.serving_ok() else 0)  # the one readiness, as every signal
     metrics.on_refresh(partial(_pending, metrics, life.versions, keeper.publish.entries))
 

@@ -5,14 +5,19 @@ without a restart. Connections already open keep the certificate they began with
 
 from __future__ import annotations
 
+import logging
 import ssl
 import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
+from cryptography import x509
 
 from service.protocol.watched import WatchedFiles
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -23,6 +28,7 @@ class Pem:
     cert: bytes
     client_ca: bytes | None
     context: ssl.SSLContext  # HTTP's, built from the same files
+    expires: float  # when the certificate (the chain's first) stops being valid, in Unix time
 
     def grpc_configuration(self) -> grpc.ServerCertificateConfiguration:
         return grpc.ssl_server_certificate_configuration([(self.key, self.cert)], root_certificates=self.client_ca)
@@ -52,15 +58,18 @@ class TlsFiles(WatchedFiles):
                 f"--tls-cert {self._cert} with --tls-key {self._key}: {exc}; expected a PEM certificate "
                 "and the PEM private key that matches it"
             ) from exc
+        expires = x509.load_pem_x509_certificate(cert).not_valid_after_utc.timestamp()
+        if expires < time.time():
+            log.warning("--tls-cert %s expired at %s: clients will refuse it", self._cert, time.ctime(expires))
         if self._client_ca is None:
-            return Pem(key, cert, None, context)
+            return Pem(key, cert, None, context, expires)
         try:
             context.load_verify_locations(self._client_ca)
             client_ca = self._client_ca.read_bytes()
         except (OSError, ssl.SSLError) as exc:
             raise ValueError(f"--tls-client-ca {self._client_ca}: {exc}; expected PEM CA certificates") from exc
         context.verify_mode = ssl.CERT_REQUIRED
-        return Pem(key, cert, client_ca, context)
+        return Pem(key, cert, client_ca, context, expires)
 
     def take(self) -> None:
         pem = self.read()

@@ -78,6 +78,7 @@ def test_families_and_types(traffic: tuple[ServerThread, str]) -> None:
         "mha_ready": "gauge",
         "mha_sequences_active": "gauge",
         "mha_device_required": "gauge",
+        "mha_tls_certificate_expiry_timestamp_seconds": "gauge",
         "mha_sequence_state_bytes": "gauge",
         "mha_sequences_capacity": "gauge",
         "mha_sequence_state_budget_bytes": "gauge",

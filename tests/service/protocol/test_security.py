@@ -10,6 +10,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -44,6 +45,7 @@ def _cert(
     issuer: tuple[x509.Certificate, ec.EllipticCurvePrivateKey] | None,
     ca: bool = False,
     server: bool = False,
+    days: int = 1,
 ) -> x509.Certificate:
     now = datetime.datetime.now(datetime.UTC)
     name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, subject)])
@@ -54,7 +56,7 @@ def _cert(
         .public_key(key.public_key())
         .serial_number(x509.random_serial_number())
         .not_valid_before(now - datetime.timedelta(minutes=5))
-        .not_valid_after(now + datetime.timedelta(days=1))
+        .not_valid_after(now + datetime.timedelta(days=days))
         .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True)
     )
     if server:
@@ -90,7 +92,7 @@ def pki(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     paths["other_ca"], _ = _pair(d, "other_ca", other_ca, other_key)  # the CA a rotation moves to
     next_key = ec.generate_private_key(ec.SECP256R1())
     paths["next_crt"], paths["next_key"] = _pair(
-        d, "next", _cert("localhost", next_key, (other_ca, other_key), server=True), next_key
+        d, "next", _cert("localhost", next_key, (other_ca, other_key), server=True, days=90), next_key
     )
     return paths
 
@@ -426,6 +428,7 @@ def test_a_renewed_certificate_is_served_without_a_restart(
     )
     with ServerThread(settings, clock=clock) as s, _tls_client(s.url, pki, "client") as open_before:
         assert open_before.infer(X).shape == X.shape
+        assert _expires_in_days(s) == pytest.approx(1, abs=0.01)
         assert _https_status(s.http_port, pki, "client", "ca") == 200
         _served(files, pki, "next_crt", "next_key", "other_ca")
         s.call(_advance(clock, 9.0))
@@ -436,6 +439,13 @@ def test_a_renewed_certificate_is_served_without_a_restart(
         assert _https_status(s.http_port, pki, "rogue", "other_ca") == 200
         assert _https_status(s.http_port, pki, "client", "ca") != 200
         assert open_before.infer(X).shape == X.shape
+        assert _expires_in_days(s) == pytest.approx(90, abs=0.01)  # what an alert watches
+
+
+def _expires_in_days(server: ServerThread) -> float:
+    expires = server.registry.get_sample_value("mha_tls_certificate_expiry_timestamp_seconds")
+    assert expires is not None
+    return (expires - time.time()) / 86400
 
 
 def test_tls_files_half_written_are_not_taken(pki: dict[str, Path], tmp_path: Path) -> None:
