@@ -34,12 +34,13 @@ class WatchedFiles:
         if (stamps := self._stamps()) == self._seen:
             return False
         self._seen = stamps
+        named = ", ".join(str(path) for path in self._paths if path is not None)
         try:
             self.take()
         except ValueError as exc:
-            log.warning("%s changed but were not taken; the ones before stay: %s", self.what, exc)
+            log.warning("%s (%s) changed but were not taken; the ones before stay: %s", self.what, named, exc)
             return False
-        log.info("%s changed: the new ones are taken", self.what)
+        log.info("%s (%s) changed: the new ones are taken", self.what, named)
         return True
 
     async def follow(self, clock: Clock, stop: asyncio.Event, period_s: float = FILES_READ_S) -> None:
