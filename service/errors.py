@@ -86,6 +86,11 @@ class ClientGone(ServiceError):
     answer, and not the server's fault."""
 
 
+class ClientTooSlow(ClientGone):
+    """The client's HTTP body did not arrive whole within --http-read-timeout-s: it held its
+    share of the in-flight budget for as long as it dripped (HTTP 408)."""
+
+
 class Unauthenticated(ServiceError):
     """Missing or wrong bearer token."""
 

@@ -62,6 +62,9 @@ class NetworkSettings:
     http_write_timeout_s: float = setting(
         60.0, "how long an HTTP client may take to read its answer before its connection is closed", "s", low=0.001
     )
+    http_read_timeout_s: float = setting(
+        60.0, "an HTTP request's body must arrive whole within this, once its head has; else 408", "s", low=0.001
+    )
     http_max_connection_age_s: float = setting(0.0, "close keep-alive HTTP connections this old; 0: never", "s", low=0)
     stream_window: int = setting(
         32, "requests a gRPC stream may have read and not had written back; past it, it is not read", "requests", low=1

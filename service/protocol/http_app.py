@@ -22,7 +22,7 @@ from aiohttp import web
 
 from service.budget import Lease
 from service.engine.door import Door
-from service.errors import ClientGone, InvalidInput, NotReady, TooLarge, UnsupportedEncoding, quote
+from service.errors import ClientGone, ClientTooSlow, InvalidInput, NotReady, TooLarge, UnsupportedEncoding, quote
 from service.protocol import model_calls, trace_calls
 from service.protocol.answer import Answering
 from service.protocol.auth import HTTP_HOW, Access
@@ -42,6 +42,7 @@ from service.protocol.status import http_status
 
 CALL_KEY = web.RequestKey("mha.call", Call)  # the call scope of the request, for its handler
 BODY_LIMIT_MIB = web.AppKey("mha.body_limit_mib", int)  # --max-message-mb: the largest body read
+BODY_READ_S = web.AppKey("mha.body_read_s", float)  # --http-read-timeout-s: the longest a body may take
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 log = logging.getLogger(__name__)
 
@@ -60,6 +61,18 @@ async def body_of(request: web.Request, reserve: Callable[[int], None] | None = 
     What stops a body being read is the client's: over the limit, not decodable by its
     Content-Encoding, or a client that left before sending all of it."""
     inflater = Inflater.of(request.headers.get("Content-Encoding", ""))
+    try:
+        async with asyncio.timeout(request.app[BODY_READ_S]):  # a body dripped holds its budget: not for long
+            return await _read(request, inflater, reserve, held)
+    except TimeoutError:
+        raise ClientTooSlow(
+            f"the request body did not arrive whole within {request.app[BODY_READ_S]:g} s (--http-read-timeout-s)"
+        ) from None
+
+
+async def _read(
+    request: web.Request, inflater: Inflater | None, reserve: Callable[[int], None] | None, held: int
+) -> bytes:
     limit, parts, size, sent = request.app[BODY_LIMIT_MIB] * 2**20, [], 0, 0
     try:
         if inflater is None and (reserve is None or held):  # its size known, held
@@ -138,7 +151,10 @@ def _too_large(request: web.Request) -> TooLarge:
 def error_response(call: Call) -> web.Response:
     status = http_status(call.code, call.error)
     headers = {"Retry-After": str(RETRY_AFTER_S)} if status in (429, 503) else None
-    return web.json_response({"error": call.message}, status=status, headers=headers)
+    response = web.json_response({"error": call.message}, status=status, headers=headers)
+    if status == 408:  # the rest of its body is not read: the connection cannot serve another request
+        response.force_close()
+    return response
 
 
 class HttpApi:
@@ -148,6 +164,7 @@ class HttpApi:
     def app(self) -> web.Application:
         app = web.Application(client_max_size=self.door.settings.max_message_mb * 2**20, middlewares=[route_errors])
         app[BODY_LIMIT_MIB] = self.door.settings.max_message_mb
+        app[BODY_READ_S] = self.door.settings.http_read_timeout_s
         if (age := self.door.settings.http_max_connection_age_s) > 0:
             app.on_response_prepare.append(ConnectionAges(age, self.door.now).on_prepare)
         model = "/v2/models/{name}"

@@ -6,6 +6,7 @@ import grpc
 
 from service.errors import (
     ClientGone,
+    ClientTooSlow,
     DeadlineExceeded,
     FeatureOff,
     InvalidInput,
@@ -90,7 +91,10 @@ SERVER_FAULTS = frozenset(  # a span's status is ERROR for these only (OpenTelem
 
 def http_status(code: grpc.StatusCode, error: BaseException | None) -> int:
     """The HTTP status of a call's outcome: its gRPC code's, but 413 for a body that can never fit
-    (429 would say: retry), and 415 for a body in an encoding the server does not read."""
+    (429 would say: retry), 415 for a body in an encoding the server does not read, and 408 for a
+    body that did not arrive in time."""
     if isinstance(error, TooLarge):
         return 413
+    if isinstance(error, ClientTooSlow):
+        return 408
     return 415 if isinstance(error, UnsupportedEncoding) else HTTP_STATUS.get(code, 500)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import http.client
 import json
 import socket
 import time
@@ -125,6 +126,30 @@ def test_an_http_client_that_never_reads_is_cut_off_after_the_write_timeout(
             while reader.recv(1 << 20):  # what was written before the cut, then the end
                 pass
         reader.close()
+
+
+def test_an_http_body_that_does_not_arrive_in_time_is_refused_408_and_its_bytes_go_back(
+    small_model_dir: Path,
+) -> None:
+    """A client that sends a head announcing a large body, then drips it (or sends nothing more),
+    held that body's share of the in-flight budget for as long as its connection lasted: a few
+    such clients could starve every other. Past --http-read-timeout-s it is answered 408, its
+    bytes go back, and the connection closes (the rest of its body is never read)."""
+    settings = make_settings(small_model_dir, backend="torch", http_port=0, http_read_timeout_s=0.3)
+    with ServerThread(settings) as server:
+        dripping = socket.create_connection(("127.0.0.1", server.http_port))
+        head = "POST /v2/models/mha/infer HTTP/1.1\r\nHost: x\r\nContent-Length: 4000000\r\n\r\n"
+        dripping.sendall(head.encode() + b'{"inputs": [')
+        _until(lambda: _held(server) > 0)
+        _until(lambda: _held(server) == 0)  # refused: its bytes go back though it is still connected
+        dripping.settimeout(30)
+        answer = http.client.HTTPResponse(dripping)  # type: ignore[arg-type]  # reads the socket's file
+        answer.begin()
+        assert answer.status == 408 and answer.getheader("Connection") == "close"
+        assert "did not arrive whole within 0.3 s (--http-read-timeout-s)" in json.loads(answer.read())["error"]
+        dripping.close()
+        x = np.ones((1, 8, C), np.float32)
+        assert _http_infer(server, _body(x))[0] == 200  # a body sent in time is read as before
 
 
 def test_answers_waiting_for_a_slow_reader_keep_no_batch_waiting_for_company(small_model_dir: Path) -> None:
