@@ -170,11 +170,27 @@ def _client_security(args: argparse.Namespace) -> dict[str, Any]:
             options["token"] = read_tokens(Path(args.token_file))[0]
         except ValueError as exc:
             raise CliError(f"--token-file {exc}", 2) from None
+    if bool(args.tls_client_cert) != bool(args.tls_client_key):
+        raise CliError("--tls-client-cert and --tls-client-key go together (mTLS); give both or neither", 2)
+    if (args.tls_client_cert or args.tls_server_name) and not args.tls_ca:
+        raise CliError("--tls-client-cert and --tls-server-name are for TLS: give --tls-ca too", 2)
     if args.tls_ca:
-        options["root_certificates"] = Path(args.tls_ca).read_bytes()
-    if args.tls_client_cert and args.tls_client_key:
-        options["client_cert"] = (Path(args.tls_client_key).read_bytes(), Path(args.tls_client_cert).read_bytes())
+        options["root_certificates"] = _pem("--tls-ca", args.tls_ca)
+    if args.tls_client_cert:
+        options["client_cert"] = (
+            _pem("--tls-client-key", args.tls_client_key),
+            _pem("--tls-client-cert", args.tls_client_cert),
+        )
+    if args.tls_server_name:  # the name the certificate carries, where --url does not say it (a port-forward)
+        options["server_name"] = args.tls_server_name
     return options
+
+
+def _pem(flag: str, path: str) -> bytes:
+    try:
+        return Path(path).read_bytes()
+    except OSError as exc:
+        raise CliError(f"{flag} {path}: {exc.strerror}", 2) from exc
 
 
 def model_dir_problem(model_dir: Path | None, flag: str = "--model-dir ", serve: bool = True) -> str | None:
@@ -209,6 +225,10 @@ def _add_client_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tls-ca", help="PEM CA bundle to trust the server's certificate (enables TLS)")
     p.add_argument("--tls-client-cert", help="PEM client certificate for mTLS")
     p.add_argument("--tls-client-key", help="PEM key of --tls-client-cert")
+    p.add_argument(
+        "--tls-server-name",
+        help="the name to check the server's certificate for, when --url is another (a port-forward)",
+    )
 
 
 def cmd_serve(args: argparse.Namespace) -> int:

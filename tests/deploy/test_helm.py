@@ -377,6 +377,9 @@ def test_tls_renders_the_tls_overlays_volume_mount_probes_and_settings() -> None
     (mount,) = [m for m in pod["spec"]["containers"][0]["volumeMounts"] if m["name"] == "tls"]
     assert args[args.index("--tls-ca") + 1] == f"{mount['mountPath']}/ca.crt"
     assert "MHA_TLS_CERT" not in _of(_objects(), "ConfigMap", "mha-serve-config")["data"]  # off by default
+    notes = _render({"tls": TLS})["mha-serve/templates/NOTES.txt"]  # a port-forward: 127.0.0.1, not that name
+    assert f"--tls-server-name mha-serve.{NAMESPACE}.svc" in notes and "--tls-ca" in notes
+    assert "--tls-server-name" not in _render()["mha-serve/templates/NOTES.txt"]
 
 
 def test_tls_with_a_balancer_in_front_is_refused_with_the_reason() -> None:

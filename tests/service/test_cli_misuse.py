@@ -253,6 +253,24 @@ CASES = {  # name: (arguments given the fixtures, environment, exit code, what t
         2,
         "/nope/token: No such file",
     ),
+    "infer-tls-ca-missing": (  # before: "/nope/ca.pem: No such file or directory", the flag unnamed
+        lambda f: ["infer", "--url", f["url"], "--tls-ca", "/nope/ca.pem"],
+        {},
+        2,
+        "--tls-ca /nope/ca.pem: No such file or directory",
+    ),
+    "infer-client-cert-without-key": (  # before: the certificate silently not sent
+        lambda f: ["infer", "--url", f["url"], "--tls-ca", str(f["empty"]), "--tls-client-cert", str(f["empty"])],
+        {},
+        2,
+        "--tls-client-cert and --tls-client-key go together (mTLS); give both or neither",
+    ),
+    "infer-server-name-without-tls": (
+        lambda f: ["infer", "--url", f["url"], "--tls-server-name", "mha-serve.serving.svc"],
+        {},
+        2,
+        "--tls-client-cert and --tls-server-name are for TLS: give --tls-ca too",
+    ),
     "verify-no-such-directory": (  # before: an empty parity table, "FAIL: tolerance 1e-05", exit 1
         lambda f: ["verify", str(f["tmp"] / "nope")],
         {},

@@ -46,6 +46,7 @@ def _cert(
     ca: bool = False,
     server: bool = False,
     days: int = 1,
+    dns: tuple[str, ...] = (),  # the names it carries instead of localhost and 127.0.0.1
 ) -> x509.Certificate:
     now = datetime.datetime.now(datetime.UTC)
     name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, subject)])
@@ -59,11 +60,12 @@ def _cert(
         .not_valid_after(now + datetime.timedelta(days=days))
         .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True)
     )
-    if server:
-        builder = builder.add_extension(
-            x509.SubjectAlternativeName([x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
-            critical=False,
-        )
+    if server or dns:
+        names = [x509.DNSName(n) for n in dns] or [
+            x509.DNSName("localhost"),
+            x509.IPAddress(ipaddress.ip_address("127.0.0.1")),
+        ]
+        builder = builder.add_extension(x509.SubjectAlternativeName(names), critical=False)
     return builder.sign(issuer[1] if issuer else key, hashes.SHA256())
 
 
@@ -90,6 +92,10 @@ def pki(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         d, "rogue", _cert("rogue", rogue_key, (other_ca, other_key)), rogue_key
     )
     paths["other_ca"], _ = _pair(d, "other_ca", other_ca, other_key)  # the CA a rotation moves to
+    svc_key = ec.generate_private_key(ec.SECP256R1())  # a Service's name alone, as cert-manager would issue it
+    paths["svc_crt"], paths["svc_key"] = _pair(
+        d, "svc", _cert("svc", svc_key, (ca, ca_key), dns=("mha-serve.serving.svc",)), svc_key
+    )
     next_key = ec.generate_private_key(ec.SECP256R1())
     paths["next_crt"], paths["next_key"] = _pair(
         d, "next", _cert("localhost", next_key, (other_ca, other_key), server=True, days=90), next_key
@@ -464,3 +470,17 @@ def test_tls_files_half_written_are_not_taken(pki: dict[str, Path], tmp_path: Pa
     assert files._fetch() is not None and files._fetch() is None
     cert.unlink()  # gone: kept as it was
     assert not files.reread() and files.pem.cert == pki["next_crt"].read_bytes()
+
+
+def test_mha_infer_checks_the_certificate_for_the_name_it_is_told(small_model_dir: Path, pki: dict[str, Path]) -> None:
+    """Through a port-forward, --url is 127.0.0.1 while the certificate names the Service: without
+    --tls-server-name the name check refuses the server; with it, the answer comes back."""
+    settings = make_settings(small_model_dir, tls_cert=pki["svc_crt"], tls_key=pki["svc_key"], backend="torch")
+    with ServerThread(settings) as s:
+        base = ["infer", "--url", s.url, "--shape", "1,4,32", "--tls-ca", str(pki["ca"]), "--timeout", "10"]
+        for extra, code in (([], 1), (["--tls-server-name", "mha-serve.serving.svc"], 0)):
+            run = subprocess.run(
+                [sys.executable, "-m", "service.cli", *base, *extra], capture_output=True, text=True, timeout=120
+            )
+            assert run.returncode == code, run.stderr
+            assert ("output [1, 4, 32]" in run.stdout) == (code == 0), run.stdout + run.stderr
