@@ -156,8 +156,8 @@ async def start(
         await _start_http(running, settings, HttpApi(door, answers, calls, access), tls)
     await server.start()
     running.tasks.add(asyncio.get_running_loop().create_task(_not_serving_when_lost(running)))
-    if (served := tls) is not None:  # the certificate taken last: an alert when a renewal has not reached it
-        metrics.follow(metrics.serving.tls_expiry, lambda: served.pem.expires)
+    if tls is not None:  # the certificate taken last: an alert when a renewal has not reached it
+        metrics.follow(metrics.serving.tls_expiry, tls.expires)
     for watched in ([] if access.open else [tokens]) + ([] if tls is None else [tls]):  # changed: taken
         follow = watched.follow(engine.keeper.compute.clock, asyncio.Event())
         running.tasks.add(asyncio.get_running_loop().create_task(follow))

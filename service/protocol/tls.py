@@ -76,6 +76,10 @@ class TlsFiles(WatchedFiles):
         with self._lock:
             self.pem = self._pending = pem
 
+    def expires(self) -> float:
+        """When the certificate served to new connections expires, in Unix time."""
+        return self.pem.expires
+
     def grpc_credentials(self) -> grpc.ServerCredentials:
         return grpc.dynamic_ssl_server_credentials(
             self.pem.grpc_configuration(), self._fetch, require_client_authentication=self._client_ca is not None
