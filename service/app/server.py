@@ -408,6 +408,7 @@ def ready_line(running: Running) -> str:
     http = running.http_port or "off"
     health = f", health :{running.health_port}" if running.health_port else ""  # --health-port, when on
     token = f" --token-file {settings.auth_token_file}" if settings.auth_token_file else ""
+    token += f" --tls-ca <the CA that signed {settings.tls_cert}>" if settings.tls_cert else ""  # the client trusts it
     try_it = f"try `{client_command()} infer --url {host}:{running.grpc_port}{token}`"
     name = running.engine.life.identity.name
     if settings.worker_peers > 1:

@@ -23,6 +23,7 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from service.app.server import ready_line
 from service.client.client import InferenceError, MHAClient
 from service.proto import grpc_service_pb2 as pb
 from service.proto import grpc_service_pb2_grpc as pb_grpc
@@ -118,6 +119,7 @@ def tls_server(small_model_dir: Path, pki: dict[str, Path]) -> Iterator[ServerTh
 def test_tls(tls_server: ServerThread, pki: dict[str, Path]) -> None:
     with _tls_client(tls_server.url, pki) as client:
         assert client.infer(X).shape == X.shape
+    assert f"--tls-ca <the CA that signed {pki['server_crt']}>`" in ready_line(tls_server.running)  # what to try
     with MHAClient(tls_server.url) as plaintext, pytest.raises(InferenceError) as info:
         plaintext.infer(X, timeout=5)
     assert info.value.code == grpc.StatusCode.UNAVAILABLE
