@@ -29,9 +29,10 @@ from service.proto import grpc_service_pb2 as pb
 from service.proto import grpc_service_pb2_grpc as pb_grpc
 from service.protocol.auth import CONTROL_CALLS, Access, TokenFiles
 from service.protocol.tls import TlsFiles
-from tests.support import ManualClock, ServerThread, make_settings
+from tests.support import ROOT, ManualClock, ServerThread, make_settings
 
 X = np.ones((1, 4, 32), np.float32)
+TRITON_PYTHON = ROOT / ".venv-triton" / "bin" / "python"  # tritonclient, in its own environment
 
 
 def _pem_key(key: ec.EllipticCurvePrivateKey) -> bytes:
@@ -486,3 +487,30 @@ def test_mha_infer_checks_the_certificate_for_the_name_it_is_told(small_model_di
             )
             assert run.returncode == code, run.stderr
             assert ("output [1, 4, 32]" in run.stdout) == (code == 0), run.stdout + run.stderr
+
+
+def test_tritons_clients_speak_tls_to_it_before_and_after_a_renewal(
+    small_model_dir: Path, pki: dict[str, Path], tmp_path: Path
+) -> None:
+    """tritonclient's gRPC and HTTP clients, in their own environment, trust the server's CA and
+    are answered; after a renewal to another CA's certificate, they are answered when they trust
+    that one."""
+    assert TRITON_PYTHON.exists(), "make install creates .venv-triton with tritonclient"
+    files = {"dir": tmp_path, **{name: tmp_path / name for name in ("tls.crt", "tls.key", "ca.crt")}}
+    _served(files, pki, "server_crt", "server_key", "ca")
+    clock = ManualClock()
+    settings = make_settings(
+        small_model_dir, tls_cert=files["tls.crt"], tls_key=files["tls.key"], http_port=0, backend="torch"
+    )
+    script = str(ROOT / "tests" / "e2e" / "triton_tls.py")
+    with ServerThread(settings, clock=clock) as s:
+        for cert, key, ca in (("server_crt", "server_key", "ca"), ("next_crt", "next_key", "other_ca")):
+            _served(files, pki, cert, key, ca)
+            s.call(_advance(clock, 10.5))
+            out = tmp_path / f"{ca}.json"
+            urls = [s.url, f"127.0.0.1:{s.http_port}"]
+            args = [str(TRITON_PYTHON), script, *urls, str(pki[ca]), str(X.shape[2]), str(out)]
+            run = subprocess.run(args, capture_output=True, text=True, timeout=300)
+            assert run.returncode == 0, run.stderr[-2000:]
+            seen = json.loads(out.read_text())
+            assert seen == {"grpc_ready": True, "grpc_shape": [1, 4, 32], "http_ready": True, "http_shape": [1, 4, 32]}
