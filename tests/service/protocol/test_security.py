@@ -29,10 +29,11 @@ from service.proto import grpc_service_pb2 as pb
 from service.proto import grpc_service_pb2_grpc as pb_grpc
 from service.protocol.auth import CONTROL_CALLS, Access, TokenFiles
 from service.protocol.tls import TlsFiles
+from tests.e2e.test_perf_analyzer import LIBRARIES, PERF_ANALYZER, SHORT
+from tests.e2e.test_serve_process import TRITON_PYTHON
 from tests.support import ROOT, ManualClock, ServerThread, make_settings
 
 X = np.ones((1, 4, 32), np.float32)
-TRITON_PYTHON = ROOT / ".venv-triton" / "bin" / "python"  # tritonclient, in its own environment
 
 
 def _pem_key(key: ec.EllipticCurvePrivateKey) -> bytes:
@@ -514,3 +515,21 @@ def test_tritons_clients_speak_tls_to_it_before_and_after_a_renewal(
             assert run.returncode == 0, run.stderr[-2000:]
             seen = json.loads(out.read_text())
             assert seen == {"grpc_ready": True, "grpc_shape": [1, 4, 32], "http_ready": True, "http_shape": [1, 4, 32]}
+
+
+def test_perf_analyzer_measures_it_over_tls(small_model_dir: Path, pki: dict[str, Path]) -> None:
+    """Triton's perf_analyzer, given the CA as its users give it, over gRPC and HTTPS."""
+    settings = make_settings(
+        small_model_dir, tls_cert=pki["server_crt"], tls_key=pki["server_key"], http_port=0, backend="torch"
+    )
+    env = {**os.environ, "LD_LIBRARY_PATH": ":".join(str(p) for p in LIBRARIES)}
+    with ServerThread(settings) as s:
+        modes = {
+            "grpc": (s.url, ["--ssl-grpc-use-ssl", "--ssl-grpc-root-certifications-file", str(pki["ca"])]),
+            "http": (f"https://127.0.0.1:{s.http_port}", ["--ssl-https-ca-certificates-file", str(pki["ca"])]),
+        }
+        for protocol, (url, tls) in modes.items():
+            command = [str(PERF_ANALYZER), "-m", "mha", "-u", url, "-i", protocol, "--shape", "x:4,32", *SHORT, *tls]
+            run = subprocess.run(command, env=env, capture_output=True, text=True, timeout=180)
+            assert run.returncode == 0, f"{protocol}: {run.stdout[-2000:]}\n{run.stderr[-2000:]}"
+            assert "Successful request count" in run.stdout and "Throughput:" in run.stdout, run.stdout[-2000:]
