@@ -387,6 +387,11 @@ class ServingSeries:
             "mha_tls_certificate_expiry_timestamp_seconds",
             "When the TLS certificate served to new connections expires, in Unix time; 0 without TLS.",
         )
+        self.files_refused = labelled(
+            "mha_watched_files_refused",
+            "1 while the last change of these files (tls, tokens) could not be taken: the ones before are served.",
+            ["files"],
+        )
 
     def set_backends(self, serving: list[tuple[str, str]], loaded: list[tuple[str, str]]) -> None:
         for name, device in loaded:

@@ -161,6 +161,7 @@ async def start(
     for watched in ([] if access.open else [tokens]) + ([] if tls is None else [tls]):  # changed: taken
         follow = watched.follow(engine.keeper.compute.clock, asyncio.Event())
         running.tasks.add(asyncio.get_running_loop().create_task(follow))
+        metrics.follow(metrics.serving.files_refused.labels(files=watched.label), watched.refused_now)
     if worker is not None:  # the supervisor reads this worker's files, never its registry
         running.tasks.add(asyncio.get_running_loop().create_task(_refresh_metrics(metrics)))
     log.debug(  # a person reads "ready" (or the one line that says why not)

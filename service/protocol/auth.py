@@ -97,7 +97,7 @@ class TokenFiles(WatchedFiles):
     either file changes, so that a token is added or removed without a restart. A change that
     cannot be read, or that would put a token in both files, leaves the tokens as they were."""
 
-    what = "the token files"
+    what, label = "the token files", "tokens"
 
     def __init__(self, token: Path | None, admin: Path | None) -> None:
         super().__init__(token, admin)

@@ -39,35 +39,36 @@ class TlsFiles(WatchedFiles):
     (grpc.dynamic_ssl_server_credentials); HTTP's context hands each handshake to the newest
     context (its SNI callback, which runs whether or not the client names a server)."""
 
-    what = "the TLS files"
+    what, label = "the TLS files", "tls"
 
     def __init__(self, cert: Path, key: Path, client_ca: Path | None) -> None:
         super().__init__(cert, key, client_ca)
-        self._cert, self._key, self._client_ca = cert, key, client_ca
         self.pem = self.read()  # a ValueError naming the flag: the caller's to refuse at start
         self._lock = threading.Lock()  # gRPC's handshakes call _fetch from its own threads
         self._pending: Pem | None = None  # taken, not yet given to gRPC
 
     def read(self) -> Pem:
+        cert_file, key_file, ca_file = self._paths
+        assert cert_file is not None and key_file is not None
         context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
         try:
-            context.load_cert_chain(self._cert, self._key)
-            key, cert = self._key.read_bytes(), self._cert.read_bytes()
+            context.load_cert_chain(cert_file, key_file)
+            key, cert = key_file.read_bytes(), cert_file.read_bytes()
         except (OSError, ssl.SSLError) as exc:
             raise ValueError(
-                f"--tls-cert {self._cert} with --tls-key {self._key}: {exc}; expected a PEM certificate "
+                f"--tls-cert {cert_file} with --tls-key {key_file}: {exc}; expected a PEM certificate "
                 "and the PEM private key that matches it"
             ) from exc
         expires = x509.load_pem_x509_certificate(cert).not_valid_after_utc.timestamp()
         if expires < time.time():
-            log.warning("--tls-cert %s expired at %s: clients will refuse it", self._cert, time.ctime(expires))
-        if self._client_ca is None:
+            log.warning("--tls-cert %s expired at %s: clients will refuse it", cert_file, time.ctime(expires))
+        if ca_file is None:
             return Pem(key, cert, None, context, expires)
         try:
-            context.load_verify_locations(self._client_ca)
-            client_ca = self._client_ca.read_bytes()
+            context.load_verify_locations(ca_file)
+            client_ca = ca_file.read_bytes()
         except (OSError, ssl.SSLError) as exc:
-            raise ValueError(f"--tls-client-ca {self._client_ca}: {exc}; expected PEM CA certificates") from exc
+            raise ValueError(f"--tls-client-ca {ca_file}: {exc}; expected PEM CA certificates") from exc
         context.verify_mode = ssl.CERT_REQUIRED
         return Pem(key, cert, client_ca, context, expires)
 
@@ -82,7 +83,7 @@ class TlsFiles(WatchedFiles):
 
     def grpc_credentials(self) -> grpc.ServerCredentials:
         return grpc.dynamic_ssl_server_credentials(
-            self.pem.grpc_configuration(), self._fetch, require_client_authentication=self._client_ca is not None
+            self.pem.grpc_configuration(), self._fetch, require_client_authentication=self.pem.client_ca is not None
         )
 
     def http_context(self) -> ssl.SSLContext:

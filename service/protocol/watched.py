@@ -21,10 +21,16 @@ class WatchedFiles:
     taken before in place, with a warning."""
 
     what = "the files"
+    label = "files"  # the metrics' name for them: a fixed word
 
     def __init__(self, *paths: Path | None) -> None:
         self._paths = paths
         self._seen = self._stamps()
+        self.refused = False  # the last change seen could not be taken: the ones before are served
+
+    def refused_now(self) -> float:
+        """1 while the last change of the files is refused, else 0: a gauge's value."""
+        return 1.0 if self.refused else 0.0
 
     def take(self) -> None:
         raise NotImplementedError
@@ -39,8 +45,10 @@ class WatchedFiles:
             self.take()
         except ValueError as exc:
             log.warning("%s (%s) changed but were not taken; the ones before stay: %s", self.what, named, exc)
+            self.refused = True
             return False
         log.info("%s (%s) changed: the new ones are taken", self.what, named)
+        self.refused = False
         return True
 
     async def follow(self, clock: Clock, stop: asyncio.Event, period_s: float = FILES_READ_S) -> None:

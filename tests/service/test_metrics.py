@@ -79,6 +79,7 @@ def test_families_and_types(traffic: tuple[ServerThread, str]) -> None:
         "mha_sequences_active": "gauge",
         "mha_device_required": "gauge",
         "mha_tls_certificate_expiry_timestamp_seconds": "gauge",
+        "mha_watched_files_refused": "gauge",
         "mha_sequence_state_bytes": "gauge",
         "mha_sequences_capacity": "gauge",
         "mha_sequence_state_budget_bytes": "gauge",

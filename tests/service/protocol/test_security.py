@@ -382,6 +382,18 @@ def test_the_files_are_looked_at_on_the_servers_clock(small_model_dir: Path, tmp
         assert _grpc_code(s.url, "ServerMetadata", metadata, "rotated") == grpc.StatusCode.UNAUTHENTICATED
         s.call(_advance(clock, 1.5))
         assert _grpc_code(s.url, "ServerMetadata", metadata, "rotated") == grpc.StatusCode.OK
+        assert _refused(s, "tokens") == 0
+        (tmp_path / "token").write_text("")  # a change that cannot be taken: what on-call is told of
+        s.call(_advance(clock, 10.5))
+        assert _refused(s, "tokens") == 1
+        assert _grpc_code(s.url, "ServerMetadata", metadata, "rotated") == grpc.StatusCode.OK  # kept
+        (tmp_path / "token").write_text("rotated\n")
+        s.call(_advance(clock, 10.5))
+        assert _refused(s, "tokens") == 0
+
+
+def _refused(server: ServerThread, files: str) -> float | None:
+    return server.registry.get_sample_value("mha_watched_files_refused", {"files": files})
 
 
 async def _advance(clock: ManualClock, seconds: float) -> None:
@@ -469,8 +481,10 @@ def test_tls_files_half_written_are_not_taken(pki: dict[str, Path], tmp_path: Pa
     assert not files.reread() and files._fetch() is None
     cert.write_bytes(pki["next_crt"].read_bytes())  # the key not yet
     assert not files.reread() and files.pem is first and files._fetch() is None
+    assert files.refused_now() == 1
     key.write_bytes(pki["next_key"].read_bytes())
     assert files.reread() and files.pem.cert == pki["next_crt"].read_bytes()
+    assert files.refused_now() == 0
     assert files._fetch() is not None and files._fetch() is None
     cert.unlink()  # gone: kept as it was
     assert not files.reread() and files.pem.cert == pki["next_crt"].read_bytes()
