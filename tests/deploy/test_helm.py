@@ -25,6 +25,7 @@ CHART = ROOT / "deploy" / "helm" / "mha-serve"
 RELEASE, NAMESPACE = "mha-serve", "serving"
 TOKENS = {"tokenSecret": "mha-serve-token", "adminTokenSecret": "mha-serve-admin-token"}  # the overlay's Secrets
 TLS = {"secret": "mha-serve-tls"}  # the cpu-tls overlay's Secret
+MTLS = {**TLS, "clientSecret": "mha-serve-test-client"}  # and the certificate helm test presents
 CHART_ONLY = ("app.kubernetes.io/instance", "app.kubernetes.io/managed-by", "helm.sh/chart")  # Helm's labels
 
 
@@ -96,7 +97,7 @@ def test_the_objects_validate_strictly_against_1_30_and_lint_clean(tmp_path: Pat
     values = [None, {"gpu": {"enabled": True, "memoryLimitMb": 20000, "runtimeClassName": "nvidia"}},
               {"autoscaling": {"mode": "none"}, "replicaCount": 3, "priorityClassName": "inference"},
               {"model": {"source": "checkpoint"}}, {"model": {"source": "repository"}}, {"auth": TOKENS},
-              {"tls": TLS, "auth": TOKENS}]  # fmt: skip
+              {"tls": TLS, "auth": TOKENS}, {"tls": MTLS}]  # fmt: skip
     for i, v in enumerate(values):
         path = tmp_path / f"{i}.yaml"
         path.write_text(yaml.safe_dump_all(_objects(v) + _objects(v, tests=True)))
@@ -117,6 +118,7 @@ def test_the_objects_validate_strictly_against_1_30_and_lint_clean(tmp_path: Pat
         ({"replicas": 3}, "replicas"),
         ({"auth": {"tokenSecret": "My_Token"}}, "/auth/tokenSecret"),
         ({"tls": {"secret": "My_Cert"}}, "/tls/secret"),
+        ({"tls": {"clientSecret": "My_Client"}}, "/tls/clientSecret"),
     ],
 )
 def test_the_values_schema_refuses_what_would_not_work(values: dict[str, Any], says: str) -> None:
@@ -385,3 +387,27 @@ def test_tls_renders_the_tls_overlays_volume_mount_probes_and_settings() -> None
 def test_tls_with_a_balancer_in_front_is_refused_with_the_reason() -> None:
     with pytest.raises(HelmRenderError, match=r"tls\.secret with routing: the balancer would speak plaintext"):
         _objects({"tls": TLS, "routing": {"istio": {"enabled": True}}})
+
+
+def test_mtls_requires_client_certificates_and_helm_test_presents_one() -> None:
+    """tls.clientSecret: the server requires client certificates signed by the CA in tls.secret's
+    ca.crt, mounted beside its certificate; `helm test`'s pod presents the client Secret's
+    certificate, readable by its group alone; without tls.secret it is refused, saying why."""
+    docs = _objects({"tls": MTLS})
+    pod = _without_helms_own(_of(docs, "Deployment"))["spec"]["template"]["spec"]
+    (volume,) = [v["secret"] for v in pod["volumes"] if v["name"] == "tls"]
+    (mount,) = [m for m in pod["containers"][0]["volumeMounts"] if m["name"] == "tls"]
+    config = _of(docs, "ConfigMap", "mha-serve-config")["data"]
+    assert {"key": "ca.crt", "path": "ca.crt"} in volume["items"]
+    assert config["MHA_TLS_CLIENT_CA"] == f"{mount['mountPath']}/ca.crt"
+    (test,) = _objects({"tls": MTLS}, tests=True)
+    spec, args = test["spec"], test["spec"]["containers"][0]["args"]
+    (client,) = [v["secret"] for v in spec["volumes"] if v["name"] == "tls-client"]
+    (where,) = [m["mountPath"] for m in spec["containers"][0]["volumeMounts"] if m["name"] == "tls-client"]
+    assert client["secretName"] == MTLS["clientSecret"] and client["defaultMode"] == 0o440
+    assert spec["securityContext"]["fsGroup"] == spec["securityContext"]["runAsGroup"]  # so it can read the key
+    assert args[args.index("--tls-client-cert") + 1] == f"{where}/tls.crt"
+    assert args[args.index("--tls-client-key") + 1] == f"{where}/tls.key"
+    assert "MHA_TLS_CLIENT_CA" not in _of(_objects({"tls": TLS}), "ConfigMap", "mha-serve-config")["data"]
+    with pytest.raises(HelmRenderError, match=r"tls\.clientSecret \(mTLS\) needs tls\.secret"):
+        _objects({"tls": {"clientSecret": "mha-serve-test-client"}})

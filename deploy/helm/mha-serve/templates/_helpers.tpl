@@ -61,6 +61,9 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 {{- $_ := set $config "MHA_TLS_KEY" "/etc/mha-serve/tls/tls.key" -}}
 {{- $_ := set $config "MHA_HEALTH_PORT" "8003" -}}
 {{- end -}}
+{{- if .Values.tls.clientSecret -}}
+{{- $_ := set $config "MHA_TLS_CLIENT_CA" "/etc/mha-serve/tls/ca.crt" -}}
+{{- end -}}
 {{- if eq .Values.model.source "checkpoint" -}}
 {{- $_ := set $config "MHA_MODEL_DIR" "/models/custom" -}}
 {{- else if eq .Values.model.source "repository" -}}
