@@ -400,6 +400,8 @@ def test_mtls_requires_client_certificates_and_helm_test_presents_one() -> None:
     config = _of(docs, "ConfigMap", "mha-serve-config")["data"]
     assert {"key": "ca.crt", "path": "ca.crt"} in volume["items"]
     assert config["MHA_TLS_CLIENT_CA"] == f"{mount['mountPath']}/ca.crt"
+    assert pod["volumes"] == by_kind("cpu-mtls", "Deployment")["spec"]["template"]["spec"]["volumes"]  # kustomize's
+    assert config == by_kind("cpu-mtls", "ConfigMap", "mha-serve-config")["data"]
     (test,) = _objects({"tls": MTLS}, tests=True)
     spec, args = test["spec"], test["spec"]["containers"][0]["args"]
     (client,) = [v["secret"] for v in spec["volumes"] if v["name"] == "tls-client"]

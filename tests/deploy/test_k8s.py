@@ -38,6 +38,7 @@ OVERLAYS = (
     "cpu-pod-deletion-cost",
     "cpu-tokens",
     "cpu-tls",
+    "cpu-mtls",
     *BALANCED,
 )
 BARE = (
@@ -48,6 +49,7 @@ BARE = (
     "cpu-pod-deletion-cost",
     "cpu-tokens",
     "cpu-tls",
+    "cpu-mtls",
 )  # apply to a cluster without the Prometheus Operator
 
 
@@ -104,6 +106,7 @@ KINDS = {
     "cpu-istio": [*SCALED, "DestinationRule"],
     "cpu-pod-deletion-cost": [*SCALED, "Role", "RoleBinding"],
     "cpu-tls": SCALED,
+    "cpu-mtls": SCALED,
 }
 
 
