@@ -124,3 +124,11 @@ def quote(value: str, limit: int = 64) -> str:
     if len(value) <= limit:
         return repr(value)
     return f"{value[:limit]!r}... ({len(value)} characters)"
+
+
+KINDS = {bool: "a boolean", int: "an integer", float: "a number", str: "a string", list: "a list", dict: "an object"}
+
+
+def described(value: object) -> str:
+    """A client's value's kind, in words the users of both protocols (JSON, gRPC parameters) read."""
+    return "nothing" if value is None else KINDS.get(type(value), "something else")

@@ -10,6 +10,8 @@ import secrets
 import sys
 import time
 
+from service.errors import KINDS, described
+
 request_id_var: contextvars.ContextVar[str] = contextvars.ContextVar("request_id", default="")
 
 
@@ -95,16 +97,6 @@ def log_settings() -> dict[str, LogSetting]:
     }
 
 
-KINDS = {  # a setting's value, in words true to JSON and to gRPC's parameters alike
-    bool: "a boolean (true or false)",
-    int: "an integer",
-    str: "a string",
-    float: "a decimal number",
-    list: "a list",
-    dict: "an object",
-}
-
-
 def change_log_settings(changes: dict[str, LogSetting]) -> dict[str, LogSetting]:
     """Apply Triton's log settings `changes` (ValueError saying what is wrong, nothing changed);
     the settings after them. Levels nest here, as Python's do: verbose, then info, warning, error."""
@@ -113,9 +105,8 @@ def change_log_settings(changes: dict[str, LogSetting]) -> dict[str, LogSetting]
         if expected is None:
             raise ValueError(f"unknown log setting {key[:64]!r}; expected some of {', '.join(LOG_SETTING_TYPES)}")
         if type(value) is not expected:
-            raise ValueError(
-                f"log setting {key} must be {KINDS[expected]}, got {KINDS.get(type(value), 'something else')}"
-            )
+            choices = " (true or false)" if expected is bool else ""
+            raise ValueError(f"log setting {key} must be {KINDS[expected]}{choices}, got {described(value)}")
     verbose = changes.get("log_verbose_level", 0)
     if not 0 <= int(verbose) <= UINT32_MAX:  # gRPC's uint32_param carries it to Triton's clients and to workers
         raise ValueError(f"log_verbose_level must be 0 to {UINT32_MAX} (0: off, 1 or more: verbose), got {verbose}")

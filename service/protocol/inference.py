@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from service.decode.control import SequenceControl
-from service.errors import FeatureOff, InvalidInput, quote
+from service.errors import FeatureOff, InvalidInput, described, quote
 from service.protocol.shm import OFF_MESSAGE, Regions, RegionSlice
 
 if TYPE_CHECKING:
@@ -83,13 +83,6 @@ class InferResponse:
     y: np.ndarray
     parameters: dict[str, int | str] = field(default_factory=dict)
     slice: RegionSlice | None = None
-
-
-def described(value: Value) -> str:
-    """A parameter value's kind, in words both protocols' users read."""
-    if value is None:
-        return "nothing"
-    return {bool: "a boolean", int: "an integer", float: "a number", str: "a string"}[type(value)]
 
 
 def decode_input(request: InferRequest, model: ServedModel, regions: Regions | None = None) -> np.ndarray:
