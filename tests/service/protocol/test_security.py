@@ -29,6 +29,7 @@ from service.proto import grpc_service_pb2 as pb
 from service.proto import grpc_service_pb2_grpc as pb_grpc
 from service.protocol.auth import CONTROL_CALLS, Access, TokenFiles
 from service.protocol.tls import TlsFiles
+from service.settings import Settings
 from tests.e2e.test_perf_analyzer import LIBRARIES, PERF_ANALYZER, SHORT
 from tests.e2e.test_serve_process import TRITON_PYTHON
 from tests.support import ROOT, ManualClock, ServerThread, make_settings
@@ -106,6 +107,11 @@ def pki(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return paths
 
 
+def _over_tls(model_dir: Path, cert: Path, key: Path, **extra: object) -> Settings:
+    """A server's settings serving TLS with `cert` and `key`."""
+    return make_settings(model_dir, tls_cert=cert, tls_key=key, backend="torch", **extra)
+
+
 def _tls_client(url: str, pki: dict[str, Path], who: str | None = None, ca: str = "ca", **kw: object) -> MHAClient:
     cert = (pki[f"{who}_key"].read_bytes(), pki[f"{who}_crt"].read_bytes()) if who else None
     return MHAClient(url, root_certificates=pki[ca].read_bytes(), client_cert=cert, **kw)  # type: ignore[arg-type]
@@ -113,7 +119,7 @@ def _tls_client(url: str, pki: dict[str, Path], who: str | None = None, ca: str 
 
 @pytest.fixture(scope="module")
 def tls_server(small_model_dir: Path, pki: dict[str, Path]) -> Iterator[ServerThread]:
-    settings = make_settings(small_model_dir, tls_cert=pki["server_crt"], tls_key=pki["server_key"], backend="torch")
+    settings = _over_tls(small_model_dir, pki["server_crt"], pki["server_key"])
     with ServerThread(settings) as s:
         yield s
 
@@ -128,9 +134,7 @@ def test_tls(tls_server: ServerThread, pki: dict[str, Path]) -> None:
 
 
 def test_mtls(small_model_dir: Path, pki: dict[str, Path]) -> None:
-    settings = make_settings(
-        small_model_dir, tls_cert=pki["server_crt"], tls_key=pki["server_key"], tls_client_ca=pki["ca"], backend="torch"
-    )
+    settings = _over_tls(small_model_dir, pki["server_crt"], pki["server_key"], tls_client_ca=pki["ca"])
     with ServerThread(settings) as s:
         with _tls_client(s.url, pki, "client") as client:
             assert client.infer(X).shape == X.shape
@@ -169,14 +173,7 @@ def test_bearer_token(small_model_dir: Path, tmp_path: Path) -> None:
 
 
 def test_under_mtls_probes_use_the_plaintext_health_port(small_model_dir: Path, pki: dict[str, Path]) -> None:
-    settings = make_settings(
-        small_model_dir,
-        tls_cert=pki["server_crt"],
-        tls_key=pki["server_key"],
-        tls_client_ca=pki["ca"],
-        health_port=0,
-        backend="torch",
-    )
+    settings = _over_tls(small_model_dir, pki["server_crt"], pki["server_key"], tls_client_ca=pki["ca"], health_port=0)
     with ServerThread(settings) as s, grpc.insecure_channel(f"127.0.0.1:{s.health_port}") as channel:
         for service in ("", "inference.GRPCInferenceService"):
             request = health_pb2.HealthCheckRequest(service=service)
@@ -217,9 +214,7 @@ def test_http_serves_tls_with_the_same_certificate(small_model_dir: Path, pki: d
     import urllib.error
     import urllib.request
 
-    settings = make_settings(
-        small_model_dir, tls_cert=pki["server_crt"], tls_key=pki["server_key"], http_port=0, backend="torch"
-    )
+    settings = _over_tls(small_model_dir, pki["server_crt"], pki["server_key"], http_port=0)
     with ServerThread(settings) as s:
         context = ssl.create_default_context(cafile=str(pki["ca"]))
         url = f"https://127.0.0.1:{s.http_port}/v2/health/ready"
@@ -440,13 +435,8 @@ def test_a_renewed_certificate_is_served_without_a_restart(
     files = {"dir": tmp_path, **{name: tmp_path / name for name in ("tls.crt", "tls.key", "ca.crt")}}
     _served(files, pki, "server_crt", "server_key", "ca")
     clock = ManualClock()
-    settings = make_settings(
-        small_model_dir,
-        tls_cert=files["tls.crt"],
-        tls_key=files["tls.key"],
-        tls_client_ca=files["ca.crt"],
-        http_port=0,
-        backend="torch",
+    settings = _over_tls(
+        small_model_dir, files["tls.crt"], files["tls.key"], tls_client_ca=files["ca.crt"], http_port=0
     )
     with ServerThread(settings, clock=clock) as s, _tls_client(s.url, pki, "client") as open_before:
         assert open_before.infer(X).shape == X.shape
@@ -493,7 +483,7 @@ def test_tls_files_half_written_are_not_taken(pki: dict[str, Path], tmp_path: Pa
 def test_mha_infer_checks_the_certificate_for_the_name_it_is_told(small_model_dir: Path, pki: dict[str, Path]) -> None:
     """Through a port-forward, --url is 127.0.0.1 while the certificate names the Service: without
     --tls-server-name the name check refuses the server; with it, the answer comes back."""
-    settings = make_settings(small_model_dir, tls_cert=pki["svc_crt"], tls_key=pki["svc_key"], backend="torch")
+    settings = _over_tls(small_model_dir, pki["svc_crt"], pki["svc_key"])
     with ServerThread(settings) as s:
         base = ["infer", "--url", s.url, "--shape", "1,4,32", "--tls-ca", str(pki["ca"]), "--timeout", "10"]
         for extra, code in (([], 1), (["--tls-server-name", "mha-serve.serving.svc"], 0)):
@@ -514,9 +504,7 @@ def test_tritons_clients_speak_tls_to_it_before_and_after_a_renewal(
     files = {"dir": tmp_path, **{name: tmp_path / name for name in ("tls.crt", "tls.key", "ca.crt")}}
     _served(files, pki, "server_crt", "server_key", "ca")
     clock = ManualClock()
-    settings = make_settings(
-        small_model_dir, tls_cert=files["tls.crt"], tls_key=files["tls.key"], http_port=0, backend="torch"
-    )
+    settings = _over_tls(small_model_dir, files["tls.crt"], files["tls.key"], http_port=0)
     script = str(ROOT / "tests" / "e2e" / "triton_tls.py")
     with ServerThread(settings, clock=clock) as s:
         for cert, key, ca in (("server_crt", "server_key", "ca"), ("next_crt", "next_key", "other_ca")):
@@ -533,9 +521,7 @@ def test_tritons_clients_speak_tls_to_it_before_and_after_a_renewal(
 
 def test_perf_analyzer_measures_it_over_tls(small_model_dir: Path, pki: dict[str, Path]) -> None:
     """Triton's perf_analyzer, given the CA as its users give it, over gRPC and HTTPS."""
-    settings = make_settings(
-        small_model_dir, tls_cert=pki["server_crt"], tls_key=pki["server_key"], http_port=0, backend="torch"
-    )
+    settings = _over_tls(small_model_dir, pki["server_crt"], pki["server_key"], http_port=0)
     env = {**os.environ, "LD_LIBRARY_PATH": ":".join(str(p) for p in LIBRARIES)}
     with ServerThread(settings) as s:
         modes = {
