@@ -190,3 +190,34 @@ def test_every_shell_block_parses() -> None:
         if lang in ("sh", "bash"):
             run = subprocess.run(["bash", "-n"], input=body, capture_output=True, text=True, timeout=30)
             assert run.returncode == 0, (where, run.stderr)
+
+
+def _anchors(path: Path) -> set[str]:
+    """The anchors GitHub gives a Markdown file's headings: lower case, punctuation but hyphens and
+    underscores dropped, spaces as hyphens, a repeated one numbered."""
+    text = re.sub(r"```.*?```", "", path.read_text(), flags=re.S)
+    anchors: set[str] = set()
+    seen: dict[str, int] = {}
+    for heading in re.findall(r"^#+ (.+)$", text, flags=re.M):
+        slug = re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+        count = seen[slug] = seen.get(slug, -1) + 1
+        anchors.add(slug if count == 0 else f"{slug}-{count}")
+    return anchors
+
+
+def test_every_relative_link_in_the_docs_leads_somewhere() -> None:
+    """A link between our pages names a file that exists and, in a Markdown file, a heading it has:
+    the runbooks and the docs send readers to one another's sections."""
+    broken = []
+    for page in [*DOCS, ROOT / "bench" / "RESULTS.md"]:
+        text = re.sub(r"```.*?```", "", page.read_text(), flags=re.S)
+        for target in re.findall(r"\]\(([^)\s]+)\)", text):
+            if target.startswith(("http://", "https://", "mailto:")):
+                continue
+            path, _, anchor = target.partition("#")
+            linked = (page.parent / path).resolve() if path else page
+            if not linked.exists():
+                broken.append((page.name, target, "no such file"))
+            elif anchor and linked.suffix == ".md" and anchor not in _anchors(linked):
+                broken.append((page.name, target, "no such heading"))
+    assert not broken, broken

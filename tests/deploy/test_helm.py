@@ -119,6 +119,7 @@ def test_the_objects_validate_strictly_against_1_30_and_lint_clean(tmp_path: Pat
         ({"auth": {"tokenSecret": "My_Token"}}, "/auth/tokenSecret"),
         ({"tls": {"secret": "My_Cert"}}, "/tls/secret"),
         ({"tls": {"clientSecret": "My_Client"}}, "/tls/clientSecret"),
+        ({"monitoring": {"runbooks": "https://wiki.example.com/runbooks#alerts"}}, "/monitoring/runbooks"),
     ],
 )
 def test_the_values_schema_refuses_what_would_not_work(values: dict[str, Any], says: str) -> None:
@@ -229,6 +230,24 @@ def test_monitoring_renders_the_monitoring_components_objects(kind: str, schema:
     if kind == "ServiceMonitor":
         assert ours["spec"]["selector"]["matchLabels"]["app.kubernetes.io/instance"] == RELEASE
     assert not [d for d in _objects() if d["kind"] == kind]  # off by default: no CRDs needed
+
+
+def test_monitoring_runbooks_moves_every_alerts_runbook_url_and_nothing_else() -> None:
+    """A fork or an internal wiki keeps its own runbooks: each alert's runbook_url becomes that page,
+    anchored at the alert's name, and so does the dashboard's link; the rules are otherwise those
+    of alerts.yml."""
+    page = "https://wiki.example.com/mha-serve/runbooks"
+    docs = _objects({"monitoring": {"prometheusRule": True, "runbooks": page}})
+    dashboard = json.loads(_of(docs, "ConfigMap", f"{RELEASE}-dashboard")["data"]["mha-serve.json"])
+    assert [link["url"] for link in dashboard["links"]] == [page]  # the dashboard's link to them too
+    moved = _of(docs, "PrometheusRule")
+    alerts = [r for g in moved["spec"]["groups"] for r in g["rules"] if "alert" in r]
+    assert len(alerts) == 14 and all(r["annotations"]["runbook_url"] == f"{page}#{r['alert'].lower()}" for r in alerts)
+    ours = copy.deepcopy(by_kind("cpu-prometheus", "PrometheusRule")["spec"])  # by_kind's renders are shared
+    for group in ours["groups"]:
+        for rule in group["rules"]:
+            rule["annotations"]["runbook_url"] = f"{page}#{rule['alert'].lower()}"
+    assert moved["spec"] == ours
 
 
 def test_gateway_api_routing_renders_the_gateway_api_overlays_objects() -> None:

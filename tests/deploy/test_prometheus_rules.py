@@ -2,13 +2,24 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 from pathlib import Path
+from typing import Any
+
+import yaml
 
 from tests.support import ROOT
 
 PROMTOOL = ROOT / ".tools" / "prometheus" / "usr" / "bin" / "promtool"
 RULES = ROOT / "deploy" / "prometheus"
+RUNBOOKS = ROOT / "docs" / "runbooks.md"
+RUNBOOK_PAGE = "https://github.com/mha-serve/mha-serve/blob/main/docs/runbooks.md"  # the chart's default too
+
+
+def alert_rules() -> list[dict[str, Any]]:
+    groups = yaml.safe_load((RULES / "alerts.yml").read_text())["groups"]
+    return [rule for group in groups for rule in group["rules"] if "alert" in rule]
 
 
 def promtool(*args: str) -> subprocess.CompletedProcess[str]:
@@ -39,3 +50,16 @@ def test_rule_tests_fail_when_a_rule_breaks(tmp_path: Path) -> None:
         [str(PROMTOOL), "test", "rules", "alerts_test.yml"], capture_output=True, text=True, cwd=tmp_path, timeout=120
     )
     assert run.returncode != 0
+
+
+def test_every_alert_links_its_own_runbook_section() -> None:
+    """Each alert's runbook_url is its section of docs/runbooks.md, at the anchor GitHub gives a
+    heading (its text in lower case), and every section is an alert's: none missing, none left
+    after its alert went. Each says what the alert means, how to check it and what to do."""
+    text = RUNBOOKS.read_text()
+    sections = re.findall(r"^## (.+)$", text, flags=re.M)
+    assert sections == [rule["alert"] for rule in alert_rules()]  # in the order of alerts.yml
+    for rule in alert_rules():
+        assert rule["annotations"]["runbook_url"] == f"{RUNBOOK_PAGE}#{rule['alert'].lower()}", rule["alert"]
+    for section in re.split(r"^## ", text, flags=re.M)[1:]:
+        assert all(part in section for part in ("**Means", "**Check", "**Act")), section.splitlines()[0]

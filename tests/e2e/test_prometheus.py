@@ -1,27 +1,32 @@
-"""A real Prometheus scrapes the live server while traffic flows; every dashboard query returns data."""
+"""A real Prometheus scrapes the live server while traffic flows; every dashboard query, and every
+query the runbooks give, returns data."""
 
 from __future__ import annotations
 
 import contextlib
 import json
+import re
 import shutil
 import subprocess
 import threading
 import time
 import urllib.parse
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 from service.client.client import InferenceError, MHAClient
+from tests.deploy.test_prometheus_rules import RUNBOOK_PAGE
 from tests.support import ROOT, ServerThread, free_ports, make_settings
 
 PROMETHEUS = ROOT / ".tools" / "prometheus" / "usr" / "bin" / "prometheus"
 PROMTOOL = PROMETHEUS.with_name("promtool")
 DASHBOARD = ROOT / "deploy" / "grafana" / "mha-serve.json"
 RULES = ROOT / "deploy" / "prometheus"
+RUNBOOKS = ROOT / "docs" / "runbooks.md"
 
 
 def dashboard_queries() -> list[tuple[str, str]]:
@@ -91,6 +96,7 @@ def test_dashboard_structure() -> None:
         for target in panel["targets"]:
             for name in FILTERS:
                 assert f'{name}=~"${name}"' in target["expr"], (panel["title"], name, target["expr"])
+    assert [link["url"] for link in dashboard["links"]] == [RUNBOOK_PAGE]  # on-call's way to what each alert means
     titles = " ".join(p["title"] for p in dashboard["panels"]).lower()
     for needed in (
         "request rate",
@@ -112,8 +118,12 @@ def test_dashboard_structure() -> None:
         assert f"histogram_quantile({q}, sum by (le) (rate(mha_request_duration_seconds_bucket" in exprs
 
 
-def test_every_dashboard_query_returns_data(small_model_dir: Path, tmp_path: Path) -> None:
+@pytest.fixture(scope="module")
+def scraped(small_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[int, str]]:
+    """A live server under traffic (a client's mistakes among it), scraped every second by a real
+    Prometheus that evaluates alerts.yml: (Prometheus's port, the server's instance)."""
     assert PROMETHEUS.exists(), "make install unpacks Debian's prometheus into .tools/"
+    tmp_path = tmp_path_factory.mktemp("prometheus")
     metrics_port, prom_port = free_ports(2)
     settings = make_settings(small_model_dir, metrics_port=metrics_port, max_batch_size=8, max_queue_delay_ms=5)
     instance = f"127.0.0.1:{metrics_port}"
@@ -153,34 +163,63 @@ def test_every_dashboard_query_returns_data(small_model_dir: Path, tmp_path: Pat
         )
         try:
             _wait_for_samples(prom_port, instance, prom)
-            instances = api(prom_port, "label/instance/values", **{"match[]": "mha_ready"})["data"]
-            assert instance in instances  # the dashboard's $instance variable query
-            failures = []
-            for title, expr in dashboard_queries():
-                for value in (instance, ".*"):
-                    result = api(prom_port, "query", query=fill(expr, value))
-                    # DCGM's series come from NVIDIA's exporter, which runs only on GPU nodes: those
-                    # queries must be valid here, and return data where DCGM runs
-                    empty_allowed = expr.startswith(FROM_DCGM)
-                    if result["status"] != "success" or not (result["data"]["result"] or empty_allowed):
-                        failures.append((title, fill(expr, value), result.get("error", "empty result")))
-            assert not failures, failures
-            for expr, lowest in TRITON_QUERIES:  # a Triton user's dashboard reads this server unchanged
-                result = api(prom_port, "query", query=expr)["data"]["result"]
-                assert result and all(float(r["value"][1]) >= lowest for r in result), (expr, result)
-            for expr, low, high in TRITON_DASHBOARD:
-                result = api(prom_port, "query", query=expr)["data"]["result"]
-                values = [float(r["value"][1]) for r in result]
-                assert values and all(low <= v <= high for v in values), (expr, result)
-                assert all(r["metric"].get("pod", "mha-serve-0") == "mha-serve-0" for r in result), (expr, result)
-            rules = api(prom_port, "rules")["data"]["groups"]
-            assert {r["name"] for g in rules for r in g["rules"]} >= {"MHAServeTargetDown", "MHAServeBackendFallback"}
+            yield prom_port, instance
         finally:
             stop.set()
             for w in workers:
                 w.join(30)
             prom.terminate()
             prom.wait(30)
+
+
+def test_every_dashboard_query_returns_data(scraped: tuple[int, str]) -> None:
+    prom_port, instance = scraped
+    instances = api(prom_port, "label/instance/values", **{"match[]": "mha_ready"})["data"]
+    assert instance in instances  # the dashboard's $instance variable query
+    failures = []
+    for title, expr in dashboard_queries():
+        for value in (instance, ".*"):
+            result = api(prom_port, "query", query=fill(expr, value))
+            # DCGM's series come from NVIDIA's exporter, which runs only on GPU nodes: those
+            # queries must be valid here, and return data where DCGM runs
+            empty_allowed = expr.startswith(FROM_DCGM)
+            if result["status"] != "success" or not (result["data"]["result"] or empty_allowed):
+                failures.append((title, fill(expr, value), result.get("error", "empty result")))
+    assert not failures, failures
+    for expr, lowest in TRITON_QUERIES:  # a Triton user's dashboard reads this server unchanged
+        result = api(prom_port, "query", query=expr)["data"]["result"]
+        assert result and all(float(r["value"][1]) >= lowest for r in result), (expr, result)
+    for expr, low, high in TRITON_DASHBOARD:
+        result = api(prom_port, "query", query=expr)["data"]["result"]
+        values = [float(r["value"][1]) for r in result]
+        assert values and all(low <= v <= high for v in values), (expr, result)
+        assert all(r["metric"].get("pod", "mha-serve-0") == "mha-serve-0" for r in result), (expr, result)
+    rules = api(prom_port, "rules")["data"]["groups"]
+    assert {r["name"] for g in rules for r in g["rules"]} >= {"MHAServeTargetDown", "MHAServeBackendFallback"}
+
+
+def runbook_queries() -> list[str]:
+    return [" ".join(q.split()) for q in re.findall(r"```promql\n(.*?)```", RUNBOOKS.read_text(), flags=re.S)]
+
+
+# Series a plaintext CPU server without token files does not export: NVIDIA's exporter's (GPU nodes),
+# --require-device's, --tls-cert's expiry (0, filtered out, without TLS) and the watched files' gauge
+ELSEWHERE = ("DCGM_", "mha_device_required", "mha_tls_certificate_expiry", "mha_watched_files_refused")
+
+
+def test_every_runbook_query_answers(scraped: tuple[int, str]) -> None:
+    """What docs/runbooks.md tells on-call to query is valid PromQL over series this server exports:
+    each returns data, but for the series only other servers export (ELSEWHERE)."""
+    prom_port, _ = scraped
+    queries = runbook_queries()
+    assert len(queries) >= 14
+    failures = []
+    for query in queries:
+        result = api(prom_port, "query", query=query)
+        empty_allowed = any(name in query for name in ELSEWHERE)
+        if result["status"] != "success" or not (result["data"]["result"] or empty_allowed):
+            failures.append((query, result.get("error", "empty result")))
+    assert not failures, failures
 
 
 def _wait_for_samples(port: int, instance: str, prom: subprocess.Popen[bytes], timeout: float = 60) -> None:
