@@ -13,7 +13,6 @@ from typing import TYPE_CHECKING, Any, NoReturn
 if TYPE_CHECKING:
     import numpy as np
 
-    from export.verify import ParityReport
     from model import MHAConfig
     from model.checkpoint import Weights
 
@@ -143,19 +142,23 @@ def cmd_verify(args: argparse.Namespace) -> int:
     from export.verify import verify_model_dir
     from model.checkpoint import stored_config
     from service.client.client import InferenceError
+    from service.client.parity import verify_server
 
     model_dir = Path(args.model_dir)
+    if args.http_url and not args.url:
+        raise CliError("--http-url checks a running server's HTTP routes beside its gRPC ones: give --url too", 2)
     if args.url:
         try:
-            report = verify_server(args.url, model_dir, **_client_security(args))
+            routes = verify_server(args.url, model_dir, http=_http_access(args), **_client_security(args))
         except InferenceError as exc:
             raise CliError(f"cannot verify the server at {args.url}: {exc}") from exc
-    else:
-        if (problem := model_dir_problem(model_dir, flag="", serve=False)) is not None:
-            raise CliError(problem, 2)  # a wrong path is not a model that failed its check
-        if (config := stored_config(ModelFiles(model_dir).weights)) is not None:
-            _check_export_fits(config)  # the grid at T = max_seq_len, on a machine smaller than the exporter's
-        report = verify_model_dir(model_dir)
+        sys.stdout.write(routes.table() + "\n")
+        return 0 if routes.ok else 1
+    if (problem := model_dir_problem(model_dir, flag="", serve=False)) is not None:
+        raise CliError(problem, 2)  # a wrong path is not a model that failed its check
+    if (config := stored_config(ModelFiles(model_dir).weights)) is not None:
+        _check_export_fits(config)  # the grid at T = max_seq_len, on a machine smaller than the exporter's
+    report = verify_model_dir(model_dir)
     sys.stdout.write(report.table() + "\n")
     return 0 if report.ok else 1
 
@@ -184,6 +187,25 @@ def _client_security(args: argparse.Namespace) -> dict[str, Any]:
     if args.tls_server_name:  # the name the certificate carries, where --url does not say it (a port-forward)
         options["server_name"] = args.tls_server_name
     return options
+
+
+def _http_access(args: argparse.Namespace) -> Any:
+    """How `mha verify` reaches the HTTP port (--http-url), with the client options of gRPC's."""
+    from service.client.parity import HttpAccess
+
+    if not args.http_url:
+        return None
+    if not args.http_url.startswith(("http://", "https://")):
+        raise CliError(f"--http-url {args.http_url[:100]!r}: expected http://HOST:PORT or https://HOST:PORT", 2)
+    if args.http_url.startswith("https://") and not args.tls_ca:
+        raise CliError("--http-url https://... needs --tls-ca, the CA that signed the server's certificate", 2)
+    return HttpAccess(
+        url=args.http_url,
+        token=_client_security(args).get("token"),
+        ca=Path(args.tls_ca) if args.tls_ca else None,
+        client_cert=(Path(args.tls_client_cert), Path(args.tls_client_key)) if args.tls_client_cert else None,
+        server_name=args.tls_server_name,
+    )
 
 
 def _pem(flag: str, path: str) -> bytes:
@@ -366,50 +388,6 @@ def random_input(shape: Sequence[int], seed: int = 0) -> np.ndarray:
     import numpy as np
 
     return np.random.default_rng(seed).standard_normal(tuple(shape), dtype=np.float32)
-
-
-def server_parity_grid(max_seq_len: int) -> list[tuple[int, int]]:
-    """Many shapes for end-to-end checks: T = 1, primes, powers of two, max_seq_len."""
-    seqs = sorted({min(t, max_seq_len) for t in (1, 2, 3, 7, 16, 31, 64, 127, max_seq_len // 2 + 1, max_seq_len)})
-    return [(1 + i % 5, t) for i, t in enumerate(seqs)]
-
-
-def verify_server(
-    url: str, model_dir: Path, shapes: Sequence[tuple[int, int]] | None = None, **client_kwargs: Any
-) -> ParityReport:
-    """End-to-end parity of a running server against the float64 references."""
-    import grpc
-
-    from export.layout import ModelFiles, precision_tolerance
-    from export.verify import check_parity, sha256_file
-    from model.checkpoint import load_checkpoint
-    from service.client.client import InferenceError, MHAClient
-
-    files = ModelFiles(model_dir)
-    config, weights = load_checkpoint(files.weights)
-    with MHAClient(url, **client_kwargs) as client:
-        parameters = client.model_config().parameters
-        served, served_c = parameters["weights_sha256"].string_value, parameters["d_model"].string_value
-        if served_c != str(config.d_model):
-            raise InferenceError(
-                grpc.StatusCode.FAILED_PRECONDITION, f"it serves C = {served_c}, {model_dir} holds C = {config.d_model}"
-            )
-        precision = parameters["precision"].string_value or "fp32"  # a server that does not say computes in fp32
-        tolerance = precision_tolerance(precision, config)
-        log.info(
-            "the server at %s answers with %s on %s in %s (tolerance %.1e)",
-            url,
-            parameters["backend"].string_value,
-            parameters["device"].string_value,
-            precision,
-            tolerance,
-        )
-        grid = shapes or server_parity_grid(config.max_seq_len)
-        report = check_parity(client.infer, config, weights, grid, seed=7, tolerance=tolerance)
-    local = sha256_file(files.weights)
-    if served != local:
-        report.problems.append(f"the server serves weights sha256 {served[:12]}..., {model_dir} holds {local[:12]}...")
-    return report
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
@@ -643,7 +621,8 @@ def build_parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
 
     p = sub.add_parser("verify", help="parity of a model directory (or of a running server with --url)")
     p.add_argument("model_dir", help="model directory written by `mha export`")
-    p.add_argument("--url", help="HOST:PORT of a running server to check end to end")
+    p.add_argument("--url", help="HOST:PORT of a running server's gRPC port: check its routes end to end")
+    p.add_argument("--http-url", help="http(s)://HOST:PORT of the same server's HTTP port: check its routes too")
     _add_client_args(p)
     p.set_defaults(func=cmd_verify)
 

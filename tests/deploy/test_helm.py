@@ -179,7 +179,10 @@ def test_autoscaling_off_sets_the_replicas_and_drops_the_hpa() -> None:
 def test_helm_test_verifies_the_served_answers_and_notes_say_how_to_reach_it() -> None:
     (pod,) = _objects(tests=True)
     assert pod["metadata"]["annotations"]["helm.sh/hook"] == "test"
-    assert pod["spec"]["containers"][0]["args"] == ["mha", "verify", "/opt/mha/model", "--url", "mha-serve:8001"]
+    every_route = ["--url", "mha-serve:8001", "--http-url", "http://mha-serve:8000"]  # gRPC's and HTTP's
+    assert pod["spec"]["containers"][0]["args"] == ["mha", "verify", "/opt/mha/model", *every_route]
+    (no_http,) = _objects({"config": {"MHA_HTTP_PORT": "off"}}, tests=True)  # HTTP turned off: gRPC alone
+    assert no_http["spec"]["containers"][0]["args"] == ["mha", "verify", "/opt/mha/model", "--url", "mha-serve:8001"]
     assert pod["metadata"]["labels"]["mha-serve-client"] == "true"  # let through by the NetworkPolicy
     assert (
         pod["spec"]["containers"][0]["image"]
@@ -395,6 +398,7 @@ def test_tls_renders_the_tls_overlays_volume_mount_probes_and_settings() -> None
     assert volume["secret"]["items"] == [{"key": "ca.crt", "path": "ca.crt"}]
     args = pod["spec"]["containers"][0]["args"]
     assert args[args.index("--url") + 1] == f"mha-serve.{NAMESPACE}.svc:8001"
+    assert args[args.index("--http-url") + 1] == f"https://mha-serve.{NAMESPACE}.svc:8000"  # the name it carries
     (mount,) = [m for m in pod["spec"]["containers"][0]["volumeMounts"] if m["name"] == "tls"]
     assert args[args.index("--tls-ca") + 1] == f"{mount['mountPath']}/ca.crt"
     assert "MHA_TLS_CERT" not in _of(_objects(), "ConfigMap", "mha-serve-config")["data"]  # off by default

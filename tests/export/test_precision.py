@@ -19,8 +19,8 @@ from export.verify import check_parity, ort_cpu_runner, parity_grid, verify_mode
 from model import MHAConfig
 from model.checkpoint import init_weights, load_checkpoint
 from model.reference import attention_view, relative_error
-from service.cli import verify_server
 from service.client.client import MHAClient
+from service.client.parity import verify_server
 from service.engine.keeper import ModelLoadError
 from tests.support import ServerThread, make_settings
 
@@ -100,6 +100,8 @@ def test_verify_url_checks_an_fp16_server_at_the_tolerance_of_fp16(half_model_di
         with MHAClient(server.url) as client:
             assert client.model_config().parameters["precision"].string_value == "fp16"
         report = verify_server(server.url, half_model_dir)
-        assert report.ok and report.tolerance == precision_tolerance("fp16", SMALL), report.table()
-        assert max(row.rel_view for row in report.rows) > 1e-5  # what the fp32 tolerance refused
+        assert report.ok, report.table()
+        assert {r.tolerance for r in report.routes.values()} == {precision_tolerance("fp16", SMALL)}
+        rows = report.routes["gRPC ModelInfer"].rows
+        assert max(row.rel_view for row in rows) > 1e-5  # what the fp32 tolerance refused
         assert not verify_server(server.url, other).ok

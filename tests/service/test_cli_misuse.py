@@ -295,6 +295,24 @@ CASES = {  # name: (arguments given the fixtures, environment, exit code, what t
         1,
         "it serves C = 32",
     ),
+    "verify-http-url-without-url": (
+        lambda f: ["verify", str(f["model"]), "--http-url", "http://127.0.0.1:8000"],
+        {},
+        2,
+        "--http-url checks a running server's HTTP routes beside its gRPC ones: give --url too",
+    ),
+    "verify-http-url-not-a-url": (  # before --http-url took a scheme, a HOST:PORT was the natural guess
+        lambda f: ["verify", str(f["model"]), "--url", f["url"], "--http-url", "127.0.0.1:8000"],
+        {},
+        2,
+        "--http-url '127.0.0.1:8000': expected http://HOST:PORT or https://HOST:PORT",
+    ),
+    "verify-https-without-a-ca": (
+        lambda f: ["verify", str(f["model"]), "--url", f["url"], "--http-url", "https://127.0.0.1:8000"],
+        {},
+        2,
+        "--http-url https://... needs --tls-ca, the CA that signed the server's certificate",
+    ),
     "export-unknown-layer": (
         lambda f: [
             "export",

@@ -16,7 +16,6 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from model.checkpoint import load_checkpoint
 from model.reference import attention_view, relative_error
-from service.cli import verify_server
 from service.client.client import InferenceError, MHAClient
 from service.proto import grpc_service_pb2 as pb
 from service.proto import grpc_service_pb2_grpc as pb_grpc
@@ -53,12 +52,6 @@ def test_infer_matches_reference(client: MHAClient, small_model_dir: Path) -> No
         y = client.infer(x)
         assert y.shape == x.shape
         assert relative_error(torch.from_numpy(y), _reference(small_model_dir, x)) < 1e-5
-
-
-def test_verify_server_over_many_shapes(server: ServerThread, small_model_dir: Path) -> None:
-    report = verify_server(server.url, small_model_dir)
-    assert report.ok, report.table()
-    assert len(report.rows) >= 8
 
 
 def test_typed_contents_answered_raw(stub: pb_grpc.GRPCInferenceServiceStub, small_model_dir: Path) -> None:

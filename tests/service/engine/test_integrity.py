@@ -12,8 +12,8 @@ import pytest
 from export.pipeline import export_model_dir
 from model import MHAConfig
 from model.checkpoint import init_weights
-from service.cli import verify_server
 from service.client.client import MHAClient
+from service.client.parity import verify_server
 from service.engine.keeper import ModelLoadError
 from tests.support import ServerThread, make_settings
 

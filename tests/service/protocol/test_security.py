@@ -494,6 +494,26 @@ def test_mha_infer_checks_the_certificate_for_the_name_it_is_told(small_model_di
             assert ("output [1, 4, 32]" in run.stdout) == (code == 0), run.stdout + run.stderr
 
 
+def test_mha_verify_checks_every_route_over_mtls_with_a_token(
+    small_model_dir: Path, pki: dict[str, Path], tmp_path: Path
+) -> None:
+    """`helm test`'s case through a port-forward: the certificate names the Service, clients
+    present theirs and a token. Every route answers within the tolerance over gRPC and HTTPS."""
+    (token := tmp_path / "token").write_text("verify-token\n")
+    settings = _over_tls(
+        small_model_dir, pki["svc_crt"], pki["svc_key"], tls_client_ca=pki["ca"], auth_token_file=token, http_port=0
+    )
+    with ServerThread(settings) as s:
+        mtls = ["--tls-ca", str(pki["ca"]), "--tls-client-cert", str(pki["client_crt"])]
+        mtls += ["--tls-client-key", str(pki["client_key"]), "--token-file", str(token)]
+        base = ["verify", str(small_model_dir), "--url", s.url, "--http-url", f"https://127.0.0.1:{s.http_port}", *mtls]
+        named = [*base, "--tls-server-name", "mha-serve.serving.svc"]
+        run = subprocess.run([sys.executable, "-m", "service.cli", *named], capture_output=True, text=True, timeout=300)
+        assert run.returncode == 0, run.stdout + run.stderr[-2000:]
+    routes = ("gRPC ModelInfer", "gRPC ModelStreamInfer", "gRPC decode steps", "HTTP JSON", "HTTP binary data")
+    assert all(f"{route:<22} ok " in run.stdout for route in routes) and run.stdout.endswith("PASS\n"), run.stdout
+
+
 def test_tritons_clients_speak_tls_to_it_before_and_after_a_renewal(
     small_model_dir: Path, pki: dict[str, Path], tmp_path: Path
 ) -> None:

@@ -1,0 +1,243 @@
+"""`mha verify DIR --url`: a running server's answers, on every route it offers, against the float64
+references of the weights in DIR.
+
+A route is a way in that has code of its own between the wire and the model: unary gRPC, a gRPC
+stream, decode steps of a sequence (the prefix, then steps of 1, 2, 3, ... tokens, each answer
+the rows of the whole sequence so far), and with `--http-url`, HTTP with JSON tensors and with
+Triton's binary-data extension. Each route is checked over the same grid of shapes and seeded
+inputs; a route that refuses a request fails with the server's reason.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import logging
+import ssl
+import uuid
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import grpc
+import numpy as np
+
+from export.layout import ModelFiles, precision_tolerance
+from export.verify import ParityReport, check_parity, sha256_file
+from model.checkpoint import load_checkpoint
+from service.client.client import InferenceError, MHAClient
+
+log = logging.getLogger(__name__)
+Runner = Callable[[np.ndarray], np.ndarray]
+HEADER_LENGTH = "Inference-Header-Content-Length"  # Triton's binary-data extension
+
+
+def server_parity_grid(max_seq_len: int) -> list[tuple[int, int]]:
+    """Many shapes for end-to-end checks: T = 1, primes, powers of two, max_seq_len."""
+    seqs = sorted({min(t, max_seq_len) for t in (1, 2, 3, 7, 16, 31, 64, 127, max_seq_len // 2 + 1, max_seq_len)})
+    return [(1 + i % 5, t) for i, t in enumerate(seqs)]
+
+
+@dataclass(frozen=True)
+class HttpAccess:
+    """How to reach the server's HTTP port: its URL (http:// or https://), and for HTTPS the CA, the
+    client's certificate and key (mTLS) and the name to check the certificate for."""
+
+    url: str
+    token: str | None = None
+    ca: Path | None = None
+    client_cert: tuple[Path, Path] | None = None  # (certificate, key)
+    server_name: str | None = None
+
+    def context(self) -> ssl.SSLContext | None:
+        if not self.url.startswith("https://"):
+            return None
+        context = ssl.create_default_context(cafile=str(self.ca) if self.ca else None)
+        if self.client_cert is not None:
+            context.load_cert_chain(str(self.client_cert[0]), str(self.client_cert[1]))
+        return context
+
+
+class HttpRefused(RuntimeError):
+    """The server answered an HTTP inference with an error status; the message is its reason."""
+
+
+class HttpRoute:
+    """KServe v2 inference over HTTP, for checks: JSON tensors, or the binary-data extension."""
+
+    def __init__(self, access: HttpAccess, model: str, input_name: str, output_name: str) -> None:
+        self.access, self.names = access, (input_name, output_name)
+        self.path = f"{access.url.rstrip('/')}/v2/models/{model}/infer"
+        self._context = access.context()
+        self._loop = asyncio.new_event_loop()
+
+    def close(self) -> None:
+        self._loop.close()
+
+    def infer(self, x: np.ndarray, binary: bool) -> np.ndarray:
+        """(B, T, C) -> (B, T, C) float32."""
+        body, headers = self._binary_request(x) if binary else self._json_request(x)
+        if self.access.token:
+            headers["Authorization"] = f"Bearer {self.access.token}"
+        status, answer_headers, answer = self._loop.run_until_complete(self._post(body, headers))
+        if status != 200:
+            raise HttpRefused(f"HTTP {status}: {_reason(answer)}")
+        return _binary_output(answer_headers, answer) if binary else _json_output(answer)
+
+    async def _post(self, body: bytes, headers: dict[str, str]) -> tuple[int, dict[str, str], bytes]:
+        ssl_option: ssl.SSLContext | bool = self._context if self._context is not None else False
+        async with (
+            aiohttp.ClientSession() as session,
+            session.post(
+                self.path, data=body, headers=headers, ssl=ssl_option, server_hostname=self.access.server_name
+            ) as response,
+        ):
+            return response.status, dict(response.headers), await response.read()
+
+    def _tensor(self, x: np.ndarray) -> dict[str, Any]:
+        return {"name": self.names[0], "shape": list(x.shape), "datatype": "FP32"}
+
+    def _json_request(self, x: np.ndarray) -> tuple[bytes, dict[str, str]]:
+        tensor = {**self._tensor(x), "data": x.ravel().tolist()}  # (B * T * C,) row-major
+        return json.dumps({"inputs": [tensor]}).encode(), {"Content-Type": "application/json"}
+
+    def _binary_request(self, x: np.ndarray) -> tuple[bytes, dict[str, str]]:
+        raw = np.ascontiguousarray(x, dtype="<f4").tobytes()
+        tensor = {**self._tensor(x), "parameters": {"binary_data_size": len(raw)}}
+        output = {"name": self.names[1], "parameters": {"binary_data": True}}
+        header = json.dumps({"inputs": [tensor], "outputs": [output]}).encode()
+        return header + raw, {"Content-Type": "application/octet-stream", HEADER_LENGTH: str(len(header))}
+
+
+def _reason(body: bytes) -> str:
+    try:
+        return str(json.loads(body)["error"])[:300]
+    except (ValueError, KeyError, TypeError):
+        return body[:300].decode(errors="replace")
+
+
+def _json_output(body: bytes) -> np.ndarray:
+    (output,) = json.loads(body)["outputs"]
+    return np.asarray(output["data"], dtype=np.float32).reshape(output["shape"])  # (B, T, C)
+
+
+def _binary_output(headers: dict[str, str], body: bytes) -> np.ndarray:
+    length = int(headers[HEADER_LENGTH])
+    (output,) = json.loads(body[:length])["outputs"]
+    raw = body[length : length + output["parameters"]["binary_data_size"]]
+    return np.frombuffer(raw, dtype="<f4").reshape(output["shape"])  # (B, T, C)
+
+
+def _streamed(client: MHAClient) -> Runner:
+    """Each input alone on a ModelStreamInfer stream of its own."""
+    return lambda x: next(iter(client.stream_infer([x])))
+
+
+def _stepped(client: MHAClient) -> Runner:
+    """Each input as a sequence: its first half (at least one token) with sequence_start, then steps
+    of 1, 2, 3, ... tokens, the last with sequence_end; the answers side by side."""
+    ids = (f"mha-verify-{uuid.uuid4().hex[:12]}-{n}" for n in itertools.count())
+
+    def run(x: np.ndarray) -> np.ndarray:
+        sequence_id, seq = next(ids), x.shape[1]
+        cuts = [0, max(1, seq // 2)]
+        for size in itertools.count(1):
+            if cuts[-1] >= seq:
+                break
+            cuts.append(min(seq, cuts[-1] + size))
+        answers = []
+        for start, stop in itertools.pairwise(cuts):
+            step = client.step(sequence_id, x[:, start:stop], offset=start, start=start == 0, end=stop == seq)
+            answers.append(step.y)  # (B, stop - start, C)
+        return np.concatenate(answers, axis=1)  # (B, T, C)
+
+    return run
+
+
+@dataclass
+class RoutesReport:
+    """Each route's parity report, the routes not checked and why, and what is wrong whatever the
+    answers (the server serves other weights than DIR's)."""
+
+    routes: dict[str, ParityReport] = field(default_factory=dict)
+    skipped: dict[str, str] = field(default_factory=dict)
+    problems: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems and all(report.ok for report in self.routes.values())
+
+    def table(self) -> str:
+        """One line per route; the whole grid of a route that failed, to say where."""
+        lines = [f"{'route':<22} {'result':<6} {'shapes':>6} {'worst rel. error':>17} {'tolerance':>10}"]
+        for route, report in self.routes.items():
+            worst = f"{max(row.worst for row in report.rows):.2e}" if report.rows else "-"
+            verdict = "ok" if report.ok else "FAIL"
+            lines.append(f"{route:<22} {verdict:<6} {len(report.rows):>6} {worst:>17} {report.tolerance:>10.0e}")
+        lines += [f"{route:<22} not checked: {why}" for route, why in self.skipped.items()]
+        for route, report in self.routes.items():
+            if not report.ok:
+                lines += ["", f"{route}:", report.table()]
+        lines += [f"problem: {problem}" for problem in self.problems]
+        lines.append("PASS" if self.ok else "FAIL")
+        return "\n".join(lines)
+
+
+def verify_server(
+    url: str,
+    model_dir: Path,
+    shapes: Sequence[tuple[int, int]] | None = None,
+    http: HttpAccess | None = None,
+    **client_kwargs: Any,
+) -> RoutesReport:
+    """End-to-end parity of a running server's routes against the float64 references."""
+    files = ModelFiles(model_dir)
+    config, weights = load_checkpoint(files.weights)
+    result = RoutesReport()
+    with MHAClient(url, **client_kwargs) as client:
+        parameters = client.model_config().parameters
+        served_c = parameters["d_model"].string_value
+        if served_c != str(config.d_model):
+            raise InferenceError(
+                grpc.StatusCode.FAILED_PRECONDITION, f"it serves C = {served_c}, {model_dir} holds C = {config.d_model}"
+            )
+        precision = parameters["precision"].string_value or "fp32"  # a server that does not say computes in fp32
+        tolerance = precision_tolerance(precision, config)
+        backend, device = parameters["backend"].string_value, parameters["device"].string_value
+        log.info(
+            "the server at %s answers with %s on %s in %s (tolerance %.1e)", url, backend, device, precision, tolerance
+        )
+        grid = shapes or server_parity_grid(config.max_seq_len)
+
+        def check(route: str, run: Runner) -> None:
+            try:
+                result.routes[route] = check_parity(run, config, weights, grid, seed=7, tolerance=tolerance)
+            except (InferenceError, HttpRefused, aiohttp.ClientError) as exc:
+                refused = ParityReport(tolerance=tolerance)
+                refused.problems.append(f"refused: {exc}")
+                result.routes[route] = refused
+
+        check("gRPC ModelInfer", client.infer)
+        check("gRPC ModelStreamInfer", _streamed(client))
+        if parameters["causal"].string_value == "true":
+            check("gRPC decode steps", _stepped(client))
+        else:
+            result.skipped["gRPC decode steps"] = "the model is not causal: it serves no sequences"
+        if http is None:
+            result.skipped["HTTP"] = "give --http-url to check it"
+        else:
+            metadata = client.model_metadata()
+            route = HttpRoute(http, client.model, metadata.inputs[0].name, metadata.outputs[0].name)
+            try:
+                check("HTTP JSON", lambda x: route.infer(x, binary=False))
+                check("HTTP binary data", lambda x: route.infer(x, binary=True))
+            finally:
+                route.close()
+        served = parameters["weights_sha256"].string_value
+    local = sha256_file(files.weights)
+    if served != local:
+        result.problems.append(f"the server serves weights sha256 {served[:12]}..., {model_dir} holds {local[:12]}...")
+    return result

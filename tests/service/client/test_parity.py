@@ -1,0 +1,87 @@
+"""`mha verify DIR --url`: every route a server offers, checked against the float64 references;
+a route that answers wrong, or refuses, is named alone and fails the check."""
+
+from __future__ import annotations
+
+import dataclasses
+import socket
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from service.client.parity import HttpAccess, verify_server
+from service.protocol import http_app
+from tests.support import ServerThread, make_settings
+
+ROUTES = ["gRPC ModelInfer", "gRPC ModelStreamInfer", "gRPC decode steps", "HTTP JSON", "HTTP binary data"]
+
+
+@pytest.fixture(scope="module")
+def server(small_model_dir: Path) -> Iterator[ServerThread]:
+    with ServerThread(make_settings(small_model_dir, http_port=0)) as s:
+        yield s
+
+
+def _http(server: ServerThread) -> HttpAccess:
+    return HttpAccess(f"http://127.0.0.1:{server.http_port}")
+
+
+def _steps(server: ServerThread) -> float:
+    labels = {"model": "mha_sequence", "version": "1"}
+    return server.registry.get_sample_value("nv_inference_request_success", labels) or 0.0
+
+
+def test_every_route_answers_within_the_tolerance(server: ServerThread, small_model_dir: Path) -> None:
+    before = _steps(server)
+    report = verify_server(server.url, small_model_dir, http=_http(server))
+    assert report.ok, report.table()
+    assert list(report.routes) == ROUTES and not report.skipped and not report.problems
+    rows = [len(r.rows) for r in report.routes.values()]
+    assert min(rows) >= 8 and len(set(rows)) == 1  # the same grid on every route
+    # each sequence was sent as a prefix and then steps of 1, 2, 3, ... tokens, not whole
+    assert _steps(server) - before >= 3 * rows[0]
+    table = report.table()
+    assert all(f"{route:<22} ok" in table for route in ROUTES) and table.endswith("PASS")
+
+
+def test_without_an_http_url_the_http_routes_are_said_not_checked(server: ServerThread, small_model_dir: Path) -> None:
+    report = verify_server(server.url, small_model_dir, shapes=[(1, 3)])
+    assert report.ok and list(report.routes) == ROUTES[:3]
+    assert "HTTP                   not checked: give --http-url to check it" in report.table()
+
+
+def test_a_route_that_answers_wrong_fails_alone(
+    server: ServerThread, small_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """HTTP's JSON answers off by 0.1 %, on purpose: the other routes still pass, and the table
+    gives that route's whole grid."""
+    original = http_app.response_to_http
+
+    def off(response, binary):  # type: ignore[no-untyped-def]
+        if not binary:
+            response = dataclasses.replace(response, y=response.y * np.float32(1.001))
+        return original(response, binary)
+
+    monkeypatch.setattr(http_app, "response_to_http", off)
+    report = verify_server(server.url, small_model_dir, shapes=[(1, 1), (2, 9)], http=_http(server))
+    assert not report.ok
+    assert {route: r.ok for route, r in report.routes.items()} == {route: route != "HTTP JSON" for route in ROUTES}
+    table = report.table()
+    assert "HTTP JSON              FAIL" in table and "\nHTTP JSON:\n" in table and table.endswith("FAIL")
+
+
+def test_a_route_that_refuses_fails_with_the_servers_reason(small_model_dir: Path) -> None:
+    """No room for any sequence's state: the decode steps are refused, and the report says so
+    with the server's words; an HTTP port nobody listens on fails the HTTP routes."""
+    with socket.socket() as closed, ServerThread(make_settings(small_model_dir, max_sequence_state_mb=0)) as s:
+        closed.bind(("127.0.0.1", 0))  # bound, never listening: connections to it are refused
+        taken_port = closed.getsockname()[1]
+        report = verify_server(
+            s.url, small_model_dir, shapes=[(1, 4)], http=HttpAccess(f"http://127.0.0.1:{taken_port}")
+        )
+    failed = {route: r.problems for route, r in report.routes.items() if not r.ok}
+    assert list(failed) == ["gRPC decode steps", "HTTP JSON", "HTTP binary data"], report.table()
+    assert failed["gRPC decode steps"][0].startswith("refused: RESOURCE_EXHAUSTED"), failed
+    assert "Cannot connect to host" in failed["HTTP JSON"][0], failed
