@@ -18,6 +18,7 @@ import yaml
 from prometheus_client import CollectorRegistry
 
 from service.app.server import HEALTH_SERVICES
+from service.app.supervisor import MergedMetrics
 from service.metrics import Metrics
 from service.settings import Settings
 from tests.support import ROOT
@@ -416,10 +417,16 @@ def test_env_vars_are_ones_the_server_reads() -> None:
 
 
 def _served_series() -> set[str]:
+    """What a worker's registry exports, and the supervisor's own series (--workers)."""
     registry = CollectorRegistry()
     Metrics(registry)
+    supervisor = MergedMetrics([])
+    try:
+        families = [*registry.collect(), *supervisor.registry.collect()]
+    finally:
+        shutil.rmtree(supervisor.directory)
     names = set()
-    for family in registry.collect():
+    for family in families:
         base = family.name
         suffixes = {"counter": ["_total"], "histogram": ["_bucket", "_sum", "_count"], "info": ["_info"]}
         names |= {base + s for s in suffixes.get(family.type, [""])}
