@@ -95,7 +95,8 @@ class HttpRoute:
                 self.path, data=body, headers=headers, ssl=ssl_option, server_hostname=self.access.server_name
             ) as response,
         ):
-            return response.status, dict(response.headers), await response.read()
+            headers = {name.lower(): value for name, value in response.headers.items()}  # as HTTP/2 proxies send them
+            return response.status, headers, await response.read()
 
     def _tensor(self, x: np.ndarray) -> dict[str, Any]:
         return {"name": self.names[0], "shape": list(x.shape), "datatype": "FP32"}
@@ -125,7 +126,7 @@ def _json_output(body: bytes) -> np.ndarray:
 
 
 def _binary_output(headers: dict[str, str], body: bytes) -> np.ndarray:
-    length = int(headers[HEADER_LENGTH])
+    length = int(headers[HEADER_LENGTH.lower()])
     (output,) = json.loads(body[:length])["outputs"]
     raw = body[length : length + output["parameters"]["binary_data_size"]]
     return np.frombuffer(raw, dtype="<f4").reshape(output["shape"])  # (B, T, C)
