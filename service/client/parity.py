@@ -3,8 +3,8 @@ references of the weights in DIR.
 
 A route is a way in that has code of its own between the wire and the model: unary gRPC, a gRPC
 stream, decode steps of a sequence (the prefix, then steps of 1, 2, 3, ... tokens, each answer
-the rows of the whole sequence so far), and with `--http-url`, HTTP with JSON tensors and with
-Triton's binary-data extension. Each route is checked over the same grid of shapes and seeded
+the rows of the whole sequence so far), and with `--http-url`, HTTP with JSON tensors, with
+Triton's binary-data extension, and a sequence's steps. Each route is checked over the same grid of shapes and seeded
 inputs; a route that refuses a request fails with the server's reason.
 """
 
@@ -66,44 +66,57 @@ class HttpRefused(RuntimeError):
 
 
 class HttpRoute:
-    """KServe v2 inference over HTTP, for checks: JSON tensors, or the binary-data extension."""
+    """KServe v2 inference over HTTP, for checks: JSON tensors, or the binary-data extension; a
+    sequence's steps as JSON parameters. One keep-alive connection, as a client would hold, so
+    that a sequence's steps stay with the replica that holds it behind a Service."""
 
     def __init__(self, access: HttpAccess, model: str, input_name: str, output_name: str) -> None:
         self.access, self.names = access, (input_name, output_name)
         self.path = f"{access.url.rstrip('/')}/v2/models/{model}/infer"
         self._context = access.context()
         self._loop = asyncio.new_event_loop()
+        self._session = self._loop.run_until_complete(_session())
 
     def close(self) -> None:
+        self._loop.run_until_complete(self._session.close())
         self._loop.close()
 
     def infer(self, x: np.ndarray, binary: bool) -> np.ndarray:
         """(B, T, C) -> (B, T, C) float32."""
-        body, headers = self._binary_request(x) if binary else self._json_request(x)
-        if self.access.token:
-            headers["Authorization"] = f"Bearer {self.access.token}"
-        status, answer_headers, answer = self._loop.run_until_complete(self._post(body, headers))
-        if status != 200:
-            raise HttpRefused(f"HTTP {status}: {_reason(answer)}")
+        body, headers = self._binary_request(x) if binary else self._json_request(x, {})
+        answer_headers, answer = self._post(body, headers)
         return _binary_output(answer_headers, answer) if binary else _json_output(answer)
 
-    async def _post(self, body: bytes, headers: dict[str, str]) -> tuple[int, dict[str, str], bytes]:
+    def step(self, sequence_id: str, x: np.ndarray, offset: int, start: bool, end: bool) -> np.ndarray:
+        """One step of a sequence: (B, t, C) new tokens -> their (B, t, C) outputs."""
+        parameters = {"sequence_id": sequence_id, "sequence_start": start, "sequence_end": end}
+        body, headers = self._json_request(x, {**parameters, "sequence_offset": offset})
+        _, answer = self._post(body, {**headers, "mha-sequence-id": sequence_id})
+        return _json_output(answer)
+
+    def _post(self, body: bytes, headers: dict[str, str]) -> tuple[dict[str, str], bytes]:
+        if self.access.token:
+            headers = {**headers, "Authorization": f"Bearer {self.access.token}"}
+        status, answer_headers, answer = self._loop.run_until_complete(self._send(body, headers))
+        if status != 200:
+            raise HttpRefused(f"HTTP {status}: {_reason(answer)}")
+        return answer_headers, answer
+
+    async def _send(self, body: bytes, headers: dict[str, str]) -> tuple[int, dict[str, str], bytes]:
         ssl_option: ssl.SSLContext | bool = self._context if self._context is not None else False
-        async with (
-            aiohttp.ClientSession() as session,
-            session.post(
-                self.path, data=body, headers=headers, ssl=ssl_option, server_hostname=self.access.server_name
-            ) as response,
-        ):
+        async with self._session.post(
+            self.path, data=body, headers=headers, ssl=ssl_option, server_hostname=self.access.server_name
+        ) as response:
             headers = {name.lower(): value for name, value in response.headers.items()}  # as HTTP/2 proxies send them
             return response.status, headers, await response.read()
 
     def _tensor(self, x: np.ndarray) -> dict[str, Any]:
         return {"name": self.names[0], "shape": list(x.shape), "datatype": "FP32"}
 
-    def _json_request(self, x: np.ndarray) -> tuple[bytes, dict[str, str]]:
+    def _json_request(self, x: np.ndarray, parameters: dict[str, Any]) -> tuple[bytes, dict[str, str]]:
         tensor = {**self._tensor(x), "data": x.ravel().tolist()}  # (B * T * C,) row-major
-        return json.dumps({"inputs": [tensor]}).encode(), {"Content-Type": "application/json"}
+        request = {"inputs": [tensor], **({"parameters": parameters} if parameters else {})}
+        return json.dumps(request).encode(), {"Content-Type": "application/json"}
 
     def _binary_request(self, x: np.ndarray) -> tuple[bytes, dict[str, str]]:
         raw = np.ascontiguousarray(x, dtype="<f4").tobytes()
@@ -111,6 +124,11 @@ class HttpRoute:
         output = {"name": self.names[1], "parameters": {"binary_data": True}}
         header = json.dumps({"inputs": [tensor], "outputs": [output]}).encode()
         return header + raw, {"Content-Type": "application/octet-stream", HEADER_LENGTH: str(len(header))}
+
+
+async def _session() -> aiohttp.ClientSession:
+    """A session of the route's own event loop (aiohttp binds it to the loop it is made in)."""
+    return aiohttp.ClientSession()
 
 
 def _reason(body: bytes) -> str:
@@ -137,7 +155,10 @@ def _streamed(client: MHAClient) -> Runner:
     return lambda x: next(iter(client.stream_infer([x])))
 
 
-def _stepped(client: MHAClient) -> Runner:
+Step = Callable[[str, np.ndarray, int, bool, bool], np.ndarray]  # (id, new tokens, offset, start, end) -> their rows
+
+
+def _stepped(step: Step) -> Runner:
     """Each input as a sequence: its first half (at least one token) with sequence_start, then steps
     of 1, 2, 3, ... tokens, the last with sequence_end; the answers side by side."""
     ids = (f"mha-verify-{uuid.uuid4().hex[:12]}-{n}" for n in itertools.count())
@@ -149,13 +170,14 @@ def _stepped(client: MHAClient) -> Runner:
             if cuts[-1] >= seq:
                 break
             cuts.append(min(seq, cuts[-1] + size))
-        answers = []
-        for start, stop in itertools.pairwise(cuts):
-            step = client.step(sequence_id, x[:, start:stop], offset=start, start=start == 0, end=stop == seq)
-            answers.append(step.y)  # (B, stop - start, C)
-        return np.concatenate(answers, axis=1)  # (B, T, C)
+        answers = [step(sequence_id, x[:, a:b], a, a == 0, b == seq) for a, b in itertools.pairwise(cuts)]
+        return np.concatenate(answers, axis=1)  # (B, T, C): each step's (B, b - a, C) side by side
 
     return run
+
+
+def _grpc_step(client: MHAClient) -> Step:
+    return lambda sequence_id, x, offset, start, end: client.step(sequence_id, x, offset, start, end).y
 
 
 @dataclass
@@ -223,10 +245,11 @@ def verify_server(
 
         check("gRPC ModelInfer", client.infer)
         check("gRPC ModelStreamInfer", _streamed(client))
-        if parameters["causal"].string_value == "true":
-            check("gRPC decode steps", _stepped(client))
+        causal = parameters["causal"].string_value == "true"
+        if causal:
+            check("gRPC decode steps", _stepped(_grpc_step(client)))
         else:
-            result.skipped["gRPC decode steps"] = "the model is not causal: it serves no sequences"
+            result.skipped["decode steps"] = "the model is not causal: it serves no sequences"
         if http is None:
             result.skipped["HTTP"] = "give --http-url to check it"
         else:
@@ -235,6 +258,8 @@ def verify_server(
             try:
                 check("HTTP JSON", lambda x: route.infer(x, binary=False))
                 check("HTTP binary data", lambda x: route.infer(x, binary=True))
+                if causal:
+                    check("HTTP decode steps", _stepped(route.step))
             finally:
                 route.close()
         served = parameters["weights_sha256"].string_value

@@ -511,6 +511,7 @@ def test_mha_verify_checks_every_route_over_mtls_with_a_token(
         run = subprocess.run([sys.executable, "-m", "service.cli", *named], capture_output=True, text=True, timeout=300)
         assert run.returncode == 0, run.stdout + run.stderr[-2000:]
     routes = ("gRPC ModelInfer", "gRPC ModelStreamInfer", "gRPC decode steps", "HTTP JSON", "HTTP binary data")
+    routes += ("HTTP decode steps",)
     assert all(f"{route:<22} ok " in run.stdout for route in routes) and run.stdout.endswith("PASS\n"), run.stdout
 
 
