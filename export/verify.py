@@ -6,7 +6,7 @@ import hashlib
 import json
 import logging
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -213,23 +213,53 @@ def check_parity(
     tolerance: float = TOLERANCE,
 ) -> ParityReport:
     """Run `run` on seeded random inputs for every (B, T) and compare with both references."""
-    report = ParityReport(tolerance=tolerance)
+    return check_parity_of({"": run}, config, weights, grid, seed, tolerance)[""]
+
+
+def check_parity_of(
+    runs: Mapping[str, Runner],
+    config: MHAConfig,
+    weights: Weights,
+    grid: Sequence[tuple[int, int]],
+    seed: int = 0,
+    tolerance: float = TOLERANCE,
+    refusals: tuple[type[Exception], ...] = (),
+) -> dict[str, ParityReport]:
+    """check_parity for several runners on the same inputs, the references computed once a shape.
+    A runner that raises one of `refusals` is reported refused, with the exception's words, and
+    not run again."""
+    reports = {name: ParityReport(tolerance=tolerance) for name in runs}
+    refused: set[str] = set()
     gen = torch.Generator().manual_seed(seed)
     for batch, seq in grid:
         x = torch.randn(batch, seq, config.d_model, generator=gen)  # (B, T, C)
-        y = torch.from_numpy(np.array(run(x.numpy()), dtype=np.float64))  # a writable copy
-        if tuple(y.shape) != tuple(x.shape):
-            report.problems.append(f"(B={batch}, T={seq}): output shape {tuple(y.shape)}, expected {tuple(x.shape)}")
-            continue
-        row = _row(batch, seq, y, attention_view(x, weights, config), attention_einsum(x, weights, config), None)
-        log.debug("parity B=%d T=%d rel(view)=%.2e rel(einsum)=%.2e", batch, seq, row.rel_view, row.rel_einsum)
-        report.rows.append(row)
-    if not all(math.isfinite(r.worst) for r in report.rows):
-        report.problems.append(
-            "the output is not finite (NaN or inf) for standard-normal inputs: the weights overflow the graph's "
-            "arithmetic; scale them down"
-        )
-    return report
+        answers = {}
+        for name, run in runs.items():
+            if name in refused:
+                continue
+            try:
+                answers[name] = torch.from_numpy(np.array(run(x.numpy()), dtype=np.float64))  # a writable copy
+            except refusals as exc:
+                reports[name].problems.append(f"refused: {exc}")
+                refused.add(name)
+        for name, y in list(answers.items()):
+            if tuple(y.shape) != tuple(x.shape):
+                shapes = f"output shape {tuple(y.shape)}, expected {tuple(x.shape)}"
+                reports[name].problems.append(f"(B={batch}, T={seq}): {shapes}")
+                del answers[name]
+        if answers:
+            ref_v, ref_e = attention_view(x, weights, config), attention_einsum(x, weights, config)
+            for name, y in answers.items():
+                row = _row(batch, seq, y, ref_v, ref_e, None)
+                log.debug("parity %s B=%d T=%d rel(view)=%.2e", name, batch, seq, row.rel_view)
+                reports[name].rows.append(row)
+    for report in reports.values():
+        if not all(math.isfinite(r.worst) for r in report.rows):
+            report.problems.append(
+                "the output is not finite (NaN or inf) for standard-normal inputs: the weights overflow the graph's "
+                "arithmetic; scale them down"
+            )
+    return reports
 
 
 def sha256_file(path: Path) -> str:
