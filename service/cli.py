@@ -15,6 +15,7 @@ if TYPE_CHECKING:
 
     from model import MHAConfig
     from model.checkpoint import Weights
+    from service.client.parity import HttpAccess
 
 log = logging.getLogger("mha")
 
@@ -189,7 +190,7 @@ def _client_security(args: argparse.Namespace) -> dict[str, Any]:
     return options
 
 
-def _http_access(args: argparse.Namespace) -> Any:
+def _http_access(args: argparse.Namespace) -> HttpAccess | None:
     """How `mha verify` reaches the HTTP port (--http-url), with the client options of gRPC's."""
     from service.client.parity import HttpAccess
 
