@@ -34,6 +34,7 @@ from service.client.client import InferenceError, MHAClient
 log = logging.getLogger(__name__)
 Runner = Callable[[np.ndarray], np.ndarray]
 HEADER_LENGTH = "Inference-Header-Content-Length"  # Triton's binary-data extension
+HTTP_TIMEOUT_S = 60.0
 
 
 def server_parity_grid(max_seq_len: int) -> list[tuple[int, int]]:
@@ -113,7 +114,10 @@ class HttpRoute:
     def _post(self, body: bytes, headers: dict[str, str]) -> tuple[dict[str, str], bytes]:
         if self.access.token:
             headers = {**headers, "Authorization": f"Bearer {self.access.token}"}
-        status, answer_headers, answer = self._loop.run_until_complete(self._send(body, headers))
+        try:
+            status, answer_headers, answer = self._loop.run_until_complete(self._send(body, headers))
+        except TimeoutError as exc:
+            raise HttpRefused(f"no answer within {HTTP_TIMEOUT_S:g} s") from exc
         if status != 200:
             raise HttpRefused(f"HTTP {status}: {_reason(answer)}")
         return answer_headers, answer
@@ -143,8 +147,10 @@ class HttpRoute:
 
 
 async def _session() -> aiohttp.ClientSession:
-    """A session of the route's own event loop (aiohttp binds it to the loop it is made in)."""
-    return aiohttp.ClientSession()
+    """A session of the route's own event loop (aiohttp binds it to the loop it is made in); a
+    request answered within a minute, as `MHAClient.infer` waits for gRPC's (aiohttp's own default
+    is five)."""
+    return aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=HTTP_TIMEOUT_S))
 
 
 def _reason(body: bytes) -> str:

@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from service.client import parity
 from service.client.parity import HttpAccess, verify_server
 from service.protocol import http_app
 from tests.support import ServerThread, make_settings
@@ -95,3 +96,19 @@ def test_a_route_that_refuses_fails_with_the_servers_reason(small_model_dir: Pat
     assert list(failed) == ["gRPC decode steps", "HTTP JSON", "HTTP binary data", "HTTP decode steps"], report.table()
     assert failed["gRPC decode steps"][0].startswith("refused: RESOURCE_EXHAUSTED"), failed
     assert "Cannot connect to host" in failed["HTTP JSON"][0], failed
+
+
+def test_an_http_port_that_never_answers_fails_its_routes_in_time(
+    server: ServerThread, small_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A port that takes connections and never answers (a wedged proxy): the HTTP routes fail
+    within the time allowed, saying so, and the gRPC routes pass."""
+    monkeypatch.setattr(parity, "HTTP_TIMEOUT_S", 0.5)
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen()  # never accepted: the connection is made, no answer comes
+        access = HttpAccess(f"http://127.0.0.1:{silent.getsockname()[1]}")
+        report = verify_server(server.url, small_model_dir, shapes=[(1, 2)], http=access)
+    failed = {route: r.problems for route, r in report.routes.items() if not r.ok}
+    assert list(failed) == ROUTES[3:], report.table()
+    assert failed["HTTP JSON"] == ["refused: no answer within 0.5 s"]
