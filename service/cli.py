@@ -192,6 +192,8 @@ def _client_security(args: argparse.Namespace) -> dict[str, Any]:
 
 def _http_access(args: argparse.Namespace) -> HttpAccess | None:
     """How `mha verify` reaches the HTTP port (--http-url), with the client options of gRPC's."""
+    import ssl
+
     from service.client.parity import HttpAccess
 
     if not args.http_url:
@@ -200,13 +202,18 @@ def _http_access(args: argparse.Namespace) -> HttpAccess | None:
         raise CliError(f"--http-url {args.http_url[:100]!r}: expected http://HOST:PORT or https://HOST:PORT", 2)
     if args.http_url.startswith("https://") and not args.tls_ca:
         raise CliError("--http-url https://... needs --tls-ca, the CA that signed the server's certificate", 2)
-    return HttpAccess(
+    access = HttpAccess(
         url=args.http_url,
         token=_client_security(args).get("token"),
         ca=Path(args.tls_ca) if args.tls_ca else None,
         client_cert=(Path(args.tls_client_cert), Path(args.tls_client_key)) if args.tls_client_cert else None,
         server_name=args.tls_server_name,
     )
+    try:
+        access.context()  # the CA and the client's pair read now: a file that is not one is a usage error
+    except (ssl.SSLError, OSError) as exc:
+        raise CliError(f"--tls-ca, --tls-client-cert or --tls-client-key for --http-url: {exc}", 2) from exc
+    return access
 
 
 def _pem(flag: str, path: str) -> bytes:

@@ -4,8 +4,8 @@ references of the weights in DIR.
 A route is a way in that has code of its own between the wire and the model: unary gRPC, a gRPC
 stream, decode steps of a sequence (the prefix, then steps of 1, 2, 3, ... tokens, each answer
 the rows of the whole sequence so far), and with `--http-url`, HTTP with JSON tensors, with
-Triton's binary-data extension, and a sequence's steps. Each route is checked over the same grid of shapes and seeded
-inputs; a route that refuses a request fails with the server's reason.
+Triton's binary-data extension, and a sequence's steps. Each route is checked over the same grid of
+shapes and seeded inputs; a route that refuses a request fails with the server's reason.
 """
 
 from __future__ import annotations
@@ -66,7 +66,7 @@ class HttpAccess:
 
 
 class HttpRefused(RuntimeError):
-    """The server answered an HTTP inference with an error status; the message is its reason."""
+    """An HTTP inference answered with an error status, or not at all in time; the message says which."""
 
 
 REFUSALS = (InferenceError, HttpRefused, aiohttp.ClientError)  # a route that answers with an error

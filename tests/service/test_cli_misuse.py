@@ -313,6 +313,21 @@ CASES = {  # name: (arguments given the fixtures, environment, exit code, what t
         2,
         "--http-url https://... needs --tls-ca, the CA that signed the server's certificate",
     ),
+    "verify-https-ca-not-a-certificate": (
+        lambda f: [
+            "verify",
+            str(f["model"]),
+            "--url",
+            f["url"],
+            "--tls-ca",
+            str(f["empty"]),
+            "--http-url",
+            "https://127.0.0.1:8000",
+        ],
+        {},
+        2,
+        "--tls-ca, --tls-client-cert or --tls-client-key for --http-url:",
+    ),
     "export-unknown-layer": (
         lambda f: [
             "export",
