@@ -13,9 +13,10 @@ from typing import TYPE_CHECKING, Any, NoReturn
 if TYPE_CHECKING:
     import numpy as np
 
+    from export.verify import ParityReport
     from model import MHAConfig
     from model.checkpoint import Weights
-    from service.client.parity import HttpAccess
+    from service.client.parity import HttpAccess, RoutesReport
 
 log = logging.getLogger("mha")
 
@@ -139,6 +140,8 @@ class CliError(Exception):
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
+    import json
+
     from export.layout import ModelFiles
     from export.verify import verify_model_dir
     from model.checkpoint import stored_config
@@ -148,19 +151,22 @@ def cmd_verify(args: argparse.Namespace) -> int:
     model_dir = Path(args.model_dir)
     if args.http_url and not args.url:
         raise CliError("--http-url checks a running server's HTTP routes beside its gRPC ones: give --url too", 2)
+    written = _writable("--json", args.json)
+    report: RoutesReport | ParityReport
     if args.url:
         try:
-            routes = verify_server(args.url, model_dir, http=_http_access(args), **_client_security(args))
+            report = verify_server(args.url, model_dir, http=_http_access(args), **_client_security(args))
         except InferenceError as exc:
             raise CliError(f"cannot verify the server at {args.url}: {exc}") from exc
-        sys.stdout.write(routes.table() + "\n")
-        return 0 if routes.ok else 1
-    if (problem := model_dir_problem(model_dir, flag="", serve=False)) is not None:
-        raise CliError(problem, 2)  # a wrong path is not a model that failed its check
-    if (config := stored_config(ModelFiles(model_dir).weights)) is not None:
-        _check_export_fits(config)  # the grid at T = max_seq_len, on a machine smaller than the exporter's
-    report = verify_model_dir(model_dir)
+    else:
+        if (problem := model_dir_problem(model_dir, flag="", serve=False)) is not None:
+            raise CliError(problem, 2)  # a wrong path is not a model that failed its check
+        if (config := stored_config(ModelFiles(model_dir).weights)) is not None:
+            _check_export_fits(config)  # the grid at T = max_seq_len, on a machine smaller than the exporter's
+        report = verify_model_dir(model_dir)
     sys.stdout.write(report.table() + "\n")
+    if written is not None:
+        written.write_text(json.dumps(report.to_dict(), indent=1) + "\n")
     return 0 if report.ok else 1
 
 
@@ -631,6 +637,7 @@ def build_parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
     p.add_argument("model_dir", help="model directory written by `mha export`")
     p.add_argument("--url", help="HOST:PORT of a running server's gRPC port: check its routes end to end")
     p.add_argument("--http-url", help="http(s)://HOST:PORT of the same server's HTTP port: check its routes too")
+    p.add_argument("--json", help="write the results as JSON to this file too (checked writable first)")
     _add_client_args(p)
     p.set_defaults(func=cmd_verify)
 

@@ -219,6 +219,11 @@ class RoutesReport:
     def ok(self) -> bool:
         return not self.problems and all(report.ok for report in self.routes.values())
 
+    def to_dict(self) -> dict[str, object]:
+        """The report as JSON takes it (`mha verify --json`): for pipelines that gate on it."""
+        routes = {route: {**report.to_dict(), "problems": report.failures()} for route, report in self.routes.items()}
+        return {"ok": self.ok, "routes": routes, "not_checked": self.skipped, "problems": self.problems}
+
     def table(self) -> str:
         """One line per route; the whole grid of a route that failed, to say where."""
         lines = [f"{'route':<22} {'result':<6} {'shapes':>6} {'worst rel. error':>17} {'tolerance':>10}"]

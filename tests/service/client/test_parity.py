@@ -4,8 +4,11 @@ a route that answers wrong, or refuses, is named alone and fails the check."""
 from __future__ import annotations
 
 import dataclasses
+import json
 import socket
-from collections.abc import Iterator
+import subprocess
+import sys
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
@@ -60,11 +63,8 @@ def test_without_an_http_url_the_http_routes_are_said_not_checked(server: Server
     assert "HTTP                   not checked: give --http-url to check it" in report.table()
 
 
-def test_a_route_that_answers_wrong_fails_alone(
-    server: ServerThread, small_model_dir: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """HTTP's JSON answers off by 0.1 %, on purpose: the routes answered in JSON fail, the others
-    still pass, and the table gives a failed route's whole grid."""
+def _off_in_json() -> Callable[..., object]:
+    """The HTTP app's answer writer, with JSON answers 0.1 % off: a fault put in on purpose."""
     original = http_app.response_to_http
 
     def off(response, binary):  # type: ignore[no-untyped-def]
@@ -72,7 +72,15 @@ def test_a_route_that_answers_wrong_fails_alone(
             response = dataclasses.replace(response, y=response.y * np.float32(1.001))
         return original(response, binary)
 
-    monkeypatch.setattr(http_app, "response_to_http", off)
+    return off
+
+
+def test_a_route_that_answers_wrong_fails_alone(
+    server: ServerThread, small_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """HTTP's JSON answers off by 0.1 %, on purpose: the routes answered in JSON fail, the others
+    still pass, and the table gives a failed route's whole grid."""
+    monkeypatch.setattr(http_app, "response_to_http", _off_in_json())
     report = verify_server(server.url, small_model_dir, shapes=[(1, 1), (2, 9)], http=_http(server))
     assert not report.ok
     json_answered = ("HTTP JSON", "HTTP decode steps")  # a step's answer is JSON too
@@ -112,3 +120,34 @@ def test_an_http_port_that_never_answers_fails_its_routes_in_time(
     failed = {route: r.problems for route, r in report.routes.items() if not r.ok}
     assert list(failed) == ROUTES[3:], report.table()
     assert failed["HTTP JSON"] == ["refused: no answer within 0.5 s"]
+
+
+def test_mha_verify_writes_what_it_found_as_json_for_pipelines(
+    server: ServerThread, small_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`--json FILE`: the verdict, each route's grid and problems, and what was not checked; the
+    exit code agrees with it."""
+    out = tmp_path / "verify.json"
+    base = [
+        sys.executable,
+        "-m",
+        "service.cli",
+        "verify",
+        str(small_model_dir),
+        "--url",
+        server.url,
+        "--json",
+        str(out),
+    ]
+    run = subprocess.run(base, capture_output=True, text=True, timeout=300)
+    found = json.loads(out.read_text())
+    assert run.returncode == 0 and found["ok"] is True, run.stdout + run.stderr[-2000:]
+    assert list(found["routes"]) == ROUTES[:3] and found["not_checked"] == {"HTTP": "give --http-url to check it"}
+    assert all(r["ok"] and len(r["grid"]) >= 8 and r["problems"] == [] for r in found["routes"].values())
+    monkeypatch.setattr(http_app, "response_to_http", _off_in_json())
+    http = ["--http-url", f"http://127.0.0.1:{server.http_port}"]
+    run = subprocess.run([*base, *http], capture_output=True, text=True, timeout=300)
+    found = json.loads(out.read_text())
+    assert run.returncode == 1 and found["ok"] is False
+    assert found["routes"]["HTTP JSON"]["ok"] is False and found["routes"]["HTTP JSON"]["problems"]
+    assert found["routes"]["HTTP binary data"]["ok"] is True
