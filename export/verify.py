@@ -6,7 +6,7 @@ import hashlib
 import json
 import logging
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -216,6 +216,13 @@ def check_parity(
     return check_parity_of({"": run}, config, weights, grid, seed, tolerance)[""]
 
 
+def parity_inputs(config: MHAConfig, grid: Sequence[tuple[int, int]], seed: int = 0) -> Iterator[torch.Tensor]:
+    """The seeded standard-normal inputs the parity checks send, one (B, T, C) tensor per (B, T)."""
+    gen = torch.Generator().manual_seed(seed)
+    for batch, seq in grid:
+        yield torch.randn(batch, seq, config.d_model, generator=gen)  # (B, T, C)
+
+
 def check_parity_of(
     runs: Mapping[str, Runner],
     config: MHAConfig,
@@ -230,9 +237,8 @@ def check_parity_of(
     not run again."""
     reports = {name: ParityReport(tolerance=tolerance) for name in runs}
     refused: set[str] = set()
-    gen = torch.Generator().manual_seed(seed)
-    for batch, seq in grid:
-        x = torch.randn(batch, seq, config.d_model, generator=gen)  # (B, T, C)
+    for x in parity_inputs(config, grid, seed):
+        batch, seq = x.shape[0], x.shape[1]
         answers = {}
         for name, run in runs.items():
             if name in refused:

@@ -1,11 +1,12 @@
 """`mha verify DIR --url`: a running server's answers, on every route it offers, against the float64
 references of the weights in DIR.
 
-A route is a way in that has code of its own between the wire and the model: unary gRPC, a gRPC
-stream, decode steps of a sequence (the prefix, then steps of 1, 2, 3, ... tokens, each answer
-the rows of the whole sequence so far), and with `--http-url`, HTTP with JSON tensors, with
-Triton's binary-data extension, and a sequence's steps. Each route is checked over the same grid of
-shapes and seeded inputs; a route that refuses a request fails with the server's reason.
+A route is a way in that has code of its own between the wire and the model: unary gRPC, the
+rows of many requests merged into the server's batches and split back, a gRPC stream, decode
+steps of a sequence (the prefix, then steps of 1, 2, 3, ... tokens, each answer the rows of the
+whole sequence so far), and with `--http-url`, HTTP with JSON tensors, with Triton's binary-data
+extension, and a sequence's steps. Each route is checked over the same grid of shapes and seeded
+inputs; a route that refuses a request fails with the server's reason.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import logging
 import ssl
 import uuid
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -27,7 +29,7 @@ import grpc
 import numpy as np
 
 from export.layout import ModelFiles, precision_tolerance
-from export.verify import ParityReport, check_parity_of, sha256_file
+from export.verify import ParityReport, check_parity_of, parity_inputs, sha256_file
 from model.checkpoint import load_checkpoint
 from service.client.client import InferenceError, MHAClient
 
@@ -35,6 +37,8 @@ log = logging.getLogger(__name__)
 Runner = Callable[[np.ndarray], np.ndarray]
 HEADER_LENGTH = "Inference-Header-Content-Length"  # Triton's binary-data extension
 HTTP_TIMEOUT_S = 60.0
+SEED = 7  # the grid's inputs, the same on every route
+BATCHED_AT_ONCE = 32  # rows in flight at once on the batched route
 
 
 def server_parity_grid(max_seq_len: int) -> list[tuple[int, int]]:
@@ -198,9 +202,44 @@ def _stepped(step: Step) -> Runner:
     return run
 
 
-def _grpc_routes(client: MHAClient, causal: bool) -> dict[str, Runner]:
-    """gRPC's routes, by name: unary, a stream, and a sequence's steps (a causal model's)."""
-    runs: dict[str, Runner] = {"gRPC ModelInfer": client.infer, "gRPC ModelStreamInfer": _streamed(client)}
+class Batched:
+    """A route of its own: every row of every input sent at once, each row a request of its own on
+    one channel, so that the server merges rows of different requests (and lengths within its
+    padding bound) into its batches and splits them back. The first call sends them all; each call
+    then gives one input's rows put back together, in the order the inputs come."""
+
+    def __init__(self, client: MHAClient, inputs: list[np.ndarray]) -> None:
+        self.client, self.inputs = client, inputs
+        self.answers: list[np.ndarray] | None = None
+        self.calls = 0
+
+    def __call__(self, x: np.ndarray) -> np.ndarray:
+        if self.answers is None:
+            self.answers = self._send_all()
+        expected, answer = self.inputs[self.calls], self.answers[self.calls]
+        self.calls += 1
+        if not np.array_equal(x, expected):
+            raise ValueError("the parity check sent another input than the batched route computed")
+        return answer
+
+    def _send_all(self) -> list[np.ndarray]:
+        rows = [(i, b) for i, x in enumerate(self.inputs) for b in range(x.shape[0])]
+        with ThreadPoolExecutor(max_workers=min(BATCHED_AT_ONCE, len(rows))) as pool:
+            answered = list(pool.map(lambda row: self.client.infer(self.inputs[row[0]][row[1] : row[1] + 1]), rows))
+        by_input: list[list[np.ndarray]] = [[] for _ in self.inputs]
+        for (i, _), y in zip(rows, answered, strict=True):
+            by_input[i].append(y)  # (1, T, C), rows in order
+        return [np.concatenate(ys, axis=0) for ys in by_input]  # (B, T, C) each
+
+
+def _grpc_routes(client: MHAClient, causal: bool, inputs: list[np.ndarray]) -> dict[str, Runner]:
+    """gRPC's routes, by name: unary, its rows batched with others', a stream, and a sequence's
+    steps (a causal model's)."""
+    runs: dict[str, Runner] = {
+        "gRPC ModelInfer": client.infer,
+        "gRPC rows batched": Batched(client, inputs),
+        "gRPC ModelStreamInfer": _streamed(client),
+    }
     if causal:
         runs["gRPC decode steps"] = _stepped(lambda i, x, offset, start, end: client.step(i, x, offset, start, end).y)
     return runs
@@ -272,13 +311,14 @@ def verify_server(
         if http is None:
             result.skipped["HTTP"] = "give --http-url to check it"
         with contextlib.ExitStack() as stack:
-            runs = _grpc_routes(client, causal)
+            inputs = [x.numpy() for x in parity_inputs(config, grid, seed=SEED)]
+            runs = _grpc_routes(client, causal, inputs)
             if http is not None:
                 metadata = client.model_metadata()
                 route = HttpRoute(http, client.model, metadata.inputs[0].name, metadata.outputs[0].name)
                 stack.callback(route.close)
                 runs |= route.routes(causal)
-            result.routes = check_parity_of(runs, config, weights, grid, seed=7, tolerance=tolerance, refusals=REFUSALS)
+            result.routes = check_parity_of(runs, config, weights, grid, SEED, tolerance, refusals=REFUSALS)
         served = parameters["weights_sha256"].string_value
     local = sha256_file(files.weights)
     if served != local:

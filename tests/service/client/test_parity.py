@@ -15,12 +15,14 @@ import numpy as np
 import pytest
 
 from service.client import parity
-from service.client.parity import HttpAccess, verify_server
+from service.client.client import MHAClient
+from service.client.parity import Batched, HttpAccess, verify_server
 from service.protocol import http_app
 from tests.support import ServerThread, make_settings
 
 ROUTES = [
     "gRPC ModelInfer",
+    "gRPC rows batched",
     "gRPC ModelStreamInfer",
     "gRPC decode steps",
     "HTTP JSON",
@@ -59,7 +61,7 @@ def test_every_route_answers_within_the_tolerance(server: ServerThread, small_mo
 
 def test_without_an_http_url_the_http_routes_are_said_not_checked(server: ServerThread, small_model_dir: Path) -> None:
     report = verify_server(server.url, small_model_dir, shapes=[(1, 3)])
-    assert report.ok and list(report.routes) == ROUTES[:3]
+    assert report.ok and list(report.routes) == ROUTES[:4]
     assert "HTTP                   not checked: give --http-url to check it" in report.table()
 
 
@@ -118,8 +120,31 @@ def test_an_http_port_that_never_answers_fails_its_routes_in_time(
         access = HttpAccess(f"http://127.0.0.1:{silent.getsockname()[1]}")
         report = verify_server(server.url, small_model_dir, shapes=[(1, 2)], http=access)
     failed = {route: r.problems for route, r in report.routes.items() if not r.ok}
-    assert list(failed) == ROUTES[3:], report.table()
+    assert list(failed) == ROUTES[4:], report.table()
     assert failed["HTTP JSON"] == ["refused: no answer within 0.5 s"]
+
+
+def test_the_batched_route_has_the_server_merge_rows_of_different_requests(small_model_dir: Path) -> None:
+    """Twelve rows of three inputs, each row a request of its own, sent at once: the server runs
+    them in fewer batches than requests (rows of different requests, and of T 8 and 9, merged), and
+    each input's rows come back as the input sent whole is answered."""
+    shapes = [(5, 9), (4, 9), (3, 8)]
+    inputs = [np.random.default_rng(i).standard_normal((b, t, 32), dtype=np.float32) for i, (b, t) in enumerate(shapes)]
+    labels = {"model": "mha", "version": "1"}
+    with ServerThread(make_settings(small_model_dir, max_queue_delay_ms=50)) as s, MHAClient(s.url) as client:
+
+        def counts() -> tuple[float, float]:
+            read = s.registry.get_sample_value
+            return read("nv_inference_exec_count", labels) or 0.0, read("nv_inference_request_success", labels) or 0.0
+
+        before = counts()
+        batched = Batched(client, inputs)
+        answers = [batched(x) for x in inputs]
+        executions, requests = (after - was for after, was in zip(counts(), before, strict=True))
+        whole = [client.infer(x) for x in inputs]
+    assert requests == 12 and executions < requests, (executions, requests)
+    for answer, alone in zip(answers, whole, strict=True):
+        np.testing.assert_allclose(answer, alone, rtol=1e-5, atol=1e-6)
 
 
 def test_mha_verify_writes_what_it_found_as_json_for_pipelines(
@@ -142,7 +167,7 @@ def test_mha_verify_writes_what_it_found_as_json_for_pipelines(
     run = subprocess.run(base, capture_output=True, text=True, timeout=300)
     found = json.loads(out.read_text())
     assert run.returncode == 0 and found["ok"] is True, run.stdout + run.stderr[-2000:]
-    assert list(found["routes"]) == ROUTES[:3] and found["not_checked"] == {"HTTP": "give --http-url to check it"}
+    assert list(found["routes"]) == ROUTES[:4] and found["not_checked"] == {"HTTP": "give --http-url to check it"}
     assert all(r["ok"] and len(r["grid"]) >= 8 and r["problems"] == [] for r in found["routes"].values())
     monkeypatch.setattr(http_app, "response_to_http", _off_in_json())
     http = ["--http-url", f"http://127.0.0.1:{server.http_port}"]

@@ -510,7 +510,8 @@ def test_mha_verify_checks_every_route_over_mtls_with_a_token(
         named = [*base, "--tls-server-name", "mha-serve.serving.svc"]
         run = subprocess.run([sys.executable, "-m", "service.cli", *named], capture_output=True, text=True, timeout=300)
         assert run.returncode == 0, run.stdout + run.stderr[-2000:]
-    routes = ("gRPC ModelInfer", "gRPC ModelStreamInfer", "gRPC decode steps", "HTTP JSON", "HTTP binary data")
+    routes = ("gRPC ModelInfer", "gRPC rows batched", "gRPC ModelStreamInfer", "gRPC decode steps", "HTTP JSON")
+    routes += ("HTTP binary data",)
     routes += ("HTTP decode steps",)
     assert all(f"{route:<22} ok " in run.stdout for route in routes) and run.stdout.endswith("PASS\n"), run.stdout
 
