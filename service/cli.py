@@ -155,7 +155,9 @@ def cmd_verify(args: argparse.Namespace) -> int:
     report: RoutesReport | ParityReport
     if args.url:
         try:
-            report = verify_server(args.url, model_dir, http=_http_access(args), **_client_security(args))
+            security = _client_security(args)
+            http = _http_access(args, security.get("token"))
+            report = verify_server(args.url, model_dir, http=http, **security)
         except InferenceError as exc:
             raise CliError(f"cannot verify the server at {args.url}: {exc}") from exc
     else:
@@ -196,7 +198,7 @@ def _client_security(args: argparse.Namespace) -> dict[str, Any]:
     return options
 
 
-def _http_access(args: argparse.Namespace) -> HttpAccess | None:
+def _http_access(args: argparse.Namespace, token: str | None) -> HttpAccess | None:
     """How `mha verify` reaches the HTTP port (--http-url), with the client options of gRPC's."""
     import ssl
 
@@ -210,7 +212,7 @@ def _http_access(args: argparse.Namespace) -> HttpAccess | None:
         raise CliError("--http-url https://... needs --tls-ca, the CA that signed the server's certificate", 2)
     access = HttpAccess(
         url=args.http_url,
-        token=_client_security(args).get("token"),
+        token=token,
         ca=Path(args.tls_ca) if args.tls_ca else None,
         client_cert=(Path(args.tls_client_cert), Path(args.tls_client_key)) if args.tls_client_cert else None,
         server_name=args.tls_server_name,

@@ -32,10 +32,11 @@ from export.layout import ModelFiles, precision_tolerance
 from export.verify import ParityReport, check_parity_of, parity_inputs, sha256_file
 from model.checkpoint import load_checkpoint
 from service.client.client import InferenceError, MHAClient
+from service.protocol.http_codec import HEADER_LENGTH
+from service.protocol.inference import SEQUENCE_HEADER, SEQUENCE_OFFSET
 
 log = logging.getLogger(__name__)
 Runner = Callable[[np.ndarray], np.ndarray]
-HEADER_LENGTH = "Inference-Header-Content-Length"  # Triton's binary-data extension
 HTTP_TIMEOUT_S = 60.0
 SEED = 7  # the grid's inputs, the same on every route
 BATCHED_AT_ONCE = 32  # rows in flight at once on the batched route
@@ -101,8 +102,8 @@ class HttpRoute:
     def step(self, sequence_id: str, x: np.ndarray, offset: int, start: bool, end: bool) -> np.ndarray:
         """One step of a sequence: (B, t, C) new tokens -> their (B, t, C) outputs."""
         parameters = {"sequence_id": sequence_id, "sequence_start": start, "sequence_end": end}
-        body, headers = self._json_request(x, {**parameters, "sequence_offset": offset})
-        _, answer = self._post(body, {**headers, "mha-sequence-id": sequence_id})
+        body, headers = self._json_request(x, {**parameters, SEQUENCE_OFFSET: offset})
+        _, answer = self._post(body, {**headers, SEQUENCE_HEADER: sequence_id})
         return _json_output(answer)
 
     def routes(self, causal: bool) -> dict[str, Runner]:
