@@ -11,12 +11,13 @@ LIBB64 := .tools/libb64/usr/lib/x86_64-linux-gnu/libb64.so.0d
 MODEL_DIR ?= models/default
 ARGS ?=
 
-.PHONY: install serve test export lint proto bench bench-servers deploy-gen clean
+.PHONY: install node-client serve test export lint proto bench bench-servers deploy-gen clean
 
 PROMETHEUS := .tools/prometheus/usr/bin/prometheus
 NGINX := .tools/nginx/usr/sbin/nginx
+NODE_CLIENT := .tools/node/node_modules/.package-lock.json
 
-install: $(STAMP) $(TRITON_STAMP) $(PERF_STAMP) $(LIBB64) $(PROMETHEUS) $(NGINX)
+install: $(STAMP) $(TRITON_STAMP) $(PERF_STAMP) $(LIBB64) $(PROMETHEUS) $(NGINX) node-client
 
 # Prometheus and promtool from Debian's package, unpacked (no service starts): the tests run both.
 $(PROMETHEUS):
@@ -45,6 +46,17 @@ $(LIBB64):
 	cd .tools/deb && (apt-get download libb64-0d || (apt-get update -q && apt-get download libb64-0d))
 	dpkg -x .tools/deb/libb64-0d_*.deb .tools/libb64
 	test -f $@
+
+# gRPC for Node.js, pinned by tests/e2e/node/package-lock.json: the test of docs/api.md's Node.js
+# client. Where npm is missing, that test is skipped and says why.
+node-client:
+	@if command -v npm > /dev/null; then $(MAKE) -s --no-print-directory $(NODE_CLIENT); \
+	else echo "npm not found: the Node.js client's test (tests/e2e/test_node_client.py) will be skipped"; fi
+
+$(NODE_CLIENT): tests/e2e/node/package.json tests/e2e/node/package-lock.json
+	mkdir -p .tools/node
+	cp tests/e2e/node/package.json tests/e2e/node/package-lock.json .tools/node/
+	npm ci --prefix .tools/node --ignore-scripts --no-audit --no-fund --loglevel=error
 
 $(STAMP): pyproject.toml constraints.txt
 	@echo "installing into $(VENV) (pinned by constraints.txt; the first time takes a few minutes)"
