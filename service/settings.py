@@ -315,6 +315,8 @@ def add_serve_arguments(parser: argparse.ArgumentParser, environ: Mapping[str, s
         unit = f" ({f.metadata['unit']})" if f.metadata["unit"] else ""
         kind = _parser_type(hints[f.name])
         flag_kind: dict[str, Any] = {"nargs": "?", "const": True} if kind is _boolean else {}  # `--flag` alone: on
+        if any("," in choice for choice in f.metadata["choices"] or ()):  # argparse would list `system,cuda` as two
+            flag_kind["metavar"] = "{" + "|".join(f.metadata["choices"]) + "}"
         groups[f.name in network].add_argument(
             _flag(f.name),
             dest=f.name,

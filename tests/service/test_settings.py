@@ -223,3 +223,9 @@ def test_help_lists_the_models_flags_first_and_the_networks_under_a_heading() ->
     model, batch, heading = (text.index(flag) for flag in ("--model-dir MODEL_DIR", "--max-batch-size", "\nnetwork:\n"))
     assert model < batch < heading < text.index("--grpc-port GRPC_PORT") < text.index("--tls-cert")
     assert _parse(["--grpc-port", "9001", "--model-dir", "/m"]).grpc_port == 9001  # a group parses as the rest
+
+
+def test_help_names_each_choice_once_even_one_with_a_comma() -> None:
+    text = _parser({}).format_help()
+    assert "--shared-memory {off|system|cuda|system,cuda}" in text  # not {off,system,cuda,system,cuda}
+    assert _parse(["--shared-memory", "system,cuda"]).shared_memory == "system,cuda"
