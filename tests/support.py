@@ -208,6 +208,8 @@ class ComputeGate:
         self.permits = threading.Semaphore(0)
         self.waiting = threading.Semaphore(0)  # released once per compute that reached the gate
         self.computed: list[tuple[str, int]] = []  # (kind, rows) of each compute let through
+        self.holding = 0  # tensors (a batch's one, or a step each) of the compute held by hold_next, for its `ready`
+        self.widest = 0  # the most tensors one compute took: 2 or more steps, sequences that shared a batch
         self._ready: Callable[[], bool] | None = None
 
     def hold_next(self, ready: Callable[[], bool]) -> None:
@@ -218,11 +220,12 @@ class ComputeGate:
             self.waiting.release()
             assert self.permits.acquire(timeout=60), "the test never let this compute run"
         if (ready := self._ready) is not None:
-            self._ready = None
+            self._ready, self.holding = None, len(inputs)
             deadline = time.monotonic() + 30
             while not ready() and time.monotonic() < deadline:
                 time.sleep(0.001)
         self.computed.append((kind, sum(int(x.shape[0]) for x in inputs)))
+        self.widest = max(self.widest, len(inputs))
         if self.poison is not None and any((x == self.poison).any() for x in inputs):
             raise RuntimeError("injected fault: a poisoned input reached the backend")
 
