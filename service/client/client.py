@@ -5,14 +5,23 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import grpc
 import numpy as np
 
+from export.layout import OUTPUT_NAME
 from service.proto import grpc_service_pb2 as pb
 from service.proto import grpc_service_pb2_grpc as pb_grpc
 from service.protocol.grpc_codec import decode_infer_response, encode_infer_request
-from service.protocol.inference import SEQUENCE_HEADER, SEQUENCE_LENGTH, SEQUENCE_OFFSET
+from service.protocol.inference import (
+    SEQUENCE_HEADER,
+    SEQUENCE_LENGTH,
+    SEQUENCE_OFFSET,
+    SHM_OFFSET,
+    SHM_REGION,
+    SHM_SIZE,
+)
 
 log = logging.getLogger(__name__)
 # gRPC shares one connection among a process's channels to one target; this channel option gives
@@ -149,6 +158,28 @@ class MHAClient:
         for i in range(len(requests)):
             yield results[str(i)]
 
+    def infer_in_region(self, x: np.ndarray, region: str, timeout: float | None = 60.0) -> list[int]:
+        """Triton's system shared memory: (B, T, C) float32 read from `region` at offset 0, where
+        the caller wrote `x`, and the output written right after it; returns the output's shape."""
+        request = encode_infer_request(x, self.model, self.version)
+        del request.raw_input_contents[:]
+        size = int(x.size) * 4
+        _place(request.inputs[0].parameters, region, size, 0)
+        _place(request.outputs.add(name=OUTPUT_NAME).parameters, region, size, size)
+        response: pb.ModelInferResponse = self._call("ModelInfer", request, timeout)  # type: ignore[assignment]
+        return list(response.outputs[0].shape)
+
+    def register_region(self, name: str, key: str, byte_size: int, timeout: float = 5.0) -> None:
+        """Register the system shared memory object `key` (`/name`, as shm_open takes it) as `name`."""
+        request = pb.SystemSharedMemoryRegisterRequest(name=name, key=key, byte_size=byte_size)
+        self._call("SystemSharedMemoryRegister", request, timeout)
+
+    def unregister_region(self, name: str, timeout: float = 5.0) -> None:
+        self._call("SystemSharedMemoryUnregister", pb.SystemSharedMemoryUnregisterRequest(name=name), timeout)
+
+    def server_metadata(self, timeout: float = 5.0) -> pb.ServerMetadataResponse:
+        return self._call("ServerMetadata", pb.ServerMetadataRequest(), timeout)  # type: ignore[return-value]
+
     def model_metadata(self, timeout: float = 5.0) -> pb.ModelMetadataResponse:
         request = pb.ModelMetadataRequest(name=self.model, version=self.version)
         return self._call("ModelMetadata", request, timeout)  # type: ignore[return-value]
@@ -160,6 +191,13 @@ class MHAClient:
     def statistics(self, timeout: float = 5.0) -> pb.ModelStatistics:
         request = pb.ModelStatisticsRequest(name=self.model, version=self.version)
         return self._call("ModelStatistics", request, timeout).model_stats[0]  # type: ignore[attr-defined]
+
+
+def _place(parameters: Any, region: str, byte_size: int, offset: int) -> None:
+    """A tensor's place in a registered region, as Triton's parameters say it."""
+    parameters[SHM_REGION].string_param = region
+    parameters[SHM_SIZE].int64_param = byte_size
+    parameters[SHM_OFFSET].int64_param = offset
 
 
 class ClientSequence:

@@ -4,7 +4,8 @@ references of the weights in DIR.
 A route is a way in that has code of its own between the wire and the model: unary gRPC, the
 rows of many requests merged into the server's batches and split back, a gRPC stream, decode
 steps of a sequence (the prefix, then steps of 1, 2, 3, ... tokens, each answer the rows of the
-whole sequence so far), and with `--http-url`, HTTP with JSON tensors, with Triton's binary-data
+whole sequence so far), system shared memory where the server offers it and runs on this host,
+and with `--http-url`, HTTP with JSON tensors, with Triton's binary-data
 extension, and a sequence's steps. Each route is checked over the same grid of shapes and seeded
 inputs; a route that refuses a request fails with the server's reason.
 """
@@ -32,6 +33,7 @@ from export.layout import ModelFiles, precision_tolerance
 from export.verify import ParityReport, check_parity_of, parity_inputs, sha256_file
 from model.checkpoint import load_checkpoint
 from service.client.client import InferenceError, MHAClient
+from service.client.shm_route import SharedMemoryRoute, why_not_checked
 from service.protocol.http_codec import HEADER_LENGTH
 from service.protocol.inference import SEQUENCE_HEADER, SEQUENCE_OFFSET
 
@@ -40,6 +42,7 @@ Runner = Callable[[np.ndarray], np.ndarray]
 HTTP_TIMEOUT_S = 60.0
 SEED = 7  # the grid's inputs, the same on every route
 BATCHED_AT_ONCE = 32  # rows in flight at once on the batched route
+SHARED_MEMORY = "gRPC shared memory"  # Triton's system shared memory, for clients on the server's host
 
 
 def server_parity_grid(max_seq_len: int) -> list[tuple[int, int]]:
@@ -314,6 +317,10 @@ def verify_server(
         with contextlib.ExitStack() as stack:
             inputs = [x.numpy() for x in parity_inputs(config, grid, seed=SEED)]
             runs = _grpc_routes(client, causal, inputs)
+            if (why := why_not_checked(client, url)) is None:
+                runs[SHARED_MEMORY] = SharedMemoryRoute(client)
+            else:
+                result.skipped[SHARED_MEMORY] = why
             if http is not None:
                 metadata = client.model_metadata()
                 route = HttpRoute(http, client.model, metadata.inputs[0].name, metadata.outputs[0].name)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import socket
 import subprocess
 import sys
@@ -17,7 +18,10 @@ import pytest
 from service.client import parity
 from service.client.client import MHAClient
 from service.client.parity import Batched, HttpAccess, verify_server
+from service.client.shm_route import why_not_checked
+from service.proto import grpc_service_pb2 as pb
 from service.protocol import http_app
+from service.protocol.shm import Regions
 from tests.support import ServerThread, make_settings
 
 ROUTES = [
@@ -25,6 +29,7 @@ ROUTES = [
     "gRPC rows batched",
     "gRPC ModelStreamInfer",
     "gRPC decode steps",
+    "gRPC shared memory",
     "HTTP JSON",
     "HTTP binary data",
     "HTTP decode steps",
@@ -33,7 +38,7 @@ ROUTES = [
 
 @pytest.fixture(scope="module")
 def server(small_model_dir: Path) -> Iterator[ServerThread]:
-    with ServerThread(make_settings(small_model_dir, http_port=0)) as s:
+    with ServerThread(make_settings(small_model_dir, http_port=0, shared_memory="system")) as s:
         yield s
 
 
@@ -61,7 +66,7 @@ def test_every_route_answers_within_the_tolerance(server: ServerThread, small_mo
 
 def test_without_an_http_url_the_http_routes_are_said_not_checked(server: ServerThread, small_model_dir: Path) -> None:
     report = verify_server(server.url, small_model_dir, shapes=[(1, 3)])
-    assert report.ok and list(report.routes) == ROUTES[:4]
+    assert report.ok and list(report.routes) == ROUTES[:5]
     assert "HTTP                   not checked: give --http-url to check it" in report.table()
 
 
@@ -106,6 +111,44 @@ def test_a_route_that_refuses_fails_with_the_servers_reason(small_model_dir: Pat
     assert list(failed) == ["gRPC decode steps", "HTTP JSON", "HTTP binary data", "HTTP decode steps"], report.table()
     assert failed["gRPC decode steps"][0].startswith("refused: RESOURCE_EXHAUSTED"), failed
     assert "Cannot connect to host" in failed["HTTP JSON"][0], failed
+    assert report.skipped["gRPC shared memory"] == "the server does not offer it (`--shared-memory system` turns it on)"
+
+
+def test_the_shared_memory_route_answers_through_the_region_and_leaves_nothing_behind(
+    server: ServerThread, small_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Outputs written to the region 0.1 % off, on purpose: only that route fails (its answers are
+    read from the region, not the response). Either way no region stays registered on the server,
+    and no object in /dev/shm."""
+    write = Regions.write
+
+    def off(self: Regions, where: object, data: np.ndarray) -> None:
+        write(self, where, data * np.float32(1.001))  # type: ignore[arg-type]
+
+    before = set(os.listdir("/dev/shm"))
+    assert verify_server(server.url, small_model_dir, shapes=[(1, 1), (2, 9)]).ok
+    monkeypatch.setattr(Regions, "write", off)
+    report = verify_server(server.url, small_model_dir, shapes=[(1, 1), (2, 9)])
+    assert [route for route, r in report.routes.items() if not r.ok] == ["gRPC shared memory"], report.table()
+    with MHAClient(server.url) as client:
+        regions = client.stub.SystemSharedMemoryStatus(pb.SystemSharedMemoryStatusRequest(), timeout=10).regions
+    assert not regions and set(os.listdir("/dev/shm")) == before
+
+
+def test_the_shared_memory_route_says_why_it_is_not_checked(small_model_dir: Path, tmp_path: Path) -> None:
+    """Only a client on the server's host shares its memory; registering needs the admin token
+    where the server has one."""
+    (tmp_path / "admin").write_text("admin-secret")
+    settings = make_settings(small_model_dir, shared_memory="system", admin_token_file=tmp_path / "admin")
+    with ServerThread(settings) as s, MHAClient(s.url) as client:
+        assert why_not_checked(client, "192.0.2.1:8001") == (
+            "it is for clients on the server's host: run mha verify there, with --url 127.0.0.1:PORT"
+        )
+        assert why_not_checked(client, s.url) == (
+            "registering a region is a control call, refused (UNAUTHENTICATED): give the admin token"
+        )
+        with MHAClient(s.url, token="admin-secret") as admin:
+            assert why_not_checked(admin, s.url) is None
 
 
 def test_an_http_port_that_never_answers_fails_its_routes_in_time(
@@ -120,7 +163,7 @@ def test_an_http_port_that_never_answers_fails_its_routes_in_time(
         access = HttpAccess(f"http://127.0.0.1:{silent.getsockname()[1]}")
         report = verify_server(server.url, small_model_dir, shapes=[(1, 2)], http=access)
     failed = {route: r.problems for route, r in report.routes.items() if not r.ok}
-    assert list(failed) == ROUTES[4:], report.table()
+    assert list(failed) == ROUTES[5:], report.table()
     assert failed["HTTP JSON"] == ["refused: no answer within 0.5 s"]
 
 
@@ -167,7 +210,7 @@ def test_mha_verify_writes_what_it_found_as_json_for_pipelines(
     run = subprocess.run(base, capture_output=True, text=True, timeout=300)
     found = json.loads(out.read_text())
     assert run.returncode == 0 and found["ok"] is True, run.stdout + run.stderr[-2000:]
-    assert list(found["routes"]) == ROUTES[:4] and found["not_checked"] == {"HTTP": "give --http-url to check it"}
+    assert list(found["routes"]) == ROUTES[:5] and found["not_checked"] == {"HTTP": "give --http-url to check it"}
     assert all(r["ok"] and len(r["grid"]) >= 8 and r["problems"] == [] for r in found["routes"].values())
     monkeypatch.setattr(http_app, "response_to_http", _off_in_json())
     http = ["--http-url", f"http://127.0.0.1:{server.http_port}"]

@@ -1,0 +1,70 @@
+"""`mha verify`'s route through Triton's system shared memory: each input written to a region of
+this host, registered with the server, and its output read back from the same region: the way a
+client on the server's host passes tensors (docs/api.md, "Shared memory")."""
+
+from __future__ import annotations
+
+import contextlib
+import uuid
+from multiprocessing import shared_memory
+from typing import cast
+
+import grpc
+import numpy as np
+
+from service.client.client import InferenceError, MHAClient
+
+LOOPBACK = ("127.0.0.1", "localhost", "::1", "[::1]")
+EXTENSION = "system_shared_memory"  # as ServerMetadata names it
+CONTROL_REFUSALS = (grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.UNAUTHENTICATED)
+
+
+class SharedMemoryRoute:
+    """(B, T, C) -> (B, T, C) float32 through a region of its own: the input at its start, the
+    output after it; the region unregistered and removed once answered."""
+
+    def __init__(self, client: MHAClient) -> None:
+        self.client = client
+
+    def __call__(self, x: np.ndarray) -> np.ndarray:
+        x = np.ascontiguousarray(x, dtype="<f4")
+        size = x.nbytes
+        region = shared_memory.SharedMemory(create=True, size=2 * size)
+        memory = cast(memoryview, region.buf)  # open until close(): typeshed allows None
+        try:
+            memory[:size] = x.tobytes()
+            shape = self._infer(x, region)
+            return np.frombuffer(bytes(memory[size : 2 * size]), dtype="<f4").reshape(shape)  # (B, T, C)
+        finally:
+            region.close()
+            region.unlink()
+
+    def _infer(self, x: np.ndarray, region: shared_memory.SharedMemory) -> list[int]:
+        name = f"mha-verify-{uuid.uuid4().hex[:12]}"
+        self.client.register_region(name, "/" + region.name.lstrip("/"), region.size)
+        try:
+            return self.client.infer_in_region(x, name)
+        finally:
+            with contextlib.suppress(InferenceError):  # the answer's error, not this one, says what went wrong
+                self.client.unregister_region(name)
+
+
+def why_not_checked(client: MHAClient, url: str) -> str | None:
+    """Why this client cannot check the route, or None when it can: the server does not offer the
+    extension, is not on this host (as far as `url` says), or registering needs another token."""
+    if EXTENSION not in client.server_metadata().extensions:
+        return "the server does not offer it (`--shared-memory system` turns it on)"
+    if url.rsplit(":", 1)[0] not in LOOPBACK:
+        return "it is for clients on the server's host: run mha verify there, with --url 127.0.0.1:PORT"
+    probe = shared_memory.SharedMemory(create=True, size=4)
+    try:
+        name = f"mha-verify-probe-{uuid.uuid4().hex[:12]}"
+        client.register_region(name, "/" + probe.name.lstrip("/"), probe.size)
+        client.unregister_region(name)
+    except InferenceError as exc:  # any other refusal is the route's to report, as its failure
+        if exc.code in CONTROL_REFUSALS:
+            return f"registering a region is a control call, refused ({exc.code.name}): give the admin token"
+    finally:
+        probe.close()
+        probe.unlink()
+    return None
