@@ -66,7 +66,7 @@ def test_the_readme_client_commands_run_as_written(default_model_dir: Path, tmp_
             command = command.replace("127.0.0.1:8000", f"127.0.0.1:{server.http_port}")
             run = subprocess.run(command, shell=True, cwd=tmp_path, capture_output=True, text=True, timeout=300)
             assert run.returncode == 0, (command, run.stderr[-2000:])
-            assert "verify" not in command or run.stdout.count(" ok ") == 7, run.stdout  # every route checked
+            assert "verify" not in command or run.stdout.count(" ok ") == 8, run.stdout  # each route the defaults offer
     assert (tmp_path / "y.npy").is_file()
 
 

@@ -4,8 +4,9 @@ references of the weights in DIR.
 A route is a way in that has code of its own between the wire and the model: unary gRPC, the
 rows of many requests merged into the server's batches and split back, a gRPC stream, decode
 steps of a sequence (the prefix, then steps of 1, 2, 3, ... tokens, each answer the rows of the
-whole sequence so far), system shared memory where the server offers it and runs on this host,
-and with `--http-url`, HTTP with JSON tensors, with Triton's binary-data
+whole sequence so far), the same steps each on a new connection (with several workers, most are
+handed over to the worker that holds the sequence), system shared memory where the server offers
+it and runs on this host, and with `--http-url`, HTTP with JSON tensors, with Triton's binary-data
 extension, and a sequence's steps. Each route is checked over the same grid of shapes and seeded
 inputs; a route that refuses a request fails with the server's reason.
 """
@@ -33,7 +34,14 @@ from export.layout import ModelFiles, precision_tolerance
 from export.verify import ParityReport, check_parity_of, parity_inputs, sha256_file
 from model.checkpoint import load_checkpoint
 from service.client.client import InferenceError, MHAClient
-from service.client.shm_route import SharedMemoryRoute, why_not_checked
+from service.client.local_routes import (
+    NOT_HERE,
+    SharedMemoryRoute,
+    Step,
+    on_new_connections,
+    on_this_host,
+    why_not_checked,
+)
 from service.protocol.http_codec import HEADER_LENGTH
 from service.protocol.inference import SEQUENCE_HEADER, SEQUENCE_OFFSET
 
@@ -42,6 +50,8 @@ Runner = Callable[[np.ndarray], np.ndarray]
 HTTP_TIMEOUT_S = 60.0
 SEED = 7  # the grid's inputs, the same on every route
 BATCHED_AT_ONCE = 32  # rows in flight at once on the batched route
+RECONNECTED = "gRPC steps, reconnecting"  # each step on a new connection: with workers, most handed over
+ROUTE_WIDTH = 24  # the table's first column: the longest name
 SHARED_MEMORY = "gRPC shared memory"  # Triton's system shared memory, for clients on the server's host
 
 
@@ -185,9 +195,6 @@ def _streamed(client: MHAClient) -> Runner:
     return lambda x: next(iter(client.stream_infer([x])))
 
 
-Step = Callable[[str, np.ndarray, int, bool, bool], np.ndarray]  # (id, new tokens, offset, start, end) -> their rows
-
-
 def _stepped(step: Step) -> Runner:
     """Each input as a sequence: its first half (at least one token) with sequence_start, then steps
     of 1, 2, 3, ... tokens, the last with sequence_end; the answers side by side."""
@@ -249,6 +256,22 @@ def _grpc_routes(client: MHAClient, causal: bool, inputs: list[np.ndarray]) -> d
     return runs
 
 
+def _local_routes(
+    client: MHAClient, url: str, causal: bool, client_kwargs: dict[str, Any], skipped: dict[str, str]
+) -> dict[str, Runner]:
+    """The routes only a client on the server's host checks, by name; why one is not, in `skipped`."""
+    runs: dict[str, Runner] = {}
+    if causal and on_this_host(url):
+        runs[RECONNECTED] = _stepped(on_new_connections(url, client.model, client_kwargs))
+    elif causal:
+        skipped[RECONNECTED] = f"{NOT_HERE} (through a Service, a new connection may reach another replica)"
+    if (why := why_not_checked(client, url)) is None:
+        runs[SHARED_MEMORY] = SharedMemoryRoute(client)
+    else:
+        skipped[SHARED_MEMORY] = why
+    return runs
+
+
 @dataclass
 class RoutesReport:
     """Each route's parity report, the routes not checked and why, and what is wrong whatever the
@@ -269,12 +292,13 @@ class RoutesReport:
 
     def table(self) -> str:
         """One line per route; the whole grid of a route that failed, to say where."""
-        lines = [f"{'route':<22} {'result':<6} {'shapes':>6} {'worst rel. error':>17} {'tolerance':>10}"]
+        lines = [f"{'route':<{ROUTE_WIDTH}} {'result':<6} {'shapes':>6} {'worst rel. error':>17} {'tolerance':>10}"]
         for route, report in self.routes.items():
             worst = f"{max(row.worst for row in report.rows):.2e}" if report.rows else "-"
             verdict = "ok" if report.ok else "FAIL"
-            lines.append(f"{route:<22} {verdict:<6} {len(report.rows):>6} {worst:>17} {report.tolerance:>10.0e}")
-        lines += [f"{route:<22} not checked: {why}" for route, why in self.skipped.items()]
+            cells = f"{verdict:<6} {len(report.rows):>6} {worst:>17} {report.tolerance:>10.0e}"
+            lines.append(f"{route:<{ROUTE_WIDTH}} {cells}")
+        lines += [f"{route:<{ROUTE_WIDTH}} not checked: {why}" for route, why in self.skipped.items()]
         for route, report in self.routes.items():
             if not report.ok:
                 lines += ["", f"{route}:", report.table()]
@@ -317,10 +341,7 @@ def verify_server(
         with contextlib.ExitStack() as stack:
             inputs = [x.numpy() for x in parity_inputs(config, grid, seed=SEED)]
             runs = _grpc_routes(client, causal, inputs)
-            if (why := why_not_checked(client, url)) is None:
-                runs[SHARED_MEMORY] = SharedMemoryRoute(client)
-            else:
-                result.skipped[SHARED_MEMORY] = why
+            runs |= _local_routes(client, url, causal, client_kwargs, result.skipped)
             if http is not None:
                 metadata = client.model_metadata()
                 route = HttpRoute(http, client.model, metadata.inputs[0].name, metadata.outputs[0].name)

@@ -26,6 +26,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from model.checkpoint import load_checkpoint
 from model.reference import attention_view, relative_error
 from service.client.client import InferenceError, MHAClient
+from service.client.parity import verify_server
 from service.proto import grpc_service_pb2 as pb
 from service.proto import grpc_service_pb2_grpc as pb_grpc
 from service.protocol.grpc_codec import decode_infer_response, encode_infer_request, parameter_values
@@ -245,6 +246,25 @@ def test_every_connection_reaches_a_sequences_state_with_two_workers(small_model
             with MHAClient(server.url) as client, pytest.raises(InferenceError) as refused:
                 client.step("grpc-0", x, 33)
             assert refused.value.code == grpc.StatusCode.NOT_FOUND and "ended (sequence_end)" in str(refused.value)
+    finally:
+        server.kill()
+
+
+def test_mha_verify_checks_the_hand_over_of_steps_between_workers(small_model_dir: Path, tmp_path: Path) -> None:
+    """`mha verify --url` against two workers: the steps sent each on a new connection reach the
+    worker that does not hold their sequence too, are handed over, and answer exactly; the
+    steps on one connection stay where they began."""
+    server = ServerProcess(["--model-dir", str(small_model_dir), "--backend", "torch", "--workers", "2"])
+    server.start(tmp_path / "server.log")
+    try:
+        _until(lambda: _ready_workers(server) == 2)
+        handed = _ok(_samples(server.metrics_port), FORWARDED_METHOD)
+        report = verify_server(server.url, small_model_dir, shapes=[(1, 64), (2, 63), (1, 60), (1, 62)])
+        assert report.ok and report.routes["gRPC steps, reconnecting"].ok, report.table()
+        handed = _ok(_samples(server.metrics_port), FORWARDED_METHOD) - handed
+        # each T: its first half, then 8 steps (of 1, 2, 3, ... tokens), each a new connection to
+        # either worker: 32 that may land on the worker without the sequence (none do: 2 ** -32)
+        assert 0 < handed <= 4 * 8, handed
     finally:
         server.kill()
 

@@ -17,8 +17,8 @@ import pytest
 
 from service.client import parity
 from service.client.client import MHAClient
+from service.client.local_routes import NOT_HERE, why_not_checked
 from service.client.parity import Batched, HttpAccess, verify_server
-from service.client.shm_route import why_not_checked
 from service.proto import grpc_service_pb2 as pb
 from service.protocol import http_app
 from service.protocol.shm import Regions
@@ -29,6 +29,7 @@ ROUTES = [
     "gRPC rows batched",
     "gRPC ModelStreamInfer",
     "gRPC decode steps",
+    "gRPC steps, reconnecting",
     "gRPC shared memory",
     "HTTP JSON",
     "HTTP binary data",
@@ -61,13 +62,14 @@ def test_every_route_answers_within_the_tolerance(server: ServerThread, small_mo
     # each sequence was sent as a prefix and then steps of 1, 2, 3, ... tokens, not whole, on both protocols
     assert _steps(server) - before >= 2 * 3 * rows[0]
     table = report.table()
-    assert all(f"{route:<22} ok" in table for route in ROUTES) and table.endswith("PASS")
+    assert all(f"{route:<{parity.ROUTE_WIDTH}} ok" in table for route in ROUTES) and table.endswith("PASS")
+    assert parity.ROUTE_WIDTH == max(len(route) for route in ROUTES)
 
 
 def test_without_an_http_url_the_http_routes_are_said_not_checked(server: ServerThread, small_model_dir: Path) -> None:
     report = verify_server(server.url, small_model_dir, shapes=[(1, 3)])
-    assert report.ok and list(report.routes) == ROUTES[:5]
-    assert "HTTP                   not checked: give --http-url to check it" in report.table()
+    assert report.ok and list(report.routes) == ROUTES[:6]
+    assert f"{'HTTP':<{parity.ROUTE_WIDTH}} not checked: give --http-url to check it" in report.table()
 
 
 def _off_in_json() -> Callable[..., object]:
@@ -95,7 +97,7 @@ def test_a_route_that_answers_wrong_fails_alone(
         route: route not in json_answered for route in ROUTES
     }
     table = report.table()
-    assert "HTTP JSON              FAIL" in table and "\nHTTP JSON:\n" in table and table.endswith("FAIL")
+    assert f"{'HTTP JSON':<{parity.ROUTE_WIDTH}} FAIL" in table and "\nHTTP JSON:\n" in table and table.endswith("FAIL")
 
 
 def test_a_route_that_refuses_fails_with_the_servers_reason(small_model_dir: Path) -> None:
@@ -108,7 +110,8 @@ def test_a_route_that_refuses_fails_with_the_servers_reason(small_model_dir: Pat
             s.url, small_model_dir, shapes=[(1, 4)], http=HttpAccess(f"http://127.0.0.1:{taken_port}")
         )
     failed = {route: r.problems for route, r in report.routes.items() if not r.ok}
-    assert list(failed) == ["gRPC decode steps", "HTTP JSON", "HTTP binary data", "HTTP decode steps"], report.table()
+    refused = ["gRPC decode steps", "gRPC steps, reconnecting", "HTTP JSON", "HTTP binary data", "HTTP decode steps"]
+    assert list(failed) == refused, report.table()
     assert failed["gRPC decode steps"][0].startswith("refused: RESOURCE_EXHAUSTED"), failed
     assert "Cannot connect to host" in failed["HTTP JSON"][0], failed
     assert report.skipped["gRPC shared memory"] == "the server does not offer it (`--shared-memory system` turns it on)"
@@ -135,15 +138,24 @@ def test_the_shared_memory_route_answers_through_the_region_and_leaves_nothing_b
     assert not regions and set(os.listdir("/dev/shm")) == before
 
 
-def test_the_shared_memory_route_says_why_it_is_not_checked(small_model_dir: Path, tmp_path: Path) -> None:
-    """Only a client on the server's host shares its memory; registering needs the admin token
-    where the server has one."""
+def test_the_routes_of_clients_on_the_servers_host_say_why_they_are_not_checked_from_elsewhere(
+    server: ServerThread,
+) -> None:
+    """Shared memory is the host's; through a Service each new connection may reach another replica."""
+    skipped: dict[str, str] = {}
+    with MHAClient(server.url) as client:
+        assert parity._local_routes(client, "192.0.2.1:8001", True, {}, skipped) == {}
+    assert NOT_HERE == "it is for clients on the server's host: run mha verify there, with --url 127.0.0.1:PORT"
+    assert skipped == {
+        "gRPC steps, reconnecting": f"{NOT_HERE} (through a Service, a new connection may reach another replica)",
+        "gRPC shared memory": NOT_HERE,
+    }
+
+
+def test_the_shared_memory_route_needs_the_admin_token_if_there_is_one(small_model_dir: Path, tmp_path: Path) -> None:
     (tmp_path / "admin").write_text("admin-secret")
     settings = make_settings(small_model_dir, shared_memory="system", admin_token_file=tmp_path / "admin")
     with ServerThread(settings) as s, MHAClient(s.url) as client:
-        assert why_not_checked(client, "192.0.2.1:8001") == (
-            "it is for clients on the server's host: run mha verify there, with --url 127.0.0.1:PORT"
-        )
         assert why_not_checked(client, s.url) == (
             "registering a region is a control call, refused (UNAUTHENTICATED): give the admin token"
         )
@@ -163,7 +175,7 @@ def test_an_http_port_that_never_answers_fails_its_routes_in_time(
         access = HttpAccess(f"http://127.0.0.1:{silent.getsockname()[1]}")
         report = verify_server(server.url, small_model_dir, shapes=[(1, 2)], http=access)
     failed = {route: r.problems for route, r in report.routes.items() if not r.ok}
-    assert list(failed) == ROUTES[5:], report.table()
+    assert list(failed) == ROUTES[6:], report.table()
     assert failed["HTTP JSON"] == ["refused: no answer within 0.5 s"]
 
 
@@ -210,7 +222,7 @@ def test_mha_verify_writes_what_it_found_as_json_for_pipelines(
     run = subprocess.run(base, capture_output=True, text=True, timeout=300)
     found = json.loads(out.read_text())
     assert run.returncode == 0 and found["ok"] is True, run.stdout + run.stderr[-2000:]
-    assert list(found["routes"]) == ROUTES[:5] and found["not_checked"] == {"HTTP": "give --http-url to check it"}
+    assert list(found["routes"]) == ROUTES[:6] and found["not_checked"] == {"HTTP": "give --http-url to check it"}
     assert all(r["ok"] and len(r["grid"]) >= 8 and r["problems"] == [] for r in found["routes"].values())
     monkeypatch.setattr(http_app, "response_to_http", _off_in_json())
     http = ["--http-url", f"http://127.0.0.1:{server.http_port}"]

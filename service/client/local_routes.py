@@ -1,13 +1,17 @@
-"""`mha verify`'s route through Triton's system shared memory: each input written to a region of
-this host, registered with the server, and its output read back from the same region: the way a
-client on the server's host passes tensors (docs/api.md, "Shared memory")."""
+"""The routes of `mha verify` that only a client on the server's host can check (inside its pod,
+at 127.0.0.1): Triton's system shared memory, each input written to a region of this host,
+registered with the server, and its output read back from the same region (docs/api.md, "Shared
+memory"); and a sequence's steps each on a new connection, which with several workers reach the
+worker that does not hold the sequence and are handed over (through a Service, a new connection
+may reach another replica, which does not hold it either)."""
 
 from __future__ import annotations
 
 import contextlib
 import uuid
+from collections.abc import Callable
 from multiprocessing import shared_memory
-from typing import cast
+from typing import Any, cast
 
 import grpc
 import numpy as np
@@ -17,6 +21,7 @@ from service.client.client import InferenceError, MHAClient
 LOOPBACK = ("127.0.0.1", "localhost", "::1", "[::1]")
 EXTENSION = "system_shared_memory"  # as ServerMetadata names it
 CONTROL_REFUSALS = (grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.UNAUTHENTICATED)
+Step = Callable[[str, np.ndarray, int, bool, bool], np.ndarray]  # (id, new tokens, offset, start, end) -> their rows
 
 
 class SharedMemoryRoute:
@@ -49,13 +54,32 @@ class SharedMemoryRoute:
                 self.client.unregister_region(name)
 
 
+NOT_HERE = "it is for clients on the server's host: run mha verify there, with --url 127.0.0.1:PORT"
+
+
+def on_this_host(url: str) -> bool:
+    """Whether gRPC's HOST:PORT `url` names this host (its loopback)."""
+    return url.rsplit(":", 1)[0] in LOOPBACK
+
+
+def on_new_connections(url: str, model: str, client_kwargs: dict[str, Any]) -> Step:
+    """Each step on a connection of its own, as a client that reconnects between steps sends it."""
+
+    def step(sequence_id: str, x: np.ndarray, offset: int, start: bool, end: bool) -> np.ndarray:
+        with MHAClient(url, model=model, own_connection=True, **client_kwargs) as client:
+            return client.step(sequence_id, x, offset, start, end).y
+
+    return step
+
+
 def why_not_checked(client: MHAClient, url: str) -> str | None:
-    """Why this client cannot check the route, or None when it can: the server does not offer the
-    extension, is not on this host (as far as `url` says), or registering needs another token."""
+    """Why this client cannot check the shared memory route, or None when it can: the server does
+    not offer the extension, is not on this host (as far as `url` says), or registering needs
+    another token."""
     if EXTENSION not in client.server_metadata().extensions:
         return "the server does not offer it (`--shared-memory system` turns it on)"
-    if url.rsplit(":", 1)[0] not in LOOPBACK:
-        return "it is for clients on the server's host: run mha verify there, with --url 127.0.0.1:PORT"
+    if not on_this_host(url):
+        return NOT_HERE
     probe = shared_memory.SharedMemory(create=True, size=4)
     try:
         name = f"mha-verify-probe-{uuid.uuid4().hex[:12]}"
