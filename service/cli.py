@@ -151,13 +151,16 @@ def cmd_verify(args: argparse.Namespace) -> int:
     model_dir = Path(args.model_dir)
     if args.http_url and not args.url:
         raise CliError("--http-url checks a running server's HTTP routes beside its gRPC ones: give --url too", 2)
+    if (args.model != "mha" or args.model_version) and not args.url:
+        raise CliError("--model and --model-version name what a running server serves: give --url too", 2)
     written = _writable("--json", args.json)
     report: RoutesReport | ParityReport
     if args.url:
         try:
             security = _client_security(args)
             http = _http_access(args, security.get("token"))
-            report = verify_server(args.url, model_dir, http=http, **security)
+            served = {"model": args.model, "version": args.model_version}
+            report = verify_server(args.url, model_dir, http=http, **served, **security)
         except InferenceError as exc:
             raise CliError(f"cannot verify the server at {args.url}: {exc}") from exc
     else:
@@ -640,6 +643,8 @@ def build_parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
     p.add_argument("--url", help="HOST:PORT of a running server's gRPC port: check its routes end to end")
     p.add_argument("--http-url", help="http(s)://HOST:PORT of the same server's HTTP port: check its routes too")
     p.add_argument("--json", help="write the results as JSON to this file too (checked writable first)")
+    p.add_argument("--model", default="mha", help="with --url: the model's name on the server (default mha)")
+    p.add_argument("--model-version", default="", help="with --url: its version (default: the one served by default)")
     _add_client_args(p)
     p.set_defaults(func=cmd_verify)
 

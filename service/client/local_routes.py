@@ -62,11 +62,12 @@ def on_this_host(url: str) -> bool:
     return url.rsplit(":", 1)[0] in LOOPBACK
 
 
-def on_new_connections(url: str, model: str, client_kwargs: dict[str, Any]) -> Step:
-    """Each step on a connection of its own, as a client that reconnects between steps sends it."""
+def on_new_connections(url: str, like: MHAClient, client_kwargs: dict[str, Any]) -> Step:
+    """Each step on a connection of its own (to the model and version `like` addresses), as a client
+    that reconnects between steps sends it."""
 
     def step(sequence_id: str, x: np.ndarray, offset: int, start: bool, end: bool) -> np.ndarray:
-        with MHAClient(url, model=model, own_connection=True, **client_kwargs) as client:
+        with MHAClient(url, like.model, like.version, own_connection=True, **client_kwargs) as client:
             return client.step(sequence_id, x, offset, start, end).y
 
     return step

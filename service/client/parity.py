@@ -95,9 +95,10 @@ class HttpRoute:
     sequence's steps as JSON parameters. One keep-alive connection, as a client would hold, so
     that a sequence's steps stay with the replica that holds it behind a Service."""
 
-    def __init__(self, access: HttpAccess, model: str, input_name: str, output_name: str) -> None:
+    def __init__(self, access: HttpAccess, model: str, version: str, input_name: str, output_name: str) -> None:
         self.access, self.names = access, (input_name, output_name)
-        self.path = f"{access.url.rstrip('/')}/v2/models/{model}/infer"
+        versioned = f"/versions/{version}" if version else ""
+        self.path = f"{access.url.rstrip('/')}/v2/models/{model}{versioned}/infer"
         self._context = access.context()
         self._loop = asyncio.new_event_loop()
         self._session = self._loop.run_until_complete(_session())
@@ -262,7 +263,7 @@ def _local_routes(
     """The routes only a client on the server's host checks, by name; why one is not, in `skipped`."""
     runs: dict[str, Runner] = {}
     if causal and on_this_host(url):
-        runs[RECONNECTED] = _stepped(on_new_connections(url, client.model, client_kwargs))
+        runs[RECONNECTED] = _stepped(on_new_connections(url, client, client_kwargs))
     elif causal:
         skipped[RECONNECTED] = f"{NOT_HERE} (through a Service, a new connection may reach another replica)"
     if (why := why_not_checked(client, url)) is None:
@@ -312,13 +313,16 @@ def verify_server(
     model_dir: Path,
     shapes: Sequence[tuple[int, int]] | None = None,
     http: HttpAccess | None = None,
+    model: str = "mha",
+    version: str = "",
     **client_kwargs: Any,
 ) -> RoutesReport:
-    """End-to-end parity of a running server's routes against the float64 references."""
+    """End-to-end parity of a running server's routes against the float64 references: the
+    `model`'s `version` (empty: the one the server serves by default)."""
     files = ModelFiles(model_dir)
     config, weights = load_checkpoint(files.weights)
     result = RoutesReport()
-    with MHAClient(url, **client_kwargs) as client:
+    with MHAClient(url, model=model, version=version, **client_kwargs) as client:
         parameters = client.model_config().parameters
         served_c = parameters["d_model"].string_value
         if served_c != str(config.d_model):
@@ -344,7 +348,7 @@ def verify_server(
             runs |= _local_routes(client, url, causal, client_kwargs, result.skipped)
             if http is not None:
                 metadata = client.model_metadata()
-                route = HttpRoute(http, client.model, metadata.inputs[0].name, metadata.outputs[0].name)
+                route = HttpRoute(http, model, version, metadata.inputs[0].name, metadata.outputs[0].name)
                 stack.callback(route.close)
                 runs |= route.routes(causal)
             result.routes = check_parity_of(runs, config, weights, grid, SEED, tolerance, refusals=REFUSALS)

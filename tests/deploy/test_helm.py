@@ -183,6 +183,8 @@ def test_helm_test_verifies_the_served_answers_and_notes_say_how_to_reach_it() -
     assert pod["spec"]["containers"][0]["args"] == ["mha", "verify", "/opt/mha/model", *every_route]
     (no_http,) = _objects({"config": {"MHA_HTTP_PORT": "off"}}, tests=True)  # HTTP turned off: gRPC alone
     assert no_http["spec"]["containers"][0]["args"] == ["mha", "verify", "/opt/mha/model", "--url", "mha-serve:8001"]
+    (renamed,) = _objects({"config": {"MHA_MODEL_NAME": "attention"}}, tests=True)  # the name the server answers to
+    assert renamed["spec"]["containers"][0]["args"][3:7] == ["--url", "mha-serve:8001", "--model", "attention"]
     assert pod["metadata"]["labels"]["mha-serve-client"] == "true"  # let through by the NetworkPolicy
     assert (
         pod["spec"]["containers"][0]["image"]

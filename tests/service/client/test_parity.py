@@ -12,11 +12,12 @@ import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+import grpc
 import numpy as np
 import pytest
 
 from service.client import parity
-from service.client.client import MHAClient
+from service.client.client import InferenceError, MHAClient
 from service.client.local_routes import NOT_HERE, why_not_checked
 from service.client.parity import Batched, HttpAccess, verify_server
 from service.proto import grpc_service_pb2 as pb
@@ -161,6 +162,36 @@ def test_the_shared_memory_route_needs_the_admin_token_if_there_is_one(small_mod
         )
         with MHAClient(s.url, token="admin-secret") as admin:
             assert why_not_checked(admin, s.url) is None
+
+
+def test_a_model_served_under_another_name_and_version_is_verified_by_them(small_model_dir: Path) -> None:
+    """--model-name and --model-version of the server, named to `mha verify`: every route, HTTP's
+    paths included, reaches that model; a version it does not serve is refused, not guessed."""
+    settings = make_settings(small_model_dir, http_port=0, model_name="attention", model_version="3")
+    with ServerThread(settings) as s:
+        http = HttpAccess(f"http://127.0.0.1:{s.http_port}")
+        for version in ("", "3"):
+            report = verify_server(
+                s.url, small_model_dir, shapes=[(1, 5)], http=http, model="attention", version=version
+            )
+            assert report.ok and list(report.routes) == [r for r in ROUTES if r != "gRPC shared memory"], report.table()
+        with pytest.raises(InferenceError) as refused:
+            verify_server(s.url, small_model_dir, shapes=[(1, 5)], model="attention", version="4")
+        assert refused.value.code == grpc.StatusCode.NOT_FOUND, refused.value
+        run = subprocess.run(
+            [sys.executable, "-m", "service.cli", "verify", str(small_model_dir), "--url", s.url],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert run.returncode == 1 and "NOT_FOUND" in run.stderr and "mha" in run.stderr, run.stderr[-2000:]
+    run = subprocess.run(
+        [sys.executable, "-m", "service.cli", "verify", str(small_model_dir), "--model", "attention"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert run.returncode == 2 and "give --url too" in run.stderr, run.stderr[-2000:]
 
 
 def test_an_http_port_that_never_answers_fails_its_routes_in_time(
