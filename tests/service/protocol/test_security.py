@@ -25,6 +25,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from service.app.server import ready_line
 from service.client.client import InferenceError, MHAClient
+from service.client.parity import ROUTE_WIDTH
 from service.proto import grpc_service_pb2 as pb
 from service.proto import grpc_service_pb2_grpc as pb_grpc
 from service.protocol.auth import CONTROL_CALLS, Access, TokenFiles
@@ -511,9 +512,9 @@ def test_mha_verify_checks_every_route_over_mtls_with_a_token(
         run = subprocess.run([sys.executable, "-m", "service.cli", *named], capture_output=True, text=True, timeout=300)
         assert run.returncode == 0, run.stdout + run.stderr[-2000:]
     routes = ("gRPC ModelInfer", "gRPC rows batched", "gRPC ModelStreamInfer", "gRPC decode steps", "HTTP JSON")
-    routes += ("HTTP binary data",)
-    routes += ("HTTP decode steps",)
-    assert all(f"{route:<22} ok " in run.stdout for route in routes) and run.stdout.endswith("PASS\n"), run.stdout
+    routes += ("gRPC steps, reconnecting", "HTTP binary data", "HTTP decode steps")  # each connection over mTLS
+    assert all(f"{route:<{ROUTE_WIDTH}} ok " in run.stdout for route in routes), run.stdout
+    assert run.stdout.endswith("PASS\n"), run.stdout
 
 
 def test_tritons_clients_speak_tls_to_it_before_and_after_a_renewal(
