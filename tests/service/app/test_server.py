@@ -172,7 +172,9 @@ def test_statistics_hold_tritons_invariants_for_requests_and_steps(small_model_d
     gate = ComputeGate(held=())
     settings = make_settings(small_model_dir, backend="torch", max_batch_size=8, max_queue_delay_ms=20)
     with ServerThread(settings, compute_hook=gate) as server, MHAClient(server.url) as client:
-        gate.hold_next(lambda: server.engine.loaded.batcher.depth >= 3)  # the first batch waits: 3 more queue
+        batcher, requests = server.engine.loaded.batcher, server.engine.requests
+        # the first batch waits until 3 more queue, or until all 4 are in (one batch may take several)
+        gate.hold_next(lambda: batcher.depth >= 3 or requests.uncomputed >= 4)
         xs = [np.random.default_rng(i).standard_normal((1 + i % 2, 5, 32), dtype=np.float32) for i in range(4)]
         with ThreadPoolExecutor(4) as pool:
             list(pool.map(client.infer, xs))
