@@ -46,7 +46,7 @@ class SharedMemoryRoute:
 
     def _infer(self, x: np.ndarray, region: shared_memory.SharedMemory) -> list[int]:
         name = f"mha-verify-{uuid.uuid4().hex[:12]}"
-        self.client.register_region(name, "/" + region.name.lstrip("/"), region.size)
+        self.client.register_region(name, _key(region), region.size)
         try:
             return self.client.infer_in_region(x, name)
         finally:
@@ -84,12 +84,19 @@ def why_not_checked(client: MHAClient, url: str) -> str | None:
     probe = shared_memory.SharedMemory(create=True, size=4)
     try:
         name = f"mha-verify-probe-{uuid.uuid4().hex[:12]}"
-        client.register_region(name, "/" + probe.name.lstrip("/"), probe.size)
+        client.register_region(name, _key(probe), probe.size)
         client.unregister_region(name)
     except InferenceError as exc:  # any other refusal is the route's to report, as its failure
         if exc.code in CONTROL_REFUSALS:
             return f"registering a region is a control call, refused ({exc.code.name}): give the admin token"
+        if exc.code is grpc.StatusCode.RESOURCE_EXHAUSTED:  # clients' regions fill --max-shared-memory-regions
+            return f"no room for a region of its own: {exc}"
     finally:
         probe.close()
         probe.unlink()
     return None
+
+
+def _key(region: shared_memory.SharedMemory) -> str:
+    """The object's name as shm_open takes it, and Triton's registration names it: `/name`."""
+    return "/" + region.name.lstrip("/")

@@ -10,6 +10,7 @@ import socket
 import subprocess
 import sys
 from collections.abc import Callable, Iterator
+from multiprocessing import shared_memory
 from pathlib import Path
 
 import grpc
@@ -153,7 +154,9 @@ def test_the_routes_of_clients_on_the_servers_host_say_why_they_are_not_checked_
     }
 
 
-def test_the_shared_memory_route_needs_the_admin_token_if_there_is_one(small_model_dir: Path, tmp_path: Path) -> None:
+def test_the_shared_memory_route_is_not_checked_without_the_token_or_room(
+    small_model_dir: Path, tmp_path: Path
+) -> None:
     (tmp_path / "admin").write_text("admin-secret")
     settings = make_settings(small_model_dir, shared_memory="system", admin_token_file=tmp_path / "admin")
     with ServerThread(settings) as s, MHAClient(s.url) as client:
@@ -162,6 +165,18 @@ def test_the_shared_memory_route_needs_the_admin_token_if_there_is_one(small_mod
         )
         with MHAClient(s.url, token="admin-secret") as admin:
             assert why_not_checked(admin, s.url) is None
+    settings = make_settings(small_model_dir, shared_memory="system", max_shared_memory_regions=1)
+    with ServerThread(settings) as s, MHAClient(s.url) as client:  # a client's region takes the only room
+        taken = shared_memory.SharedMemory(create=True, size=4)
+        try:
+            client.register_region("a-clients", "/" + taken.name.lstrip("/"), 4)
+            assert why_not_checked(client, s.url) == (
+                "no room for a region of its own: RESOURCE_EXHAUSTED: this server holds its limit of 1 shared "
+                "memory regions; unregister one first"
+            )
+        finally:
+            taken.close()
+            taken.unlink()
 
 
 def test_a_model_served_under_another_name_and_version_is_verified_by_them(small_model_dir: Path) -> None:
