@@ -156,13 +156,14 @@ def cmd_verify(args: argparse.Namespace) -> int:
     written = _writable("--json", args.json)
     report: RoutesReport | ParityReport
     if args.url:
+        url = grpc_address(args.url)  # an http:// URL is the REST port, named as --http-url
         try:
             security = _client_security(args)
             http = _http_access(args, security.get("token"))
             served = {"model": args.model, "version": args.model_version}
-            report = verify_server(args.url, model_dir, http=http, **served, **security)
+            report = verify_server(url, model_dir, http=http, **served, **security)
         except InferenceError as exc:
-            raise CliError(f"cannot verify the server at {args.url}: {exc}") from exc
+            raise CliError(_with_port_hint(f"cannot verify the server at {url}: {exc}", url)) from exc
     else:
         if (problem := model_dir_problem(model_dir, flag="", serve=False)) is not None:
             raise CliError(problem, 2)  # a wrong path is not a model that failed its check

@@ -295,6 +295,12 @@ CASES = {  # name: (arguments given the fixtures, environment, exit code, what t
         1,
         "it serves C = 32",
     ),
+    "verify-url-is-a-url": (  # before: gRPC's "address lookup failed for http://...", exit 1
+        lambda f: ["verify", str(f["model"]), "--url", f"http://{f['url']}"],
+        {},
+        2,
+        "expected the gRPC HOST:PORT such as 127.0.0.1:8001, not a URL",
+    ),
     "verify-http-url-without-url": (
         lambda f: ["verify", str(f["model"]), "--http-url", "http://127.0.0.1:8000"],
         {},
@@ -510,8 +516,11 @@ def test_a_clients_request_id_stays_one_cut_line_of_text() -> None:
     assert new_request_id("")  # none sent: a fresh one
 
 
-def test_infer_at_the_http_port_says_which_port_to_use(small_model_dir: Path) -> None:
+def test_infer_and_verify_at_the_http_port_say_which_port_to_use(small_model_dir: Path) -> None:
     with ServerThread(make_settings(small_model_dir, backend="torch", http_port=0)) as server:
-        run = _mha("infer", "--url", f"127.0.0.1:{server.http_port}", "--shape", "1,4,32", "--timeout", "10")
-    assert run.returncode == 1, run.stderr
-    assert "answers HTTP/1.1: is it the HTTP port? --url takes the gRPC port (default 8001)" in run.stderr, run.stderr
+        at_http = f"127.0.0.1:{server.http_port}"
+        runs = [_mha("infer", "--url", at_http, "--shape", "1,4,32", "--timeout", "10")]
+        runs.append(_mha("verify", str(small_model_dir), "--url", at_http))
+    hint = "answers HTTP/1.1: is it the HTTP port? --url takes the gRPC port (default 8001)"
+    for run in runs:
+        assert run.returncode == 1 and hint in run.stderr, run.stderr
