@@ -280,10 +280,10 @@ def parity(entry: dict[str, Any], model_dir: Path, config: Any, weights: Any) ->
 
 def selection(entry: dict[str, Any], model_dir: Path, config: Any, weights: Any) -> None:
     from export.verify import check_parity, parity_grid
-    from service.backends import BackendChain, BackendSpec, select_backends
+    from service.backends.chain import BackendChain
     from service.backends.ort import OrtCudaBackend
     from service.backends.pytorch import TorchBackend
-    from service.backends.selection import SelfCheck
+    from service.backends.selection import BackendSpec, SelfCheck, select_backends
 
     chosen = select_backends(BackendSpec(model_dir / "model.onnx", config, weights), "auto")
     entry["auto_order"] = [b.name for b in chosen.backends]

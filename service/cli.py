@@ -288,7 +288,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         return 2
     if not settings.thread_spinning:  # read once, when PyTorch loads its OpenMP runtime: before the import
         os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-    from service.app.server import StartupError, check_shared_ports, serve
+    from service.app.ports import StartupError, check_shared_ports
     from service.app.supervisor import Supervisor, gpu_devices, with_shared_ports, workers_to_start
     from service.settings import default_model_home, to_argv
 
@@ -314,6 +314,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         argv = to_argv(replace(settings, workers="1"))
         default_model = single and settings.model_dir is None  # the first worker binds, exports, loads
         return asyncio.run(Supervisor(settings, argv, count, gpus, bind_first=default_model).run())
+    from service.app.server import serve  # ONNX Runtime and PyTorch: only where the model is served
+
     try:
         return asyncio.run(serve(settings))
     except StartupError as exc:

@@ -3,12 +3,10 @@
 from __future__ import annotations
 
 import asyncio
-import errno
 import logging
 import os
 import shutil
 import signal
-import socket
 import sys
 import time
 from dataclasses import dataclass, field
@@ -22,6 +20,7 @@ from prometheus_client import CollectorRegistry
 
 from service.app.engine import Engine, build_engine
 from service.app.model_config import load, model_source, poll, read_schedule
+from service.app.ports import StartupError, check_port, port_error
 from service.app.supervisor import MULTIPROC_ENV, exemplars_file
 from service.batching import Clock
 from service.engine.keeper import ComputeHook
@@ -50,15 +49,6 @@ INFERENCE_SERVICE = pb.DESCRIPTOR.services_by_name["GRPCInferenceService"].full_
 HEALTH_SERVICES = ("", INFERENCE_SERVICE)
 METRICS_REFRESH_S = 0.25  # a worker of several: how often its metrics reach its multiprocess files
 PEERS_POLL_S = 0.05  # a worker of several, loaded: how often it looks for the others before it serves
-
-
-class StartupError(RuntimeError):
-    """The server cannot start as configured; the message says which setting and why.
-    `exit_code` 2: a setting is wrong (usage); 1: the machine refused (a port in use)."""
-
-    def __init__(self, message: str, exit_code: int = 2) -> None:
-        super().__init__(message)
-        self.exit_code = exit_code
 
 
 @dataclass
@@ -313,7 +303,7 @@ def _bind(
     address = f"{host}:{port}"
     if not shared:
         check_port(host, port, flag)
-    refused = _port_error(host, port, flag, " (in use, or not an address of this machine)")
+    refused = port_error(host, port, flag, " (in use, or not an address of this machine)")
     try:
         bound = server.add_secure_port(address, credentials) if credentials else server.add_insecure_port(address)
     except RuntimeError as exc:  # grpc raises this when it cannot listen
@@ -321,59 +311,6 @@ def _bind(
     if bound == 0:
         raise refused
     return bound
-
-
-def check_port(host: str, port: int, flag: str) -> None:
-    """Raise StartupError (exit code 1) when (host, port) cannot be listened on now."""
-    if (why := _cannot_listen(host, port)) is not None:
-        raise _port_error(host, port, flag, f": {why}")
-
-
-def check_shared_ports(settings: Settings) -> None:
-    """Before --workers start: the ports they will share and the supervisor's metrics port,
-    checked as one process checks its own, and each its own: two listeners given one port would
-    both bind it (SO_REUSEPORT), and the kernel would hand inference connections to the other."""
-    listeners = (
-        ("--grpc-port", settings.host, settings.grpc_port),
-        ("--http-port", settings.host, settings.http_port),
-        ("--metrics-port", settings.metrics_host or settings.host, settings.metrics_port),
-        ("--health-port", settings.host, settings.health_port),
-    )
-    taken: dict[tuple[str, int], str] = {}
-    for flag, host, port in listeners:
-        if port is None:  # off
-            continue
-        if port:  # 0 (a free one, picked per port) never collides, but its host is checked
-            if (host, port) in taken:
-                raise StartupError(f"{taken[host, port]} and {flag} are both {port}; give each its own port", 2)
-            taken[host, port] = flag
-        check_port(host, port, flag)
-
-
-def _port_error(host: str, port: int, flag: str, why: str) -> StartupError:
-    """`why` follows the address: ": the reason", or " (the reason)"."""
-    fix = f"stop what holds it, or choose another with {flag} (0 picks a free one)"
-    return StartupError(f"{flag}: cannot listen on {host}:{port}{why}; {fix}", 1)
-
-
-def _cannot_listen(host: str, port: int) -> str | None:
-    """Why a TCP listener on (host, port) cannot be made now, or None (port 0: a free one, on an
-    address that must still be this machine's)."""
-    if not host:
-        return "the host is empty; give an address such as 0.0.0.0 or 127.0.0.1"
-    try:
-        addresses = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
-    except socket.gaierror as exc:
-        return f"{host!r} is not an address of this machine ({exc.strerror})"
-    for family, kind, proto, _, sockaddr in addresses:
-        with socket.socket(family, kind, proto) as probe:
-            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as gRPC: TIME_WAIT does not count
-            try:
-                probe.bind(sockaddr)
-            except OSError as exc:
-                taken = exc.errno == errno.EADDRINUSE
-                return "the port is in use by another process" if taken else (exc.strerror or str(exc))
-    return None
 
 
 async def load_and_serve(running: Running) -> None:

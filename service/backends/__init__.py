@@ -1,7 +1,5 @@
-"""Backends that run the model: ONNX Runtime (CUDA, CPU) and PyTorch eager."""
+"""Backends that run the model: ONNX Runtime (CUDA, CPU) and PyTorch eager.
 
-from service.backends.base import Backend, BackendLoadError
-from service.backends.chain import BackendChain
-from service.backends.selection import BackendSpec, Selection, select_backends
-
-__all__ = ["Backend", "BackendChain", "BackendLoadError", "BackendSpec", "Selection", "select_backends"]
+Import from the modules (`base`, `chain`, `selection`): this package loads neither library, so a
+process that needs only the interfaces (the worker supervisor) does not pay for them.
+"""

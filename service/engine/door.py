@@ -39,7 +39,6 @@ from service.batch_engine import BatchEngine, Computed, Item, Timing
 from service.batching import BatcherConfig, BatchEvent, Clock, Plan, form_at, merge, plan_batch, split
 from service.budget import InflightBudget, Lease
 from service.decode.control import SequenceControl, SequenceId
-from service.engine.audit import Audit
 from service.engine.inflight import InFlight
 from service.engine.publishing import Publisher
 from service.engine.readiness import Lifecycle
@@ -55,6 +54,7 @@ from service.tracing import TraceValues
 
 if TYPE_CHECKING:
     from service.backends.base import Backend
+    from service.engine.audit import Audit
     from service.engine.keeper import VersionKeeper
 
 __all__ = [

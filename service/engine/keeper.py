@@ -18,8 +18,8 @@ from export.layout import ModelFiles, precision_file
 from export.verify import check_manifest, sha256_file
 from model import MHAConfig
 from model.checkpoint import CheckpointError, load_checkpoint
-from service.backends import BackendChain, BackendSpec, Selection, select_backends
-from service.backends.chain import REASONS, FallbackHook
+from service.backends.chain import REASONS, BackendChain, FallbackHook
+from service.backends.selection import BackendSpec, Selection, select_backends
 from service.batching import BatcherConfig, Clock
 from service.decode.control import SequenceId
 from service.decode.scheduler import Decoder, StepBatcher

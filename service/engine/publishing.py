@@ -9,7 +9,7 @@ import time
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 
-from service.backends import BackendChain
+from service.backends.chain import BackendChain
 from service.batch_engine import Timing
 from service.batching import BatchEvent
 from service.deferred import after_answer

@@ -17,7 +17,8 @@ from service.engine.sources import version_number
 from service.errors import InvalidInput, ModelNotFound, NotReady, quote
 
 if TYPE_CHECKING:
-    from service.backends import BackendChain, Selection
+    from service.backends.chain import BackendChain
+    from service.backends.selection import Selection
     from service.decode.control import SequenceControl, SequenceId
     from service.decode.scheduler import Decoder
     from service.engine.audit import Reference

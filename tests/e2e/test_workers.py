@@ -57,6 +57,12 @@ def _until(predicate, timeout_s: float = 120) -> None:
         time.sleep(0.2)
 
 
+def _compute_libraries(pid: int) -> set[str]:
+    """The ONNX Runtime and PyTorch shared libraries mapped into the process `pid`."""
+    paths = {line.split()[-1] for line in Path(f"/proc/{pid}/maps").read_text().splitlines() if "/" in line}
+    return {p for p in paths if "/torch/" in p or "/onnxruntime/" in p}
+
+
 def test_two_workers_share_the_port_add_up_restart_and_drain(small_model_dir: Path, tmp_path: Path) -> None:
     args = ["--model-dir", str(small_model_dir), "--backend", "torch", "--workers", "2", "--max-inflight-mb", "64"]
     server = ServerProcess(args)
@@ -70,6 +76,10 @@ def test_two_workers_share_the_port_add_up_restart_and_drain(small_model_dir: Pa
             return all(samples.get(("mha_ready", (("worker", str(i)),))) == 1.0 for i in range(2))
 
         _until(both_ready)
+        assert server.proc is not None
+        heavy = _compute_libraries(server.proc.pid)
+        assert not heavy, f"the supervisor loaded what only workers use: {heavy}"  # 340 MB of it before
+        assert _compute_libraries(started[0][0]), "the check must see a worker's ONNX Runtime and PyTorch"
         x = np.ones((1, 3, 32), np.float32)
         for _ in range(40):  # a channel each: the kernel spreads connections over the workers
             with MHAClient(server.url) as client:

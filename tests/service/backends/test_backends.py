@@ -16,12 +16,19 @@ from model import MHAConfig
 from model.attention import MultiHeadAttention
 from model.checkpoint import init_weights, load_checkpoint
 from model.reference import attention_view, relative_error
-from service.backends import BackendChain, BackendLoadError, BackendSpec, select_backends
-from service.backends.base import Backend
-from service.backends.chain import LightRoute
+from service.backends.base import Backend, BackendLoadError
+from service.backends.chain import BackendChain, LightRoute
 from service.backends.ort import OrtCpuBackend, OrtCudaBackend
 from service.backends.pytorch import ServedAttention, TorchBackend
-from service.backends.selection import SelfCheck, probe_rounds, probe_shapes, speed_order, split_by_size
+from service.backends.selection import (
+    BackendSpec,
+    SelfCheck,
+    probe_rounds,
+    probe_shapes,
+    select_backends,
+    speed_order,
+    split_by_size,
+)
 from service.batching import BatchEvent, batch_mflop
 from service.engine.publishing import Publisher, ServingBackends
 from service.engine.readiness import DeviceHealth

@@ -11,7 +11,7 @@ import torch
 from export.layout import ModelFiles
 from export.verify import check_parity, parity_grid
 from model.checkpoint import load_checkpoint
-from service.backends import BackendSpec, select_backends
+from service.backends.selection import BackendSpec, select_backends
 
 pytestmark = [
     pytest.mark.gpu,

@@ -1,0 +1,73 @@
+"""The ports a server will listen on, checked before anything heavy is loaded: a setting that
+cannot work fails the start in one line, at once, in the supervisor of `--workers` as in a lone
+server. Nothing here imports gRPC, ONNX Runtime or PyTorch.
+"""
+
+from __future__ import annotations
+
+import errno
+import socket
+
+from service.settings import Settings
+
+
+class StartupError(RuntimeError):
+    """The server cannot start as configured; the message says which setting and why.
+    `exit_code` 2: a setting is wrong (usage); 1: the machine refused (a port in use)."""
+
+    def __init__(self, message: str, exit_code: int = 2) -> None:
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
+def check_port(host: str, port: int, flag: str) -> None:
+    """Raise StartupError (exit code 1) when (host, port) cannot be listened on now."""
+    if (why := _cannot_listen(host, port)) is not None:
+        raise port_error(host, port, flag, f": {why}")
+
+
+def check_shared_ports(settings: Settings) -> None:
+    """Before --workers start: the ports they will share and the supervisor's metrics port,
+    checked as one process checks its own, and each its own: two listeners given one port would
+    both bind it (SO_REUSEPORT), and the kernel would hand inference connections to the other."""
+    listeners = (
+        ("--grpc-port", settings.host, settings.grpc_port),
+        ("--http-port", settings.host, settings.http_port),
+        ("--metrics-port", settings.metrics_host or settings.host, settings.metrics_port),
+        ("--health-port", settings.host, settings.health_port),
+    )
+    taken: dict[tuple[str, int], str] = {}
+    for flag, host, port in listeners:
+        if port is None:  # off
+            continue
+        if port:  # 0 (a free one, picked per port) never collides, but its host is checked
+            if (host, port) in taken:
+                raise StartupError(f"{taken[host, port]} and {flag} are both {port}; give each its own port", 2)
+            taken[host, port] = flag
+        check_port(host, port, flag)
+
+
+def port_error(host: str, port: int, flag: str, why: str) -> StartupError:
+    """`why` follows the address: ": the reason", or " (the reason)"."""
+    fix = f"stop what holds it, or choose another with {flag} (0 picks a free one)"
+    return StartupError(f"{flag}: cannot listen on {host}:{port}{why}; {fix}", 1)
+
+
+def _cannot_listen(host: str, port: int) -> str | None:
+    """Why a TCP listener on (host, port) cannot be made now, or None (port 0: a free one, on an
+    address that must still be this machine's)."""
+    if not host:
+        return "the host is empty; give an address such as 0.0.0.0 or 127.0.0.1"
+    try:
+        addresses = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as exc:
+        return f"{host!r} is not an address of this machine ({exc.strerror})"
+    for family, kind, proto, _, sockaddr in addresses:
+        with socket.socket(family, kind, proto) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as gRPC: TIME_WAIT does not count
+            try:
+                probe.bind(sockaddr)
+            except OSError as exc:
+                taken = exc.errno == errno.EADDRINUSE
+                return "the port is in use by another process" if taken else (exc.strerror or str(exc))
+    return None
