@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import re
 import sys
+from collections import Counter
 from typing import Any, TypeGuard
 
 import numpy as np
@@ -78,13 +79,32 @@ def json_object(value: object, what: str) -> dict[str, Any]:
     return value
 
 
+class _KeyTwice(Exception):
+    def __init__(self, key: str) -> None:
+        super().__init__(key)
+        self.key = key
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """A JSON object whose keys each stand once. Parsers disagree on a key given twice (Python's
+    json keeps the last, Triton's rapidjson finds the first), so a proxy, Triton and this server
+    could each read another request from the same bytes: refused, not guessed."""
+    doc = dict(pairs)
+    if len(doc) < len(pairs):
+        raise _KeyTwice(next(key for key, count in Counter(key for key, _ in pairs).items() if count > 1))
+    return doc
+
+
 def parse_json(data: bytes, what: str) -> Any:
-    """The document; refused when not JSON, or when a string holds a lone surrogate: JSON can
-    escape one (\\ud800), but no text encoding, and so neither gRPC nor a log line, can carry it."""
+    """The document; refused when not JSON, when an object names a key twice, or when a string
+    holds a lone surrogate: JSON can escape one (\\ud800), but no text encoding, and so neither
+    gRPC nor a log line, can carry it."""
     try:
-        doc = json.loads(data)
+        doc = json.loads(data, object_pairs_hook=_unique_keys)
         if SURROGATE_ESCAPE.search(data):  # rare: look closer
             json.dumps(doc, ensure_ascii=False).encode()
+    except _KeyTwice as exc:
+        raise InvalidInput(f"{what} gives the key {quote(exc.key)} twice in one object; send each key once") from None
     except UnicodeEncodeError as exc:
         raise InvalidInput(f"{what} holds a lone surrogate escape (\\ud800 to \\udfff): expected text") from exc
     except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from export.layout import ModelFiles
 from model import MHAConfig
 from service.engine.served import ModelIdentity, ServedModel
-from service.errors import InvalidInput, ModelNotFound
+from service.errors import InvalidInput, ModelNotFound, quote
 from service.proto import grpc_service_pb2 as pb
 from service.protocol.grpc_codec import (
     decode_infer_response,
@@ -258,3 +258,31 @@ def _equal_lengths(value: object) -> bool:
     except (ValueError, OverflowError):
         return False
     return True
+
+
+PLACES = ("the request", "an input", "the parameters")
+
+
+@settings(max_examples=200, deadline=None)
+@given(where=st.sampled_from(PLACES), key=st.text(min_size=1, max_size=12), first=JSON_VALUES, second=JSON_VALUES)
+def test_a_key_given_twice_in_one_object_is_refused_wherever_it_stands(
+    where: str, key: str, first: object, second: object
+) -> None:
+    """JSON parsers disagree on a key given twice (Python's keeps the last, Triton's rapidjson
+    the first): the body is refused with the key named, never read one way or the other. The
+    same body with the key once is not refused for it."""
+    tensor = {"name": "x", "datatype": "FP32", "shape": [1, 1, 1], "data": [0.5]}
+    twice = json.dumps(key) + ": " + json.dumps(first) + ", " + json.dumps(key) + ": " + json.dumps(second)
+    body = json.dumps({"inputs": [tensor], "parameters": {}})
+    opening = {"the request": body.index("{"), "an input": body.index('{"name"'), "the parameters": body.rindex("{")}
+    at = opening[where] + 1
+    close = "" if where == "the parameters" else ", "
+    doubled = (body[:at] + twice + close + body[at:]).encode()
+    with pytest.raises(InvalidInput, match="twice in one object") as refused:
+        request_from_json(doubled, None, "mha", "")
+    assert quote(key) in str(refused.value)
+    once = (body[:at] + json.dumps(key) + ": " + json.dumps(first) + close + body[at:]).encode()
+    try:
+        request_from_json(once, None, "mha", "")
+    except InvalidInput as exc:
+        assert "twice" not in str(exc)

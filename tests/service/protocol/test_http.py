@@ -52,6 +52,16 @@ def _with(**fields: object) -> bytes:
 
 BAD = {
     "not-json": (b"{nope", 400, "not valid JSON"),
+    "inputs-twice": (  # Python's json read the second, Triton's rapidjson the first
+        _with().replace(b'{"inputs": ', b'{"inputs": [], "inputs": ', 1),
+        400,
+        "the request gives the key 'inputs' twice in one object; send each key once",
+    ),
+    "shape-twice-in-an-input": (
+        _with().replace(b'"shape": ', b'"shape": [1, 1, 31], "shape": ', 1),
+        400,
+        "gives the key 'shape' twice",
+    ),
     "nested-too-deep": (b"[" * 100_000 + b"]" * 100_000, 400, "not valid JSON"),
     "parameters-a-list": (_with(parameters=[1]), 400, "the request's parameters must be a JSON object"),
     "id-an-object": (_with(id={"x": 1}), 400, "the request's id must be a JSON string, got dict"),
