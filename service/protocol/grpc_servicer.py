@@ -29,7 +29,7 @@ from service.protocol.answer import Answering
 from service.protocol.calls import Call, Calls, StreamItemScope
 from service.protocol.grpc_codec import request_from_proto, response_to_proto
 from service.protocol.grpc_streams import answer_concurrently
-from service.protocol.inference import SEQUENCE_HEADER
+from service.protocol.inference import SEQUENCE_HEADER, one_header
 
 log = logging.getLogger(__name__)
 Context: TypeAlias = grpc.aio.ServicerContext
@@ -42,11 +42,9 @@ def _deadline(context: Context, door: Door) -> float | None:
 
 
 def _sequence_header(context: Context) -> str | None:
-    """The mha-sequence-id metadata, if the call carries it."""
-    for key, value in context.invocation_metadata() or ():
-        if key == SEQUENCE_HEADER:
-            return value if isinstance(value, str) else None
-    return None
+    """The mha-sequence-id metadata, if the call carries it (refused if twice, and not the same)."""
+    values = [v for k, v in context.invocation_metadata() or () if k == SEQUENCE_HEADER and isinstance(v, str)]
+    return one_header(SEQUENCE_HEADER, values)
 
 
 class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):

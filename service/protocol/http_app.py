@@ -37,7 +37,7 @@ from service.protocol.http_codec import (
     response_to_http,
 )
 from service.protocol.http_wire import ConnectionAges, route_errors
-from service.protocol.inference import SEQUENCE_HEADER
+from service.protocol.inference import SEQUENCE_HEADER, one_header
 from service.protocol.status import http_status
 
 CALL_KEY = web.RequestKey("mha.call", Call)  # the call scope of the request, for its handler
@@ -274,12 +274,12 @@ class HttpApi:
         if held:  # held from before it is read: a body the budget cannot take is never read
             reserve(held)
         content = await body_of(request, reserve, held)  # and what it sends beyond: chunked, or decompressed
-        header = request.headers.get(HEADER_LENGTH)
+        header = one_header(HEADER_LENGTH, request.headers.getall(HEADER_LENGTH, []))
         if header is not None and not (header.isascii() and header.isdigit() and len(header) <= 19):  # '²', 10**5000
             raise InvalidInput(f"{HEADER_LENGTH} must be a byte count, got {header[:32]!r}")
         name, version = request.match_info["name"], request.match_info.get("version", "")
         inference, binary = request_from_json(content, int(header) if header else None, name, version)
-        header = request.headers.get(SEQUENCE_HEADER)
+        header = one_header(SEQUENCE_HEADER, request.headers.getall(SEQUENCE_HEADER, []))
         answer = await self.answers.infer(inference, None, header, call)
         response = response_to_http(answer, binary)
         self.calls.computed(call)  # its answer may wait for a slow reader: no batch waits for it

@@ -208,6 +208,18 @@ def sequence_control(request: InferRequest) -> SequenceControl | None:
     )
 
 
+def one_header(name: str, values: list[str]) -> str | None:
+    """A header's value (None: absent). Sent more than once, it is refused unless every copy says
+    the same: a balancer may read the last copy, or all of them joined, where this server would
+    read the first, and the two would act on different values."""
+    if len(values) > 1 and len(set(values)) > 1:
+        shown = ", ".join(quote(value, 32) for value in values[:3]) + (", ..." if len(values) > 3 else "")
+        raise InvalidInput(
+            f"the {name} header is sent {len(values)} times with different values ({shown}); send it once"
+        )
+    return values[0] if values else None
+
+
 def check_sequence_header(control: SequenceControl | None, header: str | None) -> None:
     """Balancers route on the `mha-sequence-id` header and the server computes on the
     `sequence_id` parameter: a request whose two disagree could reach a replica that does not

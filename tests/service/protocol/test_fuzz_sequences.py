@@ -134,6 +134,8 @@ def _bad_parameters() -> dict[str, tuple[pb.ModelInferRequest, tuple]]:
     cases["priority-1"] = (_step(x, "params", 0, priority=1), ())
     cases["header-differs"] = (_step(x, "params", 0), (("mha-sequence-id", "other"),))
     cases["header-alone"] = (encode_infer_request(x, model_name=ENTRY), (("mha-sequence-id", "params"),))
+    twice = (("mha-sequence-id", "params"), ("mha-sequence-id", "other"))  # a balancer may hash on the second
+    cases["header-twice-the-first-agreeing"] = (_step(x, "params", 0), twice)
     cases["too-long"] = (_step(np.ones((1, MAX_T + 1, C), np.float32), "params", 0), ())
     return cases
 

@@ -4,6 +4,7 @@ the binary-data framing. (tritonclient.http drives it end to end in tests/e2e.)"
 from __future__ import annotations
 
 import gzip
+import http.client
 import json
 import logging
 import re
@@ -421,3 +422,36 @@ def test_what_no_route_takes_answers_json_and_logs_no_error(
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR or r.exc_info], [
         r.getMessage() for r in caplog.records
     ]
+
+
+def _with_headers(port: int, body: bytes, headers: list[tuple[str, str]]) -> tuple[int, dict]:
+    """POST an inference with `headers` as given, a name repeated if it is listed twice."""
+    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+    try:
+        connection.putrequest("POST", "/v2/models/mha/infer")
+        for name, value in [*headers, ("Content-Length", str(len(body)))]:
+            connection.putheader(name, value)
+        connection.endheaders(body)
+        response = connection.getresponse()
+        return response.status, json.loads(response.read())
+    finally:
+        connection.close()
+
+
+def test_a_header_sent_twice_with_two_values_is_refused_and_with_one_served(server: ServerThread) -> None:
+    """A balancer may read the last copy of a header, or every copy joined, where aiohttp gives the
+    first: two copies that differ are refused, with the header named; two that agree are one."""
+    x = np.ones((1, 1, 32), np.float32)
+    head = json.dumps({"inputs": [{"name": "x", "shape": [1, 1, 32], "datatype": "FP32", "parameters": {}}]})
+    head = head.replace('"parameters": {}', '"parameters": {"binary_data_size": 128}').encode()
+    binary = head + x.tobytes()
+    length = "Inference-Header-Content-Length"
+    code, answer = _with_headers(server.http_port, binary, [(length, str(len(head))), (length, str(len(head) + 4))])
+    assert code == 400 and f"the {length} header is sent 2 times with different values" in answer["error"], answer
+    code, answer = _with_headers(server.http_port, binary, [(length, str(len(head)))] * 2)
+    assert code == 200, answer
+    step = _infer_json(x, parameters={"sequence_id": "twice", "sequence_start": True})
+    ids = [("mha-sequence-id", "twice"), ("mha-sequence-id", "other")]
+    code, answer = _with_headers(server.http_port, step, ids)
+    assert code == 400 and "the mha-sequence-id header is sent 2 times" in answer["error"], answer
+    assert "'twice', 'other'" in answer["error"]
