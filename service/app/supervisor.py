@@ -51,7 +51,7 @@ WATCHDOG_PERIOD_S = 2.0  # how often each worker's own metrics port is asked whe
 STARTING_POLL_S = 0.1  # how often a worker not yet answering is asked
 WATCHDOG_MISSES = 3  # unanswered in a row (after it first answered): hung, killed, and so replaced
 WORKER_START_S = 300.0  # never answered this long after its start (loading a model on a GPU included): hung
-WORKER_BASE_BYTES = 300 * MIB  # a worker's own memory, loaded and under load, its model aside
+WORKER_BASE_BYTES = 320 * MIB  # a worker's own memory, loaded and under load, its model aside
 MODEL_FILE_COPIES = 3  # and per byte of the model files it serves: ORT's sessions, PyTorch's weights, step graphs
 WORKERS_SHARE = 0.5  # of the memory limit, what `auto`'s workers may hold; the rest for requests and sequences
 
