@@ -596,6 +596,15 @@ def checkout(revision: str) -> Iterator[Path]:
         shutil.rmtree(where.parent, ignore_errors=True)
 
 
+def with_base(stack: contextlib.ExitStack, base: str | None) -> dict[str, Path | None]:
+    """mha-serve from this checkout (None) and, with `base`, at that revision from a worktree kept
+    until `stack` closes: by the names the results give them."""
+    trees: dict[str, Path | None] = {"mha-serve": None}
+    if base:
+        trees[f"mha-serve @{base}"] = stack.enter_context(checkout(base))
+    return trees
+
+
 def _run(
     args: argparse.Namespace, model_dir: Path, cpus: set[int] | None, machine: str, checkouts: dict[str, Path]
 ) -> int:

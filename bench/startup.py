@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 
 import common
-from compare import ROOT, checkout, server_command, wait_ready
+from compare import ROOT, server_command, wait_ready, with_base
 
 from service.app.launch import free_ports
 from service.app.supervisor import worker_count
@@ -70,9 +70,7 @@ def main() -> int:
     parser.add_argument("--model-dir", type=Path, default=Path("models/default"))
     args = parser.parse_args()
     with contextlib.ExitStack() as stack:
-        trees: dict[str, Path | None] = {"mha-serve": None}
-        if args.base:
-            trees[f"mha-serve @{args.base}"] = stack.enter_context(checkout(args.base))
+        trees = with_base(stack, args.base)
         starts: dict[str, list[dict[str, float]]] = {name: [] for name in trees}
         for run in range(args.runs):
             for name in list(trees) if run % 2 == 0 else list(reversed(trees)):

@@ -19,7 +19,7 @@ import sys
 from pathlib import Path
 
 import common
-from compare import Started, checkout, wait_ready
+from compare import Started, wait_ready, with_base
 from decode import step_against_stateless
 
 log = logging.getLogger("bench")
@@ -33,9 +33,7 @@ def main() -> int:
     parser.add_argument("--model-dir", type=Path, default=Path("models/default"))
     args = parser.parse_args()
     with contextlib.ExitStack() as stack:
-        checkouts: dict[str, Path | None] = {"mha-serve": None}
-        if args.base:
-            checkouts[f"mha-serve @{args.base}"] = stack.enter_context(checkout(args.base))
+        checkouts = with_base(stack, args.base)
         servers: dict[str, Started] = {}
         for name, tree in checkouts.items():  # one at a time: each measures its backends on a quiet machine
             servers[name] = Started(name, args.model_dir, None, tree)
