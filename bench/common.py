@@ -23,6 +23,14 @@ def parser(doc: str | None) -> argparse.ArgumentParser:
     return argparse.ArgumentParser(description=(doc or "").splitlines()[0])
 
 
+def rss_mib(pid: int) -> float:
+    """Process `pid`'s resident memory (VmRSS), in MiB."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    raise RuntimeError(f"process {pid} has no resident memory: it has exited")
+
+
 def write_json(name: str, payload: object) -> Path:
     path = RESULTS / name
     path.write_text(json.dumps(payload, indent=1) + "\n")

@@ -22,7 +22,6 @@ import threading
 import time
 import urllib.request
 from collections.abc import Callable
-from pathlib import Path
 
 import common
 import grpc
@@ -37,13 +36,6 @@ from service.protocol.grpc_codec import encode_infer_request
 log = logging.getLogger("bench")
 SHAPE = (2, 512, 128)
 TOKENS = SHAPE[0] * SHAPE[1]
-
-
-def rss_mb(pid: int) -> float:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    return 0.0
 
 
 def metric(port: int, name: str, labels: dict[str, str] | None = None) -> float:
@@ -62,7 +54,7 @@ class Watch:
 
     def _run(self) -> None:
         while not self._stop.wait(0.05):
-            self.peak = max(self.peak, rss_mb(self.pid))
+            self.peak = max(self.peak, common.rss_mib(self.pid))
 
     def stop(self) -> float:
         self._stop.set()
@@ -124,7 +116,7 @@ def case(
     assert server.proc is not None, "the server is started first"
     pid = server.proc.pid
     time.sleep(1.0)
-    before, tokens = rss_mb(pid), metric(server.metrics_port, "mha_tokens_total")
+    before, tokens = common.rss_mib(pid), metric(server.metrics_port, "mha_tokens_total")
     latencies: list[float] = []
     errors: list[str] = []
     stop = threading.Event()
@@ -149,7 +141,7 @@ def case(
     return {
         "rss_before_mb": round(before, 1),
         "rss_peak_mb": round(watch.stop(), 1),
-        "rss_after_mb": round(rss_mb(pid), 1),
+        "rss_after_mb": round(common.rss_mib(pid), 1),
         "inflight_mb_while_held": round(held, 1),
         "refused_resource_exhausted": refused,
         "abusive_requests_computed": round(max(0.0, abusive_tokens) / TOKENS, 1),

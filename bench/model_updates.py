@@ -29,13 +29,6 @@ from service.proto import grpc_service_pb2_grpc as pb_grpc
 log = logging.getLogger("bench")
 
 
-def rss_mib(pid: int) -> float:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS"):
-            return round(int(line.split()[1]) / 1024, 1)
-    raise RuntimeError("no VmRSS")
-
-
 def main() -> None:
     parser = common.parser(__doc__)
     parser.add_argument("--updates", type=int, default=6)
@@ -62,7 +55,7 @@ def main() -> None:
                     client.infer(x)
                 time.sleep(1.5)
                 assert server.proc is not None
-                rows.append({"version": version, "rss_mib": rss_mib(server.proc.pid)})
+                rows.append({"version": version, "rss_mib": round(common.rss_mib(server.proc.pid), 1)})
                 log.info("version %d serving: RSS %.1f MiB", version, rows[-1]["rss_mib"])
     finally:
         server.terminate()
