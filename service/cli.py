@@ -288,7 +288,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         return 2
     if not settings.thread_spinning:  # read once, when PyTorch loads its OpenMP runtime: before the import
         os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-    from service.app.ports import StartupError, check_shared_ports
+    from service.app.preflight import StartupError, check_before_start, check_shared_ports
     from service.app.supervisor import Supervisor, gpu_devices, with_shared_ports, workers_to_start
     from service.settings import default_model_home, to_argv
 
@@ -304,12 +304,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
     except ValueError as exc:
         log.error("cannot start: %s", exc)
         return 2
-    if count > 1:
-        try:  # before the default model's export, which takes a while
+    try:  # before the default model's export or any load, which take a while
+        check_before_start(settings, os.environ)
+        if count > 1:
             check_shared_ports(settings)
-        except StartupError as exc:
-            log.error("cannot start: %s", exc)
-            return exc.exit_code
+    except StartupError as exc:
+        log.error("cannot start: %s", exc)
+        return exc.exit_code
+    if count > 1:
         settings = with_shared_ports(settings)
         argv = to_argv(replace(settings, workers="1"))
         default_model = single and settings.model_dir is None  # the first worker binds, exports, loads

@@ -64,11 +64,19 @@ class TraceSettings:
     model_version: str
 
 
-def wanted(settings: TraceSettings, environ: Mapping[str, str]) -> bool:
+def wanted(endpoint: str | None, environ: Mapping[str, str]) -> bool:
     """Is tracing on: an endpoint given, and the SDK not disabled by the environment."""
     if environ.get("OTEL_SDK_DISABLED", "").lower() == "true" or environ.get("OTEL_TRACES_EXPORTER") == "none":
         return False
-    return bool(settings.endpoint or any(environ.get(v) for v in ENDPOINT_VARIABLES))
+    return bool(endpoint or any(environ.get(v) for v in ENDPOINT_VARIABLES))
+
+
+def check_tracing(endpoint: str | None, environ: Mapping[str, str]) -> None:
+    """ValueError for what `Tracing.configure` refuses: a malformed sampler even while tracing is
+    off, so that turning it on later never meets a refusal first; a malformed endpoint while on."""
+    root_sampler(environ)
+    if wanted(endpoint, environ):
+        check_endpoints(endpoint, environ)
 
 
 def check_endpoints(endpoint: str | None, environ: Mapping[str, str]) -> None:
@@ -99,10 +107,9 @@ class Tracing:
     def configure(cls, settings: TraceSettings, environ: Mapping[str, str]) -> Tracing:
         """Tracing as the settings and OTEL_* ask; a malformed sampler is refused (ValueError) even
         while tracing is off, so that turning it on later never meets a refusal first."""
-        root = root_sampler(environ)
-        if not wanted(settings, environ):
+        check_tracing(settings.endpoint, environ)
+        if not wanted(settings.endpoint, environ):
             return cls()
-        check_endpoints(settings.endpoint, environ)
         from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
         from opentelemetry.sdk.resources import OTELResourceDetector, Resource
         from opentelemetry.sdk.trace import TracerProvider
@@ -119,7 +126,7 @@ class Tracing:
         # OTEL_RESOURCE_ATTRIBUTES and OTEL_SERVICE_NAME win over ours (Resource.create alone lets
         # the code's attributes win)
         resource = Resource.create(ours).merge(OTELResourceDetector().detect())
-        sampler = ClientTraceFirst(root)
+        sampler = ClientTraceFirst(root_sampler(environ))
         provider = TracerProvider(resource=resource, sampler=sampler)
         endpoint = settings.endpoint
         exporter = OTLPSpanExporter(endpoint=f"{endpoint.rstrip('/')}/v1/traces") if endpoint else OTLPSpanExporter()

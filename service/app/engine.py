@@ -11,14 +11,16 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import partial
+from pathlib import Path
 
+from service.app.model_config import read_policy
 from service.batching import Clock, MonotonicClock
 from service.budget import MIB, InflightBudget
 from service.decode.sequences import SequenceStore
 from service.engine.audit import Audit, AuditLimits, Auditor, Check, Gate, Sample, distrusted, mismatch_message
 from service.engine.door import Door, SequenceId, Verdict
 from service.engine.inflight import InFlight
-from service.engine.keeper import Compute, ComputeHook, VersionKeeper, merged_rows
+from service.engine.keeper import Compute, ComputeHook, ModelLoadError, VersionKeeper, merged_rows, single_source
 from service.engine.publishing import Publisher, ServingBackends
 from service.engine.readiness import DeviceHealth, Lifecycle
 from service.engine.served import ModelIdentity
@@ -234,3 +236,52 @@ def _inflight_limit(settings: Settings) -> int:
     the server's, whatever the number of its workers."""
     whole = settings.max_inflight_mb * MIB if settings.max_inflight_mb else memory_limit_bytes() / INFLIGHT_SHARE
     return max(1, int(whole) // settings.worker_peers)
+
+
+def serves_default_model(settings: Settings) -> bool:
+    """No --model-dir and no repository: the default model, in --default-model-dir."""
+    return settings.model_repository is None and settings.model_dir is None
+
+
+def export_default_model(settings: Settings) -> Path:
+    """The default model's directory, exported there first if it holds no complete export
+    (blocking: about 15 s on 2 CPUs). The app does this before the first load; the engine only
+    loads what exists."""
+    from export.pipeline import ensure_default_model
+
+    if settings.default_model_dir is None:
+        raise ModelLoadError("no model directory to serve: give --model-dir, or --default-model-dir")
+    try:
+        return ensure_default_model(settings.default_model_dir)
+    except OSError as exc:
+        raise ModelLoadError(
+            f"cannot export the default model into {settings.default_model_dir}: {exc.strerror or exc}; "
+            "give --default-model-dir (or MHA_DEFAULT_MODEL_DIR) a writable directory"
+        ) from exc
+
+
+async def load(engine: Engine, settings: Settings) -> None:
+    """The model's versions loaded, the default model exported first (off the event loop) when
+    it is the one served."""
+    if serves_default_model(settings):
+        await asyncio.to_thread(export_default_model, settings)
+    await engine.keeper.load_at_start()
+
+
+def model_source(settings: Settings) -> ModelSource:
+    """Where the settings say the model's versions are, each model's policy read from its config.pbtxt."""
+    return single_source(settings, read_policy)
+
+
+async def poll(keeper: VersionKeeper, stop: asyncio.Event) -> None:
+    """--model-control-mode poll: read the repository again every --repository-poll-secs, until
+    `stop` is set. A refused version is said once, and tried again once its files change."""
+    period, clock = keeper.settings.repository_poll_secs, keeper.compute.clock
+    while not stop.is_set():
+        await clock.wait(stop, clock.now() + period)
+        if stop.is_set():
+            return
+        try:
+            await keeper.sync(polled=True)
+        except Exception as exc:  # draining, or a fault: the next poll tries again
+            log.warning("polling the repository failed: %s", exc)

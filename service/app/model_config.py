@@ -1,26 +1,18 @@
-"""The model repository as the app reads it: each model's `config.pbtxt` (Triton's model
-configuration, protobuf text) for its `version_policy` and its dynamic batcher's priority levels
-and queue policies, and poll mode's loop."""
+"""Each model's `config.pbtxt` (Triton's model configuration, protobuf text) as the app reads it:
+its `version_policy` and its dynamic batcher's priority levels and queue policies. Light: the
+supervisor of `--workers` reads it before any worker starts."""
 
 from __future__ import annotations
 
-import asyncio
-import logging
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from google.protobuf import text_format
 
-from service.engine.keeper import ModelLoadError, VersionKeeper, single_source
-from service.engine.sources import ModelSource, VersionPolicy
+from service.engine.sources import VersionPolicy
 from service.proto import grpc_service_pb2 as pb
 from service.scheduling import QueuePolicy, SchedulePolicy
 from service.settings import Settings, schedule_policy
 
-if TYPE_CHECKING:
-    from service.app.engine import Engine
-
-log = logging.getLogger(__name__)
 CONFIG_FILE = "config.pbtxt"  # Triton's name for it; the other fields are Triton's business
 
 
@@ -79,52 +71,3 @@ def _queue_policy(policy: pb.ModelQueuePolicy) -> QueuePolicy:
         allow_timeout_override=policy.allow_timeout_override,
         max_queue_size=policy.max_queue_size,
     )
-
-
-def serves_default_model(settings: Settings) -> bool:
-    """No --model-dir and no repository: the default model, in --default-model-dir."""
-    return settings.model_repository is None and settings.model_dir is None
-
-
-def export_default_model(settings: Settings) -> Path:
-    """The default model's directory, exported there first if it holds no complete export
-    (blocking: about 15 s on 2 CPUs). The app does this before the first load; the engine only
-    loads what exists."""
-    from export.pipeline import ensure_default_model
-
-    if settings.default_model_dir is None:
-        raise ModelLoadError("no model directory to serve: give --model-dir, or --default-model-dir")
-    try:
-        return ensure_default_model(settings.default_model_dir)
-    except OSError as exc:
-        raise ModelLoadError(
-            f"cannot export the default model into {settings.default_model_dir}: {exc.strerror or exc}; "
-            "give --default-model-dir (or MHA_DEFAULT_MODEL_DIR) a writable directory"
-        ) from exc
-
-
-async def load(engine: Engine, settings: Settings) -> None:
-    """The model's versions loaded, the default model exported first (off the event loop) when
-    it is the one served."""
-    if serves_default_model(settings):
-        await asyncio.to_thread(export_default_model, settings)
-    await engine.keeper.load_at_start()
-
-
-def model_source(settings: Settings) -> ModelSource:
-    """Where the settings say the model's versions are, each model's policy read from its config.pbtxt."""
-    return single_source(settings, read_policy)
-
-
-async def poll(keeper: VersionKeeper, stop: asyncio.Event) -> None:
-    """--model-control-mode poll: read the repository again every --repository-poll-secs, until
-    `stop` is set. A refused version is said once, and tried again once its files change."""
-    period, clock = keeper.settings.repository_poll_secs, keeper.compute.clock
-    while not stop.is_set():
-        await clock.wait(stop, clock.now() + period)
-        if stop.is_set():
-            return
-        try:
-            await keeper.sync(polled=True)
-        except Exception as exc:  # draining, or a fault: the next poll tries again
-            log.warning("polling the repository failed: %s", exc)

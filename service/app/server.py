@@ -18,9 +18,8 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from prometheus_client import CollectorRegistry
 
-from service.app.engine import Engine, build_engine
-from service.app.model_config import load, model_source, poll, read_schedule
-from service.app.ports import StartupError, check_port, port_error
+from service.app.engine import Engine, build_engine, load, model_source, poll
+from service.app.preflight import StartupError, check_port, port_error, schedule, tls_files, token_files
 from service.app.supervisor import MULTIPROC_ENV, exemplars_file
 from service.batching import Clock
 from service.engine.keeper import ComputeHook
@@ -28,7 +27,7 @@ from service.engine.readiness import State
 from service.metrics import Metrics
 from service.proto import grpc_service_pb2 as pb
 from service.protocol.answer import Answering, Answers
-from service.protocol.auth import Access, BearerTokenInterceptor, TokenFiles
+from service.protocol.auth import Access, BearerTokenInterceptor
 from service.protocol.calls import Calls
 from service.protocol.grpc_servicer import InferenceServicer, generic_handler
 from service.protocol.handover import Handover
@@ -76,17 +75,6 @@ class Running:
     tasks: set[asyncio.Task[None]] = field(default_factory=set)  # keeps background tasks referenced
 
 
-def _tls_files(settings: Settings) -> TlsFiles | None:
-    """--tls-cert, --tls-key and --tls-client-ca, read the way a TLS server reads them, so that a bad
-    one is named with its reason (gRPC itself only says that it failed to bind)."""
-    if settings.tls_cert is None or settings.tls_key is None:
-        return None
-    try:
-        return TlsFiles(settings.tls_cert, settings.tls_key, settings.tls_client_ca)
-    except ValueError as exc:
-        raise StartupError(str(exc)) from exc
-
-
 async def start(
     settings: Settings,
     registry: CollectorRegistry | None = None,
@@ -105,15 +93,15 @@ async def start(
     metrics = Metrics(
         registry if registry is not None else CollectorRegistry(auto_describe=True), worker, _exemplars(worker)
     )
-    source, schedule = model_source(settings), read_schedule(settings)
+    source = model_source(settings)
     peers = _peers(settings)
     others_ready = None if peers is None else peers.all_listening  # ready once every worker is
     gone = None if peers is None else peers.release  # a sequence this worker keeps no longer: owned no longer
     tell = None if peers is None else Broadcast(peers).distrust  # a backend an audit found wrong, told to the others
     engine = build_engine(
-        settings, metrics, source, schedule, clock, _tracing(settings), compute_hook, others_ready, gone, tell
+        settings, metrics, source, schedule(settings), clock, _tracing(settings), compute_hook, others_ready, gone, tell
     )
-    tokens, tls = _token_files(settings), _tls_files(settings)  # read before a worker's long load
+    tokens, tls = token_files(settings), tls_files(settings)  # read before a worker's long load
     credentials = None if tls is None else tls.grpc_credentials()
     access = tokens.access
     if settings.reuse_port and not settings.worker_bind_first:
@@ -192,14 +180,6 @@ def _peers(settings: Settings) -> WorkerPeers | None:
     if settings.worker_peers <= 1 or settings.worker_socket_dir is None:
         return None
     return WorkerPeers(settings.worker_index, settings.worker_peers, settings.worker_socket_dir)
-
-
-def _token_files(settings: Settings) -> TokenFiles:
-    """--auth-token-file and --admin-token-file, read (a problem with either is a startup error)."""
-    try:
-        return TokenFiles(settings.auth_token_file, settings.admin_token_file)
-    except ValueError as exc:
-        raise StartupError(str(exc)) from exc
 
 
 def _grpc_server(

@@ -431,7 +431,7 @@ def check_request(request: Request, config: Any) -> None:
             "--concurrency points or --seconds"
         )
     if request.grpc_port:
-        from service.app.ports import StartupError, check_port
+        from service.app.preflight import StartupError, check_port
 
         try:
             check_port("127.0.0.1", request.grpc_port, "--grpc-port")

@@ -45,6 +45,13 @@ def _serve(model_dir: Path, *extra: str) -> list[str]:
     return ["serve", "--model-dir", str(model_dir), "--host", "127.0.0.1", "--log-format", "text", *extra]
 
 
+def _repository(tmp: Path, config: str) -> list[str]:
+    """`serve` of a repository whose model's config.pbtxt is `config` (no version: it is refused first)."""
+    (tmp / "repo" / "mha").mkdir(parents=True, exist_ok=True)
+    (tmp / "repo" / "mha" / "config.pbtxt").write_text(config)
+    return ["serve", "--model-repository", str(tmp / "repo"), "--host", "127.0.0.1", "--log-format", "text"]
+
+
 def _corrupt(directory: Path) -> Path:
     """A model directory whose weights are not safetensors: found only once the server loads it."""
     (directory / "weights.safetensors").write_bytes(b"not safetensors")
@@ -107,6 +114,24 @@ CASES = {  # name: (arguments given the fixtures, environment, exit code, what t
         {},
         2,
         "--tls-cert /nope/c.pem",
+    ),
+    "config-pbtxt-unreadable": (  # before this case: a traceback from the server's start
+        lambda f: [*_repository(f["tmp"], "this is { not pbtxt"), "--grpc-port", "0", "--metrics-port", "off"],
+        {},
+        2,
+        "config.pbtxt is not a model configuration Triton could read",
+    ),
+    "config-pbtxt-levels-disagree": (
+        lambda f: [
+            *_repository(f["tmp"], "dynamic_batching { priority_levels: 2 default_priority_level: 5 }"),
+            "--grpc-port",
+            "0",
+            "--metrics-port",
+            "off",
+        ],
+        {},
+        2,
+        "default_priority_level 5 is outside the levels 1..2",
     ),
     "grpc-port-out-of-range": (
         lambda f: _serve(f["model"], "--grpc-port", "70000"),
@@ -447,6 +472,8 @@ def test_misuse_gets_one_clear_line(
         "metrics-port-taken",
         "model-dir-corrupt",
         "tls-cert-missing",
+        "config-pbtxt-unreadable",
+        "config-pbtxt-levels-disagree",
         "trace-sampler-unknown",
         "connection-grace-without-age",
     ],

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from service.app.ports import StartupError, check_shared_ports
+from service.app.preflight import StartupError, check_shared_ports
 from service.app.supervisor import Silence, Supervisor, Worker, with_shared_ports
 from tests.support import free_ports, make_settings
 

@@ -1,14 +1,21 @@
-"""The ports a server will listen on, checked before anything heavy is loaded: a setting that
+"""What a server reads at start, checked before anything heavy is loaded: the ports it will listen
+on, its TLS and token files, its config.pbtxt's schedule and its tracing settings. A setting that
 cannot work fails the start in one line, at once, in the supervisor of `--workers` as in a lone
-server. Nothing here imports gRPC, ONNX Runtime or PyTorch.
+server. Nothing here imports ONNX Runtime, PyTorch or numpy.
 """
 
 from __future__ import annotations
 
 import errno
 import socket
+from collections.abc import Mapping
 
+from service.app.model_config import read_schedule
+from service.protocol.auth import TokenFiles
+from service.protocol.tls import TlsFiles
+from service.scheduling import SchedulePolicy
 from service.settings import Settings
+from service.tracing import check_tracing
 
 
 class StartupError(RuntimeError):
@@ -18,6 +25,45 @@ class StartupError(RuntimeError):
     def __init__(self, message: str, exit_code: int = 2) -> None:
         super().__init__(message)
         self.exit_code = exit_code
+
+
+def check_before_start(settings: Settings, environ: Mapping[str, str]) -> None:
+    """Raise StartupError (exit code 2) for a file or setting the server would refuse at start."""
+    tls_files(settings)
+    token_files(settings)
+    schedule(settings)
+    try:
+        check_tracing(settings.otlp_endpoint, environ)
+    except ValueError as exc:  # a malformed OTEL_TRACES_SAMPLER(_ARG), or OTLP endpoint
+        raise StartupError(str(exc), 2) from exc
+
+
+def tls_files(settings: Settings) -> TlsFiles | None:
+    """--tls-cert, --tls-key and --tls-client-ca, read the way a TLS server reads them, so that a bad
+    one is named with its reason (gRPC itself only says that it failed to bind)."""
+    if settings.tls_cert is None or settings.tls_key is None:
+        return None
+    try:
+        return TlsFiles(settings.tls_cert, settings.tls_key, settings.tls_client_ca)
+    except ValueError as exc:
+        raise StartupError(str(exc)) from exc
+
+
+def token_files(settings: Settings) -> TokenFiles:
+    """--auth-token-file and --admin-token-file, read (a problem with either is a startup error)."""
+    try:
+        return TokenFiles(settings.auth_token_file, settings.admin_token_file)
+    except ValueError as exc:
+        raise StartupError(str(exc)) from exc
+
+
+def schedule(settings: Settings) -> SchedulePolicy:
+    """The stateless model's schedule policy (its config.pbtxt's, else the flags'), or StartupError
+    naming the file that cannot be read or does not hold together."""
+    try:
+        return read_schedule(settings)
+    except ValueError as exc:
+        raise StartupError(str(exc)) from exc
 
 
 def check_port(host: str, port: int, flag: str) -> None:
