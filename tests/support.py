@@ -59,6 +59,13 @@ def http_raw(port: int, path: str, data: bytes | None = None) -> tuple[int, Any]
         return exc.code, json.loads(exc.read())
 
 
+def own_memory_bytes(pid: int) -> int:
+    """The process's resident memory of its own (anonymous pages: what each worker, or the
+    supervisor, adds to a pod's memory), as the kernel counts it."""
+    fields = dict(line.split(":", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines())
+    return int(fields["RssAnon"].split()[0]) * 1024
+
+
 def make_settings(model_dir: Path, **overrides: Any) -> Settings:
     base = Settings(
         model_dir=model_dir,

@@ -54,6 +54,7 @@ WORKER_START_S = 300.0  # never answered this long after its start (loading a mo
 WORKER_BASE_BYTES = 320 * MIB  # a worker's own memory, loaded and under load, its model aside
 MODEL_FILE_COPIES = 3  # and per byte of the model files it serves: ORT's sessions, PyTorch's weights, step graphs
 WORKERS_SHARE = 0.5  # of the memory limit, what `auto`'s workers may hold; the rest for requests and sequences
+SUPERVISOR_BYTES = 64 * MIB  # the supervisor's own memory (42 MiB measured), counted in that share
 
 
 @dataclass
@@ -419,17 +420,20 @@ def _folder_bytes(folder: Path) -> int:
 
 
 def workers_in_memory(setting: str, count: int, model_bytes: int, limit: int) -> int:
-    """The workers to start: `count`, or fewer for auto, so that the workers' own memory keeps to
-    WORKERS_SHARE of the memory limit `limit` (at least one worker). An explicit count whose
-    workers alone would not fit in `limit` is refused (ValueError): they would be killed for
-    memory, and restarted, over and over."""
+    """The workers to start: `count`, or fewer for auto, so that the workers' own memory and their
+    supervisor's keep to WORKERS_SHARE of the memory limit `limit` (at least one worker). An
+    explicit count whose workers and supervisor alone would not fit in `limit` is refused
+    (ValueError): they would be killed for memory, and restarted, over and over."""
     each = worker_bytes(model_bytes)
-    share = max(1, int(limit * WORKERS_SHARE // each))
+    share = max(1, int((limit * WORKERS_SHARE - SUPERVISOR_BYTES) // each))
     if setting != "auto":
-        if count * each > limit:
+        supervisor = SUPERVISOR_BYTES if count > 1 else 0  # one worker is the server itself
+        if count * each + supervisor > limit:
+            with_supervisor = f" and their supervisor's {supervisor / MIB:,.0f} MiB" if supervisor else ""
             raise ValueError(
                 f"--workers {count}: each worker holds about {each / MIB:,.0f} MiB once it serves the model "
-                f"({model_bytes / MIB:,.1f} MiB of model files), {count * each / 2**30:,.1f} GiB for {count}; "
+                f"({model_bytes / MIB:,.1f} MiB of model files), {count * each / 2**30:,.1f} GiB for {count}"
+                f"{with_supervisor}; "
                 f"this machine (or container) allows {limit / 2**30:,.1f} GiB. Give --workers auto ({share} "
                 "here: half the memory left to requests and sequences), or more memory"
             )

@@ -14,7 +14,7 @@ from service.app.supervisor import served_bytes, worker_bytes
 from service.client.loadgen import run_load
 from service.settings import Settings
 from tests.conftest import exported
-from tests.support import ServerProcess
+from tests.support import ServerProcess, own_memory_bytes
 
 WIDE = MHAConfig(d_model=1024, n_head=8, max_seq_len=64)  # 50 MB of model files: the per-byte part shows
 
@@ -22,12 +22,6 @@ WIDE = MHAConfig(d_model=1024, n_head=8, max_seq_len=64)  # 50 MB of model files
 @pytest.fixture(scope="module")
 def wide_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return exported(tmp_path_factory, "wide-model", WIDE, seed=1)
-
-
-def _own_bytes(pid: int) -> int:
-    """The process's resident memory of its own (anonymous pages: what each worker adds)."""
-    fields = dict(line.split(":", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines())
-    return int(fields["RssAnon"].split()[0]) * 1024
 
 
 @pytest.mark.parametrize("which", ["default", "wide"])
@@ -38,11 +32,11 @@ def test_a_workers_memory_is_within_its_estimate(
     server = ServerProcess(["--model-dir", str(model_dir)]).start(tmp_path / "server.log")
     try:
         assert server.proc is not None
-        loaded = _own_bytes(server.proc.pid)
+        loaded = own_memory_bytes(server.proc.pid)
         T = min(config.max_seq_len, 512)
         result = run_load(server.url, 4, 1.5, [T], batch=2, d_model=config.d_model)
         assert result.requests > 0 and not result.errors, result
-        used = max(loaded, _own_bytes(server.proc.pid))
+        used = max(loaded, own_memory_bytes(server.proc.pid))
     finally:
         server.kill()
     estimate = worker_bytes(served_bytes(Settings(model_dir=model_dir)))

@@ -25,13 +25,14 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from model.checkpoint import load_checkpoint
 from model.reference import attention_view, relative_error
+from service.app.supervisor import SUPERVISOR_BYTES
 from service.client.client import InferenceError, MHAClient
 from service.client.parity import verify_server
 from service.proto import grpc_service_pb2 as pb
 from service.proto import grpc_service_pb2_grpc as pb_grpc
 from service.protocol.grpc_codec import decode_infer_response, encode_infer_request, parameter_values
 from service.protocol.peers import FORWARDED_METHOD
-from tests.support import ServerProcess
+from tests.support import ServerProcess, own_memory_bytes
 
 STARTED = re.compile(r"worker (\d+) started \(pid (\d+), metrics 127\.0\.0\.1:(\d+)\)")
 
@@ -79,6 +80,8 @@ def test_two_workers_share_the_port_add_up_restart_and_drain(small_model_dir: Pa
         assert server.proc is not None
         heavy = _compute_libraries(server.proc.pid)
         assert not heavy, f"the supervisor loaded what only workers use: {heavy}"  # 340 MB of it before
+        own = own_memory_bytes(server.proc.pid)  # what the memory bound of --workers counts for it
+        assert own <= SUPERVISOR_BYTES, f"the supervisor holds {own / 2**20:.0f} MiB of its own"
         assert _compute_libraries(started[0][0]), "the check must see a worker's ONNX Runtime and PyTorch"
         x = np.ones((1, 3, 32), np.float32)
         for _ in range(40):  # a channel each: the kernel spreads connections over the workers

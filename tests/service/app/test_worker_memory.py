@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from service.app.supervisor import (
+    SUPERVISOR_BYTES,
     WORKERS_SHARE,
     served_bytes,
     worker_bytes,
@@ -28,13 +29,20 @@ def test_auto_on_a_node_of_many_cpus_keeps_the_workers_to_half_the_memory() -> N
     for memory over and over. It starts as many as hold half of the limit."""
     each = worker_bytes(0)
     count = workers_in_memory("auto", 96, 0, 4 * GIB)
-    assert count == int(4 * GIB * WORKERS_SHARE // each) and count * each <= 2 * GIB < (count + 1) * each
+    assert count * each + SUPERVISOR_BYTES <= 4 * GIB * WORKERS_SHARE < (count + 1) * each + SUPERVISOR_BYTES
     assert workers_in_memory("auto", 96, 10 * GIB, 4 * GIB) == 1  # a model too large for two: one still starts
 
 
 def test_an_explicit_count_is_kept_while_the_workers_fit() -> None:
     each = worker_bytes(50 * 2**20)
-    assert workers_in_memory("3", 3, 50 * 2**20, 3 * each) == 3  # beyond auto's half: the operator's choice
+    assert workers_in_memory("3", 3, 50 * 2**20, 3 * each + SUPERVISOR_BYTES) == 3  # beyond auto's half: allowed
+    assert workers_in_memory("1", 1, 50 * 2**20, each) == 1  # one worker is the server: no supervisor
+
+
+def test_an_explicit_count_that_fits_only_without_its_supervisor_is_refused() -> None:
+    each = worker_bytes(50 * 2**20)
+    with pytest.raises(ValueError, match=f"for 3 and their supervisor's {SUPERVISOR_BYTES // 2**20} MiB; "):
+        workers_in_memory("3", 3, 50 * 2**20, 3 * each + SUPERVISOR_BYTES - 1)
 
 
 @pytest.mark.parametrize("count", [1000, 14])
