@@ -202,6 +202,12 @@ class ManualClock:
             if until <= self.t:
                 timer.set()
 
+    async def advance_and_settle(self, seconds: float) -> None:
+        """`advance`, on the server's loop, then the waits it woke take their turns."""
+        self.advance(seconds)
+        for _ in range(10):
+            await asyncio.sleep(0)
+
 
 class ComputeGate:
     """A compute_hook (ServerThread(..., compute_hook=gate)): each compute of the `held` kinds

@@ -65,12 +65,21 @@ class Keeping(Protocol[Prepared]):
         """The versions changed."""
 
 
+@dataclass
+class Refused:
+    """What was refused, so that a refusal unchanged since is said (and counted) once, not at
+    every poll."""
+
+    versions: dict[str, Signature] = field(default_factory=dict)  # each version, as its files were then
+    folder: str | None = None  # why the model's folder could not say what to serve, while it cannot
+
+
 class VersionLoader(Generic[Prepared]):
     def __init__(self, source: ModelSource, versions: Versions, keeping: Keeping[Prepared]) -> None:
         self.source, self.versions, self._keeping = source, versions, keeping
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="load")
         self._lock = asyncio.Lock()
-        self._refused: dict[str, Signature] = {}  # versions refused, as their files were then
+        self._refused = Refused()
         self._tasks: set[asyncio.Task[None]] = set()
         self.policy = VersionPolicy()  # as the repository last stated it
 
@@ -80,9 +89,9 @@ class VersionLoader(Generic[Prepared]):
             report = LoadReport()
             try:
                 wanted, policy = self.source.wanted()
-            except (OSError, ValueError) as exc:
-                report.failed["*"] = str(exc)
-                return report
+            except (OSError, ValueError) as exc:  # the versions serving go on
+                return self._unusable(str(exc), report, retry_refused)
+            self._refused.folder = None
             self.policy = policy
             for version, directory in wanted.items():
                 await self._bring_in(version, directory, report, retry_refused)
@@ -90,6 +99,15 @@ class VersionLoader(Generic[Prepared]):
             log.debug("model %s: serving %s (%s)", self.source.name, [v.version for v in self.versions], policy)
             self._keeping.changed()
             return report
+
+    def _unusable(self, why: str, report: LoadReport, retry: bool) -> LoadReport:
+        """The model's folder cannot say what to serve: refused, said (and counted) once while it
+        stays so, unless asked again (a load call)."""
+        if retry or why != self._refused.folder:
+            log.error("model %s: its folder cannot be served as it is: %s", self.source.name, why)
+            report.failed["*"] = why
+        self._refused.folder = why
+        return report
 
     async def _bring_in(self, version: str, directory: Path | None, report: LoadReport, retry: bool) -> None:
         current = self.versions.get(version)
@@ -99,7 +117,7 @@ class VersionLoader(Generic[Prepared]):
                 log.info("model %s version %s serves again", self.source.name, version)
             return
         seen = signature(directory)
-        if not retry and self._refused.get(version) == seen:  # refused before, unchanged since: said once
+        if not retry and self._refused.versions.get(version) == seen:  # refused before, unchanged since: said once
             return
         try:
             loop = asyncio.get_running_loop()
@@ -107,11 +125,11 @@ class VersionLoader(Generic[Prepared]):
         except Exception as exc:  # a version that cannot be served: refused, the others go on
             if self.source.folder is None:  # one model directory: nothing else to serve, the caller says why
                 raise
-            self._refused[version] = seen
+            self._refused.versions[version] = seen
             report.failed[version] = str(exc)
             log.error("model %s version %s refused: %s", self.source.name, version, exc)
             return
-        self._refused.pop(version, None)
+        self._refused.versions.pop(version, None)
         self.versions.add(self._keeping.start(prepared))
         report.loaded.append(version)
         log.info("model %s version %s loaded from %s", self.source.name, version, directory or "the default model")

@@ -71,7 +71,7 @@ class ModelSource:
     def wanted(self) -> tuple[dict[str, Path | None], VersionPolicy]:
         """The versions the policy serves now ({version: directory}, lowest first), and the policy.
         Raises FileNotFoundError when the model has no folder, ValueError when its policy is
-        unreadable."""
+        unreadable or chooses none of its versions."""
         folder = self.folder
         if folder is None:
             return {self.version: self.directory}, VersionPolicy()
@@ -79,4 +79,10 @@ class ModelSource:
             raise FileNotFoundError(f"the repository {self.repository} has no folder {self.name}/")
         policy = self.read_policy(folder) if self.read_policy is not None else VersionPolicy()
         present = {n: path for path in folder.iterdir() if path.is_dir() and (n := version_number(path.name))}
-        return {str(v): present[v] for v in policy.choose(present)}, policy
+        if not (chosen := policy.choose(present)):  # Triton refuses it too: nothing would serve
+            there = f"versions {sorted(present)}" if present else "no version folder (1/, 2/, ...)"
+            raise ValueError(
+                f"{folder}/ holds {there}, and its version_policy serves {policy.describe()}: "
+                "at least one version must be available under the policy"
+            )
+        return {str(v): present[v] for v in chosen}, policy

@@ -34,7 +34,7 @@ from service.client.client import MHAClient
 from service.proto import grpc_service_pb2 as pb
 from service.proto import grpc_service_pb2_grpc as pb_grpc
 from service.protocol.grpc_codec import decode_infer_response, encode_infer_request
-from tests.support import ROOT, ServerProcess, ServerThread, http_json, make_settings
+from tests.support import ROOT, ManualClock, ServerProcess, ServerThread, http_json, make_settings
 
 SMALL = MHAConfig(d_model=32, n_head=4, max_seq_len=64)
 TRITON_PYTHON = ROOT / ".venv-triton" / "bin" / "python"
@@ -224,6 +224,40 @@ def test_poll_mode_follows_the_repository_and_skips_a_half_written_version(tmp_p
         _until(lambda: [v.version for v in server.engine.life.versions] == ["2"])
         assert _version_of_answer(server.url) == "2"
         assert _sample(server, "mha_model_info", **first) == 0  # unloaded: its memory went with it
+
+
+def test_a_policy_naming_no_version_there_is_refused_and_the_serving_one_goes_on(tmp_path: Path) -> None:
+    """A config.pbtxt whose version_policy chooses none of the versions present (a typo in a
+    version number): before, poll mode retired every version and served nothing, and a load call
+    answered OK doing the same. Now it is refused, said and counted once while it stays so,
+    version 1 serves on, and the load call says why."""
+    repo = tmp_path / "repo"
+    _export(repo, 1)
+    config = repo / "mha" / "config.pbtxt"
+    settings = replace(make_settings(tmp_path), model_dir=None, model_repository=repo, backend="torch")
+    polled = replace(settings, model_control_mode="poll", repository_poll_secs=1.0)
+    clock = ManualClock()  # the poller's: each advance past a period is one poll
+    with ServerThread(polled, clock=clock) as server:
+        assert _version_of_answer(server.url) == "1"
+        config.write_text("version_policy { specific { versions: [7] } }")
+        server.call(clock.advance_and_settle(1.1))
+        assert _sample(server, "mha_model_loads_total", result="refused") == 1
+        for _ in range(3):  # polled again: said and counted once, and version 1 serves on
+            server.call(clock.advance_and_settle(1.1))
+            assert _version_of_answer(server.url) == "1"
+        assert _sample(server, "mha_model_loads_total", result="refused") == 1
+    config.unlink()
+    explicit = replace(settings, model_control_mode="explicit", load_model="mha")
+    with ServerThread(explicit) as server, grpc.insecure_channel(server.url) as channel:
+        config.write_text("version_policy { specific { versions: [7] } }")
+        load = pb.RepositoryModelLoadRequest(model_name="mha")
+        with pytest.raises(grpc.RpcError) as refused:
+            pb_grpc.GRPCInferenceServiceStub(channel).RepositoryModelLoad(load, timeout=60)
+        assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        details = refused.value.details()
+        assert "holds versions [1], and its version_policy serves versions [7]" in details, details
+        assert "Serving on: versions ['1']" in details, details
+        assert _version_of_answer(server.url) == "1"
 
 
 def test_a_load_call_reaches_every_worker(tmp_path: Path) -> None:

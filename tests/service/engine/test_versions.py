@@ -94,3 +94,14 @@ def test_a_repository_names_its_versions(tmp_path: Path) -> None:
     assert wanted == {"2": tmp_path / "mha" / "2", "3": tmp_path / "mha" / "3"}
     with pytest.raises(FileNotFoundError, match="has no folder gpt/"):
         dataclasses.replace(source, name="gpt").wanted()
+
+
+def test_a_policy_that_chooses_no_version_there_is_refused_not_an_empty_model(tmp_path: Path) -> None:
+    """Served as it says, it would retire every version and serve nothing: Triton refuses it."""
+    (tmp_path / "mha" / "1").mkdir(parents=True)
+    source = ModelSource("mha", repository=tmp_path, read_policy=lambda _: VersionPolicy("specific", versions=(7,)))
+    with pytest.raises(ValueError, match=r"holds versions \[1\], and its version_policy serves versions \[7\]"):
+        source.wanted()
+    (tmp_path / "mha" / "1").rmdir()
+    with pytest.raises(ValueError, match=r"holds no version folder \(1/, 2/, ...\), and its version_policy serves the"):
+        dataclasses.replace(source, read_policy=lambda _: VersionPolicy()).wanted()

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import datetime
 import http.client
 import ipaddress
@@ -374,28 +373,22 @@ def test_the_files_are_looked_at_on_the_servers_clock(small_model_dir: Path, tmp
         metadata = pb.ServerMetadataRequest()
         assert _grpc_code(s.url, "ServerMetadata", metadata, USER) == grpc.StatusCode.OK
         (tmp_path / "token").write_text(f"{USER}\nrotated\n")
-        s.call(_advance(clock, 9.0))
+        s.call(clock.advance_and_settle(9.0))
         assert _grpc_code(s.url, "ServerMetadata", metadata, "rotated") == grpc.StatusCode.UNAUTHENTICATED
-        s.call(_advance(clock, 1.5))
+        s.call(clock.advance_and_settle(1.5))
         assert _grpc_code(s.url, "ServerMetadata", metadata, "rotated") == grpc.StatusCode.OK
         assert _refused(s, "tokens") == 0
         (tmp_path / "token").write_text("")  # a change that cannot be taken: what on-call is told of
-        s.call(_advance(clock, 10.5))
+        s.call(clock.advance_and_settle(10.5))
         assert _refused(s, "tokens") == 1
         assert _grpc_code(s.url, "ServerMetadata", metadata, "rotated") == grpc.StatusCode.OK  # kept
         (tmp_path / "token").write_text("rotated\n")
-        s.call(_advance(clock, 10.5))
+        s.call(clock.advance_and_settle(10.5))
         assert _refused(s, "tokens") == 0
 
 
 def _refused(server: ServerThread, files: str) -> float | None:
     return server.registry.get_sample_value("mha_watched_files_refused", {"files": files})
-
-
-async def _advance(clock: ManualClock, seconds: float) -> None:
-    clock.advance(seconds)
-    for _ in range(10):  # the looks the clock woke take their turns
-        await asyncio.sleep(0)
 
 
 def _served(files: dict[str, Path], pki: dict[str, Path], cert: str, key: str, client_ca: str) -> None:
@@ -444,9 +437,9 @@ def test_a_renewed_certificate_is_served_without_a_restart(
         assert _expires_in_days(s) == pytest.approx(1, abs=0.01)
         assert _https_status(s.http_port, pki, "client", "ca") == 200
         _served(files, pki, "next_crt", "next_key", "other_ca")
-        s.call(_advance(clock, 9.0))
+        s.call(clock.advance_and_settle(9.0))
         assert _grpc_tls_code(s.url, pki, "client", "ca") == grpc.StatusCode.OK  # not looked at yet
-        s.call(_advance(clock, 1.5))
+        s.call(clock.advance_and_settle(1.5))
         assert _grpc_tls_code(s.url, pki, "rogue", "other_ca") == grpc.StatusCode.OK  # the new CA's client
         assert _grpc_tls_code(s.url, pki, "client", "ca") == grpc.StatusCode.UNAVAILABLE
         assert _https_status(s.http_port, pki, "rogue", "other_ca") == 200
@@ -532,7 +525,7 @@ def test_tritons_clients_speak_tls_to_it_before_and_after_a_renewal(
     with ServerThread(settings, clock=clock) as s:
         for cert, key, ca in (("server_crt", "server_key", "ca"), ("next_crt", "next_key", "other_ca")):
             _served(files, pki, cert, key, ca)
-            s.call(_advance(clock, 10.5))
+            s.call(clock.advance_and_settle(10.5))
             out = tmp_path / f"{ca}.json"
             urls = [s.url, f"127.0.0.1:{s.http_port}"]
             args = [str(TRITON_PYTHON), script, *urls, str(pki[ca]), str(X.shape[2]), str(out)]
