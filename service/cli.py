@@ -754,9 +754,12 @@ def cmd_pod_cost(args: argparse.Namespace) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     from service.app.triton_flags import translated
+    from service.settings import LOG_LEVELS
 
     parser = build_parser(os.environ)
     args = parser.parse_args(translated(sys.argv[1:] if argv is None else argv, parser.error))
+    if args.log_level not in LOG_LEVELS:  # MHA_LOG_LEVEL's: argparse checks no default against the choices
+        parser.error(f"MHA_LOG_LEVEL {args.log_level[:40]!r}: expected one of {', '.join(LOG_LEVELS)}")
     logging.basicConfig(
         level=args.log_level.upper(),
         stream=sys.stderr,

@@ -133,6 +133,12 @@ CASES = {  # name: (arguments given the fixtures, environment, exit code, what t
         2,
         "default_priority_level 5 is outside the levels 1..2",
     ),
+    "log-level-variable-unknown": (  # before this case: a traceback from logging (argparse checked only the flag)
+        lambda f: _serve(f["model"], "--grpc-port", "0"),
+        {"MHA_LOG_LEVEL": "loud"},
+        2,
+        "MHA_LOG_LEVEL 'LOUD': expected one of DEBUG, INFO, WARNING, ERROR",
+    ),
     "grpc-port-out-of-range": (
         lambda f: _serve(f["model"], "--grpc-port", "70000"),
         {},
