@@ -290,6 +290,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     from service.app.preflight import StartupError, check_before_start, check_shared_ports
     from service.app.supervisor import Supervisor, gpu_devices, with_shared_ports, workers_to_start
+    from service.resources import memory_limit_bytes
     from service.settings import default_model_home, to_argv
 
     if (problem := model_dir_problem(settings.model_dir) or repository_problem(settings.model_repository)) is not None:
@@ -304,8 +305,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     except ValueError as exc:
         log.error("cannot start: %s", exc)
         return 2
-    try:  # before the default model's export or any load, which take a while
-        check_before_start(settings, os.environ)
+    try:  # before the default model's export or any load, which take a while; once: a worker's supervisor did
+        if settings.worker_peers <= 1:
+            check_before_start(settings, os.environ, memory_limit_bytes())
         if count > 1:
             check_shared_ports(settings)
     except StartupError as exc:

@@ -7,15 +7,19 @@ server. Nothing here imports ONNX Runtime, PyTorch or numpy.
 from __future__ import annotations
 
 import errno
+import logging
 import socket
 from collections.abc import Mapping
 
 from service.app.model_config import read_schedule
+from service.budget import MIB
 from service.protocol.auth import TokenFiles
 from service.protocol.tls import TlsFiles
 from service.scheduling import SchedulePolicy
 from service.settings import Settings
 from service.tracing import check_tracing
+
+log = logging.getLogger(__name__)
 
 
 class StartupError(RuntimeError):
@@ -27,8 +31,16 @@ class StartupError(RuntimeError):
         self.exit_code = exit_code
 
 
-def check_before_start(settings: Settings, environ: Mapping[str, str]) -> None:
-    """Raise StartupError (exit code 2) for a file or setting the server would refuse at start."""
+def check_before_start(settings: Settings, environ: Mapping[str, str], memory_limit: int) -> None:
+    """Raise StartupError (exit code 2) for a file or setting the server would refuse at start;
+    warn of a setting it takes that the machine (`memory_limit`, in bytes) cannot hold."""
+    if settings.max_inflight_mb * MIB > memory_limit:
+        log.warning(
+            "--max-inflight-mb %g is more than the memory limit (%.0f MiB): requests and answers in flight could "
+            "exhaust the memory before the budget refuses them; 0 (auto) takes a quarter of the limit",
+            settings.max_inflight_mb,
+            memory_limit / MIB,
+        )
     tls_files(settings)
     token_files(settings)
     schedule(settings)

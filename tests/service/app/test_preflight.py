@@ -13,6 +13,8 @@ import pytest
 from service.app.preflight import StartupError, check_before_start
 from tests.support import make_settings
 
+GIB = 2**30
+
 
 def _repository(tmp: Path, config: str) -> Path:
     (tmp / "repo" / "mha").mkdir(parents=True)
@@ -53,7 +55,7 @@ def test_what_the_server_would_refuse_is_refused_before_it_starts(
     given = overrides(tmp_path)
     settings = make_settings(None if "model_repository" in given else tmp_path / "model", **given)
     with pytest.raises(StartupError, match=says.replace(".", r"\.").replace("(", r"\(")) as refused:
-        check_before_start(settings, environ)
+        check_before_start(settings, environ, 4 * GIB)
     assert refused.value.exit_code == 2
 
 
@@ -62,7 +64,7 @@ def test_what_the_server_takes_passes(tmp_path: Path) -> None:
     good = _repository(tmp_path, "dynamic_batching { priority_levels: 2 default_priority_level: 1 }")
     settings = make_settings(None, model_repository=good, auth_token_file=tmp_path / "token")
     environ = {"OTEL_SDK_DISABLED": "true", "OTEL_EXPORTER_OTLP_ENDPOINT": "not checked while the SDK is off"}
-    check_before_start(settings, environ)
+    check_before_start(settings, environ, 4 * GIB)
 
 
 def test_the_checks_load_neither_onnx_runtime_nor_pytorch() -> None:
@@ -72,3 +74,15 @@ def test_the_checks_load_neither_onnx_runtime_nor_pytorch() -> None:
     code = "import sys, service.app.preflight; print(sorted({'torch', 'onnxruntime'} & set(sys.modules)))"
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
     assert run.stdout.strip() == "[]", run.stdout
+
+
+def test_a_budget_beyond_the_memory_limit_is_taken_with_a_warning(tmp_path: Path, caplog) -> None:
+    """The operator's choice, but the kernel would kill the server for memory before the budget
+    refused a request: said once, at start."""
+    check_before_start(make_settings(tmp_path, max_inflight_mb=3072), {}, 4 * GIB)
+    assert not caplog.records
+    check_before_start(make_settings(tmp_path, max_inflight_mb=5000), {}, 4 * GIB)
+    (warning,) = caplog.records
+    assert warning.levelname == "WARNING" and "--max-inflight-mb 5000 is more than the memory limit (4096 MiB)" in (
+        warning.getMessage()
+    )
