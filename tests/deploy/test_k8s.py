@@ -18,7 +18,7 @@ import yaml
 from prometheus_client import CollectorRegistry
 
 from service.app.server import HEALTH_SERVICES
-from service.app.supervisor import MergedMetrics
+from service.app.supervisor import MergedMetrics, served_bytes, workers_in_memory
 from service.metrics import Metrics
 from service.settings import Settings
 from tests.support import ROOT
@@ -88,6 +88,20 @@ def container(overlay: str, name: str = "mha-serve") -> dict[str, Any]:
     containers = by_kind(overlay, "Deployment")["spec"]["template"]["spec"]["containers"]
     assert containers[0]["name"] == "mha-serve"  # first: what `kubectl logs` and `exec` pick
     return next(c for c in containers if c["name"] == name)
+
+
+def _quantity(text: str) -> float:
+    """A Kubernetes quantity ("500m", "2", "4Gi") as a number: CPUs, or bytes."""
+    units = {"m": 1e-3, "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40}
+    unit = next((u for u in units if text.endswith(u)), "")
+    return float(text[: len(text) - len(unit)]) * units.get(unit, 1)
+
+
+def _environment(overlay: str) -> dict[str, str]:
+    """The server's environment as the overlay sets it: its ConfigMap, then the container's env."""
+    (config,) = [d for d in render(overlay) if d["kind"] == "ConfigMap" and base_name(d) == "mha-serve-config"]
+    values = {e["name"]: e["value"] for e in container(overlay).get("env", []) if "value" in e}
+    return {**config.get("data", {}), **values}
 
 
 CORE = ["ServiceAccount", "ConfigMap", "ConfigMap", "Deployment", "Service", "Service", "NetworkPolicy"]
@@ -281,6 +295,19 @@ def test_the_tls_overlay_serves_the_secret_a_renewal_reaches() -> None:
         (grpc_port,) = [p for p in by_kind(overlay, "Service", name)["spec"]["ports"] if p["name"] == "grpc"]
         assert "appProtocol" not in grpc_port, name
     assert [p for p in by_kind("cpu", "Service")["spec"]["ports"] if p.get("appProtocol") == "kubernetes.io/h2c"]
+
+
+@pytest.mark.parametrize("overlay", [o for o in OVERLAYS if not o.startswith("gpu")])
+def test_each_cpu_pods_memory_holds_a_worker_per_cpu_and_its_supervisor(overlay: str, default_model_dir: Path) -> None:
+    """`--workers auto` starts one worker per CPU the pod may use only where half of its memory
+    limit holds them and their supervisor (service/app/supervisor.py); else fewer, with a warning.
+    A manifest that lowered the memory, or raised the CPUs, alone would lose workers."""
+    limits = container(overlay)["resources"]["limits"]
+    cpus, memory = int(-(-_quantity(limits["cpu"]) // 1)), int(_quantity(limits["memory"]))
+    setting = _environment(overlay).get("MHA_WORKERS", "auto")
+    count = cpus if setting == "auto" else int(setting)
+    model = served_bytes(Settings(model_dir=default_model_dir))
+    assert workers_in_memory(setting, count, model, memory) == count, (overlay, limits, setting)
 
 
 def test_only_the_gpu_overlay_asks_for_gpus() -> None:
