@@ -1,7 +1,7 @@
 """What a server reads at start, checked before anything heavy is loaded: the ports it will listen
 on, its TLS and token files, its config.pbtxt's schedule and its tracing settings. A setting that
 cannot work fails the start in one line, at once, in the supervisor of `--workers` as in a lone
-server. Nothing here imports ONNX Runtime, PyTorch or numpy.
+server. Nothing here imports ONNX Runtime or PyTorch.
 """
 
 from __future__ import annotations

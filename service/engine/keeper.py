@@ -109,17 +109,17 @@ class VersionKeeper:
             except Exception:
                 self.life.fail()
                 raise
-            self.metrics.versions.counted(len(report.loaded), len(report.failed))
             if report.failed and not len(self.life.versions) and s.model_control_mode == "none":
-                self.life.fail()
+                self.life.fail()  # the start fails: its one line says why
                 raise ModelLoadError("; ".join(f"version {v}: {why}" for v, why in report.failed.items()))
+            report.tell(self.life.identity.name, self.metrics.versions.counted)
         self.life.set_state(State.READY)
 
     async def sync(self, polled: bool = False) -> LoadReport:
         """Load what the repository names now, retire what it no longer names (poll, load calls)."""
         self.life.check_ready()
         report = await self.loader.sync(retry_refused=not polled)
-        self.metrics.versions.counted(len(report.loaded), len(report.failed))
+        report.tell(self.life.identity.name, self.metrics.versions.counted)
         return report
 
     async def load_call(self, name: str) -> None:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import logging
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -39,6 +39,16 @@ class LoadReport:
             return None
         reasons = "; ".join(f"version {v}: {why}" for v, why in self.failed.items())
         return LoadRefused(f"model {model!r} refused {reasons}. Serving on: versions {serving}")
+
+    def tell(self, model: str, count: Callable[[int, int], None]) -> None:
+        """The loads and refusals counted (`count(loaded, refused)`), and each refusal said in an
+        ERROR line: the loader reports them, its callers tell them (a start that fails says why once)."""
+        count(len(self.loaded), len(self.failed))
+        for version, why in self.failed.items():
+            if version == "*":
+                log.error("model %s: its folder cannot be served as it is: %s", model, why)
+            else:
+                log.error("model %s version %s refused: %s", model, version, why)
 
 
 def signature(directory: Path | None) -> Signature:
@@ -104,7 +114,6 @@ class VersionLoader(Generic[Prepared]):
         """The model's folder cannot say what to serve: refused, said (and counted) once while it
         stays so, unless asked again (a load call)."""
         if retry or why != self._refused.folder:
-            log.error("model %s: its folder cannot be served as it is: %s", self.source.name, why)
             report.failed["*"] = why
         self._refused.folder = why
         return report
@@ -127,7 +136,6 @@ class VersionLoader(Generic[Prepared]):
                 raise
             self._refused.versions[version] = seen
             report.failed[version] = str(exc)
-            log.error("model %s version %s refused: %s", self.source.name, version, exc)
             return
         self._refused.versions.pop(version, None)
         self.versions.add(self._keeping.start(prepared))

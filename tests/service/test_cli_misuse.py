@@ -121,6 +121,12 @@ CASES = {  # name: (arguments given the fixtures, environment, exit code, what t
         2,
         "config.pbtxt is not a model configuration Triton could read",
     ),
+    "model-repository-without-versions": (  # before: the reason twice, the loader's line and the start's
+        lambda f: [*_repository(f["tmp"], ""), "--grpc-port", "0", "--metrics-port", "off"],
+        {},
+        1,
+        "holds no version folder (1/, 2/, ...), and its version_policy serves the latest 1 version",
+    ),
     "config-pbtxt-levels-disagree": (
         lambda f: [
             *_repository(f["tmp"], "dynamic_batching { priority_levels: 2 default_priority_level: 5 }"),
@@ -480,6 +486,7 @@ def test_misuse_gets_one_clear_line(
         "tls-cert-missing",
         "config-pbtxt-unreadable",
         "config-pbtxt-levels-disagree",
+        "model-repository-without-versions",
         "trace-sampler-unknown",
         "connection-grace-without-age",
     ],
