@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from numpy.typing import ArrayLike
 from prometheus_client.parser import text_string_to_metric_families
 
 from model.checkpoint import load_checkpoint
@@ -24,10 +25,10 @@ from tests.support import ROOT, ServerProcess, server_process
 TRITON_PYTHON = ROOT / ".venv-triton" / "bin" / "python"
 
 
-def _rel(model_dir: Path, x: list, y: list) -> float:
+def _rel(model_dir: Path, x: ArrayLike, y: ArrayLike) -> float:
     config, weights = load_checkpoint(model_dir / "weights.safetensors")
-    ref = attention_view(torch.tensor(x, dtype=torch.float32), weights, config)
-    return relative_error(torch.tensor(y, dtype=torch.float32), ref)
+    ref = attention_view(torch.as_tensor(np.asarray(x, np.float32)), weights, config)
+    return relative_error(torch.as_tensor(np.asarray(y, np.float32)), ref)
 
 
 def _triton_check(model_dir: Path, tmp_path: Path, protocol: str) -> dict:
@@ -100,7 +101,7 @@ def test_serve_without_model_dir_exports_the_default(tmp_path: Path) -> None:
         with MHAClient(server.url) as client:
             x = random_input((2, 9, 128))
             y = client.infer(x)
-        assert _rel(default_dir, x.tolist(), y.tolist()) < 1e-5
+        assert _rel(default_dir, x, y) < 1e-5
         assert "exporting it" in server.log()
 
 
@@ -115,7 +116,7 @@ def test_corrupt_onnx_serves_through_torch(default_model_dir: Path, tmp_path: Pa
             y = client.infer(x)
             config = client.model_config()
             metadata = client.model_metadata()
-        assert _rel(tmp_path, x.tolist(), y.tolist()) < 1e-5
+        assert _rel(tmp_path, x, y) < 1e-5
         assert config.parameters["backend"].string_value == "torch-cpu"
         assert "ort-cpu: unavailable (failed to load" in config.parameters["selection"].string_value
         assert metadata.platform == "onnxruntime_onnx"  # the model format, stable; the backend says torch
@@ -197,7 +198,7 @@ def test_sigterm_drains_in_flight_requests(default_model_dir: Path, tmp_path: Pa
     assert exited_after < grace
     assert len(results) == 12
     assert all(isinstance(r, tuple) for r in results), [r for r in results if not isinstance(r, tuple)]
-    assert all(_rel(default_model_dir, x.tolist(), y.tolist()) < 1e-5 for x, y in results)  # type: ignore[misc]
+    assert all(_rel(default_model_dir, x, y) < 1e-5 for x, y in results)  # type: ignore[misc]
     assert "draining" in server.log()
 
 
