@@ -71,12 +71,14 @@ def wanted(endpoint: str | None, environ: Mapping[str, str]) -> bool:
     return bool(endpoint or any(environ.get(v) for v in ENDPOINT_VARIABLES))
 
 
-def check_tracing(endpoint: str | None, environ: Mapping[str, str]) -> None:
-    """ValueError for what `Tracing.configure` refuses: a malformed sampler even while tracing is
-    off, so that turning it on later never meets a refusal first; a malformed endpoint while on."""
-    root_sampler(environ)
+def check_tracing(endpoint: str | None, environ: Mapping[str, str]) -> Any:
+    """The root sampler OTEL_TRACES_SAMPLER names, or ValueError for what `Tracing.configure`
+    refuses: a malformed sampler even while tracing is off, so that turning it on later never
+    meets a refusal first; a malformed endpoint while on."""
+    root = root_sampler(environ)
     if wanted(endpoint, environ):
         check_endpoints(endpoint, environ)
+    return root
 
 
 def check_endpoints(endpoint: str | None, environ: Mapping[str, str]) -> None:
@@ -107,7 +109,7 @@ class Tracing:
     def configure(cls, settings: TraceSettings, environ: Mapping[str, str]) -> Tracing:
         """Tracing as the settings and OTEL_* ask; a malformed sampler is refused (ValueError) even
         while tracing is off, so that turning it on later never meets a refusal first."""
-        check_tracing(settings.endpoint, environ)
+        root = check_tracing(settings.endpoint, environ)
         if not wanted(settings.endpoint, environ):
             return cls()
         from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
@@ -126,7 +128,7 @@ class Tracing:
         # OTEL_RESOURCE_ATTRIBUTES and OTEL_SERVICE_NAME win over ours (Resource.create alone lets
         # the code's attributes win)
         resource = Resource.create(ours).merge(OTELResourceDetector().detect())
-        sampler = ClientTraceFirst(root_sampler(environ))
+        sampler = ClientTraceFirst(root)
         provider = TracerProvider(resource=resource, sampler=sampler)
         endpoint = settings.endpoint
         exporter = OTLPSpanExporter(endpoint=f"{endpoint.rstrip('/')}/v1/traces") if endpoint else OTLPSpanExporter()

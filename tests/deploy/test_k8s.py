@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import re
 import shutil
 import subprocess
@@ -303,7 +304,7 @@ def test_each_cpu_pods_memory_holds_a_worker_per_cpu_and_its_supervisor(overlay:
     limit holds them and their supervisor (service/app/supervisor.py); else fewer, with a warning.
     A manifest that lowered the memory, or raised the CPUs, alone would lose workers."""
     limits = container(overlay)["resources"]["limits"]
-    cpus, memory = int(-(-_quantity(limits["cpu"]) // 1)), int(_quantity(limits["memory"]))
+    cpus, memory = math.ceil(_quantity(limits["cpu"])), int(_quantity(limits["memory"]))
     setting = _environment(overlay).get("MHA_WORKERS", "auto")
     count = cpus if setting == "auto" else int(setting)
     model = served_bytes(Settings(model_dir=default_model_dir))
