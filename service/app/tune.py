@@ -408,16 +408,10 @@ def checked_model(model_dir: Path) -> tuple[Any, list[str]]:
     return config, list(manifest.get("precisions", {"fp32": {}}))
 
 
-def check_request(request: Request, config: Any) -> None:
-    """Refuse, before anything starts, what cannot be measured."""
+def check_request(request: Request) -> None:
+    """Refuse, before the model is read or anything starts, what cannot be measured."""
     if not 0 < request.target_ms < math.inf:
         raise TuneError(f"--p99-ms {request.target_ms:g}: impossible; give a finite latency target in ms above 0")
-    for b, t, c in request.shapes:
-        if c != config.d_model or not 1 <= t <= config.max_seq_len or not 1 <= b <= MAX_ROWS:
-            raise TuneError(
-                f"--shape {b},{t},{c}: this model serves C = {config.d_model}, 1 <= T <= {config.max_seq_len} and "
-                f"1 <= B <= {MAX_ROWS}"
-            )
     finite = all(0 < value < math.inf for value in (request.seconds, request.budget_s))  # nan and inf parse
     if min(request.concurrency) < 1 or not finite or request.rounds < 3:
         raise TuneError("--concurrency, --seconds and --budget-s must be positive and finite, and --rounds at least 3")
@@ -439,6 +433,16 @@ def check_request(request: Request, config: Any) -> None:
             raise TuneError(str(exc)) from exc
 
 
+def check_shapes(shapes: Sequence[Shape], config: Any) -> None:
+    """Refuse a shape the model cannot serve."""
+    for b, t, c in shapes:
+        if c != config.d_model or not 1 <= t <= config.max_seq_len or not 1 <= b <= MAX_ROWS:
+            raise TuneError(
+                f"--shape {b},{t},{c}: this model serves C = {config.d_model}, 1 <= T <= {config.max_seq_len} and "
+                f"1 <= B <= {MAX_ROWS}"
+            )
+
+
 MAX_ROWS = 256  # mha serve's --max-request-rows default: the largest B one request may carry
 
 
@@ -454,8 +458,9 @@ def tune(request: Request, progress: Progress | None = None) -> int:
     from service.resources import available_cpus
     from service.settings import Settings
 
+    check_request(request)
     config, precisions = checked_model(request.model_dir)
-    check_request(request, config)
+    check_shapes(request.shapes, config)
     began = time.monotonic()
     tuner = Tuner(request, progress or progress_line())
     points_per_round = 2 * len(CONNECTIONS) * (request.seconds + 0.5)

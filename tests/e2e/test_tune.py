@@ -23,10 +23,19 @@ MHA = str(Path(sys.executable).parent / "mha")
 FAST = ["--concurrency", "1,2", "--seconds", "0.3", "--rounds", "3"]
 
 
-def _tune(model_dir: Path, out: Path, *args: str, budget_s: float = 30, timeout: float = 240) -> Any:
+def _command(model_dir: Path, out: Path, *args: str, budget_s: float = 30) -> list[str]:
     command = [MHA, "tune", "--model-dir", str(model_dir), "--shape", "1,16,32", "--out", str(out), *FAST]
-    command += ["--budget-s", str(budget_s), *args]
+    return [*command, "--budget-s", str(budget_s), *args]
+
+
+def _tune(model_dir: Path, out: Path, *args: str, budget_s: float = 30, timeout: float = 240) -> Any:
+    command = _command(model_dir, out, *args, budget_s=budget_s)
     return subprocess.run(command, capture_output=True, text=True, timeout=timeout)
+
+
+def _started_tune(model_dir: Path, out: Path, *args: str) -> subprocess.Popen[str]:
+    """`_tune`, started: the refusals run side by side."""
+    return subprocess.Popen(_command(model_dir, out, *args), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
 def _servers_of(model_dir: Path) -> list[str]:
@@ -110,8 +119,7 @@ def _until(condition: Any, within_s: float) -> bool:
 def test_a_tune_killed_outright_leaves_no_server_behind(small_model_dir: Path, tmp_path: Path) -> None:
     """SIGKILL (the OOM killer, kill -9, a CI job's timeout) gives tune no chance to stop its
     servers: before, each candidate's server went on holding its ports and memory."""
-    command = [MHA, "tune", "--model-dir", str(small_model_dir), "--shape", "1,16,32", "--out", str(tmp_path / "o")]
-    command += [*FAST, "--p99-ms", "2000", "--budget-s", "120"]
+    command = _command(small_model_dir, tmp_path / "o", "--p99-ms", "2000", budget_s=120)
     tune = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         assert _until(lambda: _servers_of(small_model_dir), 120), "no candidate server started"
@@ -153,10 +161,11 @@ def test_bad_input_exits_2_with_a_clear_message_and_starts_nothing(small_model_d
                 "--budget-s 10: measuring even the defaults takes at least 80 s",
             ),
         }
-        for case, (model_dir, args, said) in cases.items():
-            run = _tune(model_dir, tmp_path / "out", *args, timeout=60)
-            assert run.returncode == 2, f"{case}: {run.returncode} {run.stderr[-500:]}"
-            assert said in run.stderr, f"{case}: {run.stderr[-500:]}"
+        runs = {case: _started_tune(model_dir, tmp_path / "out", *args) for case, (model_dir, args, _) in cases.items()}
+        for case, run in runs.items():
+            _, stderr = run.communicate(timeout=60)
+            assert run.returncode == 2, f"{case}: {run.returncode} {stderr[-500:]}"
+            assert cases[case][2] in stderr, f"{case}: {stderr[-500:]}"
     assert not (tmp_path / "out" / "config.env").exists()
     assert _servers_of(small_model_dir) == []
 
