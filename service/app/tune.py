@@ -469,7 +469,10 @@ def tune(request: Request, progress: Progress | None = None) -> int:
         return began + request.budget_s - 2 * tuner.start_s - request.rounds * points_per_round
 
     logs = request.out / "logs"
-    logs.mkdir(parents=True, exist_ok=True)
+    try:
+        logs.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise TuneError(f"--out {request.out}: cannot write the results there ({exc.strerror})") from exc
     auto = workers_to_start(Settings(model_dir=request.model_dir))  # the defaults' count: not searched again
     dims = dimensions(available_cpus(), auto, backends_here(), precisions)
     searched = tuner.search(dims, deadline, logs)

@@ -146,6 +146,7 @@ def test_bad_input_exits_2_with_a_clear_message_and_starts_nothing(small_model_d
         held.bind(("127.0.0.1", 0))
         held.listen()
         port = str(held.getsockname()[1])
+        (a_file := tmp_path / "a-file").write_text("")
         cases = {
             "impossible target": (small_model_dir, ["--p99-ms", "0"], "impossible"),
             "no target at all": (small_model_dir, ["--p99-ms", "inf"], "impossible"),
@@ -155,6 +156,7 @@ def test_bad_input_exits_2_with_a_clear_message_and_starts_nothing(small_model_d
             "a port in use": (small_model_dir, ["--p99-ms", "5", "--grpc-port", port], "in use"),
             "a model that fails its checks": (_bad_dir(tmp_path, small_model_dir), ["--p99-ms", "5"], "fails its"),
             "no model": (tmp_path / "nowhere", ["--p99-ms", "5"], "no exported model"),
+            "an --out that is a file": (small_model_dir, ["--p99-ms", "5", "--out", str(a_file)], "cannot write"),
             "a budget the defaults alone overrun": (  # before: --budget-s 10 ran 80 s and more
                 small_model_dir,
                 ["--p99-ms", "5", "--seconds", "20", "--budget-s", "10"],
