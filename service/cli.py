@@ -144,7 +144,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
     from export.layout import ModelFiles
     from export.verify import verify_model_dir
-    from model.checkpoint import stored_config
+    from model.checkpoint import CheckpointError, stored_config
     from service.client.client import InferenceError
     from service.client.parity import verify_server
 
@@ -154,6 +154,8 @@ def cmd_verify(args: argparse.Namespace) -> int:
     if (args.model != "mha" or args.model_version) and not args.url:
         raise CliError("--model and --model-version name what a running server serves: give --url too", 2)
     written = _writable("--json", args.json)
+    if (problem := model_dir_problem(model_dir, flag="", serve=False)) is not None:
+        raise CliError(problem, 2)  # a wrong path is not a model that failed its check, nor a server that did
     report: RoutesReport | ParityReport
     if args.url:
         url = grpc_address(args.url)  # an http:// URL is the REST port, named as --http-url
@@ -164,9 +166,9 @@ def cmd_verify(args: argparse.Namespace) -> int:
             report = verify_server(url, model_dir, http=http, **served, **security)
         except InferenceError as exc:
             raise CliError(_with_port_hint(f"cannot verify the server at {url}: {exc}", url)) from exc
+        except CheckpointError as exc:  # the answers are checked against these weights: without them, nothing
+            raise CliError(f"{model_dir}: {exc}; give the model directory the server serves", 2) from exc
     else:
-        if (problem := model_dir_problem(model_dir, flag="", serve=False)) is not None:
-            raise CliError(problem, 2)  # a wrong path is not a model that failed its check
         if (config := stored_config(ModelFiles(model_dir).weights)) is not None:
             _check_export_fits(config)  # the grid at T = max_seq_len, on a machine smaller than the exporter's
         report = verify_model_dir(model_dir)

@@ -314,6 +314,18 @@ CASES = {  # name: (arguments given the fixtures, environment, exit code, what t
         2,
         "nope: no such directory; export one with `mha export --out",
     ),
+    "verify-url-no-such-directory": (  # before this case: a traceback, CheckpointError
+        lambda f: ["verify", str(f["tmp"] / "nope"), "--url", f["url"]],
+        {},
+        2,
+        "nope: no such directory; export one with `mha export --out",
+    ),
+    "verify-url-weights-corrupt": (  # before this case: a traceback, CheckpointError
+        lambda f: ["verify", str(_corrupt(f["tmp"])), "--url", f["url"]],
+        {},
+        2,
+        "give the model directory the server serves",
+    ),
     "verify-not-a-model-directory": (
         lambda f: ["verify", str(f["tmp"])],
         {},
