@@ -111,7 +111,7 @@ def stored_config(path: str | Path) -> MHAConfig | None:
 def _read_safetensors(path: str | Path) -> tuple[Weights, dict[str, str]]:
     path = Path(path)
     if not path.is_file():
-        raise CheckpointError(f"{path}: no such file")
+        raise CheckpointError(f"{path}: {'a directory, not a file' if path.is_dir() else 'no such file'}")
     try:
         with safe_open(str(path), framework="pt") as f:
             metadata = dict(f.metadata() or {})
@@ -236,10 +236,15 @@ def _ours(path: Path, n_head: int | None, max_seq_len: int | None) -> tuple[MHAC
 
 
 def _read_torch(path: Path) -> tuple[Weights, dict[str, int]]:
+    if not path.is_file():
+        raise CheckpointError(f"{path}: {'a directory, not a file' if path.is_dir() else 'no such file'}")
     try:
         obj = torch.load(str(path), map_location="cpu", weights_only=True)
     except Exception as exc:  # torch raises several types for bad or unsafe pickles
-        raise CheckpointError(f"{path}: cannot be read with weights_only=True: {exc}") from exc
+        said = str(exc).strip()[:300] or type(exc).__name__
+        raise CheckpointError(
+            f"{path}: not a PyTorch checkpoint that loads with weights_only=True ({type(exc).__name__}: {said})"
+        ) from exc
     args: dict[str, int] = {}
     if isinstance(obj, dict) and isinstance(obj.get("model"), dict):
         args = {k: v for k, v in dict(obj.get("model_args") or {}).items() if isinstance(v, int)}

@@ -38,16 +38,18 @@ def cmd_export(args: argparse.Namespace) -> int:
     from export.pipeline import ParityError, export_model_dir
     from model.checkpoint import CheckpointError
 
+    out = Path(args.out)
+    if out.exists() and not out.is_dir():
+        raise CliError(f"--out {out} is a file: name a directory for the model's files", 2)
+    if out.exists() and any(out.iterdir()) and not args.force:
+        raise CliError(
+            f"--out {out} exists and is not empty (a server may be serving it); pass --force to replace it", 2
+        )
     try:
         config, weights = _model_from_args(args)
     except (CheckpointError, ValueError) as exc:
         log.error("cannot build the model: %s", exc)
         return 2
-    out = Path(args.out)
-    if out.exists() and any(out.iterdir()) and not args.force:
-        raise CliError(
-            f"--out {out} exists and is not empty (a server may be serving it); pass --force to replace it", 2
-        )
     try:
         precisions = _precisions(args.precision)
         report = export_model_dir(

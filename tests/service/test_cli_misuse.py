@@ -399,6 +399,18 @@ CASES = {  # name: (arguments given the fixtures, environment, exit code, what t
         2,
         "no layer 'h.9.attn.' in this file",
     ),
+    "export-out-a-file": (  # before this case: "PATH: Not a directory", the flag unnamed
+        lambda f: ["export", "--out", str(f["model"] / "weights.safetensors")],
+        {},
+        2,
+        "weights.safetensors is a file: name a directory",
+    ),
+    "export-checkpoint-a-directory": (  # before this case: "no such file"
+        lambda f: ["export", "--out", str(f["tmp"] / "new"), "--checkpoint", str(f["tmp"])],
+        {},
+        2,
+        ": a directory, not a file",
+    ),
     "export-over-a-model": (lambda f: ["export", "--out", str(f["model"])], {}, 2, "pass --force"),
     "export-zero-width": (lambda f: ["export", "--out", str(f["tmp"] / "zero"), "--d-model", "0"], {}, 2, "d_model"),
     "export-longer-than-memory": (
