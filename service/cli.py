@@ -347,14 +347,18 @@ def cmd_infer(args: argparse.Namespace) -> int:
     if args.input:
         try:
             x = np.load(args.input)
-        except (OSError, ValueError) as exc:
-            raise CliError(f"--input {args.input}: {exc}; expected a .npy file holding a (B, T, C) array", 2) from exc
+        except (OSError, ValueError, EOFError) as exc:  # EOFError: an empty file
+            said = str(exc) or type(exc).__name__
+            raise CliError(f"--input {args.input}: {said}; expected a .npy file holding a (B, T, C) array", 2) from exc
         if x.dtype.kind not in REAL_KINDS:  # a complex array's cast would drop its imaginary parts
             raise CliError(f"--input {args.input} holds {x.dtype}; expected real numbers, a (B, T, C) array", 2)
+        _fits_one_message(x.shape, f"--input {args.input}")
         x = x.astype(np.float32)
     else:
         try:
-            x = random_input([int(v) for v in args.shape.split(",")], seed=args.seed)
+            shape = [int(v) for v in args.shape.split(",")]
+            _fits_one_message(shape, f"--shape {args.shape}")
+            x = random_input(shape, seed=args.seed)
         except (ValueError, MemoryError) as exc:  # not numbers, a negative one, or more than memory holds
             raise CliError(f"--shape {args.shape!r}: expected B,T,C such as 1,64,128 ({exc})", 2) from exc
     with MHAClient(url, model=args.model, **_client_security(args)) as client:
@@ -372,6 +376,21 @@ def cmd_infer(args: argparse.Namespace) -> int:
         np.save(output, y)
         sys.stdout.write(f"wrote the output to {output}\n")
     return 0
+
+
+def _fits_one_message(shape: Sequence[int], given: str) -> None:
+    """Refuse, before an array is built or sent, a request larger than the client's gRPC message
+    limit: B = 100,000,000 took a minute and 13 GB of memory to build, then could not be sent."""
+    import math
+
+    from service.client.client import MAX_MESSAGE_MB
+
+    if min(shape, default=0) > 0 and (size := math.prod(shape) * 4) > MAX_MESSAGE_MB * 2**20:
+        raise CliError(
+            f"{given}: {size / 2**20:,.0f} MiB of float32, over the {MAX_MESSAGE_MB} MiB one request may carry "
+            "(gRPC's message limit, the server's default --max-message-mb): send fewer rows",
+            2,
+        )
 
 
 GRPC_URL_HELP = "the server's gRPC HOST:PORT, not its HTTP port (default 127.0.0.1:8001)"

@@ -46,6 +46,9 @@ class StepAnswer:
     version: str = ""  # the model version that holds it (the one it began on)
 
 
+MAX_MESSAGE_MB = 64  # each way, as the server's default --max-message-mb
+
+
 class MHAClient:
     """Talks the Open Inference Protocol to an mha-serve (or any KServe v2) server."""
 
@@ -57,7 +60,7 @@ class MHAClient:
         token: str | None = None,
         root_certificates: bytes | None = None,
         client_cert: tuple[bytes, bytes] | None = None,  # (key, certificate) for mTLS
-        max_message_mb: int = 64,
+        max_message_mb: int = MAX_MESSAGE_MB,
         server_name: str | None = None,
         own_connection: bool = False,
         wait_for_ready: bool = False,

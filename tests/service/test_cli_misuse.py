@@ -52,6 +52,11 @@ def _repository(tmp: Path, config: str) -> list[str]:
     return ["serve", "--model-repository", str(tmp / "repo"), "--host", "127.0.0.1", "--log-format", "text"]
 
 
+def _zero_bytes(path: Path) -> Path:
+    path.write_bytes(b"")
+    return path
+
+
 def _corrupt(directory: Path) -> Path:
     """A model directory whose weights are not safetensors: found only once the server loads it."""
     (directory / "weights.safetensors").write_bytes(b"not safetensors")
@@ -271,6 +276,18 @@ CASES = {  # name: (arguments given the fixtures, environment, exit code, what t
         {},
         2,
         "holds complex64; expected real numbers",
+    ),
+    "infer-shape-over-one-message": (  # before this case: a minute and 13 GB building it, then killed or refused
+        lambda f: ["infer", "--url", f["url"], "--shape", "100000000,1,32"],
+        {},
+        2,
+        "12,207 MiB of float32, over the 64 MiB one request may carry",
+    ),
+    "infer-input-empty-file": (  # before this case: a traceback, EOFError
+        lambda f: ["infer", "--url", f["url"], "--input", str(_zero_bytes(f["tmp"] / "zero.npy"))],
+        {},
+        2,
+        "zero.npy: No data left in file; expected a .npy file",
     ),
     "infer-shape-negative": (
         lambda f: ["infer", "--url", f["url"], "--shape", "1,-1,128"],
