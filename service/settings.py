@@ -69,7 +69,9 @@ class NetworkSettings:
     stream_window: int = setting(
         32, "requests a gRPC stream may have read and not had written back; past it, it is not read", "requests", low=1
     )
-    max_message_mb: int = setting(64, "gRPC message size, each way, before RESOURCE_EXHAUSTED", "MiB", low=1)
+    max_message_mb: int = setting(  # gRPC counts a message's bytes in a 32-bit int
+        64, "gRPC message size, each way, before RESOURCE_EXHAUSTED", "MiB", low=1, high=2047
+    )
     grpc_max_connection_age_s: float = setting(0.0, "GOAWAY to a gRPC connection this old; 0: never", **GRPC_S)
     grpc_max_connection_age_grace_s: float = setting(0.0, "calls may last this long after GOAWAY; 0: no cap", **GRPC_S)
     grpc_client_ping_interval_s: float = setting(0.0, "least gap between a client's pings; 0: 5 min", **GRPC_S)

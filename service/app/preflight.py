@@ -41,6 +41,7 @@ def check_before_start(settings: Settings, environ: Mapping[str, str], memory_li
             settings.max_inflight_mb,
             memory_limit / MIB,
         )
+    threads(settings)
     tls_files(settings)
     token_files(settings)
     schedule(settings)
@@ -48,6 +49,20 @@ def check_before_start(settings: Settings, environ: Mapping[str, str], memory_li
         check_tracing(settings.otlp_endpoint, environ)
     except ValueError as exc:  # a malformed OTEL_TRACES_SAMPLER(_ARG), or OTLP endpoint
         raise StartupError(str(exc), 2) from exc
+
+
+THREADS_PER_CPU = 4  # the most intra-op threads per CPU this process may use that --threads takes
+
+
+def threads(settings: Settings) -> None:
+    """--threads beyond a few per CPU: the threads only take turns at the CPUs, and by the
+    thousand they exhaust the machine's (--threads 100000 left no process able to fork)."""
+    most = THREADS_PER_CPU * settings.cpus
+    if settings.threads > most:
+        raise StartupError(
+            f"--threads {settings.threads}: more intra-op threads than {THREADS_PER_CPU} per CPU this process may "
+            f"use ({settings.cpus}) only take turns at them; give at most {most}, or 0 for one per CPU"
+        )
 
 
 def tls_files(settings: Settings) -> TlsFiles | None:

@@ -166,6 +166,18 @@ CASES = {  # name: (arguments given the fixtures, environment, exit code, what t
     ),
     "padding-ratio-out-of-range": (lambda f: _serve(f["model"], "--max-padding-ratio", "2"), {}, 2, "must be <= 1"),
     "threads-negative": (lambda f: _serve(f["model"], "--threads", "-1"), {}, 2, "--threads must be >= 0"),
+    "threads-by-the-thousand": (  # before this case: every thread made, and no process on the machine could fork
+        lambda f: _serve(f["model"], "--threads", "100000"),
+        {},
+        2,
+        "--threads 100000: more intra-op threads than 4 per CPU this process may use",
+    ),
+    "message-size-past-grpcs-int": (  # before this case: a traceback from gRPC, OverflowError
+        lambda f: _serve(f["model"], "--max-message-mb", "100000"),
+        {},
+        2,
+        "--max-message-mb must be <= 2047",
+    ),
     "model-dir-missing": (lambda f: _serve(f["tmp"] / "none"), {}, 2, "no such directory; export one with"),
     "poll-without-repository": (
         lambda f: _serve(f["model"], "--model-control-mode", "poll"),
@@ -530,6 +542,7 @@ def test_misuse_gets_one_clear_line(
         "model-repository-without-versions",
         "trace-sampler-unknown",
         "connection-grace-without-age",
+        "threads-by-the-thousand",
     ],
 )
 def test_with_workers_a_failed_start_is_still_one_line(
