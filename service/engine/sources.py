@@ -78,7 +78,7 @@ class ModelSource:
         if not folder.is_dir():
             raise FileNotFoundError(f"the repository {self.repository} has no folder {self.name}/")
         policy = self.read_policy(folder) if self.read_policy is not None else VersionPolicy()
-        present = {n: path for path in folder.iterdir() if path.is_dir() and (n := version_number(path.name))}
+        present = _version_folders(folder)
         if not (chosen := policy.choose(present)):  # Triton refuses it too: nothing would serve
             there = f"versions {sorted(present)}" if present else "no version folder (1/, 2/, ...)"
             raise ValueError(
@@ -86,3 +86,17 @@ class ModelSource:
                 "at least one version must be available under the policy"
             )
         return {str(v): present[v] for v in chosen}, policy
+
+
+def _version_folders(folder: Path) -> dict[int, Path]:
+    """{version: its folder}; ValueError where two folders are one version (1/ and 01/): which of
+    them would serve would depend on the order the file system lists them in."""
+    present: dict[int, Path] = {}
+    for path in sorted(folder.iterdir()):
+        if path.is_dir() and (n := version_number(path.name)):
+            if n in present:
+                raise ValueError(
+                    f"{folder}/ holds {present[n].name}/ and {path.name}/, both version {n}: keep one of them"
+                )
+            present[n] = path
+    return present

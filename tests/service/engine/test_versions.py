@@ -94,6 +94,9 @@ def test_a_repository_names_its_versions(tmp_path: Path) -> None:
     assert wanted == {"2": tmp_path / "mha" / "2", "3": tmp_path / "mha" / "3"}
     with pytest.raises(FileNotFoundError, match="has no folder gpt/"):
         dataclasses.replace(source, name="gpt").wanted()
+    (tmp_path / "mha" / "03").mkdir()  # which of 3/ and 03/ served would be the file system's choice
+    with pytest.raises(ValueError, match=r"holds 03/ and 3/, both version 3: keep one of them"):
+        source.wanted()
 
 
 def test_a_policy_that_chooses_no_version_there_is_refused_not_an_empty_model(tmp_path: Path) -> None:
