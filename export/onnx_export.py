@@ -36,6 +36,9 @@ def export_onnx(
     example = torch.zeros(2, min(3, max(2, config.max_seq_len)), config.d_model)
     dynamic = {INPUT_NAME: {0: Dim("batch"), 1: Dim("seq")}}
     log.info("tracing %s graph with torch.onnx.export (dynamo, opset %d)", graph, opset)
+    # "torchvision is not installed. Skipping torchvision::nms", and such, at every export; set here,
+    # not at start: importing torch resets the levels of its loggers
+    logging.getLogger("torch.onnx").setLevel(logging.ERROR)
     with warnings.catch_warnings():  # the exporter's own deprecation chatter, not ours to act on
         warnings.simplefilter("ignore", FutureWarning)
         program = torch.onnx.export(

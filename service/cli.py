@@ -792,7 +792,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     for noisy in ("onnx_ir", "onnxscript"):  # the exporter's optimiser narrates every node at INFO
         logging.getLogger(noisy).setLevel(logging.WARNING)
-    logging.getLogger("torch.onnx").setLevel(logging.ERROR)
     try:
         return int(args.func(args))
     except CliError as exc:

@@ -69,7 +69,6 @@ def configure_logging(level: str, fmt: str) -> None:
     root.setLevel(level.upper())
     for noisy in ("onnx_ir", "onnxscript"):  # the exporter's optimiser narrates every node at INFO
         logging.getLogger(noisy).setLevel(logging.WARNING)
-    logging.getLogger("torch.onnx").setLevel(logging.ERROR)  # "torchvision is not installed" and such
 
 
 LogSetting = bool | int | str

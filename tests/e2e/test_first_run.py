@@ -42,8 +42,10 @@ def test_serve_outside_a_checkout_binds_first_then_exports_into_the_users_cache(
         server.start(tmp_path / "server.log", ready_timeout=300)
         asker.join(60)
         messages = _messages(server.log())
+        foreign = [line for line in server.log().splitlines() if line.strip() and not line.startswith("{")]
     finally:
         server.kill()
+    assert foreign == []  # every line a JSON record: before, torch's exporter wrote its own at every export
     home = cache / "mha-serve" / "models" / "default"
     listening = next(i for i, m in enumerate(messages) if m.startswith("listening"))
     exporting = next(i for i, m in enumerate(messages) if m.startswith(f"no default model in {home}: exporting"))
