@@ -79,7 +79,10 @@ def validate_weights(weights: Mapping[str, torch.Tensor], config: MHAConfig) -> 
 def save_checkpoint(path: str | Path, weights: Mapping[str, torch.Tensor], config: MHAConfig) -> None:
     validate_weights(weights, config)
     tensors = {k: v.detach().to(torch.float32).contiguous() for k, v in weights.items()}
-    save_file(tensors, str(path), metadata={CONFIG_KEY: config.to_json()})
+    try:
+        save_file(tensors, str(path), metadata={CONFIG_KEY: config.to_json()})
+    except SafetensorError as exc:  # its writer's I/O errors (a full disk) come as its own type
+        raise OSError(f"{path}: {exc}") from exc
 
 
 def load_checkpoint(path: str | Path) -> tuple[MHAConfig, Weights]:

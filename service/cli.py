@@ -57,6 +57,8 @@ def cmd_export(args: argparse.Namespace) -> int:
         )
     except ExportError as exc:
         raise CliError(f"cannot export: {exc}") from exc
+    except OSError as exc:  # the disk full, a quota, a read-only mount: said with where, and not a usage error
+        raise CliError(f"cannot write the model to {out}: {exc.strerror or exc}", 1) from exc
     except ParityError as exc:
         sys.stdout.write(exc.report.table() + "\n")
         log.error("refusing to write %s: the exported model fails parity", args.out)

@@ -618,3 +618,31 @@ def test_infer_and_verify_at_the_http_port_say_which_port_to_use(small_model_dir
     hint = "answers HTTP/1.1: is it the HTTP port? --url takes the gRPC port (default 8001)"
     for run in runs:
         assert run.returncode == 1 and hint in run.stderr, run.stderr
+
+
+@pytest.mark.parametrize("limit_kib", [8, 24])  # the weights (16 KiB) cannot be written; then the ONNX graph
+def test_an_export_the_disk_cannot_hold_says_where_and_leaves_the_model_before_it(
+    limit_kib: int, small_model_dir: Path, tmp_path: Path
+) -> None:
+    """A full disk (here: a file size limit, RLIMIT_FSIZE) met while writing: one line naming the
+    directory, exit 1 (the machine's refusal, not a usage error), and the model already there intact.
+    Before: a SafetensorError traceback, or ': No space left on device' with exit 2."""
+    import resource
+
+    out = tmp_path / "model"
+    out.mkdir()
+    for f in small_model_dir.iterdir():
+        (out / f.name).write_bytes(f.read_bytes())
+    before = {f.name: f.read_bytes() for f in out.iterdir()}
+
+    def small_files() -> None:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit_kib * 1024, limit_kib * 1024))
+
+    command = [sys.executable, "-m", "service.cli", "export", "--out", str(out), "--force"]
+    command += ["--d-model", "32", "--n-head", "4", "--max-seq-len", "64"]
+    run = subprocess.run(command, capture_output=True, text=True, timeout=120, preexec_fn=small_files)
+    assert run.returncode == 1, run.stderr[-2000:]
+    errors = [line for line in run.stderr.splitlines() if " ERROR " in line]
+    assert len(errors) == 1 and f"cannot write the model to {out}: " in errors[0], run.stderr[-2000:]
+    assert "Traceback" not in run.stderr
+    assert {f.name: f.read_bytes() for f in out.iterdir()} == before
