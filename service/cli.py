@@ -447,7 +447,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
     from service.client.loadgen import CONNECTIONS, run_load, server_cpu_seconds
 
-    levels, seqs = _int_list(args.concurrency, "--concurrency"), _int_list(args.seq_lens, "--seq-lens")
+    levels, seqs = _clients(args.concurrency), _int_list(args.seq_lens, "--seq-lens")
     _positive(args.seconds, "--seconds")
     if args.batch < 1:
         raise CliError(f"--batch {args.batch}: expected B >= 1 rows per request", 2)
@@ -524,6 +524,21 @@ def _int_list(text: str, flag: str) -> list[int]:
     if not values or min(values) < 1:
         raise CliError(f"{flag} {text!r}: expected positive integers", 2)
     return values
+
+
+MAX_CLIENTS = 1024  # each a thread of the load generator, and with a connection each, a file descriptor
+
+
+def _clients(text: str) -> list[int]:
+    """--concurrency: before, 100,000 clients started a thread each until the machine could start no more."""
+    levels = _int_list(text, "--concurrency")
+    if max(levels) > MAX_CLIENTS:
+        raise CliError(
+            f"--concurrency {text[:40]}: at most {MAX_CLIENTS} clients, each a thread of this process (and a "
+            "connection of its own); for more, run several processes",
+            2,
+        )
+    return levels
 
 
 def _served_width(url: str, security: dict[str, Any], args: argparse.Namespace, seqs: list[int]) -> int:
@@ -751,7 +766,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
     from service.app.tune import Request, TuneError, parse_shapes, tune
 
     try:
-        concurrency = _int_list(args.concurrency, "--concurrency")
+        concurrency = _clients(args.concurrency)
         shapes = parse_shapes(args.shape)
         request = Request(Path(args.model_dir), shapes, args.p99_ms, concurrency, args.seconds, args.budget_s)
         return tune(replace(request, rounds=args.rounds, out=Path(args.out), grpc_port=args.grpc_port))

@@ -266,6 +266,12 @@ CASES = {  # name: (arguments given the fixtures, environment, exit code, what t
         1,
         "DEADLINE_EXCEEDED: Deadline Exceeded; start one (`mha serve`), or give its --url",
     ),
+    "bench-clients-by-the-thousand": (  # before this case: a thread each until the machine could start no more
+        lambda f: ["bench", "--url", f["url"], "--concurrency", "1,100000"],
+        {},
+        2,
+        "--concurrency 1,100000: at most 1024 clients",
+    ),
     "bench-batch-zero": (lambda f: ["bench", "--url", f["url"], "--batch", "0"], {}, 2, "--batch 0: expected B >= 1"),
     "bench-batch-over-the-servers-rows": (  # before: minutes building a 3 GB request, then refused
         lambda f: ["bench", "--url", f["url"], "--batch", "100000"],
