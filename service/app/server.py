@@ -24,6 +24,7 @@ from service.app.supervisor import MULTIPROC_ENV, exemplars_file
 from service.batching import Clock
 from service.engine.keeper import ComputeHook
 from service.engine.readiness import State
+from service.logs import AcceptFailures
 from service.metrics import Metrics
 from service.proto import grpc_service_pb2 as pb
 from service.protocol.answer import Answering, Answers
@@ -430,9 +431,10 @@ async def serve(settings: Settings) -> int:
     """Run until SIGTERM or SIGINT; exit code 0 after a clean drain, 1 if the model cannot load."""
     if not freed_buffers_go_back():
         log.debug("no mallopt here: freed request buffers may stay with the process")
+    loop = asyncio.get_running_loop()
+    loop.set_exception_handler(AcceptFailures())
     running = await start(settings)
     stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     loader = asyncio.create_task(load_and_serve(running))

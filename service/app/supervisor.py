@@ -35,6 +35,7 @@ from prometheus_client.samples import Exemplar, Sample
 
 from service.app.launch import die_with_parent, free_ports, package_path, serve_command
 from service.budget import MIB
+from service.logs import AcceptFailures
 from service.metrics import LATENCY
 from service.protocol.metrics_http import MetricsServer
 from service.protocol.peers import socket_path
@@ -241,6 +242,7 @@ class Supervisor:
 
     async def run(self) -> int:
         loop = asyncio.get_running_loop()
+        loop.set_exception_handler(AcceptFailures())
         stop = asyncio.Event()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)

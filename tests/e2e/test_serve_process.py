@@ -230,3 +230,42 @@ def test_tritonclient_decodes_eight_sequences_step_by_step(default_model_dir: Pa
         assert sequence["after_end"]["status"] == "StatusCode.NOT_FOUND", sequence["after_end"]
         assert "ended (sequence_end)" in sequence["after_end"]["message"]
     assert checked == 8 * 16
+
+
+def test_out_of_file_descriptors_is_said_once_and_the_server_serves_after(
+    small_model_dir: Path, tmp_path: Path
+) -> None:
+    """A flood of idle connections past the open-file limit: asyncio logged every failed accept
+    with its traceback (31,000 records, 16 MB, in seconds); now one line says it, and once the
+    connections go the server answers as before."""
+    import resource
+    import socket
+
+    server = ServerProcess(["--model-dir", str(small_model_dir)])
+    server.start(tmp_path / "server.log")
+    held: list[socket.socket] = []
+    try:
+        assert server.proc is not None
+        resource.prlimit(server.proc.pid, resource.RLIMIT_NOFILE, (128, 128))
+        for _ in range(300):  # more than it may open; the rest wait in the kernel's listen queue
+            try:
+                held.append(socket.create_connection(("127.0.0.1", server.http_port), timeout=2))
+            except OSError:
+                break
+        deadline = time.monotonic() + 30
+        while "cannot accept connections" not in server.log() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        for s in held:
+            s.close()
+        with MHAClient(server.url) as client:
+            x = random_input([1, 4, 32])
+            assert client.infer(x, timeout=30).shape == (1, 4, 32)
+        with urllib.request.urlopen(f"http://127.0.0.1:{server.http_port}/v2/health/ready", timeout=30) as answer:
+            assert answer.status == 200
+    finally:
+        for s in held:
+            s.close()
+        server.kill()
+    said = [line for line in server.log().splitlines() if "accept" in line]
+    assert len(said) == 1 and "Too many open files" in said[0], said[:3]
+    assert "Traceback" not in server.log()
