@@ -1,5 +1,6 @@
 """A newcomer's first `mha serve`, outside a checkout: it binds at once (health NOT_SERVING while
-the default model is exported), keeps the model in the user's cache, and says where."""
+the default model is exported), keeps the model in the user's cache (or where --default-model-dir
+says), and says where."""
 
 from __future__ import annotations
 
@@ -61,33 +62,41 @@ def test_serve_outside_a_checkout_binds_first_then_exports_into_the_users_cache(
 
 def test_with_workers_the_first_binds_at_once_and_every_worker_serves(tmp_path: Path) -> None:
     """The default worker count's way (`make serve` on 2 CPUs): the first worker binds the ports
-    at once and answers NOT_SERVING while it exports the default model; the others start once it
-    has loaded, and the replica is ready only then: connections reach both."""
+    at once and answers NOT_SERVING while it exports the default model (here where
+    --default-model-dir says); the others start once it has loaded, and the replica is ready only
+    then: connections reach both, and the model it exported answers exactly."""
+    import numpy as np
+    import torch
+
+    from model.checkpoint import load_checkpoint
+    from model.reference import attention_view, relative_error
     from service.client.client import MHAClient
 
-    elsewhere, cache = tmp_path / "elsewhere", tmp_path / "cache"
+    elsewhere, home = tmp_path / "elsewhere", tmp_path / "models" / "default"
     elsewhere.mkdir()
-    env = {"XDG_CACHE_HOME": str(cache), "MHA_LOG_LEVEL": "DEBUG"}
-    server = ServerProcess(["--backend", "torch", "--workers", "2"], env=env, cwd=elsewhere)
+    args = ["--backend", "torch", "--workers", "2", "--default-model-dir", str(home)]
+    server = ServerProcess(args, env={"MHA_LOG_LEVEL": "DEBUG"}, cwd=elsewhere)
     seen: list[int] = []
     asker = _health_while_exporting(server, seen)
     try:
         server.start(tmp_path / "server.log", ready_timeout=300)
         asker.join(60)
-        import numpy as np
-
         x = np.ones((1, 2, 128), np.float32)
         workers = set()
         for i in range(1, 33):  # each on a connection of its own, which the kernel gives to either worker
             with MHAClient(server.url, own_connection=True) as client:
                 workers.add(client.step(i, x, offset=0, start=True).worker)
+        with MHAClient(server.url) as client:
+            x = np.random.default_rng(0).standard_normal((2, 9, 128), dtype=np.float32)
+            y = client.infer(x)
         messages = _messages(server.log())
     finally:
         server.kill()
     assert seen == [health_pb2.HealthCheckResponse.NOT_SERVING], messages[-20:]
     assert workers == {0, 1}
-    home = cache / "mha-serve" / "models" / "default"
-    assert (home / "manifest.json").is_file()
+    assert (home / "manifest.json").is_file() and list(elsewhere.iterdir()) == []
+    config, weights = load_checkpoint(home / "weights.safetensors")
+    assert relative_error(torch.from_numpy(y.copy()), attention_view(torch.from_numpy(x), weights, config)) < 1e-5
     exporting = [i for i, m in enumerate(messages) if m.startswith(f"no default model in {home}: exporting")]
     assert len(exporting) == 1, messages  # one export, by the first worker
     listening = next(i for i, m in enumerate(messages) if m.startswith("listening"))

@@ -94,17 +94,6 @@ def test_tritonclient_http_drives_the_rest_endpoint(default_model_dir: Path, tmp
     _check_shared_memory(seen["shm"], default_model_dir, "404")
 
 
-def test_serve_without_model_dir_exports_the_default(tmp_path: Path) -> None:
-    default_dir = tmp_path / "models" / "default"
-    with server_process(["--default-model-dir", str(default_dir)], tmp_path / "server.log", cwd=tmp_path) as server:
-        assert (default_dir / "model.onnx").is_file() and (default_dir / "manifest.json").is_file()
-        with MHAClient(server.url) as client:
-            x = random_input((2, 9, 128))
-            y = client.infer(x)
-        assert _rel(default_dir, x, y) < 1e-5
-        assert "exporting it" in server.log()
-
-
 def test_corrupt_onnx_serves_through_torch(default_model_dir: Path, tmp_path: Path) -> None:
     for name in ("weights.safetensors", "manifest.json"):
         shutil.copy(default_model_dir / name, tmp_path / name)
