@@ -271,12 +271,14 @@ def test_mha_verify_checks_the_hand_over_of_steps_between_workers(small_model_di
     server.start(tmp_path / "server.log")
     try:
         _until(lambda: _ready_workers(server) == 2)
-        handed = _ok(_samples(server.metrics_port), FORWARDED_METHOD)
+        before = _ok(_samples(server.metrics_port), FORWARDED_METHOD)
         report = verify_server(server.url, small_model_dir, shapes=[(1, 64), (2, 63), (1, 60), (1, 62)])
         assert report.ok and report.routes["gRPC steps, reconnecting"].ok, report.table()
-        handed = _ok(_samples(server.metrics_port), FORWARDED_METHOD) - handed
         # each T: its first half, then 8 steps (of 1, 2, 3, ... tokens), each a new connection to
-        # either worker: 32 that may land on the worker without the sequence (none do: 2 ** -32)
+        # either worker: 32 that may land on the worker without the sequence (none do: 2 ** -32).
+        # A worker writes its counts for the merge every 0.25 s: read until they are there.
+        _until(lambda: _ok(_samples(server.metrics_port), FORWARDED_METHOD) > before, timeout_s=10)
+        handed = _ok(_samples(server.metrics_port), FORWARDED_METHOD) - before
         assert 0 < handed <= 4 * 8, handed
     finally:
         server.kill()
