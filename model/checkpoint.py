@@ -111,10 +111,14 @@ def stored_config(path: str | Path) -> MHAConfig | None:
         return None
 
 
-def _read_safetensors(path: str | Path) -> tuple[Weights, dict[str, str]]:
-    path = Path(path)
+def _check_is_file(path: Path) -> None:
     if not path.is_file():
         raise CheckpointError(f"{path}: {'a directory, not a file' if path.is_dir() else 'no such file'}")
+
+
+def _read_safetensors(path: str | Path) -> tuple[Weights, dict[str, str]]:
+    path = Path(path)
+    _check_is_file(path)
     try:
         with safe_open(str(path), framework="pt") as f:
             metadata = dict(f.metadata() or {})
@@ -239,8 +243,7 @@ def _ours(path: Path, n_head: int | None, max_seq_len: int | None) -> tuple[MHAC
 
 
 def _read_torch(path: Path) -> tuple[Weights, dict[str, int]]:
-    if not path.is_file():
-        raise CheckpointError(f"{path}: {'a directory, not a file' if path.is_dir() else 'no such file'}")
+    _check_is_file(path)
     try:
         obj = torch.load(str(path), map_location="cpu", weights_only=True)
     except Exception as exc:  # torch raises several types for bad or unsafe pickles
