@@ -292,6 +292,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     except ValueError as exc:
         log.error("invalid settings: %s", exc)
         return 2
+    if settings.worker_peers > 1:  # several workers write one log: each line says whose it is
+        configure_logging(args.log_level, args.log_format, worker=settings.worker_index)
     if not settings.thread_spinning:  # read once, when PyTorch loads its OpenMP runtime: before the import
         os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     from service.app.preflight import StartupError, check_before_start, check_shared_ports

@@ -34,9 +34,19 @@ def new_request_id(client_id: str = "") -> str:
 
 
 class RequestIdFilter(logging.Filter):
+    """Each record's request id (of the call being served) and, among several workers, this
+    process's worker index: the lines of one call, on every worker it crossed, share the id."""
+
+    def __init__(self, worker: int | None = None) -> None:
+        super().__init__()
+        self.worker = worker
+        self.worker_tag = "" if worker is None else f" worker {worker}"
+
     def filter(self, record: logging.LogRecord) -> bool:
         record.request_id = request_id = request_id_var.get()
         record.request_tag = f" [{request_id}]" if request_id else ""  # text lines: nothing when there is none
+        record.worker = self.worker
+        record.worker_tag = self.worker_tag
         return True
 
 
@@ -48,6 +58,9 @@ class JsonFormatter(logging.Formatter):
             "logger": record.name,
             "msg": record.getMessage(),
         }
+        worker = getattr(record, "worker", None)
+        if worker is not None:
+            entry["worker"] = worker
         request_id = getattr(record, "request_id", "")
         if request_id:
             entry["request_id"] = request_id
@@ -59,16 +72,20 @@ class JsonFormatter(logging.Formatter):
         return json.dumps(entry)
 
 
-def configure_logging(level: str, fmt: str) -> None:
-    """`fmt` json, text, or auto: text for a person at a terminal, JSON for a log collector."""
+TEXT_FORMAT = "%(asctime)s %(levelname)s%(worker_tag)s %(name)s%(request_tag)s %(message)s"  # for a person
+
+
+def configure_logging(level: str, fmt: str, worker: int | None = None) -> None:
+    """`fmt` json, text, or auto: text for a person at a terminal, JSON for a log collector;
+    `worker`: this process's index where several workers share one log."""
     handler = logging.StreamHandler(sys.stderr)
-    handler.addFilter(RequestIdFilter())
+    handler.addFilter(RequestIdFilter(worker))
     if fmt == "auto":
         fmt = "text" if sys.stderr.isatty() else "json"
     if fmt == "json":
         handler.setFormatter(JsonFormatter())
     else:
-        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s%(request_tag)s %(message)s"))
+        handler.setFormatter(logging.Formatter(TEXT_FORMAT))
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level.upper())

@@ -36,6 +36,7 @@ from service.protocol.peers import (
     TRACE,
     UNLOAD,
     UNREGISTER,
+    Handed,
     answer_frame,
     read_request,
     verdict_of,
@@ -65,8 +66,7 @@ class Handover:
         self._connections.add(writer)
         try:
             while True:
-                kind, body, header, seconds = await read_request(reader)
-                writer.write(await self._answer(kind, body, header, seconds))
+                writer.write(await self._answer(await read_request(reader)))
                 await writer.drain()
         except (asyncio.IncompleteReadError, ConnectionError):
             pass  # the peer closed the connection (or gave up on a step): nothing to answer
@@ -76,15 +76,17 @@ class Handover:
             self._connections.discard(writer)
             writer.close()
 
-    async def _answer(self, kind: int, body: bytes, header: str | None, seconds: float | None) -> bytes:
-        async with self.calls.in_band(FORWARDED_METHOD, None, inference=kind == INFER) as call:
+    async def _answer(self, handed: Handed) -> bytes:
+        """The answer frame to `handed`, answered in a call of the id of the call that handed it over."""
+        kind = handed.kind
+        async with self.calls.in_band(FORWARDED_METHOD, None, handed.request_id, inference=kind == INFER) as call:
             if kind not in REQUESTS:
                 raise RuntimeError(f"a peer sent a frame of unknown kind {kind}")
             try:
-                request = REQUESTS[kind].FromString(body)
+                request = REQUESTS[kind].FromString(handed.body)
             except DecodeError as exc:
                 raise RuntimeError(f"a peer sent a frame that is not a {REQUESTS[kind].__name__}") from exc
-            response = await self._respond(kind, request, header, seconds, call)
+            response = await self._respond(kind, request, handed.header, handed.seconds, call)
             return answer_frame(grpc.StatusCode.OK, response.SerializeToString())
         return answer_frame(call.code, call.message.encode())
 

@@ -38,7 +38,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import grpc
 from google.protobuf.message import Message
@@ -46,6 +46,7 @@ from google.protobuf.struct_pb2 import Struct
 
 from service.engine.door import Verdict
 from service.errors import DeadlineExceeded, NotReady, Relayed
+from service.logs import request_id_var
 from service.proto import grpc_service_pb2 as pb
 from service.protocol.calls import HANDED_OVER
 from service.protocol.grpc_codec import request_to_proto, response_from_proto
@@ -57,7 +58,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 FORWARDED_METHOD = HANDED_OVER  # the metric label, on the receiving worker, of calls handed over by another
-REQUEST_HEAD = struct.Struct("!BIHd")  # kind, request bytes, header bytes, seconds left (< 0: no deadline)
+REQUEST_HEAD = struct.Struct("!BIHHd")  # kind, request, header and request id bytes, seconds left (< 0: none)
 INFER, REGISTER, UNREGISTER, STATUS, LOAD, UNLOAD, LOG, TRACE, STATS = range(9)  # ..., statistics
 CUDA_REGISTER, CUDA_UNREGISTER, CUDA_STATUS = range(9, 12)  # CUDA shared memory regions
 DISTRUST = 12  # an audit's verdict: a backend found computing wrongly on a device the workers share
@@ -108,12 +109,23 @@ def _named_owner(path: Path) -> int | None:
         return None
 
 
-async def read_request(reader: asyncio.StreamReader) -> tuple[int, bytes, str | None, float | None]:
-    """One handed-over request: (its kind, its bytes, its mha-sequence-id header, seconds left)."""
-    kind, size, header_size, seconds = REQUEST_HEAD.unpack(await reader.readexactly(REQUEST_HEAD.size))
-    rest = await reader.readexactly(header_size + size)  # the header, then the request
+class Handed(NamedTuple):
+    """One handed-over request, as read."""
+
+    kind: int
+    body: bytes  # the request, as gRPC's message
+    header: str | None  # its mha-sequence-id header
+    request_id: str  # the id of the call that handed it over: the lines both workers log share it
+    seconds: float | None  # left before its deadline
+
+
+async def read_request(reader: asyncio.StreamReader) -> Handed:
+    head = await reader.readexactly(REQUEST_HEAD.size)
+    kind, size, header_size, id_size, seconds = REQUEST_HEAD.unpack(head)
+    rest = await reader.readexactly(header_size + id_size + size)  # the header, the id, then the request
     header = rest[:header_size].decode() if header_size else None
-    return kind, rest[header_size:], header, seconds if seconds >= 0 else None
+    request_id = rest[header_size : header_size + id_size].decode(errors="replace")
+    return Handed(kind, rest[header_size + id_size :], header, request_id, seconds if seconds >= 0 else None)
 
 
 def answer_frame(code: grpc.StatusCode, body: bytes) -> bytes:
@@ -222,9 +234,9 @@ class WorkerPeers:
         """`worker`'s serialized answer to `request` (of `kind`); its error status raised as
         Relayed, and a worker that cannot be reached (restarting, draining) as NotReady: the
         client retries."""
-        body, head = request.SerializeToString(), (header or "").encode()
+        body, head, caller = request.SerializeToString(), (header or "").encode(), request_id_var.get().encode()
         seconds = -1.0 if timeout is None else timeout
-        frame = REQUEST_HEAD.pack(kind, len(body), len(head), seconds) + head + body
+        frame = REQUEST_HEAD.pack(kind, len(body), len(head), len(caller), seconds) + head + caller + body
         try:
             connection = await self._connection(worker)
         except OSError as exc:

@@ -255,12 +255,28 @@ def test_every_connection_reaches_a_sequences_state_with_two_workers(small_model
             assert info.value.code == 504, info.value.read()
         with MHAClient(server.url) as client:
             client.step("grpc-0", x, 32, end=True)
-        for _ in range(8):  # after its end, wherever a step lands, it is told what became of the sequence
+        for n in range(40):  # after its end, wherever a step lands, it is told what became of the sequence
             with MHAClient(server.url) as client, pytest.raises(InferenceError) as refused:
                 client.step("grpc-0", x, 33)
             assert refused.value.code == grpc.StatusCode.NOT_FOUND and "ended (sequence_end)" in str(refused.value)
+            if n >= 7 and _handed_over_lines(server.log()):
+                break  # one at least reached the other worker (each does by half a chance)
+        handed_lines = _handed_over_lines(server.log())
+        assert handed_lines and all(len(callers) == 1 for _, callers in handed_lines), handed_lines
     finally:
         server.kill()
+
+
+def _handed_over_lines(log_text: str) -> list[tuple[dict, list[dict]]]:
+    """Each log line of a handed-over call, with the lines of the call that handed it over: the
+    same request id, logged by the other worker. Every call's line says which worker wrote it."""
+    calls = [json.loads(line) for line in log_text.splitlines() if line.startswith("{") and '"method"' in line]
+    assert calls and all(call.get("worker") in (0, 1) for call in calls), calls[:3]
+    return [
+        (call, [c for c in calls if c["request_id"] == call["request_id"] and c["worker"] != call["worker"]])
+        for call in calls
+        if call["method"] == FORWARDED_METHOD
+    ]
 
 
 def test_mha_verify_checks_the_hand_over_of_steps_between_workers(small_model_dir: Path, tmp_path: Path) -> None:
