@@ -96,6 +96,17 @@ def check_endpoints(endpoint: str | None, environ: Mapping[str, str]) -> None:
             raise ValueError(f"{source} {value[:100]!r}: expected an OTLP/HTTP URL such as http://otel-collector:4318")
 
 
+def pass_trace_on(carrier: dict[str, str]) -> bool:
+    """For a call handed to another worker: write the trace context of the span current here into
+    `carrier`, where it is recorded (its part there then joins the trace). False where the call
+    was not sampled: the other worker records none of it either (a traceparent, even unsampled,
+    is a client's, which it would record)."""
+    context = trace.get_current_span().get_span_context()
+    if context.trace_flags.sampled:
+        PROPAGATOR.inject(carrier)
+    return context.trace_flags.sampled or not context.is_valid
+
+
 class Tracing:
     """The server's tracer; `Tracing()` is off."""
 

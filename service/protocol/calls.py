@@ -98,11 +98,13 @@ class Calls:
         client_id: str = "",
         inference: bool = False,
         headers: Mapping[str, str] | None = None,
+        carrier: Mapping[str, str] | None = None,
     ) -> InBandScope:
         """A call answered by other means than a gRPC status (HTTP, with its `headers`; a worker's
-        hand-over): the status stays on the Call."""
+        hand-over, with the trace `carrier` of the call that handed it over): the status stays on
+        the Call."""
         call = Call(method, new_request_id(client_id), inference, http=headers is not None)
-        return InBandScope(self, context, call, headers)
+        return InBandScope(self, context, call, headers if headers is not None else carrier)
 
     def stream(self, method: str, context: grpc.aio.ServicerContext) -> StreamScope:
         return StreamScope(self, context, Call(method, new_request_id(), inference=False))

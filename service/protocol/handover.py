@@ -77,9 +77,12 @@ class Handover:
             writer.close()
 
     async def _answer(self, handed: Handed) -> bytes:
-        """The answer frame to `handed`, answered in a call of the id of the call that handed it over."""
-        kind = handed.kind
-        async with self.calls.in_band(FORWARDED_METHOD, None, handed.request_id, inference=kind == INFER) as call:
+        """The answer frame to `handed`, answered in a call of the id, and in the trace, of the call
+        that handed it over."""
+        kind, caller = handed.kind, handed.request_id
+        scope = self.calls.in_band(FORWARDED_METHOD, None, caller, kind == INFER, carrier=handed.metadata)
+        scope.traced = handed.traced
+        async with scope as call:
             if kind not in REQUESTS:
                 raise RuntimeError(f"a peer sent a frame of unknown kind {kind}")
             try:

@@ -50,7 +50,8 @@ from service.logs import request_id_var
 from service.proto import grpc_service_pb2 as pb
 from service.protocol.calls import HANDED_OVER
 from service.protocol.grpc_codec import request_to_proto, response_from_proto
-from service.protocol.inference import InferRequest, InferResponse
+from service.protocol.inference import SEQUENCE_HEADER, InferRequest, InferResponse
+from service.tracing import pass_trace_on
 
 if TYPE_CHECKING:
     from service.engine.door import SequenceId
@@ -58,7 +59,9 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 FORWARDED_METHOD = HANDED_OVER  # the metric label, on the receiving worker, of calls handed over by another
-REQUEST_HEAD = struct.Struct("!BIHHd")  # kind, request, header and request id bytes, seconds left (< 0: none)
+REQUEST_HEAD = struct.Struct("!BIHd")  # kind, request bytes, metadata bytes, seconds left (< 0: no deadline)
+REQUEST_ID = "request-id"  # metadata: the id of the call that hands a request over
+UNTRACED = "untraced"  # metadata: the call that hands it over is not traced (not sampled)
 INFER, REGISTER, UNREGISTER, STATUS, LOAD, UNLOAD, LOG, TRACE, STATS = range(9)  # ..., statistics
 CUDA_REGISTER, CUDA_UNREGISTER, CUDA_STATUS = range(9, 12)  # CUDA shared memory regions
 DISTRUST = 12  # an audit's verdict: a backend found computing wrongly on a device the workers share
@@ -114,18 +117,40 @@ class Handed(NamedTuple):
 
     kind: int
     body: bytes  # the request, as gRPC's message
-    header: str | None  # its mha-sequence-id header
-    request_id: str  # the id of the call that handed it over: the lines both workers log share it
+    metadata: dict[str, str]  # its mha-sequence-id header; the id and the trace of the call that handed it over
     seconds: float | None  # left before its deadline
+
+    @property
+    def header(self) -> str | None:
+        return self.metadata.get(SEQUENCE_HEADER)
+
+    @property
+    def request_id(self) -> str:
+        """The id of the call that handed it over: the lines both workers log of it share it."""
+        return self.metadata.get(REQUEST_ID, "")
+
+    @property
+    def traced(self) -> bool:
+        """Whether it may be traced: the call that handed it over was, or tracing is off there."""
+        return UNTRACED not in self.metadata
 
 
 async def read_request(reader: asyncio.StreamReader) -> Handed:
-    head = await reader.readexactly(REQUEST_HEAD.size)
-    kind, size, header_size, id_size, seconds = REQUEST_HEAD.unpack(head)
-    rest = await reader.readexactly(header_size + id_size + size)  # the header, the id, then the request
-    header = rest[:header_size].decode() if header_size else None
-    request_id = rest[header_size : header_size + id_size].decode(errors="replace")
-    return Handed(kind, rest[header_size + id_size :], header, request_id, seconds if seconds >= 0 else None)
+    kind, size, metadata_size, seconds = REQUEST_HEAD.unpack(await reader.readexactly(REQUEST_HEAD.size))
+    rest = await reader.readexactly(metadata_size + size)  # the metadata, then the request
+    metadata = json.loads(rest[:metadata_size]) if metadata_size else {}
+    return Handed(kind, rest[metadata_size:], metadata, seconds if seconds >= 0 else None)
+
+
+def handed_metadata(header: str | None) -> bytes:
+    """What a hand-over carries beside the request: its mha-sequence-id header, and the id and
+    the trace context (W3C traceparent, where the call is traced) of the call handing it over."""
+    metadata = {REQUEST_ID: request_id_var.get()}
+    if header is not None:
+        metadata[SEQUENCE_HEADER] = header
+    if not pass_trace_on(metadata):
+        metadata[UNTRACED] = "1"
+    return json.dumps(metadata).encode()
 
 
 def answer_frame(code: grpc.StatusCode, body: bytes) -> bytes:
@@ -234,9 +259,9 @@ class WorkerPeers:
         """`worker`'s serialized answer to `request` (of `kind`); its error status raised as
         Relayed, and a worker that cannot be reached (restarting, draining) as NotReady: the
         client retries."""
-        body, head, caller = request.SerializeToString(), (header or "").encode(), request_id_var.get().encode()
+        body, metadata = request.SerializeToString(), handed_metadata(header)
         seconds = -1.0 if timeout is None else timeout
-        frame = REQUEST_HEAD.pack(kind, len(body), len(head), len(caller), seconds) + head + caller + body
+        frame = REQUEST_HEAD.pack(kind, len(body), len(metadata), seconds) + metadata + body
         try:
             connection = await self._connection(worker)
         except OSError as exc:

@@ -351,8 +351,9 @@ def test_a_sequence_lives_where_its_first_step_landed(small_model_dir: Path, tmp
 def test_latency_exemplars_reach_the_merged_metrics_of_several_workers(small_model_dir: Path, tmp_path: Path) -> None:
     """Tracing on, two workers: each traced call's trace id rides on its latency bucket of the
     supervisor's /metrics, as with one process (prometheus-client's multiprocess merge keeps none
-    of them itself), and each one names a trace the exporter delivered."""
-    from tests.otlp_receiver import OtlpReceiver
+    of them itself), and each one names a trace the exporter delivered. A step handed to the
+    worker that holds its sequence is traced there in its caller's trace."""
+    from tests.otlp_receiver import OtlpReceiver, ReceivedSpan
 
     with OtlpReceiver() as receiver:
         args = ["--model-dir", str(small_model_dir), "--backend", "torch", "--workers", "2"]
@@ -371,6 +372,25 @@ def test_latency_exemplars_reach_the_merged_metrics_of_several_workers(small_mod
 
             _until(seen, 30)
             _until(lambda: set(found.values()) <= {span.trace_id for span in receiver.named("ModelInfer")}, 30)
+            x = np.ones((1, 4, 32), np.float32)
+            with MHAClient(server.url) as client:
+                client.step("traced", x, offset=0, start=True)
+            for n in range(16):  # a connection each: some reach the worker without the sequence
+                with MHAClient(server.url) as client:
+                    client.step("traced", x[:, :1], offset=4 + n)
+            _until(lambda: bool(receiver.named(FORWARDED_METHOD)), 30)
+            handed = receiver.named(FORWARDED_METHOD)
+
+            def callers() -> dict[tuple[str, str], ReceivedSpan]:
+                return {(span.trace_id, span.span_id): span for span in receiver.named("ModelInfer")}
+
+            _until(lambda: all((s.trace_id, s.parent_span_id) in callers() for s in handed), 30)
+            for span in handed:  # each in its caller's trace, a child of the caller's call, under its id
+                caller = callers()[span.trace_id, span.parent_span_id]
+                assert caller.attributes["mha.request_id"] == span.attributes["mha.request_id"], (caller, span)
+                assert caller.resource["mha.worker"] != span.resource["mha.worker"], (caller, span)
+            below = {(span.trace_id, span.span_id) for span in handed}  # and the step computed there is its child
+            _until(lambda: any((s.trace_id, s.parent_span_id) in below for s in receiver.named("decode step")), 30)
         finally:
             server.kill()
     assert all(len(trace) == 32 for trace in found.values()), found

@@ -196,3 +196,25 @@ def test_an_endpoint_that_is_not_an_http_url_is_refused_at_start(
         return
     with pytest.raises(ValueError, match=re.escape(refused) + ".*expected an OTLP/HTTP URL such as"):
         check_endpoints(endpoint, environ)
+
+
+def test_a_hand_over_passes_on_the_trace_of_a_sampled_call_only() -> None:
+    """What a call handed to another worker carries of its trace: a sampled call's traceparent
+    (the other worker's part joins the trace); of a call not sampled, nothing, and the word that
+    it is not traced (a traceparent, even unsampled, is a client's: that worker would record it);
+    with no span current (tracing off), nothing, and it may be traced there as its own."""
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.sampling import ALWAYS_OFF, ALWAYS_ON
+
+    from service.tracing import pass_trace_on
+
+    for sampler, passed in ((ALWAYS_ON, True), (ALWAYS_OFF, False)):
+        tracer = TracerProvider(sampler=sampler).get_tracer("test")
+        with tracer.start_as_current_span("ModelInfer") as span:
+            carrier: dict[str, str] = {}
+            assert pass_trace_on(carrier) is passed
+            trace_id = f"{span.get_span_context().trace_id:032x}"
+        assert (carrier.get("traceparent", "").split("-")[1:2] == [trace_id]) is passed, carrier
+        assert passed or carrier == {}
+    carrier = {}
+    assert pass_trace_on(carrier) and carrier == {}
