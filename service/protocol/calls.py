@@ -59,6 +59,7 @@ class Call:
 
 
 HANDED_OVER = "HandedOver"  # the method, on the worker that computes it, of a request another worker handed over
+REQUEST_ID_HEADER = "x-request-id"  # gRPC metadata and HTTP header: a proxy's id of the call, taken as its own
 DEADLINE_SLACK_S = 0.1  # the client's deadline fires before ours by the request's transit time
 DEADLINE_RACE_S = 0.002  # a refusal this close to the call's deadline is left to gRPC's
 
@@ -86,10 +87,12 @@ class Calls:
     def unary(
         self, method: str, context: grpc.aio.ServicerContext, client_id: str = "", inference: bool = False
     ) -> UnaryScope:
-        return UnaryScope(self, context, Call(method, new_request_id(client_id), inference))
+        """`client_id`: the request's own id, where it has one and the client set it."""
+        return UnaryScope(self, context, Call(method, new_request_id(client_id or _forwarded_id(context)), inference))
 
     def stream_item(self, method: str, context: grpc.aio.ServicerContext, client_id: str) -> StreamItemScope:
-        return StreamItemScope(self, context, Call(method, new_request_id(client_id), inference=True))
+        call = Call(method, new_request_id(client_id or _forwarded_id(context)), inference=True)
+        return StreamItemScope(self, context, call)
 
     def in_band(
         self,
@@ -193,6 +196,14 @@ def _span_attributes(call: Call) -> dict[str, str]:
         "rpc.method": call.method,
         "mha.request_id": call.request_id,
     }
+
+
+def _forwarded_id(context: grpc.aio.ServicerContext) -> str:
+    """The call's `x-request-id` metadata (what Envoy, Istio and an nginx in front set), or ""."""
+    for key, value in context.invocation_metadata() or ():
+        if key == REQUEST_ID_HEADER:
+            return value if isinstance(value, str) else ""
+    return ""
 
 
 def _carrier(context: grpc.aio.ServicerContext | None) -> Mapping[str, str] | None:

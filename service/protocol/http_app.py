@@ -26,7 +26,7 @@ from service.errors import ClientGone, ClientTooSlow, InvalidInput, NotReady, To
 from service.protocol import model_calls, trace_calls
 from service.protocol.answer import Answering
 from service.protocol.auth import HTTP_HOW, Access
-from service.protocol.calls import Call, Calls
+from service.protocol.calls import REQUEST_ID_HEADER, Call, Calls
 from service.protocol.http_codec import (
     HEADER_LENGTH,
     is_int64,
@@ -199,7 +199,8 @@ class HttpApi:
         model the path names (an inference's is checked with the request, by Answers.infer)."""
 
         async def handle(request: web.Request) -> web.StreamResponse:
-            async with self.calls.in_band(method, None, inference=inference, headers=request.headers) as call:
+            forwarded = request.headers.get(REQUEST_ID_HEADER, "")
+            async with self.calls.in_band(method, None, forwarded, inference, headers=request.headers) as call:
                 request[CALL_KEY] = call  # the handler's call (an inference marks whether it was a step)
                 if not self._access.open:
                     self._access.check(method, request.headers.get("Authorization"), HTTP_HOW)

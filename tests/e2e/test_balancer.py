@@ -5,10 +5,13 @@ killed with SIGKILL costs its sequences one restart and nobody a wrong answer.""
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import signal
 import subprocess
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -19,7 +22,7 @@ import torch
 from model.checkpoint import load_checkpoint
 from model.reference import attention_view, relative_error
 from service.app.launch import Balancer, ServerProcess
-from service.client.client import ClientSequence, MHAClient
+from service.client.client import ClientSequence, InferenceError, MHAClient
 from service.client.loadgen import requests_answered
 from tests.support import ROOT
 
@@ -107,6 +110,26 @@ def _sequences(balancer: Balancer, model_dir: Path, prefix: str) -> list[Driven]
     config, weights = load_checkpoint(model_dir / "weights.safetensors")
     entries = ("mha_sequence", "mha")  # the sequence entry, and the stateless one that takes steps too
     return [Driven(balancer.url, f"{prefix}-{i}", weights, config, i, entries[i % 2]) for i in range(8)]
+
+
+def test_a_call_through_nginx_is_logged_under_nginxs_request_id(
+    replicas: list[ServerProcess], balancer: Balancer
+) -> None:
+    """deploy/nginx/mha-serve.conf passes nginx's $request_id on as X-Request-ID: the replica
+    that answers logs the call under it (32 hex digits, where a replica makes 16 of its own), so
+    nginx's access log and the server's log join on one id. A refused request is logged at INFO."""
+    with MHAClient(balancer.url) as client, pytest.raises(InferenceError):
+        client.infer(np.zeros((1, 2, C - 1), np.float32))
+
+    def refused_lines() -> list[dict]:
+        lines = [json.loads(line) for r in replicas for line in r.log().splitlines() if line.startswith("{")]
+        return [line for line in lines if line.get("code") == "INVALID_ARGUMENT"]
+
+    deadline = time.monotonic() + 10
+    while not refused_lines() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    (line,) = refused_lines()
+    assert re.fullmatch(r"[0-9a-f]{32}", line["request_id"]), line
 
 
 def test_eight_concurrent_sequences_stay_exact_with_a_new_channel_per_step(
