@@ -20,9 +20,10 @@ name as its own audit would; it also names the verdict in a third folder, so tha
 restarted later does too.
 
 The hand-over is one frame each way on a pooled stream connection, not a gRPC call: the request
-as gRPC's message, its mha-sequence-id header and its remaining time; the answer's
-status code and the serialized response (or the error message): cheaper than a gRPC call over
-the same socket (docs/benchmarks.md, bench/scaleout.py).
+as gRPC's message, its remaining time, and as metadata its mha-sequence-id header and the id and
+trace context of the call handing it over (its lines on both workers share the id, its spans the
+trace); the answer's status code and the serialized response (or the error message): cheaper
+than a gRPC call over the same socket (docs/benchmarks.md, bench/scaleout.py).
 """
 
 from __future__ import annotations
