@@ -368,12 +368,14 @@ def cmd_infer(args: argparse.Namespace) -> int:
     with MHAClient(url, model=args.model, **_client_security(args)) as client:
         start = time.perf_counter()
         try:
-            y, backend = client.infer_with_backend(x, timeout=args.timeout)
+            y, backend = client.infer_with_backend(x, timeout=args.timeout, request_id=args.id)
         except InferenceError as exc:
-            raise CliError(_with_port_hint(str(exc), url)) from exc
+            said = f" (request id {args.id[:64]!r})" if args.id else ""
+            raise CliError(_with_port_hint(str(exc), url) + said) from exc
         elapsed = time.perf_counter() - start
+    named = f" (request id {args.id[:64]!r})" if args.id else ""
     sys.stdout.write(
-        f"input {list(x.shape)} -> output {list(y.shape)} in {elapsed * 1e3:.2f} ms by {backend}; "
+        f"input {list(x.shape)} -> output {list(y.shape)} in {elapsed * 1e3:.2f} ms by {backend}{named}; "
         f"checksum sum={float(y.sum(dtype=np.float64)):.6f} mean|y|={float(np.abs(y).mean()):.6f}\n"
     )
     if output is not None:
@@ -715,6 +717,7 @@ def build_parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
     p.add_argument("--model", default="mha", help="model name (default mha)")
     p.add_argument("--seed", type=int, default=0, help="seed of the random input")
     p.add_argument("--timeout", type=float, default=60.0, help="seconds (default 60)")
+    p.add_argument("--id", default="", help="the request's id, which the server logs it under (default: one it makes)")
     _add_client_args(p)
     p.set_defaults(func=cmd_infer)
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import subprocess
 import sys
 import time
@@ -18,6 +19,7 @@ from model.checkpoint import load_checkpoint
 from model.reference import attention_view, relative_error
 from service.cli import main as mha
 from service.client.loadgen import CONNECTIONS, VARIANTS, input_pool
+from service.logs import RequestIdFilter
 from tests.support import ServerThread, make_settings
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -75,6 +77,28 @@ def test_infer_random_and_errors(server: ServerThread, capsys: pytest.CaptureFix
     assert "output [1, 4, 32]" in capsys.readouterr().out
     assert mha(["infer", "--url", server.url, "--shape", "1,4,31"]) == 1
     assert mha(["infer", "--url", server.url, "--shape", "one,4"]) == 2
+
+
+def test_infer_sends_the_id_the_server_logs_it_under(
+    server: ServerThread, capsys: pytest.CaptureFixture[str], caplog: pytest.LogCaptureFixture
+) -> None:
+    """`--id`: the call's line in the server's log carries it (a refused call is logged at INFO),
+    and `mha infer` says it, answered or refused, so that one finds the other."""
+    caplog.handler.addFilter(RequestIdFilter())
+    with caplog.at_level(logging.INFO, logger="service.protocol.calls"):
+        assert mha(["infer", "--url", server.url, "--shape", "1,4,32", "--id", "probe-7"]) == 0
+        assert "(request id 'probe-7')" in capsys.readouterr().out
+        assert mha(["infer", "--url", server.url, "--shape", "1,4,31", "--id", "probe-8"]) == 1
+        assert "(request id 'probe-8')" in caplog.text
+
+        def calls() -> list[logging.LogRecord]:
+            return [r for r in caplog.records if getattr(r, "method", "") == "ModelInfer"]
+
+        deadline = time.monotonic() + 10  # the call's line is written once its answer has gone
+        while not calls() and time.monotonic() < deadline:
+            time.sleep(0.01)
+    (line,) = calls()
+    assert line.request_id == "probe-8" and line.code == "INVALID_ARGUMENT"
 
 
 def test_bench_sweeps_concurrency_and_writes_json_and_csv(
