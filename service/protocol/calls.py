@@ -109,6 +109,13 @@ class Calls:
         call = Call(method, new_request_id(client_id), inference, http=headers is not None)
         return InBandScope(self, context, call, headers if headers is not None else carrier)
 
+    @staticmethod
+    def named(call: Call, client_id: str) -> None:
+        """`call` goes by the client's own id, read after its scope opened (an HTTP body's): the
+        lines logged from here on carry it, and so do its status and span."""
+        call.request_id = new_request_id(client_id)
+        request_id_var.set(call.request_id)  # in the call's task: its scope's exit restores what was before
+
     def stream(self, method: str, context: grpc.aio.ServicerContext) -> StreamScope:
         return StreamScope(self, context, Call(method, new_request_id(), inference=False))
 
@@ -184,7 +191,7 @@ class Calls:
             else {"rpc.grpc.status_code": call.code.value[0]}
         )
         fault = f"{call.code.name}: {call.message[:200]}" if call.code in SERVER_FAULTS else None
-        call.span.end({**status, "mha.code": call.code.name}, fault)
+        call.span.end({**status, "mha.code": call.code.name, "mha.request_id": call.request_id}, fault)
         call.span = None
 
 

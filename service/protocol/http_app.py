@@ -280,6 +280,8 @@ class HttpApi:
             raise InvalidInput(f"{HEADER_LENGTH} must be a byte count, got {header[:32]!r}")
         name, version = request.match_info["name"], request.match_info.get("version", "")
         inference, binary = request_from_json(content, int(header) if header else None, name, version)
+        if inference.id:  # the client's own id (Triton's field), which its lines carry, as over gRPC
+            self.calls.named(call, inference.id)
         header = one_header(SEQUENCE_HEADER, request.headers.getall(SEQUENCE_HEADER, []))
         answer = await self.answers.infer(inference, None, header, call)
         response = response_to_http(answer, binary)

@@ -54,8 +54,10 @@ def _grpc(server: ServerThread, client_id: str, metadata: tuple[tuple[str, str],
     assert refused.value.code() is grpc.StatusCode.INVALID_ARGUMENT
 
 
-def _http(server: ServerThread, headers: dict[str, str]) -> None:
-    body = {"inputs": [{"name": "x", "shape": list(BAD.shape), "datatype": "FP32", "data": BAD.ravel().tolist()}]}
+def _http(server: ServerThread, headers: dict[str, str], client_id: str = "") -> None:
+    body: dict = {"inputs": [{"name": "x", "shape": list(BAD.shape), "datatype": "FP32", "data": BAD.ravel().tolist()}]}
+    if client_id:
+        body["id"] = client_id
     request = urllib.request.Request(
         f"http://127.0.0.1:{server.http_port}/v2/models/mha/infer", json.dumps(body).encode(), headers, method="POST"
     )
@@ -84,7 +86,11 @@ def test_without_an_id_the_server_makes_one_per_call(server: ServerThread, caplo
     assert len(ids) == 2 and len(set(ids)) == 2 and all(len(i) == 16 for i in ids), ids
 
 
-def test_an_http_call_is_logged_under_its_proxys_id(server: ServerThread, caplog: pytest.LogCaptureFixture) -> None:
+def test_an_http_call_is_logged_under_its_clients_or_its_proxys_id(
+    server: ServerThread, caplog: pytest.LogCaptureFixture
+) -> None:
     assert _logged_ids(caplog, lambda: _http(server, {"X-Request-ID": "nginx-9c2e"})) == ["nginx-9c2e"]
+    assert _logged_ids(caplog, lambda: _http(server, {"X-Request-ID": "nginx-9c2e"}, "body-5")) == ["body-5"]
+    assert _logged_ids(caplog, lambda: _http(server, {}, "y" * 300)) == ["y" * 64]
     (made,) = _logged_ids(caplog, lambda: _http(server, {}))
     assert made != "nginx-9c2e" and len(made) == 16
