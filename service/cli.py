@@ -365,15 +365,14 @@ def cmd_infer(args: argparse.Namespace) -> int:
             x = random_input(shape, seed=args.seed)
         except (ValueError, MemoryError) as exc:  # not numbers, a negative one, or more than memory holds
             raise CliError(f"--shape {args.shape!r}: expected B,T,C such as 1,64,128 ({exc})", 2) from exc
+    named = f" (request id {args.id[:64]!r})" if args.id else ""  # to find the call in the server's log
     with MHAClient(url, model=args.model, **_client_security(args)) as client:
         start = time.perf_counter()
         try:
             y, backend = client.infer_with_backend(x, timeout=args.timeout, request_id=args.id)
         except InferenceError as exc:
-            said = f" (request id {args.id[:64]!r})" if args.id else ""
-            raise CliError(_with_port_hint(str(exc), url) + said) from exc
+            raise CliError(_with_port_hint(str(exc), url) + named) from exc
         elapsed = time.perf_counter() - start
-    named = f" (request id {args.id[:64]!r})" if args.id else ""
     sys.stdout.write(
         f"input {list(x.shape)} -> output {list(y.shape)} in {elapsed * 1e3:.2f} ms by {backend}{named}; "
         f"checksum sum={float(y.sum(dtype=np.float64)):.6f} mean|y|={float(np.abs(y).mean()):.6f}\n"

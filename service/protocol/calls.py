@@ -102,12 +102,15 @@ class Calls:
         inference: bool = False,
         headers: Mapping[str, str] | None = None,
         carrier: Mapping[str, str] | None = None,
+        traced: bool = True,
     ) -> InBandScope:
         """A call answered by other means than a gRPC status (HTTP, with its `headers`; a worker's
-        hand-over, with the trace `carrier` of the call that handed it over): the status stays on
-        the Call."""
+        hand-over, with the trace `carrier` of the call that handed it over, and not `traced`
+        where that call is not): the status stays on the Call."""
         call = Call(method, new_request_id(client_id), inference, http=headers is not None)
-        return InBandScope(self, context, call, headers if headers is not None else carrier)
+        scope = InBandScope(self, context, call, headers if headers is not None else carrier)
+        scope.traced = traced
+        return scope
 
     @staticmethod
     def named(call: Call, client_id: str) -> None:

@@ -79,10 +79,10 @@ class Handover:
     async def _answer(self, handed: Handed) -> bytes:
         """The answer frame to `handed`, answered in a call of the id, and in the trace, of the call
         that handed it over."""
-        kind, caller = handed.kind, handed.request_id
-        scope = self.calls.in_band(FORWARDED_METHOD, None, caller, kind == INFER, carrier=handed.metadata)
-        scope.traced = handed.traced
-        async with scope as call:
+        kind = handed.kind
+        async with self.calls.in_band(
+            FORWARDED_METHOD, None, handed.request_id, kind == INFER, carrier=handed.metadata, traced=handed.traced
+        ) as call:
             if kind not in REQUESTS:
                 raise RuntimeError(f"a peer sent a frame of unknown kind {kind}")
             try:

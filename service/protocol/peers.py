@@ -137,6 +137,7 @@ class Handed(NamedTuple):
 
 
 async def read_request(reader: asyncio.StreamReader) -> Handed:
+    """One handed-over request, read from a peer's connection."""
     kind, size, metadata_size, seconds = REQUEST_HEAD.unpack(await reader.readexactly(REQUEST_HEAD.size))
     rest = await reader.readexactly(metadata_size + size)  # the metadata, then the request
     metadata = json.loads(rest[:metadata_size]) if metadata_size else {}
