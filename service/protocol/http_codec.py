@@ -11,6 +11,7 @@ from collections import Counter
 from typing import Any, TypeGuard
 
 import numpy as np
+import orjson
 from aiohttp import web
 from google.protobuf import json_format
 from google.protobuf.descriptor import Descriptor, FieldDescriptor
@@ -237,9 +238,10 @@ def response_to_http(response: InferResponse, binary: bool) -> web.Response:
         placed = {SHM_REGION: target.region, SHM_SIZE: response.y.nbytes, SHM_OFFSET: target.offset}
         tensor["parameters"] = {**placed, "binary_data_size": 0}  # which Triton's C++ client reads
         return web.json_response(doc)
-    if not binary:
-        tensor["data"] = response.y.ravel().tolist()
-        return web.json_response(doc)
+    if not binary:  # each float32 widened, as json.dumps writes it (and Triton), in a tenth of the time
+        tensor["data"] = response.y.ravel().astype(np.float64)
+        body = orjson.dumps(doc, option=orjson.OPT_SERIALIZE_NUMPY)
+        return web.Response(body=body, content_type="application/json", charset="utf-8")
     raw = response.y.tobytes()
     tensor["parameters"] = {"binary_data_size": len(raw)}
     head = json.dumps(doc).encode()

@@ -173,6 +173,23 @@ def test_binary_data_both_ways(server: ServerThread, small_model_dir: Path) -> N
     assert code == 400 and says in json.loads(answer)["error"]  # sizes and data disagree: never half-read
 
 
+def test_a_json_answer_holds_exactly_the_binary_answers_values(server: ServerThread) -> None:
+    """The same request answered as JSON and with the binary extension: each JSON number is the
+    float32 of the binary answer widened to float64 (as json.dumps and Triton write it), so a
+    client that keeps float64 reads the same values whichever way it asked; and a float32 cast of
+    it is the float32 itself."""
+    x = np.random.default_rng(3).standard_normal((1, 7, 32), dtype=np.float32)
+    code, _, text = _call(server.http_port, "/v2/models/mha/infer", _infer_json(x))
+    assert code == 200
+    as_json = np.array(json.loads(text)["outputs"][0]["data"], dtype=np.float64)
+    code, headers, body = _call(
+        server.http_port, "/v2/models/mha/infer", _infer_json(x, parameters={"binary_data_output": True})
+    )
+    assert code == 200
+    y = np.frombuffer(body[int(headers["Inference-Header-Content-Length"]) :], np.float32)
+    assert np.array_equal(as_json, y.astype(np.float64)), "a JSON number other than the float32 answer"
+
+
 @pytest.mark.parametrize("length", ["²", "1" * 5000])
 def test_a_header_length_int_cannot_read_is_the_clients_mistake(server: ServerThread, length: str) -> None:
     """'²' is a digit to str.isdigit and not to int() (sent as UTF-8, as curl sends it); 5000
