@@ -133,6 +133,13 @@ class Settings(NetworkSettings):
         "any", "cuda: ready only while a CUDA backend serves (no silent CPU fallback)", choices=DEVICE_CHOICES
     )
     workers: str = setting("auto", "server processes sharing the ports; auto: one per GPU, else one per CPU")
+    worker_watchdog_s: float = setting(
+        30.0,
+        "a worker whose event loop answers nothing this long is taken for hung and replaced",
+        "s",
+        low=2,
+        high=3600,
+    )
     reuse_port: bool = setting(False, "share the ports with other processes (what each of --workers does)")
     replica_name: str = setting("", "this replica's name in step responses and messages; empty: the host name")
     worker_index: int = setting(0, "this process's index among --workers (set by the supervisor)", low=0)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
 import os
 import shutil
 import signal
@@ -50,7 +51,6 @@ MAX_RESTARTS = 5  # within RESTART_WINDOW_S: beyond it, the supervisor gives up 
 RESTART_WINDOW_S = 60.0
 WATCHDOG_PERIOD_S = 2.0  # how often each worker's own metrics port is asked whether it still answers
 STARTING_POLL_S = 0.1  # how often a worker not yet answering is asked
-WATCHDOG_MISSES = 3  # unanswered in a row (after it first answered): hung, killed, and so replaced
 WORKER_START_S = 300.0  # never answered this long after its start (loading a model on a GPU included): hung
 WORKER_BASE_BYTES = 320 * MIB  # a worker's own memory, loaded and under load, its model aside
 MODEL_FILE_COPIES = 3  # and per byte of the model files it serves: ORT's sessions, PyTorch's weights, step graphs
@@ -74,7 +74,7 @@ class Silence:
     `misses` unanswered asks in a row once it has answered, or when it has never answered
     `start_s` after its start (stuck before it could serve)."""
 
-    misses: int = WATCHDOG_MISSES
+    misses: int  # unanswered in a row (after it first answered): hung, killed, and so replaced
     start_s: float = WORKER_START_S
     _silent: int = 0
 
@@ -287,7 +287,8 @@ class Supervisor:
     async def _watchdog(self, worker: Worker) -> None:
         """Kill a worker that is alive but answers nothing (a hung event loop), so that _watch
         replaces it, as KServe's multiprocess server does with its children."""
-        silence = Silence()
+        window = self.settings.worker_watchdog_s  # a silent ask takes a period's wait and a period's timeout
+        silence = Silence(misses=max(1, math.ceil(window / (2 * WATCHDOG_PERIOD_S))))
         while True:
             await asyncio.sleep(WATCHDOG_PERIOD_S if worker.answered else STARTING_POLL_S)
             ok = await asyncio.to_thread(_answers, worker.metrics_port, WATCHDOG_PERIOD_S)
@@ -296,7 +297,7 @@ class Supervisor:
                 log.info("worker %d answers; the watchdog watches it from now", worker.index)
             if silence.hung(worker, ok, time.monotonic()) and process is not None and process.returncode is None:
                 how = (
-                    f"silent for {silence.misses * WATCHDOG_PERIOD_S:.0f} s"
+                    f"silent for {window:.0f} s (--worker-watchdog-s)"
                     if worker.answered
                     else f"never answered in the {silence.start_s:.0f} s since its start"
                 )

@@ -522,14 +522,21 @@ def test_shared_memory_regions_are_one_set_for_every_worker(small_model_dir: Pat
 
 def test_a_hung_worker_is_found_and_replaced(small_model_dir: Path, tmp_path: Path) -> None:
     """A worker alive but answering nothing (stopped with SIGSTOP, as a hung loop would be): the
-    supervisor's watchdog kills it after a few silent checks, and it is replaced."""
-    server = ServerProcess(["--model-dir", str(small_model_dir), "--backend", "torch", "--workers", "2"])
+    supervisor's watchdog kills it once it has been silent for --worker-watchdog-s, and it is
+    replaced. Silent for less (a loop busy for seconds with large JSON bodies), it is left be."""
+    args = ["--model-dir", str(small_model_dir), "--backend", "torch", "--workers", "2", "--worker-watchdog-s", "8"]
+    server = ServerProcess(args)
     server.start(tmp_path / "server.log")
     try:
         _until(lambda: server.log().count("the watchdog watches it from now") == 2)
         pid = int(STARTED.findall(server.log())[0][1])
+        os.kill(pid, signal.SIGSTOP)  # a few seconds: one ask missed at most
+        time.sleep(3)
+        os.kill(pid, signal.SIGCONT)
+        time.sleep(5)  # the asks after it answer
+        assert "silent for" not in server.log() and _alive(pid)
         os.kill(pid, signal.SIGSTOP)
-        _until(lambda: "silent for" in server.log(), timeout_s=60)
+        _until(lambda: "silent for 8 s (--worker-watchdog-s)" in server.log(), timeout_s=60)
         restarted = ("mha_worker_restarts_total", (("worker", "0"),))
         _until(lambda: _samples(server.metrics_port).get(restarted) == 1.0)
         _until(lambda: _ready_workers(server) == 2)
