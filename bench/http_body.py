@@ -4,11 +4,12 @@ revision, side by side in one run.
 One `mha serve --workers 1` per revision (this checkout, and the code at --base REV from a
 temporary worktree), both started at once, both on the backend --backend names. Each run visits
 them in turn (the order reversed every other run) and keeps the p50 of `--count` (1, 64, 128)
-requests sent with Triton's binary-data extension and of `--count` / 4 sent as JSON. Reported:
+requests (`--shape`, (1, 64, 128) by default) sent with Triton's binary-data extension and of
+`--count` / 4 sent as JSON. Reported:
 the medians over the runs of this checkout's p50 over the base's, and every run's ratio. Writes
 bench/results/http_body.json. Not a test.
 
-usage: python bench/http_body.py --base REV [--runs 10] [--count 400] [--model-dir models/default]
+usage: python bench/http_body.py --base REV [--runs 10] [--count 400] [--shape 1,64,128] [--model-dir DIR]
 """
 
 from __future__ import annotations
@@ -50,9 +51,9 @@ def stop(proc: subprocess.Popen[bytes]) -> None:
     proc.wait(60)
 
 
-def bodies() -> dict[str, tuple[bytes, dict[str, str]]]:
-    """The same (1, 64, 128) input as binary data and as JSON."""
-    x = np.random.default_rng(0).standard_normal((1, 64, 128), dtype=np.float32)
+def bodies(shape: tuple[int, ...]) -> dict[str, tuple[bytes, dict[str, str]]]:
+    """The same input of `shape` as binary data and as JSON."""
+    x = np.random.default_rng(0).standard_normal(shape, dtype=np.float32)
     tensor = {"name": "x", "shape": list(x.shape), "datatype": "FP32"}
     binary_out = [{"name": "y", "parameters": {"binary_data": True}}]
     head = json.dumps({"inputs": [{**tensor, "parameters": {"binary_data_size": x.nbytes}}], "outputs": binary_out})
@@ -96,8 +97,10 @@ def main() -> int:
     parser.add_argument("--count", type=int, default=400)
     parser.add_argument("--backend", default="ort-cpu")
     parser.add_argument("--model-dir", type=Path, default=Path("models/default"))
+    parser.add_argument("--shape", default="1,64,128", help="B,T,C of the request")
     args = parser.parse_args()
-    kinds = bodies()
+    shape = tuple(int(v) for v in args.shape.split(","))
+    kinds = bodies(shape)
     ratios: dict[str, list[float]] = {kind: [] for kind in kinds}
     with contextlib.ExitStack() as stack:
         trees = {"this": ROOT, "base": stack.enter_context(checkout(args.base))}
@@ -116,6 +119,7 @@ def main() -> int:
     summary = {
         "base": args.base,
         "backend": args.backend,
+        "shape": list(shape),
         "this_over_base_p50": {k: round(statistics.median(v), 3) for k, v in ratios.items()},
         "runs": {k: [round(r, 3) for r in v] for k, v in ratios.items()},
     }
