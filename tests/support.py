@@ -59,6 +59,15 @@ def http_raw(port: int, path: str, data: bytes | None = None) -> tuple[int, Any]
         return exc.code, json.loads(exc.read())
 
 
+def until(predicate: Callable[[], bool], timeout_s: float = 30.0, every_s: float = 0.01, what: str = "") -> None:
+    """Wait, polling every `every_s`, until `predicate()` holds; fail the test after `timeout_s`
+    (what another process or thread does in its own time: a log line written, a count merged)."""
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out waiting until {what}" if what else "timed out"
+        time.sleep(every_s)
+
+
 def own_memory_bytes(pid: int) -> int:
     """The process's resident memory of its own (anonymous pages: what each worker, or the
     supervisor, adds to a pod's memory), as the kernel counts it."""

@@ -11,7 +11,6 @@ import re
 import signal
 import subprocess
 import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -24,7 +23,7 @@ from model.reference import attention_view, relative_error
 from service.app.launch import Balancer, ServerProcess
 from service.client.client import ClientSequence, InferenceError, MHAClient
 from service.client.loadgen import requests_answered
-from tests.support import ROOT
+from tests.support import ROOT, until
 
 NGINX = ROOT / ".tools" / "nginx" / "usr" / "sbin" / "nginx"
 TRITON_PYTHON = ROOT / ".venv-triton" / "bin" / "python"
@@ -125,9 +124,7 @@ def test_a_call_through_nginx_is_logged_under_nginxs_request_id(
         lines = [json.loads(line) for r in replicas for line in r.log().splitlines() if line.startswith("{")]
         return [line for line in lines if line.get("code") == "INVALID_ARGUMENT"]
 
-    deadline = time.monotonic() + 10
-    while not refused_lines() and time.monotonic() < deadline:
-        time.sleep(0.05)
+    until(lambda: bool(refused_lines()), timeout_s=10, every_s=0.05, what="the replica logs the refused call")
     (line,) = refused_lines()
     assert re.fullmatch(r"[0-9a-f]{32}", line["request_id"]), line
 

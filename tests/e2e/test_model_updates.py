@@ -11,12 +11,11 @@ import json
 import shutil
 import subprocess
 import threading
-import time
 import urllib.request
 import weakref
 from collections import Counter
-from collections.abc import Callable
 from dataclasses import replace
+from functools import partial
 from pathlib import Path
 
 import grpc
@@ -34,7 +33,7 @@ from service.client.client import MHAClient
 from service.proto import grpc_service_pb2 as pb
 from service.proto import grpc_service_pb2_grpc as pb_grpc
 from service.protocol.grpc_codec import decode_infer_response, encode_infer_request
-from tests.support import ROOT, ManualClock, ServerProcess, ServerThread, http_json, make_settings
+from tests.support import ROOT, ManualClock, ServerProcess, ServerThread, http_json, make_settings, until
 
 SMALL = MHAConfig(d_model=32, n_head=4, max_seq_len=64)
 TRITON_PYTHON = ROOT / ".venv-triton" / "bin" / "python"
@@ -190,11 +189,7 @@ def _version_of_answer(url: str) -> str:
         return pb_grpc.GRPCInferenceServiceStub(channel).ModelInfer(encode_infer_request(x), timeout=30).model_version
 
 
-def _until(predicate: Callable[[], bool], timeout_s: float = 120) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.1)
+_until = partial(until, timeout_s=120, every_s=0.1)
 
 
 def test_poll_mode_follows_the_repository_and_skips_a_half_written_version(tmp_path: Path) -> None:

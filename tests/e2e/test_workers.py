@@ -12,6 +12,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from functools import partial
 from multiprocessing import shared_memory
 from pathlib import Path
 
@@ -32,7 +33,7 @@ from service.proto import grpc_service_pb2 as pb
 from service.proto import grpc_service_pb2_grpc as pb_grpc
 from service.protocol.grpc_codec import decode_infer_response, encode_infer_request, parameter_values
 from service.protocol.peers import FORWARDED_METHOD
-from tests.support import ServerProcess, own_memory_bytes
+from tests.support import ServerProcess, own_memory_bytes, until
 
 STARTED = re.compile(r"worker (\d+) started \(pid (\d+), metrics 127\.0\.0\.1:(\d+)\)")
 
@@ -51,11 +52,7 @@ def _ok(samples: dict, method: str = "ModelInfer") -> float:
     return samples.get(("mha_requests_total", (("code", "OK"), ("method", method))), 0.0)
 
 
-def _until(predicate, timeout_s: float = 120) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.2)
+_until = partial(until, timeout_s=120, every_s=0.2)
 
 
 def _compute_libraries(pid: int) -> set[str]:
@@ -370,27 +367,32 @@ def test_latency_exemplars_reach_the_merged_metrics_of_several_workers(small_mod
                 found.update(_exemplars(server.metrics_port))
                 return bool(found)
 
-            _until(seen, 30)
-            _until(lambda: set(found.values()) <= {span.trace_id for span in receiver.named("ModelInfer")}, 30)
+            _until(seen, timeout_s=30)
+            _until(
+                lambda: set(found.values()) <= {span.trace_id for span in receiver.named("ModelInfer")}, timeout_s=30
+            )
             x = np.ones((1, 4, 32), np.float32)
             with MHAClient(server.url) as client:
                 client.step("traced", x, offset=0, start=True)
             for n in range(16):  # a connection each: some reach the worker without the sequence
                 with MHAClient(server.url) as client:
                     client.step("traced", x[:, :1], offset=4 + n)
-            _until(lambda: bool(receiver.named(FORWARDED_METHOD)), 30)
+            _until(lambda: bool(receiver.named(FORWARDED_METHOD)), timeout_s=30)
             handed = receiver.named(FORWARDED_METHOD)
 
             def callers() -> dict[tuple[str, str], ReceivedSpan]:
                 return {(span.trace_id, span.span_id): span for span in receiver.named("ModelInfer")}
 
-            _until(lambda: all((s.trace_id, s.parent_span_id) in callers() for s in handed), 30)
+            _until(lambda: all((s.trace_id, s.parent_span_id) in callers() for s in handed), timeout_s=30)
             for span in handed:  # each in its caller's trace, a child of the caller's call, under its id
                 caller = callers()[span.trace_id, span.parent_span_id]
                 assert caller.attributes["mha.request_id"] == span.attributes["mha.request_id"], (caller, span)
                 assert caller.resource["mha.worker"] != span.resource["mha.worker"], (caller, span)
             below = {(span.trace_id, span.span_id) for span in handed}  # and the step computed there is its child
-            _until(lambda: any((s.trace_id, s.parent_span_id) in below for s in receiver.named("decode step")), 30)
+            _until(
+                lambda: any((s.trace_id, s.parent_span_id) in below for s in receiver.named("decode step")),
+                timeout_s=30,
+            )
         finally:
             server.kill()
     assert all(len(trace) == 32 for trace in found.values()), found

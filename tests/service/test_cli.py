@@ -20,7 +20,7 @@ from model.reference import attention_view, relative_error
 from service.cli import main as mha
 from service.client.loadgen import CONNECTIONS, VARIANTS, input_pool
 from service.logs import RequestIdFilter
-from tests.support import ServerThread, make_settings
+from tests.support import ServerThread, make_settings, until
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -94,9 +94,7 @@ def test_infer_sends_the_id_the_server_logs_it_under(
         def calls() -> list[logging.LogRecord]:
             return [r for r in caplog.records if getattr(r, "method", "") == "ModelInfer"]
 
-        deadline = time.monotonic() + 10  # the call's line is written once its answer has gone
-        while not calls() and time.monotonic() < deadline:
-            time.sleep(0.01)
+        until(lambda: bool(calls()), timeout_s=10, what="the call's line is written (once its answer has gone)")
     (line,) = calls()
     assert line.request_id == "probe-8" and line.code == "INVALID_ARGUMENT"
 

@@ -4,8 +4,6 @@ offset it knew is accepted and exact."""
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable
 from pathlib import Path
 
 import grpc
@@ -17,7 +15,7 @@ from model.reference import attention_view, relative_error
 from service.client.client import MHAClient
 from service.protocol.grpc_codec import encode_infer_request
 from service.protocol.inference import SEQUENCE_HEADER, SEQUENCE_LENGTH, SEQUENCE_OFFSET
-from tests.support import ComputeGate, ServerThread, make_settings
+from tests.support import ComputeGate, ServerThread, make_settings, until
 
 
 def _step_future(client: MHAClient, sequence_id: str, x: np.ndarray, offset: int) -> grpc.Future:
@@ -25,13 +23,6 @@ def _step_future(client: MHAClient, sequence_id: str, x: np.ndarray, offset: int
     request.parameters["sequence_id"].string_param = sequence_id
     request.parameters[SEQUENCE_OFFSET].int64_param = offset
     return client.stub.ModelInfer.future(request, timeout=60, metadata=((SEQUENCE_HEADER, sequence_id),))
-
-
-def _until(condition: Callable[[], bool], what: str, timeout_s: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, f"timed out waiting until {what}"
-        time.sleep(0.002)
 
 
 def test_a_step_cancelled_while_its_batch_computes_commits_nothing(small_model_dir: Path) -> None:
@@ -46,12 +37,16 @@ def test_a_step_cancelled_while_its_batch_computes_commits_nothing(small_model_d
         blocker = _step_future(client, "c", tokens["c"][:, 2:3], 2)
         gate.arrived()  # c's step computes (held): a's and b's steps queue behind it, and share a batch
         a, b = (_step_future(client, s, tokens[s][:, 2:3], 2) for s in "ab")
-        _until(lambda: server.engine.requests.count == 3, "a's and b's steps are queued")
+        until(lambda: server.engine.requests.count == 3, every_s=0.002, what="a's and b's steps are queued")
         gate.permits.release()
         gate.arrived()  # the batch of a's and b's steps is computing
         assert gate.computed[-1] == ("steps", 1), gate.computed  # c's, let through
         b.cancel()  # b's client leaves while its step computes
-        _until(lambda: server.engine.requests.count == 1, "the server saw b's cancellation (a's step alone in flight)")
+        until(
+            lambda: server.engine.requests.count == 1,
+            every_s=0.002,
+            what="the server saw b's cancellation (a's step alone in flight)",
+        )
         gate.held = ()
         gate.permits.release()
         assert blocker.result().parameters[SEQUENCE_LENGTH].int64_param == 3

@@ -10,10 +10,8 @@ import contextlib
 import http.client
 import json
 import socket
-import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable
 from pathlib import Path
 
 import grpc
@@ -23,7 +21,7 @@ import pytest
 from service.client.client import InferenceError, MHAClient
 from service.proto import grpc_service_pb2_grpc as pb_grpc
 from service.protocol.grpc_codec import encode_infer_request
-from tests.support import ComputeGate, ManualClock, ServerThread, make_settings
+from tests.support import ComputeGate, ManualClock, ServerThread, make_settings, until
 
 C = 32
 LEASE = 2 * 4 * 64 * C * 4  # a (4, 64, 32) request: its input and its answer
@@ -31,13 +29,6 @@ LEASE = 2 * 4 * 64 * C * 4  # a (4, 64, 32) request: its input and its answer
 
 def _held(server: ServerThread) -> float:
     return server.registry.get_sample_value("mha_inflight_bytes") or 0.0
-
-
-def _until(predicate: Callable[[], bool], timeout_s: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.01)
 
 
 def _http_infer(server: ServerThread, body: bytes) -> tuple[int, dict, dict]:
@@ -65,7 +56,7 @@ def test_requests_past_the_budget_are_refused_at_once_and_the_others_answered(sm
         with concurrent.futures.ThreadPoolExecutor(4) as pool:
             held = [pool.submit(client.infer, x) for _ in range(4)]
             gate.arrived()  # the first computes (held), three queue behind it: 4 leases
-            _until(lambda: _held(server) == 4 * LEASE)
+            until(lambda: _held(server) == 4 * LEASE)
             with pytest.raises(InferenceError) as refused:
                 client.infer(x, timeout=10)
             assert refused.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
@@ -76,7 +67,7 @@ def test_requests_past_the_budget_are_refused_at_once_and_the_others_answered(sm
                 gate.permits.release()
             assert all(f.result(timeout=30).shape == x.shape for f in held)
         gate.held = ()  # from here on, computes run freely
-        _until(lambda: _held(server) == 0)
+        until(lambda: _held(server) == 0)
         with pytest.raises(InferenceError) as alone:  # more than the whole budget: it never fits
             client.infer(np.ones((64, 64, C), np.float32), timeout=10)
         assert alone.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED and "split the batch" in str(alone.value)
@@ -109,7 +100,7 @@ def test_an_http_client_that_never_reads_holds_its_bytes_while_others_are_answer
         assert _http_infer(server, _body(small))[0] == 200
         assert _held(server) >= 2 * BIG.nbytes  # computed, and held while its answer waits to be read
         reader.close()  # the client leaves: its bytes go back
-        _until(lambda: _held(server) == 0)
+        until(lambda: _held(server) == 0)
 
 
 def test_an_http_client_that_never_reads_is_cut_off_after_the_write_timeout(
@@ -118,8 +109,8 @@ def test_an_http_client_that_never_reads_is_cut_off_after_the_write_timeout(
     settings = make_settings(small_model_dir, backend="torch", http_port=0, http_write_timeout_s=0.2)
     with ServerThread(settings) as server:
         reader = _never_reading(server, BIG)
-        _until(lambda: _held(server) > 0)
-        _until(lambda: _held(server) == 0)  # cut off: its bytes go back though it is still connected
+        until(lambda: _held(server) > 0)
+        until(lambda: _held(server) == 0)  # cut off: its bytes go back though it is still connected
         assert any("did not read its answer within 0.2 s" in r.getMessage() for r in caplog.records)
         reader.settimeout(30)
         with contextlib.suppress(ConnectionError):
@@ -140,8 +131,8 @@ def test_an_http_body_that_does_not_arrive_in_time_is_refused_408_and_its_bytes_
         dripping = socket.create_connection(("127.0.0.1", server.http_port))
         head = "POST /v2/models/mha/infer HTTP/1.1\r\nHost: x\r\nContent-Length: 4000000\r\n\r\n"
         dripping.sendall(head.encode() + b'{"inputs": [')
-        _until(lambda: _held(server) > 0)
-        _until(lambda: _held(server) == 0)  # refused: its bytes go back though it is still connected
+        until(lambda: _held(server) > 0)
+        until(lambda: _held(server) == 0)  # refused: its bytes go back though it is still connected
         dripping.settimeout(30)
         answer = http.client.HTTPResponse(dripping)  # type: ignore[arg-type]  # reads the socket's file
         answer.begin()
@@ -164,7 +155,7 @@ def test_answers_waiting_for_a_slow_reader_keep_no_batch_waiting_for_company(sma
         stub = pb_grpc.GRPCInferenceServiceStub(channel)
         stream = stub.ModelStreamInfer(iter([big] * 16), timeout=60)  # and nothing read
         requests = server.engine.requests
-        _until(lambda: requests.count >= 4 and requests.uncomputed == 0)  # answers waiting to be written
+        until(lambda: requests.count >= 4 and requests.uncomputed == 0)  # answers waiting to be written
         with MHAClient(server.url) as client:
             x = np.ones((1, 8, C), np.float32)
             assert client.infer(x, timeout=10).shape == x.shape

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import logging
-import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -19,7 +18,7 @@ import pytest
 from service.logs import RequestIdFilter
 from service.proto import grpc_service_pb2_grpc as pb_grpc
 from service.protocol.grpc_codec import encode_infer_request
-from tests.support import ServerThread, make_settings
+from tests.support import ServerThread, make_settings, until
 
 BAD = np.zeros((1, 2, 31), np.float32)  # C = 31 where the model takes 32: refused, and so logged at INFO
 
@@ -41,9 +40,7 @@ def _logged_ids(caplog: pytest.LogCaptureFixture, send: object, count: int = 1) 
 
     with caplog.at_level(logging.INFO, logger="service.protocol.calls"):
         send()  # type: ignore[operator]
-        deadline = time.monotonic() + 10
-        while len(lines()) < count and time.monotonic() < deadline:
-            time.sleep(0.01)
+        until(lambda: len(lines()) >= count, timeout_s=10, what=f"{count} call lines are logged")
     return lines()
 
 

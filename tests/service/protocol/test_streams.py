@@ -18,7 +18,7 @@ import pytest
 from service.proto import grpc_service_pb2_grpc as pb_grpc
 from service.protocol.grpc_codec import encode_infer_request
 from service.protocol.grpc_streams import answer_concurrently
-from tests.support import ComputeGate, ServerThread, make_settings
+from tests.support import ComputeGate, ServerThread, make_settings, until
 
 # answer_concurrently on its own -----------------------------------------------------------------
 
@@ -153,13 +153,6 @@ def _steady(count: Callable[[], int], timeout_s: float = 60.0) -> int:
     raise AssertionError(f"the count never settled (last {last})")
 
 
-def _until(condition: Callable[[], bool], timeout_s: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, "never came true"
-        time.sleep(0.01)
-
-
 def _settle(server: ServerThread) -> None:
     deadline = time.monotonic() + 60
     while server.engine.requests.count and time.monotonic() < deadline:
@@ -182,7 +175,7 @@ def test_a_cancelled_stream_stops_computing_and_is_counted_cancelled(
         gate.permits.release()  # one compute, one answer
         first = next(call)
         assert not first.error_message
-        _until(lambda: server.engine.requests.count >= 2)  # more read: the client's sender may lag under load
+        until(lambda: server.engine.requests.count >= 2)  # more read: the client's sender may lag under load
         call.cancel()
     deadline = time.monotonic() + 30  # the server hears of the cancel (its queued requests are dropped) ...
     while not _stream_counts(server)["CANCELLED"] and time.monotonic() < deadline:
