@@ -325,7 +325,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
         settings = with_shared_ports(settings)
         argv = to_argv(replace(settings, workers="1"))
         default_model = single and settings.model_dir is None  # the first worker binds, exports, loads
-        return asyncio.run(Supervisor(settings, argv, count, gpus, bind_first=default_model).run())
+        try:
+            supervisor = Supervisor(settings, argv, count, gpus, bind_first=default_model)
+        except StartupError as exc:
+            log.error("cannot start: %s", exc)
+            return exc.exit_code
+        return asyncio.run(supervisor.run())
     from service.app.server import serve  # ONNX Runtime and PyTorch: only where the model is served
 
     try:

@@ -35,6 +35,7 @@ from prometheus_client.multiprocess import MultiProcessCollector, mark_process_d
 from prometheus_client.samples import Exemplar, Sample
 
 from service.app.launch import die_with_parent, free_ports, package_path, serve_command
+from service.app.preflight import StartupError
 from service.budget import MIB
 from service.logs import AcceptFailures
 from service.metrics import LATENCY
@@ -56,6 +57,7 @@ WORKER_BASE_BYTES = 320 * MIB  # a worker's own memory, loaded and under load, i
 MODEL_FILE_COPIES = 3  # and per byte of the model files it serves: ORT's sessions, PyTorch's weights, step graphs
 WORKERS_SHARE = 0.5  # of the memory limit, what `auto`'s workers may hold; the rest for requests and sequences
 SUPERVISOR_BYTES = 64 * MIB  # the supervisor's own memory (42 MiB measured), counted in that share
+SOCKET_PATH_BYTES = 107  # the longest path a Unix socket may have on Linux (sockaddr_un's 108, less the NUL)
 
 
 @dataclass
@@ -157,6 +159,24 @@ def _with_exemplar(sample: Sample, exemplars: dict[tuple[str, float], Exemplar])
     return Sample(sample.name, sample.labels, sample.value, sample.timestamp, exemplar)
 
 
+def sockets_directory(count: int, parents: Sequence[str | None] = (None, "/tmp")) -> Path:
+    """A new directory (0700) for the hand-over sockets of `count` workers: under TMPDIR, or under
+    /tmp where TMPDIR is too long a path for a socket in it (a socket cannot be bound there)."""
+    for parent in parents:
+        directory = Path(tempfile.mkdtemp(prefix="mha-workers-", dir=parent))
+        longest = len(os.fsencode(socket_path(directory, count - 1)))
+        if longest <= SOCKET_PATH_BYTES:
+            if parent is not None:
+                log.info("the workers' hand-over sockets are in %s: TMPDIR is too long a path for them", directory)
+            return directory
+        directory.rmdir()
+    raise StartupError(
+        f"the workers' hand-over sockets would have paths of {longest} bytes, and a Unix socket's path "
+        f"takes at most {SOCKET_PATH_BYTES}: set TMPDIR to a shorter directory",
+        1,
+    )
+
+
 class MergedMetrics:
     """The workers' metrics as the supervisor's port serves them: their multiprocess files merged,
     which workers run, and how often each was restarted."""
@@ -189,7 +209,7 @@ class Supervisor:
         self.merged = MergedMetrics(self.workers)
         self.gpus = list(gpus)  # with --workers auto on a GPU host: worker i computes on GPU gpus[i]
         self._stopping = False
-        self.sockets = Path(tempfile.mkdtemp(prefix="mha-workers-"))  # 0700: the workers' hand-over sockets
+        self.sockets = sockets_directory(count)
 
     @property
     def own_gpus(self) -> bool:

@@ -430,20 +430,27 @@ def test_no_worker_outlives_its_supervisor(small_model_dir: Path, tmp_path: Path
         alone.kill()
 
 
-def test_a_server_stopped_by_its_launcher_leaves_no_worker_and_no_folder(small_model_dir: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize("tmpdir_length", [0, 100], ids=["tmpdir", "tmpdir-too-long-for-a-socket"])
+def test_a_server_stopped_by_its_launcher_leaves_no_worker_and_no_folder(
+    small_model_dir: Path, tmp_path: Path, tmpdir_length: int
+) -> None:
     """`ServerProcess.stop`, as `mha tune` stops each server it measured: when it returns, no
-    worker is left running and the supervisor's sockets and metrics folders are gone."""
-    scratch = tmp_path / "scratch"
+    worker is left running and the supervisor's sockets and metrics folders are gone. A TMPDIR
+    too long for a socket's path in it: the sockets go under /tmp, and the workers serve."""
+    scratch = tmp_path / ("scratch" + "s" * max(0, tmpdir_length - len(str(tmp_path)) - 8))
     scratch.mkdir()
     server = ServerProcess(["--model-dir", str(small_model_dir), "--workers", "2"], env={"TMPDIR": str(scratch)})
     server.start(tmp_path / "server.log")
     try:
         _until(lambda: len(STARTED.findall(server.log())) == 2)
         pids = [int(pid) for _, pid, _ in STARTED.findall(server.log())]
-        assert {"mha-metrics", "mha-workers"} <= {p.name[:11] for p in scratch.iterdir()}
+        moved = re.findall(r"hand-over sockets are in (\S+): TMPDIR is too long", server.log())
+        sockets = Path(moved[0]) if tmpdir_length else next(scratch.glob("mha-workers-*"))
+        assert sockets.is_dir() and next(scratch.glob("mha-metrics-*")).is_dir()
+        assert {"worker-0.sock", "worker-1.sock"} <= {p.name for p in sockets.iterdir()}
         server.stop()
         assert [pid for pid in pids if _alive(pid)] == []
-        assert [p.name for p in scratch.iterdir() if p.name.startswith("mha-")] == []
+        assert [p.name for p in scratch.iterdir() if p.name.startswith("mha-")] == [] and not sockets.exists()
     finally:
         server.kill()
 

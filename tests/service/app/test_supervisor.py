@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import socket
+import tempfile
 from pathlib import Path
 
 import pytest
 
 from service.app.preflight import StartupError, check_shared_ports
-from service.app.supervisor import Silence, Supervisor, Worker, with_shared_ports
+from service.app.supervisor import SOCKET_PATH_BYTES, Silence, Supervisor, Worker, sockets_directory, with_shared_ports
+from service.protocol.peers import socket_path
 from tests.support import free_ports, make_settings
 
 
@@ -45,6 +47,22 @@ def test_the_hand_over_sockets_folder_goes_when_the_supervisor_cannot_start(tmp_
         with pytest.raises(OSError):
             asyncio.run(supervisor.run())
     assert not supervisor.sockets.exists()
+
+
+def test_the_hand_over_sockets_go_where_their_paths_fit_a_unix_socket(tmp_path: Path) -> None:
+    """A TMPDIR too long for a socket's path in it (a CI runner's, a deep container mount): the
+    sockets go under the next parent given, where they can be bound; none fits, a clear refusal.
+    Before, the first worker died on bind with ": AF_UNIX path too long"."""
+    long = tmp_path / ("d" * max(1, 100 - len(str(tmp_path))))
+    long.mkdir()
+    with tempfile.TemporaryDirectory(dir="/tmp") as short:
+        chosen = sockets_directory(16, parents=[str(long), short])
+        assert chosen.parent == Path(short) and [p.name for p in long.iterdir()] == []  # the long one: removed
+        with socket.socket(socket.AF_UNIX) as bound:
+            bound.bind(str(socket_path(chosen, 15)))
+        assert sockets_directory(16, parents=[short]).parent == Path(short)  # the first that fits
+    with pytest.raises(StartupError, match=f"at most {SOCKET_PATH_BYTES}: set TMPDIR to a shorter directory"):
+        sockets_directory(2, parents=[str(long)])
 
 
 def test_ports_given_as_zero_are_picked_once_for_every_worker() -> None:
