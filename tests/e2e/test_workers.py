@@ -7,7 +7,9 @@ import json
 import os
 import queue
 import re
+import shutil
 import signal
+import tempfile
 import threading
 import time
 import urllib.error
@@ -437,8 +439,11 @@ def test_a_server_stopped_by_its_launcher_leaves_no_worker_and_no_folder(
     """`ServerProcess.stop`, as `mha tune` stops each server it measured: when it returns, no
     worker is left running and the supervisor's sockets and metrics folders are gone. A TMPDIR
     too long for a socket's path in it: the sockets go under /tmp, and the workers serve."""
-    scratch = tmp_path / ("scratch" + "s" * max(0, tmpdir_length - len(str(tmp_path)) - 8))
-    scratch.mkdir()
+    if tmpdir_length:
+        scratch = tmp_path / ("s" * max(1, tmpdir_length - len(str(tmp_path)) - 1))
+        scratch.mkdir()
+    else:  # short enough wherever pytest's own folders are
+        scratch = Path(tempfile.mkdtemp(prefix="scratch-", dir="/tmp"))
     server = ServerProcess(["--model-dir", str(small_model_dir), "--workers", "2"], env={"TMPDIR": str(scratch)})
     server.start(tmp_path / "server.log")
     try:
@@ -453,6 +458,7 @@ def test_a_server_stopped_by_its_launcher_leaves_no_worker_and_no_folder(
         assert [p.name for p in scratch.iterdir() if p.name.startswith("mha-")] == [] and not sockets.exists()
     finally:
         server.kill()
+        shutil.rmtree(scratch, ignore_errors=True)
 
 
 def _stub_call(url: str, method: str, request: object, metadata: tuple = ()) -> object:

@@ -58,8 +58,8 @@ async def _call_late(calls: Calls, method: str, how: str) -> grpc.StatusCode:
             except grpc.aio.AioRpcError as exc:
                 return exc.code()
             return grpc.StatusCode.OK
-    finally:
-        await server.stop(0)
+    finally:  # after the server's own end of the call: stop(0) could cancel it first, as a shutdown does
+        await server.stop(5)
 
 
 WHY = {
