@@ -120,10 +120,15 @@ def check_shared_ports(settings: Settings) -> None:
         check_port(host, port, flag)
 
 
+def host_port(host: str, port: int) -> str:
+    """The address as gRPC and URLs write it: an IPv6 address in brackets ([::]:8001)."""
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
 def port_error(host: str, port: int, flag: str, why: str) -> StartupError:
     """`why` follows the address: ": the reason", or " (the reason)"."""
     fix = f"stop what holds it, or choose another with {flag} (0 picks a free one)"
-    return StartupError(f"{flag}: cannot listen on {host}:{port}{why}; {fix}", 1)
+    return StartupError(f"{flag}: cannot listen on {host_port(host, port)}{why}; {fix}", 1)
 
 
 def _cannot_listen(host: str, port: int) -> str | None:

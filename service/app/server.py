@@ -19,7 +19,7 @@ from grpc_reflection.v1alpha import reflection
 from prometheus_client import CollectorRegistry
 
 from service.app.engine import Engine, build_engine, load, model_source, poll
-from service.app.preflight import StartupError, check_port, port_error, schedule, tls_files, token_files
+from service.app.preflight import StartupError, check_port, host_port, port_error, schedule, tls_files, token_files
 from service.app.supervisor import MULTIPROC_ENV, exemplars_file
 from service.batching import Clock
 from service.engine.keeper import ComputeHook
@@ -34,7 +34,7 @@ from service.protocol.grpc_servicer import InferenceServicer, generic_handler
 from service.protocol.handover import Handover
 from service.protocol.http_app import HttpApi
 from service.protocol.http_wire import quiet_client_mistakes
-from service.protocol.metrics_http import MetricsServer
+from service.protocol.metrics_http import MetricsServer, tcp_site
 from service.protocol.peers import Broadcast, WorkerPeers, socket_path
 from service.protocol.shm import Regions
 from service.protocol.tls import TlsFiles
@@ -246,14 +246,10 @@ async def _start_http(running: Running, settings: Settings, api: HttpApi, tls: T
     quiet_client_mistakes()
     running.side.http = web.AppRunner(api.app(), access_log=None, handle_signals=False, auto_decompress=False)
     await running.side.http.setup()
-    site = web.TCPSite(
-        running.side.http,
-        settings.host,
-        settings.http_port,
-        ssl_context=None if tls is None else tls.http_context(),
-        reuse_port=settings.reuse_port or None,
-    )
+    assert settings.http_port is not None  # called only when the port is on
+    context = None if tls is None else tls.http_context()
     try:
+        site = tcp_site(running.side.http, settings.host, settings.http_port, context, settings.reuse_port)
         await site.start()
     except OSError as exc:
         raise StartupError(f"--http-port {settings.http_port} on {settings.host}: {exc.strerror}", 1) from exc
@@ -281,7 +277,7 @@ def _bind(
 ) -> int:
     """Listen on (host, port). A port that is taken is found first with a plain socket (unless the
     port is `shared`, --reuse-port), so that the error is one line of ours and not gRPC core's too."""
-    address = f"{host}:{port}"
+    address = host_port(host, port)
     if not shared:
         check_port(host, port, flag)
     refused = port_error(host, port, flag, " (in use, or not an address of this machine)")
@@ -323,12 +319,12 @@ def ready_line(running: Running) -> str:
     """What a person reads once the server serves: where, and the command that tries it. A worker
     of several names the ports it shares and the supervisor's merged /metrics, not its own."""
     settings = running.engine.settings
-    host = "127.0.0.1" if settings.host in ("0.0.0.0", "::", "") else settings.host
+    host = {"0.0.0.0": "127.0.0.1", "::": "::1", "": "127.0.0.1"}.get(settings.host, settings.host)
     http = running.http_port or "off"
     health = f", health :{running.health_port}" if running.health_port else ""  # --health-port, when on
     token = f" --token-file {settings.auth_token_file}" if settings.auth_token_file else ""
     token += f" --tls-ca <the CA that signed {settings.tls_cert}>" if settings.tls_cert else ""  # the client trusts it
-    try_it = f"try `{client_command()} infer --url {host}:{running.grpc_port}{token}`"
+    try_it = f"try `{client_command()} infer --url {host_port(host, running.grpc_port)}{token}`"
     name = running.engine.life.identity.name
     if settings.worker_peers > 1:
         return (

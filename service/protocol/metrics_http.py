@@ -5,6 +5,9 @@ is closed after `IDLE_S`; a request head is bounded by aiohttp's line and header
 
 from __future__ import annotations
 
+import socket
+import ssl
+
 from aiohttp import web
 from aiohttp.typedefs import Handler
 from prometheus_client import CollectorRegistry
@@ -26,6 +29,18 @@ async def _plain_errors(request: web.Request, handler: Handler) -> web.StreamRes
         return web.Response(status=405, text="only GET /metrics is served\n", headers={"Allow": "GET, HEAD"})
 
 
+def tcp_site(
+    runner: web.BaseRunner, host: str, port: int, ssl_context: ssl.SSLContext | None = None, reuse_port: bool = False
+) -> web.BaseSite:
+    """A listener on (host, port), for aiohttp. "::" is every address of both families on one
+    socket, as gRPC's [::] is: asyncio alone would listen on IPv6 only. Raises OSError when the
+    address cannot be bound."""
+    if host == "::" and socket.has_dualstack_ipv6():
+        sock = socket.create_server(("::", port), family=socket.AF_INET6, dualstack_ipv6=True, reuse_port=reuse_port)
+        return web.SockSite(runner, sock, ssl_context=ssl_context)
+    return web.TCPSite(runner, host, port, ssl_context=ssl_context, reuse_port=reuse_port or None)
+
+
 class MetricsServer:
     def __init__(self, registry: CollectorRegistry) -> None:
         app = web.Application(middlewares=[_plain_errors])
@@ -39,12 +54,12 @@ class MetricsServer:
             max_field_size=MAX_LINE,
             max_headers=MAX_HEADERS,
         )
-        self._site: web.TCPSite | None = None
+        self._site: web.BaseSite | None = None
 
     async def start(self, host: str, port: int) -> int:
         """Listen; returns the port (useful with port 0)."""
         await self._runner.setup()
-        self._site = web.TCPSite(self._runner, host, port)
+        self._site = tcp_site(self._runner, host, port)
         await self._site.start()
         return self.address[1]
 

@@ -35,7 +35,7 @@ from service.proto import grpc_service_pb2 as pb
 from service.proto import grpc_service_pb2_grpc as pb_grpc
 from service.protocol.grpc_codec import decode_infer_response, encode_infer_request, parameter_values
 from service.protocol.peers import FORWARDED_METHOD
-from tests.support import ServerProcess, own_memory_bytes, until
+from tests.support import ServerProcess, free_ports, own_memory_bytes, until
 
 STARTED = re.compile(r"worker (\d+) started \(pid (\d+), metrics 127\.0\.0\.1:(\d+)\)")
 
@@ -647,5 +647,43 @@ def test_log_and_trace_settings_changed_through_one_connection_hold_in_every_wor
             assert logs.settings["log_verbose_level"].uint32_param == 1  # type: ignore[attr-defined]
             traces = _stub_call(server.url, "TraceSetting", pb.TraceSettingRequest())
             assert list(traces.settings["trace_rate"].value) == ["50"]  # type: ignore[attr-defined]
+    finally:
+        server.kill()
+
+
+def _dual_stack() -> bool:
+    """Whether this machine can listen on IPv4 and IPv6 on one socket, and reach ::1."""
+    import socket
+
+    if not socket.has_dualstack_ipv6():
+        return False
+    try:
+        with socket.create_server(("::1", 0), family=socket.AF_INET6):
+            return True
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(not _dual_stack(), reason="needs IPv6 beside IPv4 (an IPv6-only cluster's pods listen on ::)")
+def test_host_any_of_both_families_serves_every_port_over_ipv4_and_ipv6(small_model_dir: Path, tmp_path: Path) -> None:
+    """`--host ::`, what an IPv6-only or dual-stack cluster's pods need: gRPC, HTTP, health and
+    /metrics each answer on ::1 and on 127.0.0.1, with two workers sharing the ports. Before,
+    gRPC could not bind (":::8001", not "[::]:8001"), and HTTP and /metrics listened on IPv6 only."""
+    (health_port,) = free_ports(1)
+    args = ["--model-dir", str(small_model_dir), "--host", "::", "--health-port", str(health_port)]
+    server = ServerProcess(args, workers="2")
+    server.start(tmp_path / "server.log")
+    try:
+        assert f"infer --url [::1]:{server.port}`" in server.log()  # the ready line's command, as written
+        for host in ("127.0.0.1", "[::1]"):
+            with MHAClient(f"{host}:{server.port}") as client:
+                assert client.infer(np.ones((1, 2, 32), np.float32)).shape == (1, 2, 32)
+            with grpc.insecure_channel(f"{host}:{health_port}") as channel:
+                answer = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=10)
+                assert answer.status == health_pb2.HealthCheckResponse.SERVING
+            with urllib.request.urlopen(f"http://{host}:{server.http_port}/v2/health/ready", timeout=10) as ready:
+                assert ready.status == 200
+            with urllib.request.urlopen(f"http://{host}:{server.metrics_port}/metrics", timeout=10) as metrics:
+                assert b"mha_worker_restarts_total" in metrics.read()  # the supervisor's merged port
     finally:
         server.kill()
