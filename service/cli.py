@@ -803,6 +803,12 @@ def cmd_pod_cost(args: argparse.Namespace) -> int:
     return 0
 
 
+# ONNX Runtime (1.29 and later) sends usage events to its maker and keeps a device id and an event
+# database in ~/.cache, unless this is 1; on a read-only HOME it writes a line of its own to stderr.
+# Off unless the operator sets it to 0 (docs/operations.md, "ONNX Runtime's telemetry").
+ORT_TELEMETRY = "ORT_DISABLE_TELEMETRY"
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     from service.app.triton_flags import translated
     from service.settings import LOG_LEVELS
@@ -818,6 +824,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     for noisy in ("onnx_ir", "onnxscript"):  # the exporter's optimiser narrates every node at INFO
         logging.getLogger(noisy).setLevel(logging.WARNING)
+    os.environ.setdefault(ORT_TELEMETRY, "1")  # before ONNX Runtime loads, which reads it once
     try:
         return int(args.func(args))
     except CliError as exc:

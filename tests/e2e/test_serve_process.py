@@ -258,3 +258,23 @@ def test_out_of_file_descriptors_is_said_once_and_the_server_serves_after(
     said = [line for line in server.log().splitlines() if "accept" in line]
     assert len(said) == 1 and "Too many open files" in said[0], said[:3]
     assert "Traceback" not in server.log()
+
+
+def test_onnx_runtime_keeps_no_device_id_and_sends_nothing_unless_asked(small_model_dir: Path, tmp_path: Path) -> None:
+    """ONNX Runtime's own telemetry (1.29 and later: usage events to its maker, a device id and an
+    event database under ~/.cache): off in every `mha` process, workers included, so a served
+    model leaves nothing in HOME and every stderr line is the server's own JSON."""
+    home = tmp_path / "home"
+    home.mkdir()
+    server = ServerProcess(
+        ["--model-dir", str(small_model_dir), "--backend", "ort-cpu"], env={"HOME": str(home)}, workers="2"
+    )
+    server.start(tmp_path / "server.log")
+    try:
+        with MHAClient(server.url) as client:
+            assert client.infer(np.ones((1, 4, 32), np.float32)).shape == (1, 4, 32)
+    finally:
+        server.stop()
+    assert [str(p.relative_to(home)) for p in home.rglob("*")] == []  # before: .cache/Microsoft/.../deviceid
+    for line in server.log().splitlines():
+        json.loads(line)  # before, on a read-only HOME: "[W:onnxruntime:Default, telemetry_1ds.cc ...]"
