@@ -10,14 +10,13 @@ import os
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
 
-from tests.support import ROOT, ServerProcess
+from tests.support import ROOT, ServerProcess, until
 
 MHA = str(Path(sys.executable).parent / "mha")
 FAST = ["--concurrency", "1,2", "--seconds", "0.3", "--rounds", "3"]
@@ -108,26 +107,17 @@ def test_an_impossible_target_exits_1_and_names_the_closest(small_model_dir: Pat
     assert _servers_of(small_model_dir) == []
 
 
-def _until(condition: Any, within_s: float) -> bool:
-    deadline = time.monotonic() + within_s
-    while not condition():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.2)
-    return True
-
-
 def test_a_tune_killed_outright_leaves_no_server_behind(small_model_dir: Path, tmp_path: Path) -> None:
     """SIGKILL (the OOM killer, kill -9, a CI job's timeout) gives tune no chance to stop its
     servers: before, each candidate's server went on holding its ports and memory."""
     command = _command(small_model_dir, tmp_path / "o", "--p99-ms", "2000", budget_s=120)
     tune = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
-        assert _until(lambda: _servers_of(small_model_dir), 120), "no candidate server started"
+        until(lambda: bool(_servers_of(small_model_dir)), timeout_s=120, every_s=0.2, what="a candidate server started")
     finally:
         tune.kill()
         tune.wait(10)
-    assert _until(lambda: not _servers_of(small_model_dir), 60), _servers_of(small_model_dir)
+    until(lambda: not _servers_of(small_model_dir), timeout_s=60, every_s=0.2, what="no server of the tune is left")
 
 
 def _bad_dir(tmp_path: Path, small_model_dir: Path) -> Path:
