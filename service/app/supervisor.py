@@ -206,10 +206,10 @@ class Supervisor:
         shared = (settings.grpc_port, settings.http_port, settings.metrics_port, settings.health_port)
         promised = frozenset(p for p in shared if p)
         self.workers = [Worker(i, port) for i, port in enumerate(free_ports(count, avoid=promised))]
+        self.sockets = sockets_directory(count)  # first: it may refuse, and leave no folder behind
         self.merged = MergedMetrics(self.workers)
         self.gpus = list(gpus)  # with --workers auto on a GPU host: worker i computes on GPU gpus[i]
         self._stopping = False
-        self.sockets = sockets_directory(count)
 
     @property
     def own_gpus(self) -> bool:
