@@ -31,11 +31,11 @@ from service.protocol.http_codec import (
     HEADER_LENGTH,
     is_int64,
     json_object,
-    parse_json,
     proto_json,
     request_from_json,
     response_to_http,
 )
+from service.protocol.http_json import parse_json
 from service.protocol.http_wire import ConnectionAges, route_errors
 from service.protocol.inference import SEQUENCE_HEADER, one_header
 from service.protocol.status import http_status

@@ -5,9 +5,6 @@ JSON the client wrote; and protobuf messages as Triton's HTTP endpoint writes th
 from __future__ import annotations
 
 import json
-import re
-import sys
-from collections import Counter
 from typing import Any, TypeGuard
 
 import numpy as np
@@ -18,6 +15,7 @@ from google.protobuf.descriptor import Descriptor, FieldDescriptor
 from google.protobuf.message import Message
 
 from service.errors import InvalidInput, quote
+from service.protocol.http_json import parse_json
 from service.protocol.inference import (
     DATATYPE,
     SHM_OFFSET,
@@ -35,7 +33,6 @@ from service.protocol.inference import (
 HEADER_LENGTH = "Inference-Header-Content-Length"
 WORDS = Words(raw="binary data (binary_data_size)", values="data")
 INT64_RANGE = (-(2**63), 2**63 - 1)
-SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")  # a JSON escape of a surrogate code point, paired or not
 INT64 = {
     FieldDescriptor.TYPE_INT64,
     FieldDescriptor.TYPE_UINT64,
@@ -78,42 +75,6 @@ def json_object(value: object, what: str) -> dict[str, Any]:
     if not isinstance(value, dict):
         raise InvalidInput(f"{what} must be a JSON object, got {type(value).__name__}")
     return value
-
-
-class _KeyTwice(Exception):
-    def __init__(self, key: str) -> None:
-        super().__init__(key)
-        self.key = key
-
-
-def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    """A JSON object whose keys each stand once. Parsers disagree on a key given twice (Python's
-    json keeps the last, Triton's rapidjson finds the first), so a proxy, Triton and this server
-    could each read another request from the same bytes: refused, not guessed."""
-    doc = dict(pairs)
-    if len(doc) < len(pairs):
-        raise _KeyTwice(next(key for key, count in Counter(key for key, _ in pairs).items() if count > 1))
-    return doc
-
-
-def parse_json(data: bytes, what: str) -> Any:
-    """The document; refused when not JSON, when an object names a key twice, or when a string
-    holds a lone surrogate: JSON can escape one (\\ud800), but no text encoding, and so neither
-    gRPC nor a log line, can carry it."""
-    try:
-        doc = json.loads(data, object_pairs_hook=_unique_keys)
-        if SURROGATE_ESCAPE.search(data):  # rare: look closer
-            json.dumps(doc, ensure_ascii=False).encode()
-    except _KeyTwice as exc:
-        raise InvalidInput(f"{what} gives the key {quote(exc.key)} twice in one object; send each key once") from None
-    except UnicodeEncodeError as exc:
-        raise InvalidInput(f"{what} holds a lone surrogate escape (\\ud800 to \\udfff): expected text") from exc
-    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
-        raise InvalidInput(f"{what} is not valid JSON: {str(exc) or type(exc).__name__}") from exc
-    except ValueError as exc:  # an integer of more digits than Python converts from text
-        limit = sys.get_int_max_str_digits()
-        raise InvalidInput(f"{what} holds an integer of more than {limit} digits: expected numbers of 64 bits") from exc
-    return doc
 
 
 def is_int64(value: object) -> TypeGuard[int]:
