@@ -14,6 +14,10 @@ from collections.abc import Iterator
 from pathlib import Path
 
 RESULTS = Path(__file__).parent / "results"
+# ONNX Runtime reads this once, when it is imported (after this module, in every script that imports
+# it): a script's in-process sessions, like `mha serve`'s, keep no database under ~/.cache and send
+# no usage events
+os.environ.setdefault("ORT_DISABLE_TELEMETRY", "1")
 
 
 def parser(doc: str | None) -> argparse.ArgumentParser:

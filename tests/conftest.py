@@ -3,9 +3,14 @@
 from __future__ import annotations
 
 import logging
+import os
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
+
+# ONNX Runtime reads this once, when it is imported: the suite's in-process sessions then neither
+# keep a database under ~/.cache nor send usage events, as `mha` itself does not (cli.main)
+os.environ.setdefault("ORT_DISABLE_TELEMETRY", "1")
 
 import pytest
 
