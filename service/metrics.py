@@ -9,7 +9,7 @@ import logging
 import math
 import os
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from functools import partial
 from pathlib import Path
 from typing import Protocol
@@ -24,6 +24,8 @@ from prometheus_client import (
     Histogram,
 )
 from prometheus_client import disable_created_metrics as _disable_created
+from prometheus_client.metrics_core import Metric
+from prometheus_client.samples import Sample
 
 from service.batching import BatchEvent
 from service.ledger import Ledger
@@ -59,6 +61,8 @@ VERSION_STATES = ("READY", "RETIRING", "UNLOADING")
 MODEL_LABELS = ("name", "version", "d_model", "n_head", "max_seq_len", "causal", "weights_sha256", "verified")
 
 
+MODEL_INFO = "mha_model_info"
+OWN_FAMILIES = ("mha_", "nv_")  # this server's series, and Triton's that it writes
 CallRecord = tuple[str, str, float, str]  # (method, code name, seconds in the server, trace id or "")
 
 
@@ -173,14 +177,48 @@ class TritonSeries:
             self.pending.labels(model, version).set(0)
 
 
+class UnloadedVersionsLeave:
+    """What `registry` collects, less the series of every model version unloaded at least
+    `grace_s` ago (a version is unloaded when each of its mha_model_info series reads 0), as
+    Triton drops an unloaded model's series. A server that follows a repository would otherwise
+    export about a hundred series of every version it ever served, for as long as it runs (a
+    worker's multiprocess files keep them). The grace lets scrapes read a version's last counts."""
+
+    def __init__(self, registry: CollectorRegistry, grace_s: float, clock: Callable[[], float] = time.monotonic):
+        self._registry, self._grace_s, self._clock = registry, grace_s, clock
+        self._unloaded_since: dict[str, float] = {}  # version -> when a read first found it unloaded
+
+    def collect(self) -> Iterator[Metric]:
+        families = list(self._registry.collect())
+        gone = self._gone(next((f.samples for f in families if f.name == MODEL_INFO), []))
+        for family in families:
+            if gone and family.name.startswith(OWN_FAMILIES):  # not python_info's version
+                family.samples = [s for s in family.samples if s.labels.get("version") not in gone]
+            yield family
+
+    def _gone(self, info: list[Sample]) -> set[str]:
+        loaded = {s.labels["version"] for s in info if s.value}
+        now = self._clock()
+        for version in {s.labels["version"] for s in info} - loaded:
+            self._unloaded_since.setdefault(version, now)
+        for version in loaded:  # loaded again
+            self._unloaded_since.pop(version, None)
+        return {version for version, since in self._unloaded_since.items() if now - since >= self._grace_s}
+
+
+def served_registry(registry: CollectorRegistry, unloaded_grace_s: float) -> CollectorRegistry:
+    """The registry /metrics serves: `registry`'s series, less those of versions long unloaded."""
+    served = CollectorRegistry(auto_describe=False)
+    served.register(UnloadedVersionsLeave(registry, unloaded_grace_s))  # type: ignore[arg-type]
+    return served
+
+
 class VersionSeries:
     """The model's versions: which are loaded (mha_model_info), their states, their sequences,
     and the loads and refusals."""
 
     def __init__(self, labelled: Callable[[str, str, list[str]], _Labelled], counter: Callable[..., Counter]) -> None:
-        self.info = labelled(
-            "mha_model_info", "Each version of the model loaded (1; 0 once unloaded).", list(MODEL_LABELS)
-        )
+        self.info = labelled(MODEL_INFO, "Each version of the model loaded (1; 0 once unloaded).", list(MODEL_LABELS))
         self.states = labelled(
             "mha_model_versions", "Versions of the model loaded, by state (READY, RETIRING, UNLOADING).", ["state"]
         )
@@ -194,7 +232,7 @@ class VersionSeries:
         self.sequences.labels(model_labels["version"]).set(0)
 
     def unloaded(self, model_labels: dict[str, str]) -> None:
-        """A version unloaded: its series stay, at 0 (a worker's multiprocess files keep every series)."""
+        """A version unloaded: its series read 0, until /metrics leaves them out (UnloadedVersionsLeave)."""
         self.info.labels(**{key: model_labels[key] for key in MODEL_LABELS}).set(0)
         self.sequences.labels(model_labels["version"]).set(0)
 

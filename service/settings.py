@@ -56,6 +56,9 @@ class NetworkSettings:
     http_port: int | None = setting(8000, "HTTP/REST port (KServe v2); 0 picks one; off: none", low=0, high=65535)
     metrics_port: int | None = setting(8002, "Prometheus /metrics port; 0 picks one; off: none", low=0, high=65535)
     metrics_host: str | None = setting(None, "address the /metrics port binds; unset: the same as --host")
+    metrics_unloaded_s: float = setting(
+        300.0, "how long /metrics keeps the series of a model version after it unloads; 0: not at all", "s", low=0
+    )
     health_port: int | None = setting(
         None, "plaintext port of the gRPC health service alone, for probes under mTLS; 0 picks one", low=0, high=65535
     )

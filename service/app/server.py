@@ -25,7 +25,7 @@ from service.batching import Clock
 from service.engine.keeper import ComputeHook
 from service.engine.readiness import State
 from service.logs import AcceptFailures
-from service.metrics import Metrics
+from service.metrics import Metrics, served_registry
 from service.proto import grpc_service_pb2 as pb
 from service.protocol.answer import Answering, Answers
 from service.protocol.auth import Access, BearerTokenInterceptor
@@ -227,7 +227,7 @@ def _milliseconds(seconds: float) -> int:
 
 async def _start_metrics(running: Running, settings: Settings, metrics: Metrics) -> None:
     assert settings.metrics_port is not None  # called only when the port is on
-    running.side.metrics = MetricsServer(metrics.registry)
+    running.side.metrics = MetricsServer(served_registry(metrics.registry, settings.metrics_unloaded_s))
     host = settings.metrics_host if settings.metrics_host is not None else settings.host
     try:
         running.metrics_port = await running.side.metrics.start(host, settings.metrics_port)

@@ -38,7 +38,7 @@ from service.app.launch import die_with_parent, free_ports, package_path, serve_
 from service.app.preflight import StartupError
 from service.budget import MIB
 from service.logs import AcceptFailures
-from service.metrics import LATENCY
+from service.metrics import LATENCY, served_registry
 from service.protocol.metrics_http import MetricsServer
 from service.protocol.peers import socket_path
 from service.resources import available_cpus, memory_limit_bytes
@@ -266,7 +266,7 @@ class Supervisor:
         stop = asyncio.Event()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
-        metrics = MetricsServer(self.merged.registry)
+        metrics = MetricsServer(served_registry(self.merged.registry, self.settings.metrics_unloaded_s))
         try:
             if self.settings.metrics_port is not None:
                 await metrics.start(self.settings.metrics_host or self.settings.host, self.settings.metrics_port)

@@ -255,11 +255,23 @@ def test_a_policy_naming_no_version_there_is_refused_and_the_serving_one_goes_on
         assert _version_of_answer(server.url) == "1"
 
 
-def test_a_load_call_reaches_every_worker(tmp_path: Path) -> None:
+def _versions_scraped(port: int) -> dict[str, set[str]]:
+    """Each model version the served /metrics names -> the families that name it."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
+        text = response.read().decode()
+    named: dict[str, set[str]] = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            if family.name != "python_info" and "version" in s.labels:
+                named.setdefault(s.labels["version"], set()).add(family.name)
+    return named
+
+
+def test_a_load_call_reaches_every_worker_and_the_old_versions_series_leave(tmp_path: Path) -> None:
     repo = tmp_path / "repo"
     _export(repo, 1)
     args = ["--model-repository", str(repo), "--model-control-mode", "explicit", "--load-model", "mha"]
-    server = ServerProcess([*args, "--backend", "ort-cpu", "--workers", "2"])
+    server = ServerProcess([*args, "--backend", "ort-cpu", "--workers", "2", "--metrics-unloaded-s", "0"])
     server.start(tmp_path / "server.log")
     try:
         _export(repo, 2)
@@ -277,6 +289,8 @@ def test_a_load_call_reaches_every_worker(tmp_path: Path) -> None:
             if s.name == "mha_model_info" and s.value == 1
         }
         assert serving == {("2", "0"), ("2", "1")}, serving
+        until(lambda: set(_versions_scraped(server.metrics_port)) == {"2"}, what="version 1's series leave")
+        assert {"nv_inference_count", "mha_model_info"} <= _versions_scraped(server.metrics_port)["2"]
     finally:
         assert server.terminate() == 0
 
@@ -285,11 +299,12 @@ def test_explicit_mode_starts_empty_loads_and_unloads_on_request(tmp_path: Path)
     repo = tmp_path / "repo"
     _export(repo, 1)
     settings = replace(
-        make_settings(tmp_path, http_port=0),
+        make_settings(tmp_path, http_port=0, metrics_port=0),
         model_dir=None,
         model_repository=repo,
         model_control_mode="explicit",
         backend="torch",
+        metrics_unloaded_s=0,
     )
     with ServerThread(settings) as server, grpc.insecure_channel(server.url) as channel:
         stub = pb_grpc.GRPCInferenceServiceStub(channel)
@@ -308,8 +323,10 @@ def test_explicit_mode_starts_empty_loads_and_unloads_on_request(tmp_path: Path)
         stub.RepositoryModelLoad(pb.RepositoryModelLoadRequest(model_name="mha"), timeout=120)
         assert stub.ModelReady(pb.ModelReadyRequest(name="mha", version="1")).ready
         assert _version_of_answer(server.url) == "1"
+        assert "nv_inference_count" in _versions_scraped(server.metrics_port)["1"]
         stub.RepositoryModelUnload(pb.RepositoryModelUnloadRequest(model_name="mha"), timeout=120)
         assert not stub.ModelReady(pb.ModelReadyRequest(name="mha", version="1")).ready
+        assert _versions_scraped(server.metrics_port) == {}  # unloaded: its series left /metrics
         with pytest.raises(grpc.RpcError) as refused:
             _version_of_answer(server.url)
         assert refused.value.code() == grpc.StatusCode.UNAVAILABLE

@@ -16,11 +16,11 @@ from pathlib import Path
 import grpc
 import numpy as np
 import pytest
-from prometheus_client import CollectorRegistry
+from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from service.client.client import InferenceError, MHAClient
-from service.metrics import Metrics
+from service.metrics import Metrics, UnloadedVersionsLeave, served_registry
 from service.protocol.metrics_http import IDLE_S
 from tests.support import ROOT, ServerThread, make_settings
 
@@ -273,3 +273,41 @@ def test_a_worker_that_cannot_write_its_exemplars_says_so_and_its_series_go_on(
     ((method, le, trace_id, seconds, when),) = json.loads(written.read_text())  # its bucket's latest
     assert (method, le, trace_id, seconds) == ("ModelInfer", 0.0025, "0af7651916cd43dd8448eb211c80319c", 0.002)
     assert when > 0
+
+
+def _labels(version: str) -> dict[str, str]:
+    model = {"name": "mha", "version": version, "d_model": "32", "n_head": "4", "max_seq_len": "64"}
+    return {**model, "causal": "true", "weights_sha256": "0" * 64, "verified": "true"}
+
+
+def test_an_unloaded_versions_series_leave_metrics_after_the_grace() -> None:
+    """Real series of two versions, read through what /metrics serves, on a clock the test moves:
+    an unloaded version's series stay for the grace, then leave; loaded again, they come back."""
+    now = [0.0]
+    metrics = Metrics(CollectorRegistry(auto_describe=True))
+    served = UnloadedVersionsLeave(metrics.registry, grace_s=60, clock=lambda: now[0])
+
+    def versions() -> set[str]:  # the model versions the served series name
+        served_samples = [s for f in served.collect() if f.name != "python_info" for s in f.samples]
+        return {s.labels["version"] for s in served_samples if "version" in s.labels}
+
+    for version in ("1", "2"):
+        metrics.versions.loaded(_labels(version))
+        metrics.triton.loaded(["mha", "mha_sequence"], version)
+        metrics.triton.requests("mha", version, [0.001], [])
+    metrics.triton.requests("mha", "3", [0.001], [])  # a version no mha_model_info names: kept
+    assert versions() == {"1", "2", "3"}
+    metrics.versions.unloaded(_labels("1"))
+    assert versions() == {"1", "2", "3"}  # a read finds it unloaded at 0: the grace begins
+    now[0] = 59.0
+    assert versions() == {"1", "2", "3"}
+    now[0] = 60.0
+    assert versions() == {"2", "3"}
+    text = generate_latest(served_registry(metrics.registry, 0)).decode()
+    assert 'version="1"' not in text
+    assert 'nv_inference_request_success{model="mha",version="2"} 1.0' in text
+    assert "process_cpu_seconds_total" in text and "python_info{" in text  # what names no model version stays
+    metrics.versions.loaded(_labels("1"))
+    assert versions() == {"1", "2", "3"}
+    metrics.versions.unloaded(_labels("1"))
+    assert "1" in versions()  # unloaded again: a new grace
