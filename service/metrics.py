@@ -25,7 +25,6 @@ from prometheus_client import (
 )
 from prometheus_client import disable_created_metrics as _disable_created
 from prometheus_client.metrics_core import Metric
-from prometheus_client.samples import Sample
 
 from service.batching import BatchEvent
 from service.ledger import Ledger
@@ -178,32 +177,35 @@ class TritonSeries:
 
 
 class UnloadedVersionsLeave:
-    """What `registry` collects, less the series of every model version unloaded at least
-    `grace_s` ago (a version is unloaded when each of its mha_model_info series reads 0), as
-    Triton drops an unloaded model's series. A server that follows a repository would otherwise
-    export about a hundred series of every version it ever served, for as long as it runs (a
-    worker's multiprocess files keep them). The grace lets scrapes read a version's last counts."""
+    """What `registry` collects, less the series of every model version not loaded for at least
+    `grace_s` (loaded: one of its mha_model_info series reads 1), as Triton drops an unloaded
+    model's series. A server that follows a repository would otherwise export about a hundred
+    series of every version it ever served, for as long as it runs: a worker's multiprocess files
+    keep them, those of a worker that died too (whose mha_model_info leaves with it, which is why
+    any version a series names counts, not only those mha_model_info names). The grace, counted
+    from the first read that finds a version not loaded, lets scrapes read its last counts."""
 
     def __init__(self, registry: CollectorRegistry, grace_s: float, clock: Callable[[], float] = time.monotonic):
         self._registry, self._grace_s, self._clock = registry, grace_s, clock
-        self._unloaded_since: dict[str, float] = {}  # version -> when a read first found it unloaded
+        self._idle_since: dict[str, float] = {}  # version -> when a read first found it not loaded
 
     def collect(self) -> Iterator[Metric]:
         families = list(self._registry.collect())
-        gone = self._gone(next((f.samples for f in families if f.name == MODEL_INFO), []))
-        for family in families:
-            if gone and family.name.startswith(OWN_FAMILIES):  # not python_info's version
-                family.samples = [s for s in family.samples if s.labels.get("version") not in gone]
-            yield family
+        own = [f for f in families if f.name.startswith(OWN_FAMILIES)]  # python_info has a version label too
+        gone = self._gone(own)
+        for family in own if gone else ():
+            family.samples = [s for s in family.samples if s.labels.get("version") not in gone]
+        yield from families
 
-    def _gone(self, info: list[Sample]) -> set[str]:
-        loaded = {s.labels["version"] for s in info if s.value}
+    def _gone(self, own: list[Metric]) -> set[str]:
+        named = {s.labels["version"] for f in own for s in f.samples if "version" in s.labels}
+        loaded = {s.labels["version"] for f in own if f.name == MODEL_INFO for s in f.samples if s.value}
         now = self._clock()
-        for version in {s.labels["version"] for s in info} - loaded:
-            self._unloaded_since.setdefault(version, now)
+        for version in named - loaded:
+            self._idle_since.setdefault(version, now)
         for version in loaded:  # loaded again
-            self._unloaded_since.pop(version, None)
-        return {version for version, since in self._unloaded_since.items() if now - since >= self._grace_s}
+            self._idle_since.pop(version, None)
+        return {version for version, since in self._idle_since.items() if now - since >= self._grace_s}
 
 
 def served_registry(registry: CollectorRegistry, unloaded_grace_s: float) -> CollectorRegistry:

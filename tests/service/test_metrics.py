@@ -281,8 +281,9 @@ def _labels(version: str) -> dict[str, str]:
 
 
 def test_an_unloaded_versions_series_leave_metrics_after_the_grace() -> None:
-    """Real series of two versions, read through what /metrics serves, on a clock the test moves:
-    an unloaded version's series stay for the grace, then leave; loaded again, they come back."""
+    """Real series of three versions, read through what /metrics serves, on a clock the test
+    moves: an unloaded version's series stay for the grace, then leave; loaded again, they come
+    back. A version whose mha_model_info left with a dead worker's files goes too."""
     now = [0.0]
     metrics = Metrics(CollectorRegistry(auto_describe=True))
     served = UnloadedVersionsLeave(metrics.registry, grace_s=60, clock=lambda: now[0])
@@ -295,19 +296,20 @@ def test_an_unloaded_versions_series_leave_metrics_after_the_grace() -> None:
         metrics.versions.loaded(_labels(version))
         metrics.triton.loaded(["mha", "mha_sequence"], version)
         metrics.triton.requests("mha", version, [0.001], [])
-    metrics.triton.requests("mha", "3", [0.001], [])  # a version no mha_model_info names: kept
-    assert versions() == {"1", "2", "3"}
+    metrics.triton.requests("mha", "3", [0.001], [])  # counted by a worker that died: no mha_model_info
+    assert versions() == {"1", "2", "3"}  # the grace of 3 begins
     metrics.versions.unloaded(_labels("1"))
-    assert versions() == {"1", "2", "3"}  # a read finds it unloaded at 0: the grace begins
-    now[0] = 59.0
-    assert versions() == {"1", "2", "3"}
+    now[0] = 1.0
+    assert versions() == {"1", "2", "3"}  # a read finds 1 unloaded at 1: its grace begins
     now[0] = 60.0
-    assert versions() == {"2", "3"}
+    assert versions() == {"1", "2"}
+    now[0] = 61.0
+    assert versions() == {"2"}
     text = generate_latest(served_registry(metrics.registry, 0)).decode()
     assert 'version="1"' not in text
     assert 'nv_inference_request_success{model="mha",version="2"} 1.0' in text
     assert "process_cpu_seconds_total" in text and "python_info{" in text  # what names no model version stays
     metrics.versions.loaded(_labels("1"))
-    assert versions() == {"1", "2", "3"}
+    assert versions() == {"1", "2"}
     metrics.versions.unloaded(_labels("1"))
-    assert "1" in versions()  # unloaded again: a new grace
+    assert versions() == {"1", "2"}  # unloaded again: a new grace
