@@ -1,9 +1,11 @@
 """JSON bodies, read strictly: a document is refused when it is not JSON, when an object gives a
-key twice, or when a string holds a lone surrogate. orjson reads a body first, about four times
-as fast as Python's json; where its reading could differ from the strict one (it refuses the
-body, keeps one of a key given twice, or reads an integer beyond 64 bits as a float), the strict
-reader reads the body again, so that every body is read, or refused, as the strict reader alone
-would: the fast reader only ever saves time."""
+key twice, or when a string holds a lone surrogate. orjson reads a body of up to 8 MiB first,
+about four times as fast as Python's json; where its reading could differ from the strict one
+(it refuses the body, keeps one of a key given twice, or reads an integer beyond 64 bits as a
+float), the strict reader reads the body again, so that every body is read, or refused, as the
+strict reader alone would: the fast reader only ever saves time. A larger body goes to the
+strict reader alone: orjson first builds a tree of 16 bytes a value, which for a body of short
+numbers is several times the body's size, beyond what the in-flight budget counts for it."""
 
 from __future__ import annotations
 
@@ -20,6 +22,7 @@ from service.errors import InvalidInput, quote
 SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")  # a JSON escape of a surrogate code point, paired or not
 STRING = re.compile(rb'"(?:[^"\\]|\\.)*"(\s*:)?')  # a JSON string, and the colon that makes it a key
 WIDENED = 2.0**63  # orjson reads an integer outside [-2**63, 2**64) as a float, json as an int
+FAST_MAX_BYTES = 8 << 20  # larger bodies: the strict reader alone (orjson's tree, 16 bytes a value, is not budgeted)
 NUMBERS = {int, float}
 
 
@@ -29,34 +32,36 @@ class _KeyTwice(Exception):
         self.key = key
 
 
-class _ReadAgain(Exception):
-    """orjson's reading may not be the strict reader's."""
+class _Widened(Exception):
+    """A number that may be an integer orjson read as a float."""
+
+
+READ_AGAIN = object()  # what the fast reader returns where its reading may not be the strict one
 
 
 def parse_json(data: bytes, what: str) -> Any:
     """The document, as the strict reader reads it; refused in its words."""
-    try:
-        return _read_fast(data)
-    except _ReadAgain:
-        return read_strictly(data, what)
+    doc = _read_fast(data)
+    # orjson's document is gone before the strict reader reads: a body never holds two at once
+    return read_strictly(data, what) if doc is READ_AGAIN else doc
 
 
 def _read_fast(data: bytes) -> Any:
+    if len(data) > FAST_MAX_BYTES:  # "[0,0,...]" would make a tree 8 times the body's size
+        return READ_AGAIN
     try:
         doc = orjson.loads(data)  # refuses a lone surrogate, as the strict reader does
         # the document is JSON, so each string starts at the next quote: its keys are the strings
         # followed by a colon, and every one is in the document unless an object gave it twice
         written = sum(1 for colon in STRING.findall(data) if colon)
-        if _keys_held(doc) != written:
-            raise _ReadAgain
-    except (ValueError, RecursionError) as exc:  # orjson refused it; deeper than Python recurses
-        raise _ReadAgain from exc
-    return doc
+        return doc if _keys_held(doc) == written else READ_AGAIN
+    except (ValueError, RecursionError, _Widened):  # refused by orjson; deeper than Python recurses
+        return READ_AGAIN
 
 
 def _keys_held(value: Any) -> int:
-    """How many keys the objects in `value` hold; _ReadAgain where a number in it may be an
-    integer that orjson widened to a float."""
+    """How many keys the objects in `value` hold; _Widened where a number in it may be an
+    integer that orjson read as a float."""
     kind = type(value)
     if kind is dict:
         return len(value) + sum(map(_keys_held, value.values()))
@@ -65,10 +70,10 @@ def _keys_held(value: Any) -> int:
         if not kinds <= NUMBERS:
             return sum(map(_keys_held, value))
         if float in kinds and not -WIDENED < min(value) <= max(value) < WIDENED:
-            raise _ReadAgain
+            raise _Widened
         return 0
     if kind is float and not -WIDENED < value < WIDENED:
-        raise _ReadAgain
+        raise _Widened
     return 0
 
 
