@@ -120,7 +120,8 @@ def exemplars_file(worker: int) -> str:
 
 class ExemplarsMerged:
     """The workers' multiprocess files merged by prometheus-client's collector, each latency
-    bucket with the latest exemplar any worker wrote for it (the merge itself keeps none)."""
+    bucket with the latest exemplar any worker wrote for it (the merge itself keeps none), and
+    each histogram only with the label sets whose buckets are whole."""
 
     def __init__(self, directory: Path) -> None:
         self.directory = directory
@@ -129,6 +130,8 @@ class ExemplarsMerged:
     def collect(self) -> Iterator[Metric]:
         exemplars = self._exemplars()
         for family in self._merged.collect():
+            if family.type == "histogram":
+                family.samples = _whole_histograms(family.samples)
             if family.name == LATENCY and exemplars:
                 family.samples = [_with_exemplar(sample, exemplars) for sample in family.samples]
             yield family
@@ -148,6 +151,19 @@ class ExemplarsMerged:
                 if latest.get((method, le), (-1.0,))[0] < when:
                     latest[method, le] = (when, Exemplar({"trace_id": trace_id}, seconds, when))
         return {key: exemplar for key, (_, exemplar) in latest.items()}
+
+
+def _whole_histograms(samples: list[Sample]) -> list[Sample]:
+    """A histogram's samples, less those of a label set whose +Inf bucket is not in the files yet:
+    a worker writes a new label set's sum and buckets one by one, and a merge that reads it half
+    written would serve buckets without +Inf and a count short of it (invalid OpenMetrics, which
+    a scraper may refuse whole). The label set comes at the next scrape, whole."""
+    whole = {_without_le(s) for s in samples if s.name.endswith("_bucket") and s.labels.get("le") == "+Inf"}
+    return [s for s in samples if _without_le(s) in whole]
+
+
+def _without_le(sample: Sample) -> tuple[tuple[str, str], ...]:
+    return tuple(sorted((k, v) for k, v in sample.labels.items() if k != "le"))
 
 
 def _with_exemplar(sample: Sample, exemplars: dict[tuple[str, float], Exemplar]) -> Sample:

@@ -8,9 +8,21 @@ import tempfile
 from pathlib import Path
 
 import pytest
+from prometheus_client import CollectorRegistry
+from prometheus_client.mmap_dict import MmapedDict, mmap_key
+from prometheus_client.openmetrics import exposition as openmetrics
+from prometheus_client.openmetrics import parser as openmetrics_parser
 
 from service.app.preflight import StartupError, check_shared_ports
-from service.app.supervisor import SOCKET_PATH_BYTES, Silence, Supervisor, Worker, sockets_directory, with_shared_ports
+from service.app.supervisor import (
+    SOCKET_PATH_BYTES,
+    ExemplarsMerged,
+    Silence,
+    Supervisor,
+    Worker,
+    sockets_directory,
+    with_shared_ports,
+)
 from service.protocol.peers import socket_path
 from tests.support import free_ports, make_settings
 
@@ -93,3 +105,33 @@ def test_workers_refuse_two_listeners_on_one_port(ports: dict, says: str) -> Non
     with pytest.raises(StartupError, match=f"{says} {given[next(iter(given))]}; give each its own port"):
         check_shared_ports(settings)
     check_shared_ports(make_settings(Path("unused"), grpc_port=grpc_port, http_port=http_port))  # distinct: fine
+
+
+def test_a_histogram_label_set_half_written_by_a_worker_waits_for_the_next_scrape(tmp_path: Path) -> None:
+    """A worker writes a new label set's sum and buckets into its file one by one; the merge of a
+    scrape that reads between them serves that set only once its +Inf bucket is there."""
+    bounds = ["0.1", "1.0", "+Inf"]
+    labels = {"model": "mha", "version": "1"}
+    file = MmapedDict(str(tmp_path / "histogram_7.db"))
+
+    def write(version: str, les: list[str]) -> None:
+        names, values = ["model", "version"], ["mha", version]
+        file.write_value(mmap_key("mha_h", "mha_h_sum", names, values, "h"), 0.5, 0.0)
+        for le in les:
+            file.write_value(mmap_key("mha_h", "mha_h_bucket", [*names, "le"], [*values, le], "h"), 1.0, 0.0)
+
+    write("1", bounds)
+    write("2", bounds[:2])  # the scrape came before the worker wrote +Inf
+    merged = ExemplarsMerged(tmp_path)
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(merged)  # type: ignore[arg-type]
+    text = openmetrics.generate_latest(registry).decode()
+    [family] = [f for f in openmetrics_parser.text_string_to_metric_families(text) if f.name == "mha_h"]
+    assert {s.labels["version"] for s in family.samples} == {"1"}
+    assert {(s.name, s.labels.get("le"), s.value) for s in family.samples if s.labels == {**labels, "le": "+Inf"}} == {
+        ("mha_h_bucket", "+Inf", 3.0)
+    }
+    write("2", ["+Inf"])  # whole: the next scrape serves it
+    [family] = [f for f in merged.collect() if f.name == "mha_h"]
+    assert {s.labels["version"] for s in family.samples} == {"1", "2"}
+    file.close()
