@@ -98,6 +98,9 @@ def test_what_orjson_would_read_otherwise_is_read_again_and_the_rest_is_not() ->
         assert http_json._read_fast(text.encode()) is http_json.READ_AGAIN, text
     largest = b"[" + b" " * (http_json.FAST_MAX_BYTES - 2) + b"]"
     assert http_json._read_fast(largest) == [] and http_json._read_fast(largest + b" ") is http_json.READ_AGAIN
-    escaped = json.dumps(['"' * http_json.FAST_MAX_ESCAPES]).encode()  # a string of escapes: a regex step each
-    assert http_json._read_fast(escaped) == ['"' * http_json.FAST_MAX_ESCAPES]
-    assert http_json._read_fast(escaped.replace(b"[", b'["\\n", ')) is http_json.READ_AGAIN
+    for byte, most in http_json.FAST_MAX_STEPS.items():  # a body of many strings, escapes or containers
+        item = {b'"': b'"a"', b"\\": b'"\\n"', b"[": b"[]", b"{": b"{}"}[byte]
+        body = b"[" + b",".join([item] * ((most - 1) // item.count(byte))) + b"]"  # at most `most`
+        assert body.count(byte) <= most and http_json._read_fast(body) == json.loads(body), byte
+        more = body[:-1] + b"," + b",".join([item] * 2) + b"]"
+        assert more.count(byte) > most and http_json._read_fast(more) is http_json.READ_AGAIN, byte
