@@ -83,8 +83,8 @@ def test_two_workers_share_the_port_add_up_restart_and_drain(small_model_dir: Pa
         assert own <= SUPERVISOR_BYTES, f"the supervisor holds {own / 2**20:.0f} MiB of its own"
         assert _compute_libraries(started[0][0]), "the check must see a worker's ONNX Runtime and PyTorch"
         x = np.ones((1, 3, 32), np.float32)
-        for _ in range(40):  # a channel each: the kernel spreads connections over the workers
-            with MHAClient(server.url) as client:
+        for _ in range(40):  # a connection each (not gRPC's shared one): the kernel spreads them
+            with MHAClient(server.url, own_connection=True) as client:
                 client.infer(x)
         _until(lambda: _ok(_samples(server.metrics_port)) == 40)  # each worker writes its series within 0.25 s
         per_worker = [_ok(_samples(port)) for _, port in started.values()]
@@ -360,8 +360,8 @@ def test_latency_exemplars_reach_the_merged_metrics_of_several_workers(small_mod
         server.start(tmp_path / "server.log")
         try:
             _until(lambda: _ready_workers(server) == 2)
-            for _ in range(20):  # a channel each: both workers serve some
-                with MHAClient(server.url) as client:
+            for _ in range(20):  # a connection each (not gRPC's shared one): both workers serve some
+                with MHAClient(server.url, own_connection=True) as client:
                     client.infer(np.ones((1, 3, 32), np.float32))
             found: dict[str, str] = {}
 
