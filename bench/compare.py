@@ -568,7 +568,6 @@ def main() -> int:
             "--cases, --servers, --base and --max-steal shape an interleaved comparison: give --runs 2 or more"
         )
     model_dir, cpus = args.model_dir.resolve(), args.server_cpus
-    os.environ.setdefault("ORT_DISABLE_TELEMETRY", "1")  # every server's ONNX Runtime as mha-serve's (no uploads)
     machine = f"{socket.gethostname()}: {len(os.sched_getaffinity(0))} CPUs, {common.idle_policy()}"
     machine += f"; mha-serve's default processes and the floors': {mha_serve_processes()}"
     machine += "; clients on connections of their own, unless the case says one channel"
