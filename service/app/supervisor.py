@@ -125,11 +125,10 @@ class ExemplarsMerged:
 
     def __init__(self, directory: Path) -> None:
         self.directory = directory
-        self._merged = MultiProcessCollector(None, str(directory))
 
     def collect(self) -> Iterator[Metric]:
         exemplars = self._exemplars()
-        for family in self._merged.collect():
+        for family in MultiProcessCollector.merge(_written_files(self.directory)):
             if family.type == "histogram":
                 family.samples = _whole_histograms(family.samples)
             if family.name == LATENCY and exemplars:
@@ -151,6 +150,24 @@ class ExemplarsMerged:
                 if latest.get((method, le), (-1.0,))[0] < when:
                     latest[method, le] = (when, Exemplar({"trace_id": trace_id}, seconds, when))
         return {key: exemplar for key, (_, exemplar) in latest.items()}
+
+
+MMAP_HEADER_BYTES = 8  # a multiprocess file's first bytes: how much of it is written
+
+
+def _written_files(directory: Path) -> list[str]:
+    """The workers' multiprocess files that have their header: a worker that starts (or restarts)
+    creates each file empty and sizes it a moment later, and the library's reader fails on an
+    empty file (the whole scrape would answer 500). A file left out now comes at the next scrape;
+    a file removed meanwhile (a dead worker's live gauges) the merge itself passes over."""
+    written = []
+    for path in directory.glob("*.db"):
+        try:
+            if path.stat().st_size >= MMAP_HEADER_BYTES:
+                written.append(str(path))
+        except FileNotFoundError:
+            continue
+    return written
 
 
 def _whole_histograms(samples: list[Sample]) -> list[Sample]:

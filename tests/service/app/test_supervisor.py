@@ -135,3 +135,22 @@ def test_a_histogram_label_set_half_written_by_a_worker_waits_for_the_next_scrap
     [family] = [f for f in merged.collect() if f.name == "mha_h"]
     assert {s.labels["version"] for s in family.samples} == {"1", "2"}
     file.close()
+
+
+def test_a_multiprocess_file_a_worker_has_just_created_waits_for_the_next_scrape(tmp_path: Path) -> None:
+    """A worker that restarts creates its files empty and sizes them a moment later: a scrape in
+    between serves the other workers' series (the library's reader alone fails on the empty file,
+    and the whole scrape would answer 500), and the new worker's once its file is written."""
+    names, values = ["model", "version"], ["mha", "1"]
+    running = MmapedDict(str(tmp_path / "counter_7.db"))
+    running.write_value(mmap_key("mha_c", "mha_c_total", names, values, "c"), 3.0, 0.0)
+    (tmp_path / "counter_8.db").touch()  # the restarted worker's, not sized yet
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(ExemplarsMerged(tmp_path))  # type: ignore[arg-type]
+    text = openmetrics.generate_latest(registry).decode()
+    assert 'mha_c_total{model="mha",version="1"} 3.0' in text
+    restarted = MmapedDict(str(tmp_path / "counter_8.db"))  # sized and written: the next scrape adds it
+    restarted.write_value(mmap_key("mha_c", "mha_c_total", names, values, "c"), 2.0, 0.0)
+    assert 'mha_c_total{model="mha",version="1"} 5.0' in openmetrics.generate_latest(registry).decode()
+    running.close()
+    restarted.close()
