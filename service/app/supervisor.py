@@ -94,8 +94,9 @@ class WorkerProcesses:
     """Each live worker's process_* series (memory, CPU, open files), labelled by worker: a
     prometheus-client collector over the library's own ProcessCollector."""
 
-    def __init__(self, workers: Sequence[Worker]) -> None:
+    def __init__(self, workers: Sequence[Worker], proc: str = "/proc") -> None:
         self._workers = workers
+        self._proc = proc
 
     def collect(self) -> Iterator[Metric]:
         families: dict[str, Metric] = {}
@@ -103,11 +104,22 @@ class WorkerProcesses:
             process = worker.process
             if process is None or process.returncode is not None:
                 continue
-            for family in ProcessCollector(pid=partial(int, process.pid), registry=None).collect():
+            for family in self._read(worker.index, process.pid):
                 merged = families.setdefault(family.name, Metric(family.name, family.documentation, family.type))
                 for sample in family.samples:
                     merged.add_sample(sample.name, {**sample.labels, "worker": str(worker.index)}, sample.value)
         yield from families.values()
+
+    def _read(self, index: int, pid: int) -> list[Metric]:
+        """One worker's process series, or none this scrape where /proc cannot say: the library's
+        reader fails (rather than skip) on a process being reaped as it reads, whose `limits`
+        reads empty, and on a `limits` it does not know; the other workers' series, and every
+        other family, are served all the same."""
+        try:
+            return list(ProcessCollector(pid=partial(int, pid), proc=self._proc, registry=None).collect())
+        except (NameError, ValueError, IndexError) as exc:  # NameError: its max_fds never set
+            log.debug("worker %d's process series left out of this scrape: %r", index, exc)
+            return []
 
 
 EXEMPLARS = "exemplars-{}.json"  # in the workers' metrics folder: a worker's latency exemplars

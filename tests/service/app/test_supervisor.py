@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import os
+import shutil
 import socket
+import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
@@ -20,6 +24,7 @@ from service.app.supervisor import (
     Silence,
     Supervisor,
     Worker,
+    WorkerProcesses,
     sockets_directory,
     with_shared_ports,
 )
@@ -154,3 +159,26 @@ def test_a_multiprocess_file_a_worker_has_just_created_waits_for_the_next_scrape
     assert 'mha_c_total{model="mha",version="1"} 5.0' in openmetrics.generate_latest(registry).decode()
     running.close()
     restarted.close()
+
+
+def test_a_worker_whose_proc_files_read_empty_leaves_only_its_own_process_series(tmp_path: Path) -> None:
+    """/proc as the supervisor reads it while a worker is being reaped: its `limits` reads empty.
+    The library's reader then fails; the scrape serves the other worker's series all the same."""
+    sleepers = [subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"]) for _ in range(2)]
+    try:
+        shutil.copy("/proc/stat", tmp_path / "stat")  # the boot time
+        for sleeper, limits in zip(sleepers, [Path(f"/proc/{sleepers[0].pid}/limits").read_bytes(), b""], strict=True):
+            (tmp_path / str(sleeper.pid) / "fd").mkdir(parents=True)
+            shutil.copy(f"/proc/{sleeper.pid}/stat", tmp_path / str(sleeper.pid) / "stat")
+            (tmp_path / str(sleeper.pid) / "limits").write_bytes(limits)
+        workers = [Worker(i, 0, process=sleeper) for i, sleeper in enumerate(sleepers)]  # type: ignore[arg-type]
+        registry = CollectorRegistry(auto_describe=False)
+        registry.register(WorkerProcesses(workers, proc=str(tmp_path)))  # type: ignore[arg-type]
+        text = openmetrics.generate_latest(registry).decode()
+        families = {f.name: f for f in openmetrics_parser.text_string_to_metric_families(text)}
+        assert {s.labels["worker"] for s in families["process_resident_memory_bytes"].samples} == {"0"}
+        assert families["process_max_fds"].samples[0].value == float(os.sysconf("SC_OPEN_MAX"))
+    finally:
+        for sleeper in sleepers:
+            sleeper.kill()
+            sleeper.wait()
