@@ -247,7 +247,7 @@ def test_monitoring_runbooks_moves_every_alerts_runbook_url_and_nothing_else() -
     assert [link["url"] for link in dashboard["links"]] == [page]  # the dashboard's link to them too
     moved = _of(docs, "PrometheusRule")
     alerts = [r for g in moved["spec"]["groups"] for r in g["rules"] if "alert" in r]
-    assert len(alerts) == 20 and all(r["annotations"]["runbook_url"] == f"{page}#{r['alert'].lower()}" for r in alerts)
+    assert len(alerts) == 21 and all(r["annotations"]["runbook_url"] == f"{page}#{r['alert'].lower()}" for r in alerts)
     ours = copy.deepcopy(by_kind("cpu-prometheus", "PrometheusRule")["spec"])  # by_kind's renders are shared
     for group in ours["groups"]:
         for rule in group["rules"]:
