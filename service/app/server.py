@@ -227,7 +227,7 @@ def _milliseconds(seconds: float) -> int:
 
 async def _start_metrics(running: Running, settings: Settings, metrics: Metrics) -> None:
     assert settings.metrics_port is not None  # called only when the port is on
-    running.side.metrics = MetricsServer(served_registry(metrics.registry, settings.metrics_unloaded_s))
+    running.side.metrics = MetricsServer(served_registry(metrics.registry, settings.metrics_unloaded_s, metrics.forget))
     host = settings.metrics_host if settings.metrics_host is not None else settings.host
     try:
         running.metrics_port = await running.side.metrics.start(host, settings.metrics_port)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import gc
 import json
+import re
 import shutil
 import subprocess
 import threading
@@ -291,6 +292,12 @@ def test_a_load_call_reaches_every_worker_and_the_old_versions_series_leave(tmp_
         assert serving == {("2", "0"), ("2", "1")}, serving
         until(lambda: set(_versions_scraped(server.metrics_port)) == {"2"}, what="version 1's series leave")
         assert {"nv_inference_count", "mha_model_info"} <= _versions_scraped(server.metrics_port)["2"]
+        for port in re.findall(r"worker \d+ started \(pid \d+, metrics 127\.0\.0\.1:(\d+)\)", server.log()):
+            # each worker's own registry (its watchdog's reads) drops version 1 too, without a word
+            until(lambda port=port: set(_versions_scraped(int(port))) == {"2"}, what="a worker forgets version 1")
+        assert {_version_of_answer(server.url) for _ in range(16)} == {"2"}
+        assert {"nv_inference_count", "mha_model_info"} <= _versions_scraped(server.metrics_port)["2"]
+        assert "Removal of labels" not in server.log()
     finally:
         assert server.terminate() == 0
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import hashlib
 import json
 import socket
@@ -19,6 +20,7 @@ import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
+from service.batching import BatchEvent
 from service.client.client import InferenceError, MHAClient
 from service.metrics import Metrics, UnloadedVersionsLeave, served_registry
 from service.protocol.metrics_http import IDLE_S
@@ -313,3 +315,37 @@ def test_an_unloaded_versions_series_leave_metrics_after_the_grace() -> None:
     assert versions() == {"1", "2"}
     metrics.versions.unloaded(_labels("1"))
     assert versions() == {"1", "2"}  # unloaded again: a new grace
+
+
+def test_versions_gone_from_metrics_leave_the_registry_and_come_back_from_zero() -> None:
+    """A server that follows a repository, 30 versions in turn: once a version's series have left
+    /metrics, the registry drops them too, so that it holds those of the version loaded only, not
+    of every version it served (each read collects them all). Loaded again, a version counts from
+    zero, a counter reset to Prometheus."""
+    now = [0.0]
+    metrics = Metrics(CollectorRegistry(auto_describe=True))
+    served = UnloadedVersionsLeave(metrics.registry, grace_s=60, clock=lambda: now[0], forget=metrics.forget)
+
+    def held() -> collections.Counter[str]:  # series the registry itself holds, by version
+        samples = [s for f in metrics.registry.collect() if f.name.startswith(("mha_", "nv_")) for s in f.samples]
+        return collections.Counter(s.labels["version"] for s in samples if "version" in s.labels)
+
+    def serve(version: str) -> None:
+        metrics.versions.loaded(_labels(version))
+        metrics.triton.loaded(["mha", "mha_sequence"], version)
+        metrics.triton.requests("mha", version, [0.001], [])
+        metrics.requests.observe_answers("mha", version, 64, [0.001])
+        metrics.requests.observe_batches([(BatchEvent(1, 1, (64,), 0, 0.001, 0.001, "ort-cpu"), "mha", version)])
+
+    serve("1")
+    one_version = held()["1"]
+    for n in range(2, 31):
+        serve(str(n))
+        metrics.versions.unloaded(_labels(str(n - 1)))
+        list(served.collect())  # the grace of n - 1 begins
+        now[0] += 61
+        list(served.collect())  # over: its series leave, and the registry forgets them
+    assert held() == {"30": one_version}
+    serve("1")  # loaded again
+    assert metrics.registry.get_sample_value("nv_inference_request_success", {"model": "mha", "version": "1"}) == 1.0
+    assert held()["1"] == one_version
