@@ -532,7 +532,7 @@ class Metrics:
         """Drop every series of model version `version` from the registry, once /metrics has left
         it out for the grace (UnloadedVersionsLeave): a server that follows a repository would
         otherwise hold every version it ever served, and collect them all at each read (at 1,000
-        versions, 0.49 s a read on the event loop, and 93 MiB). A lone server counts a version
+        versions, 0.39 s a read on the event loop, and 77 MiB: docs/benchmarks.md). A lone server counts a version
         loaded again from zero (a counter reset, to Prometheus). A worker's multiprocess files
         keep the values (prometheus-client removes nothing from them, and warns so), which the
         supervisor's merge leaves out; loaded again, the version counts on from them."""
