@@ -532,10 +532,11 @@ class Metrics:
         """Drop every series of model version `version` from the registry, once /metrics has left
         it out for the grace (UnloadedVersionsLeave): a server that follows a repository would
         otherwise hold every version it ever served, and collect them all at each read (at 1,000
-        versions, 0.39 s a read on the event loop, and 77 MiB: docs/benchmarks.md). A lone server counts a version
-        loaded again from zero (a counter reset, to Prometheus). A worker's multiprocess files
-        keep the values (prometheus-client removes nothing from them, and warns so), which the
-        supervisor's merge leaves out; loaded again, the version counts on from them."""
+        versions, 0.39 s a read on the event loop, and 77 MiB: docs/benchmarks.md). A lone
+        server counts a version loaded again from zero (a counter reset, to Prometheus). A
+        worker's multiprocess files keep the values (prometheus-client removes nothing from them,
+        and warns so), which the supervisor's merge leaves out; loaded again, the version counts
+        on from them."""
         for series in (*self.triton.versioned(), *self.requests.versioned(), *self.versions.versioned()):
             series.remove_by_labels({"version": version})
 
