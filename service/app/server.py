@@ -10,6 +10,7 @@ import signal
 import sys
 import time
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 
 import grpc
@@ -23,6 +24,7 @@ from service.app.preflight import StartupError, check_port, host_port, port_erro
 from service.app.supervisor import MULTIPROC_ENV, exemplars_file
 from service.batching import Clock
 from service.engine.keeper import ComputeHook
+from service.engine.publishing import Publisher
 from service.engine.readiness import State
 from service.logs import AcceptFailures
 from service.metrics import Metrics, served_registry
@@ -225,9 +227,16 @@ def _milliseconds(seconds: float) -> int:
     return max(1, round(seconds * 1000))
 
 
+def _forget_version(metrics: Metrics, publish: Publisher, version: str) -> None:
+    """A version unloaded for the metrics' grace: its series and its statistics go together."""
+    metrics.forget(version)
+    publish.forget(version)
+
+
 async def _start_metrics(running: Running, settings: Settings, metrics: Metrics) -> None:
     assert settings.metrics_port is not None  # called only when the port is on
-    running.side.metrics = MetricsServer(served_registry(metrics.registry, settings.metrics_unloaded_s, metrics.forget))
+    forget = partial(_forget_version, metrics, running.engine.publish)
+    running.side.metrics = MetricsServer(served_registry(metrics.registry, settings.metrics_unloaded_s, forget))
     host = settings.metrics_host if settings.metrics_host is not None else settings.host
     try:
         running.metrics_port = await running.side.metrics.start(host, settings.metrics_port)

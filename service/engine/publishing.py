@@ -75,6 +75,13 @@ class Publisher:
             self._stats[key] = ModelStats()
         return self._stats[key]
 
+    def forget(self, version: str) -> None:
+        """A version's statistics go, with its series (Metrics.forget), once it has been unloaded
+        for the metrics' grace: no statistics answer names it, and a server that follows a
+        repository would keep two entries (about 4 KB each) of every version it ever served."""
+        for steps in (False, True):
+            self._stats.pop((version, steps), None)
+
     def batch(self, event: BatchEvent, chain: BackendChain, version: str, steps: bool = False) -> None:
         """A batch, of stateless requests or decode steps: a sticky device error in it stops the
         server (DeviceHealth) at once; it is written in the ledger; the serving backends are

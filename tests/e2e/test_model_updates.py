@@ -341,6 +341,12 @@ def test_explicit_mode_starts_empty_loads_and_unloads_on_request(tmp_path: Path)
         with pytest.raises(grpc.RpcError) as unknown:
             stub.RepositoryModelLoad(pb.RepositoryModelLoadRequest(model_name="gpt"), timeout=10)
         assert unknown.value.code() == grpc.StatusCode.NOT_FOUND
+        stub.RepositoryModelLoad(pb.RepositoryModelLoadRequest(model_name="mha"), timeout=120)
+        statistics = stub.ModelStatistics(pb.ModelStatisticsRequest(name="mha", version="1")).model_stats
+        assert [s.inference_count for s in statistics] == [0]  # loaded again: its books begin anew
+        assert _version_of_answer(server.url) == "1"
+        statistics = stub.ModelStatistics(pb.ModelStatisticsRequest(name="mha", version="1")).model_stats
+        assert [s.inference_count for s in statistics] == [1]
 
 
 def test_without_model_control_the_load_calls_say_how_to_turn_it_on(small_model_dir: Path) -> None:
