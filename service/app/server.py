@@ -49,6 +49,7 @@ log = logging.getLogger(__name__)
 
 INFERENCE_SERVICE = pb.DESCRIPTOR.services_by_name["GRPCInferenceService"].full_name  # inference.GRPCInferenceService
 HEALTH_SERVICES = ("", INFERENCE_SERVICE)
+FORGET_EVERY_S = 60.0  # how often a server that follows a repository looks for unloaded versions
 METRICS_REFRESH_S = 0.25  # a worker of several: how often its metrics reach its multiprocess files
 PEERS_POLL_S = 0.05  # a worker of several, loaded: how often it looks for the others before it serves
 
@@ -129,8 +130,12 @@ async def start(
         running.handover = Handover(local, answers, calls)
         if engine.life.state is not State.LOADING:  # else once it has loaded: its socket says it has
             await running.handover.start(socket_path(peers.directory, peers.index))
+    served = _served(running, settings, metrics)
     if settings.metrics_port is not None:
-        await _start_metrics(running, settings, metrics)
+        await _start_metrics(running, settings, served)
+    if settings.model_repository is not None:  # versions come and go, whether or not anything scrapes
+        forgetting = _forget_unloaded(served, settings.metrics_unloaded_s)
+        running.tasks.add(asyncio.get_running_loop().create_task(forgetting))
     if settings.health_port is not None:
         await _start_health_port(running, settings)
     if settings.http_port is not None:
@@ -233,10 +238,27 @@ def _forget_version(metrics: Metrics, publish: Publisher, version: str) -> None:
     publish.forget(version)
 
 
-async def _start_metrics(running: Running, settings: Settings, metrics: Metrics) -> None:
-    assert settings.metrics_port is not None  # called only when the port is on
+def _served(running: Running, settings: Settings, metrics: Metrics) -> CollectorRegistry:
+    """What /metrics serves; each read forgets the versions unloaded for the grace."""
     forget = partial(_forget_version, metrics, running.engine.publish)
-    running.side.metrics = MetricsServer(served_registry(metrics.registry, settings.metrics_unloaded_s, forget))
+    return served_registry(metrics.registry, settings.metrics_unloaded_s, forget)
+
+
+async def _forget_unloaded(served: CollectorRegistry, grace_s: float) -> None:
+    """Reads of `served` are what forget an unloaded version's series and statistics; without a
+    metrics port, or with nothing that scrapes it, none would come, and a server that follows a
+    repository would keep about 86 KB of every version. Read it every FORGET_EVERY_S (the grace,
+    if shorter; 1 s at least); scrapes come on the same loop, so the two never overlap."""
+    period = max(1.0, min(grace_s, FORGET_EVERY_S))
+    while True:
+        await asyncio.sleep(period)
+        for _ in served.collect():
+            pass
+
+
+async def _start_metrics(running: Running, settings: Settings, served: CollectorRegistry) -> None:
+    assert settings.metrics_port is not None  # called only when the port is on
+    running.side.metrics = MetricsServer(served)
     host = settings.metrics_host if settings.metrics_host is not None else settings.host
     try:
         running.metrics_port = await running.side.metrics.start(host, settings.metrics_port)

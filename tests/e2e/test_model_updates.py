@@ -349,6 +349,35 @@ def test_explicit_mode_starts_empty_loads_and_unloads_on_request(tmp_path: Path)
         assert [s.inference_count for s in statistics] == [1]
 
 
+def _versions_held(server: ServerThread) -> set[str]:
+    """The versions the server's registry holds series of, whether or not /metrics serves them."""
+    return {s.labels["version"] for f in server.registry.collect() for s in f.samples if "version" in s.labels}
+
+
+@pytest.mark.parametrize("metrics_port", [None, 0], ids=["no-metrics-port", "never-scraped"])
+def test_unloaded_versions_are_forgotten_when_nothing_scrapes(tmp_path: Path, metrics_port: int | None) -> None:
+    repo = tmp_path / "repo"
+    _export(repo, 1)
+    settings = replace(
+        make_settings(tmp_path, metrics_port=metrics_port),  # no scrape ever reads the registry
+        model_dir=None,
+        model_repository=repo,
+        model_control_mode="explicit",
+        backend="torch",
+        metrics_unloaded_s=0,
+    )
+    with ServerThread(settings) as server, grpc.insecure_channel(server.url) as channel:
+        stub = pb_grpc.GRPCInferenceServiceStub(channel)
+        stub.RepositoryModelLoad(pb.RepositoryModelLoadRequest(model_name="mha"), timeout=120)
+        assert _version_of_answer(server.url) == "1"
+        assert "1" in _versions_held(server)
+        stub.RepositoryModelUnload(pb.RepositoryModelUnloadRequest(model_name="mha"), timeout=120)
+        _until(lambda: "1" not in _versions_held(server), what="version 1's series are forgotten")
+        stub.RepositoryModelLoad(pb.RepositoryModelLoadRequest(model_name="mha"), timeout=120)
+        statistics = stub.ModelStatistics(pb.ModelStatisticsRequest(name="mha", version="1")).model_stats
+        assert [s.inference_count for s in statistics] == [0]  # its statistics went with them
+
+
 def test_without_model_control_the_load_calls_say_how_to_turn_it_on(small_model_dir: Path) -> None:
     with ServerThread(make_settings(small_model_dir)) as server, grpc.insecure_channel(server.url) as channel:
         stub = pb_grpc.GRPCInferenceServiceStub(channel)
