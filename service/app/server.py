@@ -9,6 +9,7 @@ import shutil
 import signal
 import sys
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
@@ -134,7 +135,7 @@ async def start(
     if settings.metrics_port is not None:
         await _start_metrics(running, settings, served)
     if settings.model_repository is not None:  # versions come and go, whether or not anything scrapes
-        forgetting = _forget_unloaded(served, settings.metrics_unloaded_s)
+        forgetting = forget_unloaded(served, settings.metrics_unloaded_s)
         running.tasks.add(asyncio.get_running_loop().create_task(forgetting))
     if settings.health_port is not None:
         await _start_health_port(running, settings)
@@ -244,16 +245,21 @@ def _served(running: Running, settings: Settings, metrics: Metrics) -> Collector
     return served_registry(metrics.registry, settings.metrics_unloaded_s, forget)
 
 
-async def _forget_unloaded(served: CollectorRegistry, grace_s: float) -> None:
+async def forget_unloaded(
+    served: CollectorRegistry, grace_s: float, sleep: Callable[[float], Awaitable[None]] = asyncio.sleep
+) -> None:
     """Reads of `served` are what forget an unloaded version's series and statistics; without a
     metrics port, or with nothing that scrapes it, none would come, and a server that follows a
     repository would keep about 86 KB of every version. Read it every FORGET_EVERY_S (the grace,
     if shorter; 1 s at least); scrapes come on the same loop, so the two never overlap."""
     period = max(1.0, min(grace_s, FORGET_EVERY_S))
     while True:
-        await asyncio.sleep(period)
-        for _ in served.collect():
-            pass
+        await sleep(period)
+        try:
+            for _ in served.collect():
+                pass
+        except Exception:  # a read that fails tries again next time, as the next scrape would
+            log.exception("looking for unloaded model versions failed; trying again in %.0f s", period)
 
 
 async def _start_metrics(running: Running, settings: Settings, served: CollectorRegistry) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import threading
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -13,9 +14,11 @@ import pytest
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+from prometheus_client import CollectorRegistry
 
 from model.checkpoint import load_checkpoint
 from model.reference import attention_view, relative_error
+from service.app.server import forget_unloaded
 from service.client.client import InferenceError, MHAClient
 from service.proto import grpc_service_pb2 as pb
 from service.proto import grpc_service_pb2_grpc as pb_grpc
@@ -305,3 +308,38 @@ def test_a_drain_answers_what_is_in_flight_and_refuses_what_comes_after(small_mo
         y = answers[i]
         assert isinstance(y, np.ndarray), y
         assert relative_error(torch.from_numpy(y.copy()), attention_view(torch.from_numpy(x), weights, config)) < 1e-5
+
+
+class _FailsOnce:
+    """A collector whose first read fails; each read counted."""
+
+    def __init__(self) -> None:
+        self.reads = 0
+
+    def collect(self) -> list[object]:
+        self.reads += 1
+        if self.reads == 1:
+            raise RuntimeError("a collector that failed once")
+        return []
+
+
+@pytest.mark.parametrize(("grace_s", "period_s"), [(0.0, 1.0), (10.0, 10.0), (300.0, 60.0)])
+def test_the_look_for_unloaded_versions_outlives_a_failed_read(
+    grace_s: float, period_s: float, caplog: pytest.LogCaptureFixture
+) -> None:
+    registry = CollectorRegistry(auto_describe=False)
+    collector = _FailsOnce()
+    registry.register(collector)  # type: ignore[arg-type]
+    periods: list[float] = []
+
+    async def sleep(seconds: float) -> None:  # the clock: three periods, then the look is stopped
+        periods.append(seconds)
+        if len(periods) > 3:
+            raise asyncio.CancelledError
+        await asyncio.sleep(0)
+
+    with pytest.raises(asyncio.CancelledError):
+        asyncio.run(forget_unloaded(registry, grace_s, sleep))
+    assert periods == [period_s] * 4
+    assert collector.reads == 3  # read again after the read that failed
+    assert "looking for unloaded model versions failed" in caplog.text
