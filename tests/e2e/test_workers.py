@@ -260,6 +260,8 @@ def test_every_connection_reaches_a_sequences_state_with_two_workers(small_model
             assert refused.value.code == grpc.StatusCode.NOT_FOUND and "ended (sequence_end)" in str(refused.value)
             if n >= 7 and _handed_over_lines(server.log()):
                 break  # one at least reached the other worker (each does by half a chance)
+        # a handing worker logs its call after its answer, which the client may read before: wait for its line
+        _until(lambda: all(callers for _, callers in _handed_over_lines(server.log())), timeout_s=30)
         handed_lines = _handed_over_lines(server.log())
         assert handed_lines and all(len(callers) == 1 for _, callers in handed_lines), handed_lines
     finally:
