@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import logging
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -22,8 +24,11 @@ from typing import Any
 
 import grpc
 
+log = logging.getLogger(__name__)
+
 PACKAGE_ROOT = Path(__file__).resolve().parents[2]  # the folder that holds `service`
 PR_SET_PDEATHSIG = 1  # prctl(2)
+PORT_ATTEMPTS = 3  # starts of a ServerProcess whose picked ports another process took before it bound them
 
 
 def serve_command(args: list[str]) -> list[str]:
@@ -83,15 +88,14 @@ class ServerProcess:
     ) -> None:
         """Free loopback ports unless `grpc_port` or `http_port` names one; `workers`: one
         process unless the caller asks for more (None: what the settings or MHA_WORKERS say)."""
-        free_grpc, self.metrics_port, free_http = free_ports(3)
-        self.port, self.http_port = grpc_port or free_grpc, http_port or free_http
+        self._given = (grpc_port, http_port)
+        self._pick_ports()
         ports = ["--grpc-port", str(self.port), "--metrics-port", str(self.metrics_port)]
         ports += ["--http-port", str(self.http_port)]
         processes = ["--workers", workers] if workers is not None else []
         self.args = serve_command(["--host", "127.0.0.1", *ports, "--log-format", "json", *processes, *args])
-        self.env = {**os.environ, **(env or {})}
-        self.env["PYTHONPATH"] = package_path(os.environ)
-        self.cwd = cwd
+        environment = {**os.environ, **(env or {}), "PYTHONPATH": package_path(os.environ)}
+        self._spawn = partial(subprocess.Popen, env=environment, cwd=cwd, stdout=subprocess.DEVNULL, text=True)
         self.proc: subprocess.Popen[str] | None = None
         self.log_path: Path | None = None
 
@@ -99,21 +103,43 @@ class ServerProcess:
     def url(self) -> str:
         return f"127.0.0.1:{self.port}"
 
+    def _pick_ports(self, avoid: frozenset[int] = frozenset()) -> None:
+        free_grpc, self.metrics_port, free_http = free_ports(3, avoid)
+        grpc_port, http_port = self._given
+        self.port, self.http_port = grpc_port or free_grpc, http_port or free_http
+
+    def _picked(self) -> list[int]:
+        """The ports this object picked itself (not those its caller named)."""
+        grpc_port, http_port = self._given
+        return [self.metrics_port] + ([] if grpc_port else [self.port]) + ([] if http_port else [self.http_port])
+
     def start(self, log_path: Path, ready_timeout: float = 120, tied: bool = False) -> ServerProcess:
         """`tied`: the server ends with this process however it ends (call from the main thread:
-        Linux ties a child to the thread that started it)."""
+        Linux ties a child to the thread that started it). A port picked free may be taken by
+        another process (a port-0 listener, a connection's local port) before the server binds it,
+        seconds later: the server then refuses to start, and is started again on other ports."""
         self.log_path = log_path
-        self.proc = subprocess.Popen(
-            self.args,
-            env=self.env,
-            cwd=self.cwd,
-            stdout=subprocess.DEVNULL,
-            stderr=log_path.open("w"),
-            text=True,
-            preexec_fn=partial(die_with_parent, os.getpid()) if tied else None,
-        )
-        wait_serving(self.url, ready_timeout, self.proc)
-        return self
+        attempt = 1
+        while True:
+            tie = partial(die_with_parent, os.getpid()) if tied else None
+            self.proc = self._spawn(self.args, stderr=log_path.open("w"), preexec_fn=tie)
+            try:
+                wait_serving(self.url, ready_timeout, self.proc)
+                return self
+            except RuntimeError:
+                if attempt == PORT_ATTEMPTS or not (lost := self._lost_ports()):
+                    raise
+            log.warning("port %s was taken before the server bound it; starting it on other ports", lost[0])
+            self._pick_ports(avoid=frozenset(self._picked()))
+            ports = {"--grpc-port": self.port, "--metrics-port": self.metrics_port, "--http-port": self.http_port}
+            for flag, port in ports.items():  # in place: a caller may have changed the rest of the command
+                self.args[self.args.index(flag) + 1] = str(port)
+            attempt += 1
+
+    def _lost_ports(self) -> list[int]:
+        """The picked ports the server's log says it could not listen on, being in use."""
+        said = [line for line in self.log().splitlines() if "in use" in line]
+        return [port for port in self._picked() if any(re.search(rf"\b{port}\b", line) for line in said)]
 
     def log(self) -> str:
         return self.log_path.read_text() if self.log_path else ""
