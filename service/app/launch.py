@@ -100,6 +100,12 @@ class ServerProcess:
         self.log_path: Path | None = None
 
     @property
+    def env(self) -> dict[str, str]:
+        """The server's environment, to change before `start` (the same dict the start passes)."""
+        environment: dict[str, str] = self._spawn.keywords["env"]
+        return environment
+
+    @property
     def url(self) -> str:
         return f"127.0.0.1:{self.port}"
 
