@@ -34,6 +34,7 @@ from service.client.client import MHAClient
 from service.proto import grpc_service_pb2 as pb
 from service.proto import grpc_service_pb2_grpc as pb_grpc
 from service.protocol.grpc_codec import decode_infer_response, encode_infer_request
+from service.settings import Settings
 from tests.support import ROOT, ManualClock, ServerProcess, ServerThread, http_json, make_settings, until
 
 SMALL = MHAConfig(d_model=32, n_head=4, max_seq_len=64)
@@ -302,17 +303,23 @@ def test_a_load_call_reaches_every_worker_and_the_old_versions_series_leave(tmp_
         assert server.terminate() == 0
 
 
-def test_explicit_mode_starts_empty_loads_and_unloads_on_request(tmp_path: Path) -> None:
+def _explicit(tmp_path: Path, **ports: int | None) -> Settings:
+    """A server of a repository holding version 1, loaded and unloaded on request; its series
+    forgotten as soon as a read finds it unloaded."""
     repo = tmp_path / "repo"
     _export(repo, 1)
-    settings = replace(
-        make_settings(tmp_path, http_port=0, metrics_port=0),
+    return replace(
+        make_settings(tmp_path, **ports),
         model_dir=None,
         model_repository=repo,
         model_control_mode="explicit",
         backend="torch",
         metrics_unloaded_s=0,
     )
+
+
+def test_explicit_mode_starts_empty_loads_and_unloads_on_request(tmp_path: Path) -> None:
+    settings = _explicit(tmp_path, http_port=0, metrics_port=0)
     with ServerThread(settings) as server, grpc.insecure_channel(server.url) as channel:
         stub = pb_grpc.GRPCInferenceServiceStub(channel)
         assert not stub.ServerReady(pb.ServerReadyRequest()).ready  # nothing loaded without --load-model
@@ -356,16 +363,7 @@ def _versions_held(server: ServerThread) -> set[str]:
 
 @pytest.mark.parametrize("metrics_port", [None, 0], ids=["no-metrics-port", "never-scraped"])
 def test_unloaded_versions_are_forgotten_when_nothing_scrapes(tmp_path: Path, metrics_port: int | None) -> None:
-    repo = tmp_path / "repo"
-    _export(repo, 1)
-    settings = replace(
-        make_settings(tmp_path, metrics_port=metrics_port),  # no scrape ever reads the registry
-        model_dir=None,
-        model_repository=repo,
-        model_control_mode="explicit",
-        backend="torch",
-        metrics_unloaded_s=0,
-    )
+    settings = _explicit(tmp_path, metrics_port=metrics_port)  # no scrape ever reads the registry
     with ServerThread(settings) as server, grpc.insecure_channel(server.url) as channel:
         stub = pb_grpc.GRPCInferenceServiceStub(channel)
         stub.RepositoryModelLoad(pb.RepositoryModelLoadRequest(model_name="mha"), timeout=120)
