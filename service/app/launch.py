@@ -90,8 +90,7 @@ class ServerProcess:
         process unless the caller asks for more (None: what the settings or MHA_WORKERS say)."""
         self._given = (grpc_port, http_port)
         self._pick_ports()
-        ports = ["--grpc-port", str(self.port), "--metrics-port", str(self.metrics_port)]
-        ports += ["--http-port", str(self.http_port)]
+        ports = [text for flag, port in self._port_flags().items() for text in (flag, str(port))]
         processes = ["--workers", workers] if workers is not None else []
         self.args = serve_command(["--host", "127.0.0.1", *ports, "--log-format", "json", *processes, *args])
         environment = {**os.environ, **(env or {}), "PYTHONPATH": package_path(os.environ)}
@@ -114,6 +113,9 @@ class ServerProcess:
         grpc_port, http_port = self._given
         self.port, self.http_port = grpc_port or free_grpc, http_port or free_http
 
+    def _port_flags(self) -> dict[str, int]:
+        return {"--grpc-port": self.port, "--metrics-port": self.metrics_port, "--http-port": self.http_port}
+
     def _picked(self) -> list[int]:
         """The ports this object picked itself (not those its caller named)."""
         grpc_port, http_port = self._given
@@ -128,7 +130,8 @@ class ServerProcess:
         attempt = 1
         while True:
             tie = partial(die_with_parent, os.getpid()) if tied else None
-            self.proc = self._spawn(self.args, stderr=log_path.open("w"), preexec_fn=tie)
+            with log_path.open("w") as stderr:  # the child writes to its own copy
+                self.proc = self._spawn(self.args, stderr=stderr, preexec_fn=tie)
             try:
                 wait_serving(self.url, ready_timeout, self.proc)
                 return self
@@ -137,8 +140,7 @@ class ServerProcess:
                     raise
             log.warning("port %s was taken before the server bound it; starting it on other ports", lost[0])
             self._pick_ports(avoid=frozenset(self._picked()))
-            ports = {"--grpc-port": self.port, "--metrics-port": self.metrics_port, "--http-port": self.http_port}
-            for flag, port in ports.items():  # in place: a caller may have changed the rest of the command
+            for flag, port in self._port_flags().items():  # in place: a caller may have changed the rest
                 self.args[self.args.index(flag) + 1] = str(port)
             attempt += 1
 
