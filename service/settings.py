@@ -150,6 +150,9 @@ class Settings(NetworkSettings):
     worker_socket_dir: Path | None = setting(None, "directory of the workers' Unix sockets (set by the supervisor)")
     worker_bind_first: bool = setting(False, "bind before loading, NOT_SERVING meanwhile (set by the supervisor)")
     worker_own_gpu: bool = setting(False, "this worker's GPU is its own, not the workers' (set by the supervisor)")
+    worker_metrics_fd: int | None = setting(
+        None, "an inherited socket, bound, on which this worker serves its own /metrics (set by the supervisor)", low=0
+    )
     threads: int = setting(
         0, "intra-op threads of the CPU backends; 0: the CPUs this process may use (affinity, cgroup CPU limit)", low=0
     )

@@ -7,6 +7,7 @@ import logging
 import os
 import shutil
 import signal
+import socket
 import sys
 import time
 from collections.abc import Awaitable, Callable
@@ -266,8 +267,10 @@ async def _start_metrics(running: Running, settings: Settings, served: Collector
     assert settings.metrics_port is not None  # called only when the port is on
     running.side.metrics = MetricsServer(served)
     host = settings.metrics_host if settings.metrics_host is not None else settings.host
+    fd = settings.worker_metrics_fd  # a worker's: the supervisor keeps it bound across the worker's restarts
     try:
-        running.metrics_port = await running.side.metrics.start(host, settings.metrics_port)
+        sock = None if fd is None else socket.socket(fileno=fd)
+        running.metrics_port = await running.side.metrics.start(host, settings.metrics_port, sock)
     except OSError as exc:
         raise StartupError(f"--metrics-port {settings.metrics_port} on {host}: {exc.strerror}", 1) from exc
 

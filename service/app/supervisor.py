@@ -7,9 +7,10 @@ prometheus-client's multiprocess mode: each worker writes its series to files in
 directory; counters and histograms add up over every worker that ever ran (a dead worker's stay
 counted), gauges carry the worker's index and leave with their worker. Each worker's process
 series (memory, CPU) are read from /proc by prometheus-client's process collector, labelled by
-worker. A worker's own loopback metrics port is what the watchdog asks. Each worker batches only the requests of its own
-connections; each sequence has one owner worker, to which the other workers hand its steps over
-a Unix-domain socket in a private directory (service/protocol/peers.py).
+worker. The watchdog asks each worker's own loopback metrics port, which the supervisor keeps
+bound across the worker's restarts. Each worker batches only the requests of its own connections;
+each sequence has one owner worker, to which the other workers hand its steps over a Unix-domain
+socket in a private directory (service/protocol/peers.py).
 """
 
 from __future__ import annotations
@@ -21,10 +22,11 @@ import math
 import os
 import shutil
 import signal
+import socket
 import tempfile
 import time
 import urllib.request
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from functools import partial
 from pathlib import Path
@@ -68,6 +70,28 @@ class Worker:
     restarts: list[float] = field(default_factory=list)  # time.monotonic() of each restart
     answered: bool = False  # its metrics port answered since it was (re)started: the watchdog counts from then
     started: float = 0.0  # time.monotonic() of its last (re)start
+    listener: socket.socket | None = None  # bound to metrics_port by the supervisor, for as long as it runs
+
+    def inherited(self) -> tuple[int, ...]:
+        """The file descriptors its process inherits: the listener it serves its own metrics on."""
+        return () if self.listener is None else (self.listener.fileno(),)
+
+
+def bound_listeners(count: int, avoid: Iterable[int | None]) -> list[socket.socket]:
+    """A loopback socket per worker, bound to a free port (none of `avoid`, the ports the
+    workers will share) and held by the supervisor for its whole run: each worker, and each
+    worker that replaces it, listens on its own for the watchdog's asks, and no other process can
+    take the port in between."""
+    promised = {port for port in avoid if port}  # 0 and None: no port promised
+    listeners: list[socket.socket] = []
+    refused: list[socket.socket] = []  # held until the end, so that the kernel offers other ports
+    while len(listeners) < count:
+        listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        listener.bind(("127.0.0.1", 0))
+        (refused if listener.getsockname()[1] in promised else listeners).append(listener)
+    for listener in refused:
+        listener.close()
+    return listeners
 
 
 @dataclass
@@ -249,9 +273,8 @@ class Supervisor:
         self.bind_first = bind_first
         self._argv = list(argv)  # `mha serve` arguments, without --workers
         shared = (settings.grpc_port, settings.http_port, settings.metrics_port, settings.health_port)
-        promised = frozenset(p for p in shared if p)
-        self.workers = [Worker(i, port) for i, port in enumerate(free_ports(count, avoid=promised))]
         self.sockets = sockets_directory(count)  # first: it may refuse, and leave no folder behind
+        self.workers = [Worker(i, s.getsockname()[1], listener=s) for i, s in enumerate(bound_listeners(count, shared))]
         self.merged = MergedMetrics(self.workers)
         self.gpus = list(gpus)  # with --workers auto on a GPU host: worker i computes on GPU gpus[i]
         self._stopping = False
@@ -265,6 +288,7 @@ class Supervisor:
         own = worker_flags(worker.index, len(self.workers), worker.metrics_port, self.sockets)
         own += ["--worker-bind-first"] if first and self.bind_first else []
         own += ["--worker-own-gpu"] if self.own_gpus else []
+        own += [arg for fd in worker.inherited() for arg in ("--worker-metrics-fd", str(fd))]
         return serve_command([*self._argv, *own])
 
     def environment(self, worker: Worker) -> dict[str, str]:
@@ -280,7 +304,8 @@ class Supervisor:
         die_with_me = partial(die_with_parent, os.getpid())
         worker.answered, worker.started = False, time.monotonic()
         command = self.command(worker, first)
-        worker.process = await asyncio.create_subprocess_exec(*command, env=env, preexec_fn=die_with_me)
+        fds = worker.inherited()
+        worker.process = await asyncio.create_subprocess_exec(*command, env=env, preexec_fn=die_with_me, pass_fds=fds)
         if announce:
             _announce(worker)
 
@@ -318,6 +343,8 @@ class Supervisor:
             return await self._supervise(stop)
         finally:  # the hand-over sockets' and metrics' folders go however the supervisor ends (but SIGKILL)
             await metrics.stop()
+            for listener in (w.listener for w in self.workers if w.listener is not None):
+                listener.close()
             shutil.rmtree(self.sockets, ignore_errors=True)
             shutil.rmtree(self.merged.directory, ignore_errors=True)
 

@@ -56,10 +56,11 @@ class MetricsServer:
         )
         self._site: web.BaseSite | None = None
 
-    async def start(self, host: str, port: int) -> int:
-        """Listen; returns the port (useful with port 0)."""
+    async def start(self, host: str, port: int, sock: socket.socket | None = None) -> int:
+        """Listen on (host, port), or on `sock`, a socket bound already (a worker's, from its
+        supervisor); returns the port (useful with port 0)."""
         await self._runner.setup()
-        self._site = tcp_site(self._runner, host, port)
+        self._site = tcp_site(self._runner, host, port) if sock is None else web.SockSite(self._runner, sock)
         await self._site.start()
         return self.address[1]
 

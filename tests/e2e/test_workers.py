@@ -3,12 +3,14 @@ replaced, SIGTERM drains them all."""
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import queue
 import re
 import shutil
 import signal
+import socket
 import tempfile
 import threading
 import time
@@ -558,6 +560,36 @@ def test_a_hung_worker_is_found_and_replaced(small_model_dir: Path, tmp_path: Pa
         _until(lambda: _samples(server.metrics_port).get(restarted) == 1.0)
         _until(lambda: _ready_workers(server) == 2)
         assert not _alive(pid)
+    finally:
+        server.kill()
+
+
+def test_a_dead_workers_metrics_port_is_held_for_the_worker_that_replaces_it(
+    small_model_dir: Path, tmp_path: Path
+) -> None:
+    """Between a worker's death and its replacement's start, no other process can take the port
+    the watchdog asks it on (the supervisor keeps it bound), and the replacement answers there.
+    The supervisor is stopped (SIGSTOP) meanwhile, so that the gap lasts as long as the test."""
+    server = ServerProcess(["--model-dir", str(small_model_dir), "--backend", "torch", "--workers", "2"])
+    server.start(tmp_path / "server.log")
+    try:
+        _until(lambda: server.log().count("the watchdog watches it from now") == 2)
+        index, pid, port = STARTED.findall(server.log())[1]
+        assert server.proc is not None
+        os.kill(server.proc.pid, signal.SIGSTOP)
+        try:
+            os.kill(int(pid), signal.SIGKILL)
+            _until(lambda: not _alive(int(pid)), timeout_s=10)
+            with socket.socket() as thief, pytest.raises(OSError) as taken:
+                thief.bind(("127.0.0.1", int(port)))
+            assert taken.value.errno == errno.EADDRINUSE
+        finally:
+            os.kill(server.proc.pid, signal.SIGCONT)
+        _until(lambda: server.log().count("the watchdog watches it from now") == 3)
+        replaced = [(i, p, q) for i, p, q in STARTED.findall(server.log()) if i == index]
+        assert len(replaced) == 2 and replaced[1][1] != pid and replaced[1][2] == port
+        assert _samples(int(port))  # the replacement's own /metrics, on the same port
+        _until(lambda: _ready_workers(server) == 2)
     finally:
         server.kill()
 
