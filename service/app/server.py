@@ -272,7 +272,8 @@ async def _start_metrics(running: Running, settings: Settings, served: Collector
         sock = None if fd is None else socket.socket(fileno=fd)
         running.metrics_port = await running.side.metrics.start(host, settings.metrics_port, sock)
     except OSError as exc:
-        raise StartupError(f"--metrics-port {settings.metrics_port} on {host}: {exc.strerror}", 1) from exc
+        where = f"--metrics-port {settings.metrics_port} on {host}" if fd is None else f"--worker-metrics-fd {fd}"
+        raise StartupError(f"{where}: {exc.strerror}", 1) from exc
 
 
 async def _refresh_metrics(metrics: Metrics) -> None:

@@ -63,6 +63,7 @@ def _corrupt(directory: Path) -> Path:
     return directory
 
 
+WRONG_FD = ("--worker-metrics-fd", "987")  # a descriptor the process was not given
 CASES = {  # name: (arguments given the fixtures, environment, exit code, what the message must say)
     "grpc-port-taken": (
         lambda f: _serve(f["model"], "--grpc-port", str(f["taken"]), "--metrics-port", "off"),
@@ -75,6 +76,12 @@ CASES = {  # name: (arguments given the fixtures, environment, exit code, what t
         {},
         1,
         "--metrics-port",
+    ),
+    "worker-metrics-fd-not-open": (  # a flag the supervisor sets, given by hand
+        lambda f: _serve(f["model"], "--grpc-port", "0", "--http-port", "off", "--workers", "1", *WRONG_FD),
+        {},
+        1,
+        "--worker-metrics-fd 987: Bad file descriptor",
     ),
     "auth-token-file-missing": (
         lambda f: _serve(f["model"], "--grpc-port", "0", "--metrics-port", "off", "--auth-token-file", "/nope/token"),
