@@ -250,8 +250,8 @@ class MergedMetrics:
     """The workers' metrics as the supervisor's port serves them: their multiprocess files merged,
     which workers run, and how often each was restarted."""
 
-    def __init__(self, workers: list[Worker]) -> None:
-        self.directory = Path(tempfile.mkdtemp(prefix="mha-metrics-"))  # the workers' multiprocess files
+    def __init__(self, workers: list[Worker], directory: Path) -> None:
+        self.directory = directory  # the workers' multiprocess files
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(ExemplarsMerged(self.directory))  # type: ignore[arg-type]
         self.registry.register(WorkerProcesses(workers))  # type: ignore[arg-type]
@@ -262,22 +262,24 @@ class MergedMetrics:
             self.restarts.labels(str(worker.index))
 
 
-class Supervisor:
+class WorkerLaunch:
+    """How the supervisor starts each worker: `mha serve` with the supervisor's arguments and the
+    worker's own flags, its environment, and the metrics socket it inherits; with the workers'
+    two private folders (hand-over sockets, multiprocess metrics), which `close` removes."""
+
     def __init__(
-        self, settings: Settings, argv: Sequence[str], count: int, gpus: Sequence[int] = (), bind_first: bool = False
+        self, argv: Sequence[str], count: int, settings: Settings, gpus: Sequence[int] = (), bind_first: bool = False
     ) -> None:
         """`bind_first`: the first worker binds the ports at once and answers NOT_SERVING while
         it loads (the default model, exported first where it is missing); the others start once
         it has loaded."""
-        self.settings = settings
-        self.bind_first = bind_first
-        self._argv = list(argv)  # `mha serve` arguments, without --workers
-        shared = (settings.grpc_port, settings.http_port, settings.metrics_port, settings.health_port)
         self.sockets = sockets_directory(count)  # first: it may refuse, and leave no folder behind
+        self.metrics = Path(tempfile.mkdtemp(prefix="mha-metrics-"))  # the workers' multiprocess files
+        shared = (settings.grpc_port, settings.http_port, settings.metrics_port, settings.health_port)
         self.workers = [Worker(i, s.getsockname()[1], listener=s) for i, s in enumerate(bound_listeners(count, shared))]
-        self.merged = MergedMetrics(self.workers)
+        self._argv, self._log_level = list(argv), settings.log_level  # `mha serve` arguments, without --workers
         self.gpus = list(gpus)  # with --workers auto on a GPU host: worker i computes on GPU gpus[i]
-        self._stopping = False
+        self.bind_first = bind_first
 
     @property
     def own_gpus(self) -> bool:
@@ -293,21 +295,37 @@ class Supervisor:
 
     def environment(self, worker: Worker) -> dict[str, str]:
         """A worker's environment: one GPU of its own where the workers are one per GPU."""
-        env = {**os.environ, "MHA_LOG_LEVEL": self.settings.log_level, MULTIPROC_ENV: str(self.merged.directory)}
+        env = {**os.environ, "MHA_LOG_LEVEL": self._log_level, MULTIPROC_ENV: str(self.metrics)}
         env["PYTHONPATH"] = package_path(os.environ)  # the supervisor's own code, never the working directory's
         if self.own_gpus:
             env["CUDA_VISIBLE_DEVICES"] = cuda_devices(len(self.gpus), os.environ)[worker.index]  # its cuda:0
         return env
 
-    async def _spawn(self, worker: Worker, announce: bool = True, first: bool = False) -> None:
-        env = self.environment(worker)
+    async def start(self, worker: Worker, first: bool = False) -> None:
+        """Start `worker`'s process (again, after it died), dying with the supervisor's."""
+        env, command, fds = self.environment(worker), self.command(worker, first), worker.inherited()
         die_with_me = partial(die_with_parent, os.getpid())
         worker.answered, worker.started = False, time.monotonic()
-        command = self.command(worker, first)
-        fds = worker.inherited()
         worker.process = await asyncio.create_subprocess_exec(*command, env=env, preexec_fn=die_with_me, pass_fds=fds)
-        if announce:
-            _announce(worker)
+
+    def close(self) -> None:
+        """The metrics sockets closed, the private folders removed."""
+        for listener in (w.listener for w in self.workers if w.listener is not None):
+            listener.close()
+        shutil.rmtree(self.sockets, ignore_errors=True)
+        shutil.rmtree(self.metrics, ignore_errors=True)
+
+
+class Supervisor:
+    def __init__(
+        self, settings: Settings, argv: Sequence[str], count: int, gpus: Sequence[int] = (), bind_first: bool = False
+    ) -> None:
+        """See WorkerLaunch for `bind_first`."""
+        self.settings = settings
+        self.launch = WorkerLaunch(argv, count, settings, gpus, bind_first)
+        self.workers = self.launch.workers
+        self.merged = MergedMetrics(self.workers, self.launch.metrics)
+        self._stopping = False
 
     async def _watch(self, worker: Worker) -> None:
         """Restart the worker whenever it dies, unless the supervisor is stopping."""
@@ -328,7 +346,8 @@ class Supervisor:
             log.error(
                 "worker %d (pid %d) died with exit code %s; restarting it", worker.index, worker.process.pid, code
             )
-            await self._spawn(worker)
+            await self.launch.start(worker)
+            _announce(worker)
 
     async def run(self) -> int:
         loop = asyncio.get_running_loop()
@@ -343,26 +362,24 @@ class Supervisor:
             return await self._supervise(stop)
         finally:  # the hand-over sockets' and metrics' folders go however the supervisor ends (but SIGKILL)
             await metrics.stop()
-            for listener in (w.listener for w in self.workers if w.listener is not None):
-                listener.close()
-            shutil.rmtree(self.sockets, ignore_errors=True)
-            shutil.rmtree(self.merged.directory, ignore_errors=True)
+            self.launch.close()
 
     async def _supervise(self, stop: asyncio.Event) -> int:
         """Start the workers, keep them running until `stop` (0) or one cannot be (1), stop them.
         The first starts alone: where it cannot (a setting, the model), neither could the others,
         and its exit code and the one line it printed are the supervisor's."""
         first, *others = self.workers
-        await self._spawn(first, announce=False, first=True)  # a start that fails says why in its one line
-        loaded = partial(socket_path(self.sockets, first.index).exists)  # it listens for hand-overs once loaded
-        ready = loaded if self.bind_first else partial(_answers, first.metrics_port, WATCHDOG_PERIOD_S)
+        await self.launch.start(first, first=True)  # a start that fails says why in its one line
+        loaded = partial(socket_path(self.launch.sockets, first.index).exists)  # it listens for hand-overs once loaded
+        ready = loaded if self.launch.bind_first else partial(_answers, first.metrics_port, WATCHDOG_PERIOD_S)
         if (code := await _first_answer(first, stop, ready)) is not None:
             if first.process is not None and first.process.returncode is None:  # asked to stop, or stuck
                 await self._stop_all()
             return code
         _announce(first)
         for worker in others:
-            await self._spawn(worker)
+            await self.launch.start(worker)
+            _announce(worker)
         log.info("supervising %d workers on gRPC :%d", len(self.workers), self.settings.grpc_port)
         watchers = [asyncio.create_task(self._watch(w)) for w in self.workers]
         watchdogs = [asyncio.create_task(self._watchdog(w)) for w in self.workers]

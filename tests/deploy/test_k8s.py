@@ -7,6 +7,7 @@ import math
 import re
 import shutil
 import subprocess
+import tempfile
 import tomllib
 from dataclasses import fields
 from functools import cache
@@ -448,7 +449,7 @@ def _served_series() -> set[str]:
     """What a worker's registry exports, and the supervisor's own series (--workers)."""
     registry = CollectorRegistry()
     Metrics(registry)
-    supervisor = MergedMetrics([])
+    supervisor = MergedMetrics([], Path(tempfile.mkdtemp()))
     try:
         families = [*registry.collect(), *supervisor.registry.collect()]
     finally:

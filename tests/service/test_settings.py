@@ -181,20 +181,23 @@ def test_a_server_reports_the_ports_it_picked(small_model_dir: Path) -> None:
 def test_auto_workers_get_a_gpu_each(tmp_path: Path) -> None:
     """A stand-in /dev with three GPUs: three workers, each seeing only its own (no GPU here), and
     told so (an audit's verdict on a GPU then stays with its worker)."""
-    from service.app.supervisor import Supervisor, gpu_devices, worker_count
+    from service.app.supervisor import WorkerLaunch, gpu_devices, worker_count
 
     for name in ("nvidia0", "nvidia1", "nvidia2", "nvidiactl", "nvidia-uvm", "null"):
         (tmp_path / name).touch()
     gpus = gpu_devices(tmp_path)
     assert gpus == [0, 1, 2] and worker_count("auto", gpus) == 3
-    supervisor = Supervisor(Settings(workers="auto"), [], worker_count("auto", gpus), gpus)
-    seen = [supervisor.environment(worker).get("CUDA_VISIBLE_DEVICES") for worker in supervisor.workers]
-    assert seen == ["0", "1", "2"]
-    fixed = Supervisor(Settings(workers="2"), [], 2, [])  # a number of workers: they share what they see
-    inherited = os.environ.get("CUDA_VISIBLE_DEVICES")
-    assert [fixed.environment(w).get("CUDA_VISIBLE_DEVICES") for w in fixed.workers] == [inherited, inherited]
-    assert all("--worker-own-gpu" in supervisor.command(w) for w in supervisor.workers)  # a GPU's verdict its own
-    assert not any("--worker-own-gpu" in fixed.command(w) for w in fixed.workers)  # told to the others
+    own = WorkerLaunch([], worker_count("auto", gpus), Settings(workers="auto"), gpus)
+    fixed = WorkerLaunch([], 2, Settings(workers="2"), [])  # a number of workers: they share what they see
+    try:
+        assert [own.environment(w).get("CUDA_VISIBLE_DEVICES") for w in own.workers] == ["0", "1", "2"]
+        inherited = os.environ.get("CUDA_VISIBLE_DEVICES")
+        assert [fixed.environment(w).get("CUDA_VISIBLE_DEVICES") for w in fixed.workers] == [inherited, inherited]
+        assert all("--worker-own-gpu" in own.command(w) for w in own.workers)  # a GPU's verdict its own
+        assert not any("--worker-own-gpu" in fixed.command(w) for w in fixed.workers)  # told to the others
+    finally:
+        own.close()
+        fixed.close()
 
 
 def test_a_pods_gpus_are_numbered_as_cuda_numbers_them_not_by_their_device_nodes(
@@ -203,15 +206,16 @@ def test_a_pods_gpus_are_numbered_as_cuda_numbers_them_not_by_their_device_nodes
     """A pod given the host's /dev/nvidia3 and /dev/nvidia5 sees them as CUDA devices 0 and 1: the
     workers get 0 and 1 (3 and 5 would name devices that do not exist in the pod); an inherited
     CUDA_VISIBLE_DEVICES (GPU UUIDs, as a runtime may set it) is handed out entry by entry."""
-    from service.app.supervisor import Supervisor, cuda_devices, gpu_devices
+    from service.app.supervisor import WorkerLaunch, cuda_devices, gpu_devices
 
     for name in ("nvidia3", "nvidia5", "nvidiactl"):
         (tmp_path / name).touch()
     gpus = gpu_devices(tmp_path)
     assert gpus == [3, 5]
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
-    supervisor = Supervisor(Settings(workers="auto"), [], 2, gpus)
-    assert [supervisor.environment(w)["CUDA_VISIBLE_DEVICES"] for w in supervisor.workers] == ["0", "1"]
+    launch = WorkerLaunch([], 2, Settings(workers="auto"), gpus)
+    assert [launch.environment(w)["CUDA_VISIBLE_DEVICES"] for w in launch.workers] == ["0", "1"]
+    launch.close()
     assert cuda_devices(len(gpus), {}) == ["0", "1"]
     assert cuda_devices(2, {"CUDA_VISIBLE_DEVICES": "GPU-aaa, GPU-bbb"}) == ["GPU-aaa", "GPU-bbb"]
     assert cuda_devices(2, {"CUDA_VISIBLE_DEVICES": "7"}) == ["0", "1"]  # fewer than the workers: CUDA's own count

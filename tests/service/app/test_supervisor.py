@@ -60,10 +60,10 @@ def test_the_hand_over_sockets_folder_goes_when_the_supervisor_cannot_start(tmp_
         taken.listen()
         settings = make_settings(tmp_path, metrics_port=taken.getsockname()[1])
         supervisor = Supervisor(settings, ["serve"], count=2)
-        assert supervisor.sockets.is_dir()
+        assert supervisor.launch.sockets.is_dir()
         with pytest.raises(OSError):
             asyncio.run(supervisor.run())
-    assert not supervisor.sockets.exists()
+    assert not supervisor.launch.sockets.exists()
 
 
 def test_the_hand_over_sockets_go_where_their_paths_fit_a_unix_socket(tmp_path: Path) -> None:
