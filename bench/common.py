@@ -141,6 +141,26 @@ def idle_policy(cpuidle: Path = CPUIDLE, halt_poll: Path = HALT_POLL) -> str:
     return "cpuidle " + ", ".join(said) if said else "cpuidle unknown"
 
 
+CPUINFO = Path("/proc/cpuinfo")
+
+
+def cpu_model(cpuinfo: Path = CPUINFO) -> str:
+    """The CPU's model name and whether it has AVX-512, for the results' machine line: ONNX Runtime
+    and PyTorch pick their kernels by it, and a VM moved to another host changes both servers'
+    times, not always alike (bench/RESULTS.md)."""
+    try:
+        text = cpuinfo.read_text()
+    except OSError:
+        return "CPU unknown"
+    fields: dict[str, str] = {}
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        fields.setdefault(key.strip(), value.strip())  # the first CPU's
+    model = " ".join(fields.get("model name", "unknown CPU").split())
+    flags = set(fields.get("flags", "").split())
+    return f"{model}, {'AVX-512' if 'avx512f' in flags else 'no AVX-512'}"
+
+
 @contextlib.contextmanager
 def cpu_latency_qos(device: Path = CPU_DMA_LATENCY) -> Iterator[None]:
     """Within it, idle CPUs poll instead of halting (a PM QoS request of 0 µs, what tuned's

@@ -568,7 +568,8 @@ def main() -> int:
             "--cases, --servers, --base and --max-steal shape an interleaved comparison: give --runs 2 or more"
         )
     model_dir, cpus = args.model_dir.resolve(), args.server_cpus
-    machine = f"{socket.gethostname()}: {len(os.sched_getaffinity(0))} CPUs, {common.idle_policy()}"
+    processors = f"{len(os.sched_getaffinity(0))} CPUs ({common.cpu_model()})"
+    machine = f"{socket.gethostname()}: {processors}, {common.idle_policy()}"
     machine += f"; mha-serve's default processes and the floors': {mha_serve_processes()}"
     machine += "; clients on connections of their own, unless the case says one channel"
     if args.cpu_latency_qos:

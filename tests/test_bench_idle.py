@@ -44,3 +44,16 @@ def test_the_idle_policy_names_driver_governor_and_halt_polling(tmp_path: Path) 
     common = _common()
     assert common.idle_policy(cpuidle, halt_poll) == "cpuidle haltpoll, haltpoll, guest_halt_poll_ns 0"
     assert common.idle_policy(tmp_path / "none", tmp_path / "none") == "cpuidle unknown"
+
+
+def test_the_cpu_is_named_with_whether_it_has_avx_512(tmp_path: Path) -> None:
+    cpuinfo = tmp_path / "cpuinfo"
+    cpuinfo.write_text(
+        "processor\t: 0\nmodel name\t: AMD EPYC  9R14\nflags\t\t: fpu sse2 avx2 avx512f avx512bw\n\n"
+        "processor\t: 1\nmodel name\t: AMD EPYC  9R14\nflags\t\t: fpu sse2 avx2 avx512f avx512bw\n"
+    )
+    common = _common()
+    assert common.cpu_model(cpuinfo) == "AMD EPYC 9R14, AVX-512"
+    cpuinfo.write_text("model name\t: Intel(R) Xeon(R) CPU @ 2.20GHz\nflags\t\t: fpu sse2 avx2\n")
+    assert common.cpu_model(cpuinfo) == "Intel(R) Xeon(R) CPU @ 2.20GHz, no AVX-512"
+    assert common.cpu_model(tmp_path / "none") == "CPU unknown"
