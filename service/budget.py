@@ -32,6 +32,7 @@ class Lease:
         assert self._budget is not None, "a released lease does not grow"
         self._budget.check(self.nbytes + nbytes, nbytes, what)
         self._budget.held += nbytes
+        self._budget.peak = max(self._budget.peak, self._budget.held)
         self.nbytes += nbytes
 
     def release(self) -> None:
@@ -46,6 +47,7 @@ class InflightBudget:
             raise ValueError(f"an in-flight budget needs at least 1 byte, got {limit_bytes}")
         self.limit = limit_bytes
         self.held = 0
+        self.peak = 0  # the most held at once since the last look (peak_since)
 
     def take(self, nbytes: int, what: str = "its input and its answer") -> Lease:
         """Hold `nbytes` for a request, or refuse it: RESOURCE_EXHAUSTED while the server holds
@@ -53,7 +55,13 @@ class InflightBudget:
         whole budget (split it)."""
         self.check(nbytes, nbytes, what)
         self.held += nbytes
+        self.peak = max(self.peak, self.held)
         return Lease(self, nbytes)
+
+    def peak_since(self) -> int:
+        """The most bytes held at once since the last call (the first: since the start)."""
+        peak, self.peak = self.peak, self.held
+        return peak
 
     def check(self, total: int, more: int, what: str) -> None:
         """May a request of `total` bytes hold `more` of them now? TooLarge if its total alone

@@ -19,6 +19,7 @@ import ctypes
 import math
 import os
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 CGROUP_ROOT = Path("/sys/fs/cgroup")
@@ -144,18 +145,31 @@ def _total(meminfo: Path) -> int:
     return 4 * 2**30
 
 
-M_MMAP_THRESHOLD = -3  # mallopt(3)
-MMAP_THRESHOLD = 128 * 1024  # glibc's initial threshold, kept
-
-
-def freed_buffers_go_back() -> bool:
-    """Keep glibc's mmap threshold at 128 KiB. glibc raises it each time a large block is freed
-    (up to 32 MiB), after which the blocks of requests and answers come from the heap and stay
-    with the process after a burst; a fixed threshold (setting it turns the raising off) keeps
-    every block over 128 KiB in a mapping of its own, returned to the system when freed
-    (docs/benchmarks.md measures it). False where the C library has no mallopt."""
+def give_back_freed_memory() -> bool:
+    """glibc's malloc_trim(0): the free memory of every malloc arena returned to the system
+    (blocking: a few milliseconds for a large heap). glibc keeps freed request and answer buffers
+    for the next ones (fast, under load), and would keep them after a burst too; the server calls
+    this once it is idle after one (IdleTrim). False where the C library has no malloc_trim."""
     try:
-        mallopt = ctypes.CDLL(None).mallopt
+        trim = ctypes.CDLL(None).malloc_trim
     except (OSError, AttributeError):
         return False
-    return bool(mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD))
+    trim(0)
+    return True
+
+
+@dataclass
+class IdleTrim:
+    """Whether to give freed memory back now: a burst went through (at least `burst_bytes` held at
+    once, its `peak`) and is over (what is held now is under an eighth of that peak). A steady
+    load below `burst_bytes` keeps its buffers, for its next requests."""
+
+    burst_bytes: int
+    _burst: int = 0  # the largest peak since memory was last given back
+
+    def due(self, held: int, peak: int) -> bool:
+        self._burst = max(self._burst, peak)
+        if self._burst < self.burst_bytes or held * 8 > self._burst:
+            return False
+        self._burst = 0
+        return True

@@ -50,6 +50,7 @@ class Engine:
     publish: Publisher
     audit: Audit
     door: Door
+    budget: InflightBudget  # bytes of requests and answers held at once
 
     @property
     def loaded(self) -> Loaded:
@@ -113,7 +114,7 @@ def build_engine(
     budget = InflightBudget(_inflight_limit(s))  # bytes of requests and answers held at once
     door = Door(life, keeper, publish, audit, budget, verdicts.told, others_ready)
     _follow(metrics, s, life, keeper, budget)
-    return Engine(s, metrics, life, keeper, publish, audit, door)
+    return Engine(s, metrics, life, keeper, publish, audit, door, budget)
 
 
 def _follow(metrics: Metrics, s: Settings, life: Lifecycle, keeper: VersionKeeper, budget: InflightBudget) -> None:

@@ -25,6 +25,7 @@ from service.app.engine import Engine, build_engine, load, model_source, poll
 from service.app.preflight import StartupError, check_port, host_port, port_error, schedule, tls_files, token_files
 from service.app.supervisor import MULTIPROC_ENV, exemplars_file
 from service.batching import Clock
+from service.budget import MIB, InflightBudget
 from service.engine.keeper import ComputeHook
 from service.engine.publishing import Publisher
 from service.engine.readiness import State
@@ -43,7 +44,7 @@ from service.protocol.peers import Broadcast, WorkerPeers, socket_path
 from service.protocol.shm import Regions
 from service.protocol.tls import TlsFiles
 from service.protocol.workers import WorkerAnswers
-from service.resources import freed_buffers_go_back
+from service.resources import IdleTrim, give_back_freed_memory
 from service.settings import Settings
 from service.tracing import TraceSettings, Tracing
 
@@ -53,6 +54,8 @@ INFERENCE_SERVICE = pb.DESCRIPTOR.services_by_name["GRPCInferenceService"].full_
 HEALTH_SERVICES = ("", INFERENCE_SERVICE)
 FORGET_EVERY_S = 60.0  # how often a server that follows a repository looks for unloaded versions
 METRICS_REFRESH_S = 0.25  # a worker of several: how often its metrics reach its multiprocess files
+TRIM_EVERY_S = 2.0  # how often the server looks whether a burst is over (give_back_when_idle)
+TRIM_BURST_MIB = 16  # of requests and answers held at once: a burst, whose memory goes back once it is over
 PEERS_POLL_S = 0.05  # a worker of several, loaded: how often it looks for the others before it serves
 
 
@@ -138,6 +141,7 @@ async def start(
     if settings.model_repository is not None:  # versions come and go, whether or not anything scrapes
         forgetting = forget_unloaded(served, settings.metrics_unloaded_s)
         running.tasks.add(asyncio.get_running_loop().create_task(forgetting))
+    running.tasks.add(asyncio.get_running_loop().create_task(give_back_when_idle(engine.budget)))
     if settings.health_port is not None:
         await _start_health_port(running, settings)
     if settings.http_port is not None:
@@ -261,6 +265,22 @@ async def forget_unloaded(
                 pass
         except Exception:  # a read that fails tries again next time, as the next scrape would
             log.exception("looking for unloaded model versions failed; trying again in %.0f s", period)
+
+
+async def give_back_when_idle(
+    budget: InflightBudget,
+    sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
+    trim: Callable[[], object] = give_back_freed_memory,
+) -> None:
+    """Freed request and answer buffers returned to the system once a burst is over (IdleTrim,
+    looked at every TRIM_EVERY_S): until then glibc keeps them for the next requests, which is
+    what keeps large requests fast (docs/benchmarks.md)."""
+    idle = IdleTrim(TRIM_BURST_MIB * MIB)
+    while True:
+        await sleep(TRIM_EVERY_S)
+        if idle.due(budget.held, budget.peak_since()):
+            await asyncio.to_thread(trim)
+            log.debug("a burst is over: freed request and answer memory given back to the system")
 
 
 async def _start_metrics(running: Running, settings: Settings, served: CollectorRegistry) -> None:
@@ -466,8 +486,6 @@ async def drain_and_stop(running: Running, grace_s: float, announce: bool = True
 
 async def serve(settings: Settings) -> int:
     """Run until SIGTERM or SIGINT; exit code 0 after a clean drain, 1 if the model cannot load."""
-    if not freed_buffers_go_back():
-        log.debug("no mallopt here: freed request buffers may stay with the process")
     loop = asyncio.get_running_loop()
     loop.set_exception_handler(AcceptFailures())
     running = await start(settings)

@@ -1,15 +1,17 @@
 """The in-flight budget, alone, and the memory limit it is derived from (cgroup trees written
-here, v2 and v1, and /proc/meminfo)."""
+here, v2 and v1, and /proc/meminfo); freed memory given back once the server is idle."""
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 
 import pytest
 
+from service.app.server import TRIM_EVERY_S, give_back_when_idle
 from service.budget import MIB, InflightBudget
 from service.errors import Overloaded, TooLarge
-from service.resources import memory_limit_bytes
+from service.resources import IdleTrim, give_back_freed_memory, memory_limit_bytes
 
 
 def test_a_lease_grows_until_the_request_alone_or_the_server_is_full() -> None:
@@ -85,3 +87,53 @@ def test_cgroup_v1_and_its_unlimited_value(tmp_path: Path) -> None:
     _write(v1 / "memory", memory__limit_in_bytes=f"{512 * MIB}\n")  # a container's own cgroup, at the root
     assert memory_limit_bytes(v1, membership, meminfo) == 512 * MIB
     assert memory_limit_bytes(v1, tmp_path / "absent", tmp_path / "absent") == 4 * 2**30
+
+
+def test_the_peak_is_the_most_held_at_once_since_the_last_look() -> None:
+    budget = InflightBudget(16 * MIB)
+    body = budget.take(2 * MIB, "its body")
+    body.grow(MIB, "its body")
+    answer = budget.take(3 * MIB)
+    body.release()
+    assert budget.peak_since() == 6 * MIB
+    assert budget.peak_since() == 3 * MIB  # counted anew from what is held now
+    answer.release()
+    assert (budget.peak_since(), budget.peak_since()) == (3 * MIB, 0)
+
+
+def test_memory_is_given_back_once_a_burst_is_over() -> None:
+    """IdleTrim: due once a peak of at least the burst's size has fallen under an eighth."""
+    idle = IdleTrim(burst_bytes=16 * MIB)
+    assert not idle.due(held=0, peak=8 * MIB)  # a steady load below a burst keeps its buffers
+    assert not idle.due(held=20 * MIB, peak=32 * MIB)  # a burst, still on
+    assert not idle.due(held=5 * MIB, peak=10 * MIB)  # falling, but above an eighth of its peak
+    assert idle.due(held=4 * MIB, peak=4 * MIB)  # over: the burst's peak is remembered
+    assert not idle.due(held=0, peak=0)  # given back once
+    assert not idle.due(held=0, peak=15 * MIB)
+    assert idle.due(held=MIB, peak=16 * MIB)
+
+
+def test_the_server_gives_memory_back_when_a_burst_is_over() -> None:
+    """give_back_when_idle on an injected sleep: a 24 MiB burst in flight over two looks, then
+    gone; the memory goes back once, at the first look after it, and not again."""
+    budget, trims, looks = InflightBudget(64 * MIB), [], []
+    leases = []
+
+    async def sleep(seconds: float) -> None:
+        looks.append(seconds)
+        if len(looks) == 1:
+            leases.extend(budget.take(8 * MIB) for _ in range(3))
+        elif len(looks) == 3:
+            for lease in leases:
+                lease.release()
+        elif len(looks) == 6:
+            raise asyncio.CancelledError
+
+    with pytest.raises(asyncio.CancelledError):
+        asyncio.run(give_back_when_idle(budget, sleep, lambda: trims.append(len(looks))))
+    assert trims == [3]
+    assert looks == [TRIM_EVERY_S] * 6
+
+
+def test_glibc_gives_freed_memory_back_here() -> None:
+    assert give_back_freed_memory()  # glibc's malloc_trim, on the Linux CI machine
