@@ -31,8 +31,7 @@ class Lease:
         refuses, the request's whole size counted against the whole budget."""
         assert self._budget is not None, "a released lease does not grow"
         self._budget.check(self.nbytes + nbytes, nbytes, what)
-        self._budget.held += nbytes
-        self._budget.peak = max(self._budget.peak, self._budget.held)
+        self._budget.hold(nbytes)
         self.nbytes += nbytes
 
     def release(self) -> None:
@@ -54,9 +53,13 @@ class InflightBudget:
         too much (retry shortly), 413 / RESOURCE_EXHAUSTED when one request alone exceeds the
         whole budget (split it)."""
         self.check(nbytes, nbytes, what)
+        self.hold(nbytes)
+        return Lease(self, nbytes)
+
+    def hold(self, nbytes: int) -> None:
+        """`nbytes` more held (checked already), the peak kept."""
         self.held += nbytes
         self.peak = max(self.peak, self.held)
-        return Lease(self, nbytes)
 
     def peak_since(self) -> int:
         """The most bytes held at once since the last call (the first: since the start)."""
