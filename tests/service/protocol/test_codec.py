@@ -9,7 +9,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from export.layout import ModelFiles
@@ -265,12 +265,14 @@ PLACES = ("the request", "an input", "the parameters")
 
 @settings(max_examples=200, deadline=None)
 @given(where=st.sampled_from(PLACES), key=st.text(min_size=1, max_size=12), first=JSON_VALUES, second=JSON_VALUES)
+@example(where="the request", key="inputs", first=None, second=None)  # a key the object already holds
+@example(where="an input", key="shape", first=1, second=2)
 def test_a_key_given_twice_in_one_object_is_refused_wherever_it_stands(
     where: str, key: str, first: object, second: object
 ) -> None:
     """JSON parsers disagree on a key given twice (Python's keeps the last, Triton's rapidjson
     the first): the body is refused with the key named, never read one way or the other. The
-    same body with the key once is not refused for it."""
+    same body with the key once is not refused for it, unless the object already holds that key."""
     tensor = {"name": "x", "datatype": "FP32", "shape": [1, 1, 1], "data": [0.5]}
     twice = json.dumps(key) + ": " + json.dumps(first) + ", " + json.dumps(key) + ": " + json.dumps(second)
     body = json.dumps({"inputs": [tensor], "parameters": {}})
@@ -281,6 +283,9 @@ def test_a_key_given_twice_in_one_object_is_refused_wherever_it_stands(
     with pytest.raises(InvalidInput, match="twice in one object") as refused:
         request_from_json(doubled, None, "mha", "")
     assert quote(key) in str(refused.value)
+    own_keys = {"the request": {"inputs", "parameters"}, "an input": set(tensor), "the parameters": set()}
+    if key in own_keys[where]:
+        return  # with the key once more, the object names it twice: refused above, rightly
     once = (body[:at] + json.dumps(key) + ": " + json.dumps(first) + close + body[at:]).encode()
     try:
         request_from_json(once, None, "mha", "")
