@@ -322,15 +322,15 @@ def cmd_serve(args: argparse.Namespace) -> int:
         log.error("cannot start: %s", exc)
         return exc.exit_code
     if count > 1:
-        settings = with_shared_ports(settings)
-        argv = to_argv(replace(settings, workers="1"))
-        default_model = single and settings.model_dir is None  # the first worker binds, exports, loads
-        try:
-            supervisor = Supervisor(settings, argv, count, gpus, bind_first=default_model)
-        except StartupError as exc:
-            log.error("cannot start: %s", exc)
-            return exc.exit_code
-        return asyncio.run(supervisor.run())
+        with with_shared_ports(settings) as settings:
+            argv = to_argv(replace(settings, workers="1"))
+            default_model = single and settings.model_dir is None  # the first worker binds, exports, loads
+            try:
+                supervisor = Supervisor(settings, argv, count, gpus, bind_first=default_model)
+            except StartupError as exc:
+                log.error("cannot start: %s", exc)
+                return exc.exit_code
+            return asyncio.run(supervisor.run())
     from service.app.server import serve  # ONNX Runtime and PyTorch: only where the model is served
 
     try:

@@ -16,6 +16,8 @@ socket in a private directory (service/protocol/peers.py).
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import errno
 import json
 import logging
 import math
@@ -430,17 +432,69 @@ class Supervisor:
                     await worker.process.wait()
 
 
-def with_shared_ports(settings: Settings) -> Settings:
+@contextlib.contextmanager
+def with_shared_ports(settings: Settings) -> Iterator[Settings]:
     """The ports the workers share that were given as 0 ("pick a free one"), picked once for all
-    of them: a worker picking its own would leave the clients of one port with one worker."""
-    given = (settings.grpc_port, settings.http_port, settings.health_port, settings.metrics_port)
-    grpc, http, health = free_ports(3, avoid=frozenset(p for p in given if p))
-    return replace(
-        settings,
-        grpc_port=settings.grpc_port or grpc,
-        http_port=http if settings.http_port == 0 else settings.http_port,  # None (off) stays off
-        health_port=health if settings.health_port == 0 else settings.health_port,
-    )
+    of them (a worker picking its own would leave the clients of one port with one worker) and
+    held until the supervisor ends (`reserve_port`): the workers bind them only once they have
+    loaded, and a worker that replaces one binds them again; no other process takes them meanwhile."""
+    ports = (settings.grpc_port, settings.http_port, settings.health_port, settings.metrics_port)
+    given = frozenset(p for p in ports if p)
+    with contextlib.ExitStack() as held:
+
+        def picked(port: int | None) -> int | None:  # 0: a free one, held; None (off) and a given one stay
+            return _held_free_port(held, given) if port == 0 else port
+
+        grpc_port = settings.grpc_port or _held_free_port(held, given)
+        yield replace(
+            settings,
+            grpc_port=grpc_port,
+            http_port=picked(settings.http_port),
+            health_port=picked(settings.health_port),
+        )
+
+
+def _held_free_port(held: contextlib.ExitStack, avoid: frozenset[int]) -> int:
+    """A free port, none of `avoid`, reserved until `held` closes."""
+    while True:
+        port = free_ports(1, avoid)[0]
+        try:
+            sockets = reserve_port(port)
+        except OSError as exc:  # taken between the pick and the reservation: pick again
+            if exc.errno != errno.EADDRINUSE:
+                raise
+            continue
+        for reserved in sockets:
+            held.enter_context(reserved)
+        return port
+
+
+def reserve_port(port: int) -> list[socket.socket]:
+    """Sockets that keep `port` from every other process, on every address of both families, yet
+    let this user's SO_REUSEPORT listeners (the workers') bind it: bound with SO_REUSEPORT, never
+    listening, so that the kernel hands them no connection. A machine without IPv6 holds IPv4."""
+    with contextlib.ExitStack() as opened:
+        sockets = [opened.enter_context(_reserving(socket.AF_INET, ("0.0.0.0", port)))]
+        try:
+            sockets.append(opened.enter_context(_reserving(socket.AF_INET6, ("::", port))))
+        except OSError as exc:
+            if exc.errno == errno.EADDRINUSE:
+                raise
+        opened.pop_all()
+        return sockets
+
+
+def _reserving(family: socket.AddressFamily, address: tuple[str, int]) -> socket.socket:
+    reserved = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        reserved.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        if family == socket.AF_INET6:  # its IPv4 twin is the other socket
+            reserved.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+        reserved.bind(address)
+    except OSError:
+        reserved.close()
+        raise
+    return reserved
 
 
 def worker_flags(index: int, workers: int, metrics_port: int, sockets: Path) -> list[str]:

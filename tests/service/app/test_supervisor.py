@@ -3,15 +3,19 @@
 from __future__ import annotations
 
 import asyncio
+import errno
 import os
 import shutil
 import socket
 import subprocess
 import sys
 import tempfile
+from concurrent import futures
 from pathlib import Path
 
+import grpc
 import pytest
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from prometheus_client import CollectorRegistry
 from prometheus_client.mmap_dict import MmapedDict, mmap_key
 from prometheus_client.openmetrics import exposition as openmetrics
@@ -84,12 +88,54 @@ def test_the_hand_over_sockets_go_where_their_paths_fit_a_unix_socket(tmp_path: 
 
 def test_ports_given_as_zero_are_picked_once_for_every_worker() -> None:
     settings = make_settings(Path("unused"), grpc_port=0, http_port=None, health_port=0, metrics_port=8002)
-    picked = with_shared_ports(settings)
-    assert picked.http_port is None  # off stays off
-    assert picked.metrics_port == 8002  # the supervisor's own port: it binds it itself
-    assert 0 not in (picked.grpc_port, picked.health_port) and picked.grpc_port != picked.health_port
+    with with_shared_ports(settings) as picked:
+        assert picked.http_port is None  # off stays off
+        assert picked.metrics_port == 8002  # the supervisor's own port: it binds it itself
+        assert 0 not in (picked.grpc_port, picked.health_port) and picked.grpc_port != picked.health_port
     given = make_settings(Path("unused"), grpc_port=18001, http_port=18000, health_port=18003)
-    assert with_shared_ports(given) == given
+    with with_shared_ports(given) as kept:
+        assert kept == given
+
+
+def _plain_bind(family: socket.AddressFamily, host: str, port: int) -> int:
+    """errno of a bind without SO_REUSEPORT, as another process's server or client would bind; 0: bound."""
+    with socket.socket(family, socket.SOCK_STREAM) as other:
+        other.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            other.bind((host, port))
+        except OSError as exc:
+            return exc.errno or -1
+    return 0
+
+
+def test_picked_ports_are_held_from_other_processes_and_open_to_the_workers() -> None:
+    """Workers bind the shared ports only once they have loaded (and again when one is replaced):
+    until the supervisor ends, no other process can take a port picked for them, on any address,
+    while listeners with SO_REUSEPORT (gRPC's and aiohttp's in the workers) bind it and are the
+    only ones the kernel hands connections to."""
+    settings = make_settings(Path("unused"), grpc_port=0, http_port=0, health_port=None)
+    with with_shared_ports(settings) as picked:
+        for port in (picked.grpc_port, picked.http_port):
+            assert port
+            for family, host in ((socket.AF_INET, "127.0.0.1"), (socket.AF_INET, "0.0.0.0"), (socket.AF_INET6, "::")):
+                assert _plain_bind(family, host, port) == errno.EADDRINUSE, (host, port)
+        servers = []
+        for address in ("[::]", "0.0.0.0"):  # two workers, as gRPC binds them
+            server = grpc.server(futures.ThreadPoolExecutor(2), options=[("grpc.so_reuseport", 1)])
+            health_pb2_grpc.add_HealthServicer_to_server(health.HealthServicer(), server)
+            assert server.add_insecure_port(f"{address}:{picked.grpc_port}") == picked.grpc_port
+            server.start()
+            servers.append(server)
+        try:
+            for _ in range(16):  # a connection each: every one accepted, none by the held sockets
+                with grpc.insecure_channel(f"127.0.0.1:{picked.grpc_port}") as channel:
+                    answer = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5)
+                    assert answer.status == health_pb2.HealthCheckResponse.SERVING
+        finally:
+            for server in servers:
+                server.stop(None)
+        port = picked.grpc_port
+    assert _plain_bind(socket.AF_INET, "127.0.0.1", port) == 0  # released with the supervisor
 
 
 @pytest.mark.parametrize(
