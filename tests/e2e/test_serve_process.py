@@ -159,7 +159,7 @@ def test_sigterm_drains_in_flight_requests(default_model_dir: Path, tmp_path: Pa
 
         def one(i: int) -> None:
             with MHAClient(server.url) as client:
-                x = random_input((8, 1024, 128), seed=i)
+                x = random_input((8, 512, 128), seed=i)
                 try:
                     outcome: object = (x, client.infer(x, timeout=60))  # checked after the drain
                 except InferenceError as exc:
@@ -170,7 +170,7 @@ def test_sigterm_drains_in_flight_requests(default_model_dir: Path, tmp_path: Pa
         threads = [threading.Thread(target=one, args=(i,)) for i in range(12)]
         for t in threads:
             t.start()
-        _wait_arrived(server, 12)  # all in the server; most queued behind each other (12 x ~50 ms of compute)
+        _wait_arrived(server, 12)  # all in the server; most queued behind each other (12 x ~30 ms of compute)
         signalled = time.monotonic()
         assert server.proc is not None
         server.proc.send_signal(15)
