@@ -34,10 +34,7 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from export.onnx_export import DEFAULT_OPSET, ExportError
-    from export.pipeline import ParityError, export_model_dir
-    from model.checkpoint import CheckpointError
-
+    """What the arguments get wrong is said before torch and onnx load (seconds)."""
     out = Path(args.out)
     if out.exists() and not out.is_dir():
         raise CliError(f"--out {out} is a file: name a directory for the model's files", 2)
@@ -45,13 +42,16 @@ def cmd_export(args: argparse.Namespace) -> int:
         raise CliError(
             f"--out {out} exists and is not empty (a server may be serving it); pass --force to replace it", 2
         )
+    precisions = _precisions(args.precision)
     try:
         config, weights = _model_from_args(args)
-    except (CheckpointError, ValueError) as exc:
+    except ValueError as exc:  # a CheckpointError too
         log.error("cannot build the model: %s", exc)
         return 2
+    from export.onnx_export import DEFAULT_OPSET, ExportError
+    from export.pipeline import ParityError, export_model_dir
+
     try:
-        precisions = _precisions(args.precision)
         report = export_model_dir(
             out, config, weights, opset=args.opset or DEFAULT_OPSET, graph=args.graph, precisions=precisions
         )
@@ -71,7 +71,7 @@ def _check_export_fits(config: MHAConfig) -> None:
     """Refuse, before any work, a model whose parity check (export's, verify's) cannot fit in this machine's
     (or container's) memory: a torch allocation error, or the kernel killing the process, says
     neither why nor what to change."""
-    from export.verify import parity_peak_bytes
+    from export.grid import parity_peak_bytes
     from service.resources import memory_limit_bytes
 
     need, allowed = parity_peak_bytes(config), memory_limit_bytes()
@@ -99,9 +99,10 @@ def _model_from_args(args: argparse.Namespace) -> tuple[MHAConfig, Weights]:
     from dataclasses import replace
 
     from model import MHAConfig
-    from model.checkpoint import init_weights, load_any
 
     if args.checkpoint:
+        from model.checkpoint import load_any
+
         given = [flag for flag, value in _NEW_MODEL_FLAGS.items() if value(args)]
         if given:
             raise ValueError(
@@ -124,6 +125,8 @@ def _model_from_args(args: argparse.Namespace) -> tuple[MHAConfig, Weights]:
         bias=not args.no_bias,
     )
     _check_export_fits(config)  # before the weights are made: --d-model 10**6 would ask for 16 TB
+    from model.checkpoint import init_weights
+
     return config, init_weights(config, seed=0 if args.seed is None else args.seed)
 
 
@@ -144,14 +147,7 @@ class CliError(Exception):
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
-    import json
-
-    from export.layout import ModelFiles
-    from export.verify import verify_model_dir
-    from model.checkpoint import CheckpointError, stored_config
-    from service.client.client import InferenceError
-    from service.client.parity import verify_server
-
+    """What the arguments get wrong is said before torch loads (seconds)."""
     model_dir = Path(args.model_dir)
     if args.http_url and not args.url:
         raise CliError("--http-url checks a running server's HTTP routes beside its gRPC ones: give --url too", 2)
@@ -160,6 +156,18 @@ def cmd_verify(args: argparse.Namespace) -> int:
     written = _writable("--json", args.json)
     if (problem := model_dir_problem(model_dir, flag="", serve=False)) is not None:
         raise CliError(problem, 2)  # a wrong path is not a model that failed its check, nor a server that did
+    return _verified(args, model_dir, written)
+
+
+def _verified(args: argparse.Namespace, model_dir: Path, written: Path | None) -> int:
+    import json
+
+    from export.layout import ModelFiles
+    from export.verify import verify_model_dir
+    from model.checkpoint import CheckpointError, stored_config
+    from service.client.client import InferenceError
+    from service.client.parity import verify_server
+
     report: RoutesReport | ParityReport
     if args.url:
         url = grpc_address(args.url)  # an http:// URL is the REST port, named as --http-url

@@ -8,7 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from export.verify import parity_peak_bytes
+from export.grid import parity_peak_bytes
 from model import MHAConfig
 from model.checkpoint import init_weights, save_checkpoint
 

@@ -184,3 +184,28 @@ def test_serve_reads_its_flags_without_loading_pytorch() -> None:
     run = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stderr
     assert run.stdout.strip() == "False", "parsing `mha serve`'s flags loaded PyTorch"
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["export", "--out", "{tmp}/m", "--d-model", "0"],
+        ["export", "--out", "{tmp}/m", "--precision", "fp8"],
+        ["export", "--out", "{tmp}/m", "--d-model", "100000000", "--max-seq-len", "100000"],
+        ["verify", "{tmp}/no-such-model"],
+        ["verify", "{tmp}", "--http-url", "http://127.0.0.1:1"],
+    ],
+    ids=["width-zero", "unknown-precision", "too-large-to-check", "no-such-directory", "http-url-alone"],
+)
+def test_export_and_verify_refuse_bad_arguments_before_loading_pytorch(argv: list[str], tmp_path: Path) -> None:
+    """A mistake in the arguments is said in a fraction of a second, not after the seconds that
+    loading PyTorch and onnx takes, and exits 2."""
+    given = [arg.replace("{tmp}", str(tmp_path)) for arg in argv]
+    code = (
+        "import sys\n"
+        "from service.cli import main\n"
+        f"code = main({given!r})\n"
+        "print(code, 'torch' in sys.modules, 'onnx' in sys.modules)\n"
+    )
+    run = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert run.stdout.split()[-3:] == ["2", "False", "False"], run.stdout + run.stderr
