@@ -1,4 +1,5 @@
-"""What the benchmark scripts share: their command line and where results go.
+"""What the benchmark scripts share: their command line, where results go, and nginx in front of
+servers (the tests of the balancer use it too).
 
 The scripts run as `python bench/NAME.py`, so this folder is on sys.path and `import common` works.
 """
@@ -10,10 +11,19 @@ import contextlib
 import json
 import logging
 import os
-from collections.abc import Iterator
+import socket
+import subprocess
+import time
+from collections.abc import Iterator, Sequence
 from pathlib import Path
+from typing import Protocol
+
+from service.app.launch import free_ports
 
 RESULTS = Path(__file__).parent / "results"
+ROOT = Path(__file__).resolve().parent.parent
+NGINX = ROOT / ".tools" / "nginx" / "usr" / "sbin" / "nginx"  # make install unpacks Debian's package there
+NGINX_CONF = ROOT / "deploy" / "nginx" / "mha-serve.conf"
 # ONNX Runtime reads this once, when it is imported (after this module, in every script that imports
 # it): a script's in-process sessions, like `mha serve`'s, keep no database under ~/.cache and send
 # no usage events
@@ -172,3 +182,61 @@ def cpu_latency_qos(device: Path = CPU_DMA_LATENCY) -> Iterator[None]:
     with handle:
         handle.write((0).to_bytes(4, "little", signed=True))
         yield
+
+
+class Upstream(Protocol):
+    """A server behind the balancer: its gRPC and HTTP ports on loopback."""
+
+    @property
+    def port(self) -> int: ...
+
+    @property
+    def http_port(self) -> int: ...
+
+
+class Balancer:
+    """nginx in front of server processes, configured by deploy/nginx/mha-serve.conf: gRPC and
+    HTTP balanced request by request, sequences hashed on the mha-sequence-id header."""
+
+    def __init__(self, nginx: Path, run_dir: Path, replicas: Sequence[Upstream]) -> None:
+        self.nginx, self.run_dir = nginx, run_dir
+        self.grpc_port, self.http_port = free_ports(2)
+        grpc_servers = "\n".join(f"server 127.0.0.1:{r.port} max_fails=1 fail_timeout=10s;" for r in replicas)
+        http_servers = "\n".join(f"server 127.0.0.1:{r.http_port} max_fails=1 fail_timeout=10s;" for r in replicas)
+        conf = NGINX_CONF.read_text()
+        for key, value in {
+            "@RUN_DIR@": str(run_dir),
+            "@GRPC_LISTEN@": f"127.0.0.1:{self.grpc_port}",
+            "@HTTP_LISTEN@": f"127.0.0.1:{self.http_port}",
+            "@GRPC_SERVERS@": grpc_servers,
+            "@HTTP_SERVERS@": http_servers,
+        }.items():
+            conf = conf.replace(key, value)
+        self.conf = run_dir / "nginx.conf"
+        self.conf.write_text(conf)
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"127.0.0.1:{self.grpc_port}"
+
+    def start(self, timeout: float = 30) -> Balancer:
+        foreground = "daemon off; master_process off;"
+        command = [str(self.nginx), "-p", str(self.run_dir), "-c", str(self.conf), "-g", foreground]
+        self.proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=(self.run_dir / "stderr.log").open("w"))
+        deadline = time.monotonic() + timeout
+        for port in (self.grpc_port, self.http_port):
+            while True:
+                if self.proc.poll() is not None:
+                    raise RuntimeError(f"nginx exited: {(self.run_dir / 'stderr.log').read_text()[-2000:]}")
+                with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), timeout=1):
+                    break
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"nginx not listening on {port} after {timeout} s")
+                time.sleep(0.1)
+        return self
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            self.proc.wait(10)

@@ -83,7 +83,7 @@ import common
 import grpc
 import numpy as np
 
-from service.app.launch import Balancer, free_port, free_ports
+from service.app.launch import free_port, free_ports
 from service.client.loadgen import run_load
 from service.proto import grpc_service_pb2 as pb
 from service.proto import grpc_service_pb2_grpc as pb_grpc
@@ -361,7 +361,6 @@ def in_process_ms(model_dir: Path, backend: str, seconds: float) -> float:
 PROXIED = "mha-serve behind nginx"
 REPLICAS = "2 replicas of mha-serve --workers 1 behind nginx"
 BEHIND_NGINX = {PROXIED: ("mha-serve", 1), REPLICAS: ("mha-serve --workers 1", 2)}  # name -> (each server, how many)
-NGINX = ROOT / ".tools" / "nginx" / "usr" / "sbin" / "nginx"  # make install
 
 
 class Started:
@@ -379,19 +378,19 @@ class Started:
         ports = free_ports(count)
         found = [server_command(each, model_dir, port, checkout) for port in ports]
         commands = [c for c in found if c is not None]
-        if len(commands) < count or (name in BEHIND_NGINX and not NGINX.exists()):
+        if len(commands) < count or (name in BEHIND_NGINX and not common.NGINX.exists()):
             raise LookupError(f"{name}: its environment is not installed (make bench-servers, make install)")
         slug = "-".join(w.strip(":-@").lower() for w in name.split()[:2] if w.strip(":-+@"))
         self.proc = spawn(*commands[0], common.RESULTS / f"compare-{slug}.log", cpus)
         log_of = [common.RESULTS / f"compare-{slug}-{n}.log" for n in range(1, count)]
         others = [spawn(*c, path, cpus, self.proc.pid) for c, path in zip(commands[1:], log_of, strict=True)]
         self.name, self.url = name, f"127.0.0.1:{ports[0]}"
-        self.balancer: Balancer | None = None
+        self.balancer: common.Balancer | None = None
         if name in BEHIND_NGINX:
             for port, proc in zip(ports, [self.proc, *others], strict=True):
                 wait_ready(f"127.0.0.1:{port}", proc)
             upstreams = [SimpleNamespace(port=port, http_port=free_port()) for port in ports]  # their HTTP is off
-            self.balancer = Balancer(NGINX, Path(tempfile.mkdtemp(prefix="mha-nginx-")), upstreams)  # type: ignore[arg-type]
+            self.balancer = common.Balancer(common.NGINX, Path(tempfile.mkdtemp(prefix="mha-nginx-")), upstreams)
             self.url = self.balancer.start().url
 
     def case(self, B: int, T: int, clients: int, seconds: float, one_channel: bool = False) -> dict:

@@ -29,12 +29,11 @@ from pathlib import Path
 import common
 import numpy as np
 
-from service.app.launch import Balancer, ServerProcess
+from service.app.launch import ServerProcess
 from service.client.client import ClientSequence, MHAClient
 from service.client.loadgen import requests_answered
 
 log = logging.getLogger("bench")
-NGINX = Path(__file__).resolve().parent.parent / ".tools" / "nginx" / "usr" / "sbin" / "nginx"  # make install
 
 
 def started_elsewhere(url: str, here: int, x: np.ndarray) -> str:
@@ -83,7 +82,7 @@ def spread(model_dir: str, requests: int) -> dict[str, object]:
     try:
         for i, replica in enumerate(replicas):
             replica.start(common.RESULTS / f"scaleout-r{i}.log")
-        balancer = Balancer(NGINX, run_dir, replicas).start()
+        balancer = common.Balancer(common.NGINX, run_dir, replicas).start()
         try:
             with MHAClient(balancer.url) as client:
                 C = int(client.model_metadata().inputs[0].shape[-1])

@@ -1,7 +1,7 @@
 """`mha serve` as a child process on loopback, ready once its health says SERVING.
 
 For tests, benchmarks and tools that need a real server process (signals, their own client
-libraries), a real balancer in front of several, and the supervisor's command line for its
+libraries; `mha tune` starts its candidates so), and the supervisor's command line for its
 workers; nothing here runs on the request path.
 """
 
@@ -199,61 +199,3 @@ def server_process(args: list[str], log_path: Path, **kwargs: Any) -> Iterator[S
         yield server.start(log_path)
     finally:
         server.kill()
-
-
-NGINX_CONF = PACKAGE_ROOT / "deploy" / "nginx" / "mha-serve.conf"
-
-
-class Balancer:
-    """nginx in front of server processes, configured by deploy/nginx/mha-serve.conf: gRPC and
-    HTTP balanced request by request, sequences hashed on the mha-sequence-id header."""
-
-    def __init__(self, nginx: Path, run_dir: Path, replicas: list[ServerProcess]) -> None:
-        self.nginx, self.run_dir = nginx, run_dir
-        self.grpc_port, self.http_port = free_ports(2)
-        grpc_servers = "\n".join(f"server 127.0.0.1:{r.port} max_fails=1 fail_timeout=10s;" for r in replicas)
-        http_servers = "\n".join(f"server 127.0.0.1:{r.http_port} max_fails=1 fail_timeout=10s;" for r in replicas)
-        conf = NGINX_CONF.read_text()
-        for key, value in {
-            "@RUN_DIR@": str(run_dir),
-            "@GRPC_LISTEN@": f"127.0.0.1:{self.grpc_port}",
-            "@HTTP_LISTEN@": f"127.0.0.1:{self.http_port}",
-            "@GRPC_SERVERS@": grpc_servers,
-            "@HTTP_SERVERS@": http_servers,
-        }.items():
-            conf = conf.replace(key, value)
-        self.conf = run_dir / "nginx.conf"
-        self.conf.write_text(conf)
-        self.proc: subprocess.Popen[bytes] | None = None
-
-    @property
-    def url(self) -> str:
-        return f"127.0.0.1:{self.grpc_port}"
-
-    def start(self, timeout: float = 30) -> Balancer:
-        command = [
-            str(self.nginx),
-            "-p",
-            str(self.run_dir),
-            "-c",
-            str(self.conf),
-            "-g",
-            "daemon off; master_process off;",
-        ]
-        self.proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=(self.run_dir / "stderr.log").open("w"))
-        deadline = time.monotonic() + timeout
-        for port in (self.grpc_port, self.http_port):
-            while True:
-                if self.proc.poll() is not None:
-                    raise RuntimeError(f"nginx exited: {(self.run_dir / 'stderr.log').read_text()[-2000:]}")
-                with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), timeout=1):
-                    break
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"nginx not listening on {port} after {timeout} s")
-                time.sleep(0.1)
-        return self
-
-    def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            self.proc.wait(10)

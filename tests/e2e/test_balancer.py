@@ -20,12 +20,13 @@ import torch
 
 from model.checkpoint import load_checkpoint
 from model.reference import attention_view, relative_error
-from service.app.launch import Balancer, ServerProcess
+from service.app.launch import ServerProcess
 from service.client.client import ClientSequence, InferenceError, MHAClient
 from service.client.loadgen import requests_answered
-from tests.support import ROOT, until
+from tests.support import ROOT, bench_module, until
 
-NGINX = ROOT / ".tools" / "nginx" / "usr" / "sbin" / "nginx"
+common = bench_module("common")  # nginx in front of servers, as bench/compare.py runs it
+Balancer = common.Balancer
 TRITON_PYTHON = ROOT / ".venv-triton" / "bin" / "python"
 C = 32
 
@@ -51,8 +52,8 @@ def replicas(small_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) ->
 
 @pytest.fixture(scope="module")
 def balancer(replicas: list[ServerProcess], tmp_path_factory: pytest.TempPathFactory) -> Iterator[Balancer]:
-    assert NGINX.exists(), "make install unpacks nginx from Debian's package into .tools/nginx"
-    nginx = Balancer(NGINX, tmp_path_factory.mktemp("nginx"), replicas).start()
+    assert common.NGINX.exists(), "make install unpacks nginx from Debian's package into .tools/nginx"
+    nginx = Balancer(common.NGINX, tmp_path_factory.mktemp("nginx"), replicas).start()
     try:
         yield nginx
     finally:
