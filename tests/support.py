@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import importlib.util
 import json
 import sys
@@ -11,7 +12,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import replace
 from pathlib import Path
 from types import ModuleType
@@ -19,7 +20,7 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry
 
-from service.app.launch import ServerProcess, free_port, free_ports, server_process, wait_serving
+from service.app.launch import ServerProcess, free_port, free_ports, wait_serving
 from service.app.server import Running, drain_and_stop, load_and_serve, start
 from service.batching import Clock
 from service.engine.keeper import ComputeHook
@@ -30,6 +31,16 @@ __all__ += ["server_process"]
 __all__ += ["ComputeGate", "bench_module", "wait_serving"]
 
 ROOT = Path(__file__).resolve().parent.parent
+
+
+@contextlib.contextmanager
+def server_process(args: list[str], log_path: Path, **kwargs: Any) -> Iterator[ServerProcess]:
+    """`mha serve ARGS` as a child process, SERVING when entered and killed on the way out."""
+    server = ServerProcess(args, **kwargs)
+    try:
+        yield server.start(log_path)
+    finally:
+        server.kill()
 
 
 def bench_module(name: str) -> ModuleType:

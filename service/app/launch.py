@@ -17,10 +17,9 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from functools import partial
 from pathlib import Path
-from typing import Any
 
 import grpc
 
@@ -190,12 +189,3 @@ def wait_serving(url: str, timeout: float, proc: subprocess.Popen[str] | None = 
                     return
             time.sleep(0.2)
     raise TimeoutError(f"{url} not SERVING after {timeout} s")
-
-
-@contextlib.contextmanager
-def server_process(args: list[str], log_path: Path, **kwargs: Any) -> Iterator[ServerProcess]:
-    server = ServerProcess(args, **kwargs)
-    try:
-        yield server.start(log_path)
-    finally:
-        server.kill()
