@@ -16,6 +16,7 @@ The winner is then measured again beside the defaults, interleaved, round by rou
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
@@ -389,23 +390,30 @@ def parse_shapes(texts: Sequence[str]) -> list[Shape]:
     return shapes
 
 
-def checked_model(model_dir: Path) -> tuple[Any, list[str]]:
-    """The model's config and the precisions its directory holds, or why it cannot be served."""
+def checked_model(model_dir: Path, shapes: Sequence[Shape]) -> list[str]:
+    """The precisions the model's directory holds, or why it cannot be served or
+    cannot serve `shapes`. What needs no PyTorch is checked first: the weights are there, and the
+    shapes fit the config the manifest records (which the weights are then checked against)."""
     from export.layout import MANIFEST_FILE, ModelFiles
-    from export.verify import check_manifest, sha256_file
-    from model.checkpoint import CheckpointError, load_checkpoint
 
     files = ModelFiles(model_dir)
     if not files.weights.is_file():
         raise TuneError(f"--model-dir {model_dir}: no exported model there; export one with `mha export --out DIR`")
+    with contextlib.suppress(OSError, ValueError, TypeError, KeyError):  # unreadable: the checks below say why
+        recorded = json.loads((model_dir / MANIFEST_FILE).read_text())["config"]
+        check_shapes(shapes, int(recorded["d_model"]), int(recorded["max_seq_len"]))
+    from export.verify import check_manifest, sha256_file
+    from model.checkpoint import CheckpointError, load_checkpoint
+
     try:
         config, _ = load_checkpoint(files.weights)
     except CheckpointError as exc:
         raise TuneError(f"--model-dir {model_dir} fails its checks: {exc}") from exc
     if problems := check_manifest(files, config, sha256_file(files.weights)):
         raise TuneError(f"--model-dir {model_dir} fails its checks: {'; '.join(problems)}; re-export it")
+    check_shapes(shapes, config.d_model, config.max_seq_len)
     manifest = json.loads((model_dir / MANIFEST_FILE).read_text())
-    return config, list(manifest.get("precisions", {"fp32": {}}))
+    return list(manifest.get("precisions", {"fp32": {}}))
 
 
 def check_request(request: Request) -> None:
@@ -433,12 +441,12 @@ def check_request(request: Request) -> None:
             raise TuneError(str(exc)) from exc
 
 
-def check_shapes(shapes: Sequence[Shape], config: Any) -> None:
+def check_shapes(shapes: Sequence[Shape], d_model: int, max_seq_len: int) -> None:
     """Refuse a shape the model cannot serve."""
     for b, t, c in shapes:
-        if c != config.d_model or not 1 <= t <= config.max_seq_len or not 1 <= b <= MAX_ROWS:
+        if c != d_model or not 1 <= t <= max_seq_len or not 1 <= b <= MAX_ROWS:
             raise TuneError(
-                f"--shape {b},{t},{c}: this model serves C = {config.d_model}, 1 <= T <= {config.max_seq_len} and "
+                f"--shape {b},{t},{c}: this model serves C = {d_model}, 1 <= T <= {max_seq_len} and "
                 f"1 <= B <= {MAX_ROWS}"
             )
 
@@ -459,8 +467,9 @@ def tune(request: Request, progress: Progress | None = None) -> int:
     from service.settings import Settings
 
     check_request(request)
-    config, precisions = checked_model(request.model_dir)
-    check_shapes(request.shapes, config)
+    if request.out.exists() and not request.out.is_dir():
+        raise TuneError(f"--out {request.out}: cannot write the results there (it is a file, not a folder)")
+    precisions = checked_model(request.model_dir, request.shapes)
     began = time.monotonic()
     tuner = Tuner(request, progress or progress_line())
     points_per_round = 2 * len(CONNECTIONS) * (request.seconds + 0.5)

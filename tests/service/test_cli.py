@@ -194,13 +194,30 @@ def test_serve_reads_its_flags_without_loading_pytorch() -> None:
         ["export", "--out", "{tmp}/m", "--d-model", "100000000", "--max-seq-len", "100000"],
         ["verify", "{tmp}/no-such-model"],
         ["verify", "{tmp}", "--http-url", "http://127.0.0.1:1"],
+        ["tune", "--model-dir", "{tmp}/no-such-model", "--shape", "1,16,32", "--p99-ms", "5"],
+        ["tune", "--model-dir", "{model}", "--shape", "1,16,64", "--p99-ms", "5"],
+        ["tune", "--model-dir", "{model}", "--shape", "1,65,32", "--p99-ms", "5"],
+        ["tune", "--model-dir", "{model}", "--shape", "1,16,32", "--p99-ms", "5", "--out", "{tmp}/a-file"],
     ],
-    ids=["width-zero", "unknown-precision", "too-large-to-check", "no-such-directory", "http-url-alone"],
+    ids=[
+        "width-zero",
+        "unknown-precision",
+        "too-large-to-check",
+        "no-such-directory",
+        "http-url-alone",
+        "tune-no-model",
+        "tune-shape-too-wide",
+        "tune-shape-too-long",
+        "tune-out-a-file",
+    ],
 )
-def test_export_and_verify_refuse_bad_arguments_before_loading_pytorch(argv: list[str], tmp_path: Path) -> None:
+def test_export_verify_and_tune_refuse_bad_arguments_before_loading_pytorch(
+    argv: list[str], tmp_path: Path, small_model_dir: Path
+) -> None:
     """A mistake in the arguments is said in a fraction of a second, not after the seconds that
     loading PyTorch and onnx takes, and exits 2."""
-    given = [arg.replace("{tmp}", str(tmp_path)) for arg in argv]
+    (tmp_path / "a-file").write_text("")
+    given = [arg.replace("{tmp}", str(tmp_path)).replace("{model}", str(small_model_dir)) for arg in argv]
     code = (
         "import sys\n"
         "from service.cli import main\n"
