@@ -399,9 +399,10 @@ def checked_model(model_dir: Path, shapes: Sequence[Shape]) -> list[str]:
     files = ModelFiles(model_dir)
     if not files.weights.is_file():
         raise TuneError(f"--model-dir {model_dir}: no exported model there; export one with `mha export --out DIR`")
+    manifest: Any = None
     with contextlib.suppress(OSError, ValueError, TypeError, KeyError):  # unreadable: the checks below say why
-        recorded = json.loads((model_dir / MANIFEST_FILE).read_text())["config"]
-        check_shapes(shapes, int(recorded["d_model"]), int(recorded["max_seq_len"]))
+        manifest = json.loads((model_dir / MANIFEST_FILE).read_text())
+        check_shapes(shapes, int(manifest["config"]["d_model"]), int(manifest["config"]["max_seq_len"]))
     from export.verify import check_manifest, sha256_file
     from model.checkpoint import CheckpointError, load_checkpoint
 
@@ -412,8 +413,7 @@ def checked_model(model_dir: Path, shapes: Sequence[Shape]) -> list[str]:
     if problems := check_manifest(files, config, sha256_file(files.weights)):
         raise TuneError(f"--model-dir {model_dir} fails its checks: {'; '.join(problems)}; re-export it")
     check_shapes(shapes, config.d_model, config.max_seq_len)
-    manifest = json.loads((model_dir / MANIFEST_FILE).read_text())
-    return list(manifest.get("precisions", {"fp32": {}}))
+    return list(manifest.get("precisions", {"fp32": {}}))  # read, as check_manifest found it
 
 
 def check_request(request: Request) -> None:
