@@ -20,7 +20,7 @@ import pytest
 
 from service.client.client import InferenceError, MHAClient
 from tests.deploy.test_prometheus_rules import RUNBOOK_PAGE
-from tests.support import ROOT, ServerThread, free_ports, make_settings
+from tests.support import ROOT, ServerThread, free_ports, make_settings, until
 
 PROMETHEUS = ROOT / ".tools" / "prometheus" / "usr" / "bin" / "prometheus"
 PROMTOOL = PROMETHEUS.with_name("promtool")
@@ -229,21 +229,16 @@ def test_every_runbook_query_answers(scraped: tuple[int, str]) -> None:
     assert not failures, failures
 
 
-def _wait_until_ready(port: int, prom: subprocess.Popen[bytes], timeout: float = 60) -> None:
-    """Until Prometheus's /-/ready answers 200: its API answers 503 while the TSDB still opens,
-    which takes seconds on a busy 2-core machine."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if prom.poll() is not None:
-            pytest.fail(f"prometheus exited with {prom.returncode}")
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/-/ready", timeout=5) as response:
-                if response.status == 200:
-                    return
-        except OSError:  # not listening yet, or 503 while it starts
-            pass
-        time.sleep(0.2)
-    pytest.fail("prometheus was not ready in time")
+def _ready(port: int, prom: subprocess.Popen[bytes]) -> bool:
+    """Prometheus's /-/ready answers 200: its API answers 503 while the TSDB still opens, which
+    takes seconds on a busy 2-core machine."""
+    if prom.poll() is not None:
+        pytest.fail(f"prometheus exited with {prom.returncode}")
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/-/ready", timeout=5) as response:
+            return response.status == 200
+    except OSError:  # not listening yet, or 503 while it starts
+        return False
 
 
 def _wait_for_samples(port: int, instance: str, prom: subprocess.Popen[bytes], timeout: float = 60) -> None:
@@ -292,7 +287,7 @@ def test_latency_buckets_carry_trace_ids_that_prometheus_stores_as_exemplars(
                 stderr=(tmp_path / "prometheus.log").open("w"),
             )
             try:
-                _wait_until_ready(prom_port, prom)
+                until(lambda: _ready(prom_port, prom), timeout_s=60, every_s=0.2, what="prometheus is ready")
                 found: list[dict] = []
                 deadline = time.monotonic() + 60
                 with MHAClient(server.url) as client:
