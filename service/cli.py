@@ -300,6 +300,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     except ValueError as exc:
         log.error("invalid settings: %s", exc)
         return 2
+    if settings.parent_pid is not None and not _tied_to(settings.parent_pid):
+        return 1
     if settings.worker_peers > 1:  # several workers write one log: each line says whose it is
         configure_logging(args.log_level, args.log_format, worker=settings.worker_index)
     if not settings.thread_spinning:  # read once, when PyTorch loads its OpenMP runtime: before the import
@@ -331,7 +333,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         return exc.exit_code
     if count > 1:
         with with_shared_ports(settings) as settings:
-            argv = to_argv(replace(settings, workers="1"))
+            argv = to_argv(replace(settings, workers="1", parent_pid=None))  # each worker's parent: the supervisor
             default_model = single and settings.model_dir is None  # the first worker binds, exports, loads
             try:
                 supervisor = Supervisor(settings, argv, count, gpus, bind_first=default_model)
@@ -346,6 +348,16 @@ def cmd_serve(args: argparse.Namespace) -> int:
     except StartupError as exc:
         log.error("cannot start: %s", exc)
         return exc.exit_code
+
+
+def _tied_to(parent: int) -> bool:
+    """This process ends when `parent` does; False (said) when `parent` did not start it, or has ended."""
+    from service.app.launch import die_with_parent
+
+    if die_with_parent(parent):
+        return True
+    log.error("cannot start: --parent-pid %d is not the process that started this one (ended already?)", parent)
+    return False
 
 
 def cmd_infer(args: argparse.Namespace) -> int:

@@ -64,13 +64,15 @@ def free_ports(count: int, avoid: frozenset[int] = frozenset()) -> list[int]:
     return ports
 
 
-def die_with_parent(parent: int) -> None:
-    """In a child, before it runs: SIGTERM when the process that started it dies, however it dies
-    (SIGKILL included), so that no server outlives it on the ports (Linux's PR_SET_PDEATHSIG)."""
+def die_with_parent(parent: int) -> bool:
+    """Called by a child process on itself, first thing: SIGTERM when `parent`, the process that
+    started it, dies, however it dies (SIGKILL included), so that no server outlives it on the
+    ports (Linux's PR_SET_PDEATHSIG). False when `parent` is not (or no longer) this process's
+    parent. Set here rather than in a `preexec_fn`: Python code run between fork and exec in a
+    process whose gRPC threads are at work can abort the child (gRPC's event engine)."""
     if sys.platform.startswith("linux"):
         ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
-    if os.getppid() != parent:  # the parent died before the line above took effect
-        os.kill(os.getpid(), signal.SIGTERM)
+    return os.getppid() == parent  # else the parent died before the line above took effect
 
 
 class ServerProcess:
@@ -128,9 +130,9 @@ class ServerProcess:
         self.log_path = log_path
         attempt = 1
         while True:
-            tie = partial(die_with_parent, os.getpid()) if tied else None
+            tie = ["--parent-pid", str(os.getpid())] if tied else []
             with log_path.open("w") as stderr:  # the child writes to its own copy
-                self.proc = self._spawn(self.args, stderr=stderr, preexec_fn=tie)
+                self.proc = self._spawn([*self.args, *tie], stderr=stderr)
             try:
                 wait_serving(self.url, ready_timeout, self.proc)
                 return self

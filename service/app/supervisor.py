@@ -38,7 +38,7 @@ from prometheus_client.core import Metric
 from prometheus_client.multiprocess import MultiProcessCollector, mark_process_dead
 from prometheus_client.samples import Exemplar, Sample
 
-from service.app.launch import die_with_parent, free_ports, package_path, serve_command
+from service.app.launch import free_ports, package_path, serve_command
 from service.app.preflight import StartupError
 from service.budget import MIB
 from service.logs import AcceptFailures
@@ -293,7 +293,7 @@ class WorkerLaunch:
         own += ["--worker-bind-first"] if first and self.bind_first else []
         own += ["--worker-own-gpu"] if self.own_gpus else []
         own += [arg for fd in worker.inherited() for arg in ("--worker-metrics-fd", str(fd))]
-        return serve_command([*self._argv, *own])
+        return serve_command([*self._argv, *own, "--parent-pid", str(os.getpid())])  # dies with this one
 
     def environment(self, worker: Worker) -> dict[str, str]:
         """A worker's environment: one GPU of its own where the workers are one per GPU."""
@@ -306,9 +306,8 @@ class WorkerLaunch:
     async def start(self, worker: Worker, first: bool = False) -> None:
         """Start `worker`'s process (again, after it died), dying with the supervisor's."""
         env, command, fds = self.environment(worker), self.command(worker, first), worker.inherited()
-        die_with_me = partial(die_with_parent, os.getpid())
         worker.answered, worker.started = False, time.monotonic()
-        worker.process = await asyncio.create_subprocess_exec(*command, env=env, preexec_fn=die_with_me, pass_fds=fds)
+        worker.process = await asyncio.create_subprocess_exec(*command, env=env, pass_fds=fds)
 
     def close(self) -> None:
         """The metrics sockets closed, the private folders removed."""

@@ -113,12 +113,23 @@ def test_a_tune_killed_outright_leaves_no_server_behind(small_model_dir: Path, t
     servers: before, each candidate's server went on holding its ports and memory."""
     command = _command(small_model_dir, tmp_path / "o", "--p99-ms", "2000", budget_s=120)
     tune = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        until(lambda: bool(_servers_of(small_model_dir)), timeout_s=120, every_s=0.2, what="a candidate server started")
+    try:  # a server that listens has tied itself to the tune (killed before, it would find it gone and exit)
+        until(lambda: _listening(small_model_dir), timeout_s=120, every_s=0.2, what="a candidate server listening")
     finally:
         tune.kill()
         tune.wait(10)
     until(lambda: not _servers_of(small_model_dir), timeout_s=60, every_s=0.2, what="no server of the tune is left")
+
+
+def _listening(model_dir: Path) -> bool:
+    """A server of `model_dir` accepts connections on its --grpc-port."""
+    for cmdline in _servers_of(model_dir):
+        words = cmdline.split()
+        if "--grpc-port" in words:
+            with socket.socket() as s:
+                if s.connect_ex(("127.0.0.1", int(words[words.index("--grpc-port") + 1]))) == 0:
+                    return True
+    return False
 
 
 def _bad_dir(tmp_path: Path, small_model_dir: Path) -> Path:

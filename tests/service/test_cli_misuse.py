@@ -83,6 +83,12 @@ CASES = {  # name: (arguments given the fixtures, environment, exit code, what t
         1,
         "--worker-metrics-fd 987: Bad file descriptor",
     ),
+    "parent-pid-not-the-parent": (  # a flag the supervisor and `mha tune` set, naming another process
+        lambda f: _serve(f["model"], "--grpc-port", "0", "--metrics-port", "off", "--parent-pid", "1"),
+        {},
+        1,
+        "--parent-pid 1 is not the process that started this one",
+    ),
     "auth-token-file-missing": (
         lambda f: _serve(f["model"], "--grpc-port", "0", "--metrics-port", "off", "--auth-token-file", "/nope/token"),
         {},
@@ -640,20 +646,19 @@ def test_an_export_the_disk_cannot_hold_says_where_and_leaves_the_model_before_i
     """A full disk (here: a file size limit, RLIMIT_FSIZE) met while writing: one line naming the
     directory, exit 1 (the machine's refusal, not a usage error), and the model already there intact.
     Before: a SafetensorError traceback, or ': No space left on device' with exit 2."""
-    import resource
-
     out = tmp_path / "model"
     out.mkdir()
     for f in small_model_dir.iterdir():
         (out / f.name).write_bytes(f.read_bytes())
     before = {f.name: f.read_bytes() for f in out.iterdir()}
 
-    def small_files() -> None:
-        resource.setrlimit(resource.RLIMIT_FSIZE, (limit_kib * 1024, limit_kib * 1024))
-
-    command = [sys.executable, "-m", "service.cli", "export", "--out", str(out), "--force"]
+    # the limit set by a small interpreter that then execs the export: never in a preexec_fn, which
+    # runs Python between fork and exec in this process, where gRPC's threads may be at work
+    limit = f"import os, resource, sys; resource.setrlimit(resource.RLIMIT_FSIZE, ({limit_kib * 1024},) * 2); "
+    limit += "os.execv(sys.executable, [sys.executable, *sys.argv[1:]])"
+    command = [sys.executable, "-c", limit, "-m", "service.cli", "export", "--out", str(out), "--force"]
     command += ["--d-model", "32", "--n-head", "4", "--max-seq-len", "64"]
-    run = subprocess.run(command, capture_output=True, text=True, timeout=120, preexec_fn=small_files)
+    run = subprocess.run(command, capture_output=True, text=True, timeout=120)
     assert run.returncode == 1, run.stderr[-2000:]
     errors = [line for line in run.stderr.splitlines() if " ERROR " in line]
     assert len(errors) == 1 and f"cannot write the model to {out}: " in errors[0], run.stderr[-2000:]
