@@ -3,6 +3,7 @@ server's own keepalive pings, which drop a peer that no longer answers."""
 
 from __future__ import annotations
 
+import asyncio
 import queue
 import socket
 import struct
@@ -143,19 +144,32 @@ def test_a_stream_is_closed_once_its_connection_is_past_its_age_and_grace(small_
 
 def _dropped_while_idle_pinging(server: ServerThread, within_s: float) -> bool:
     """A client that pings every 0.1 s with no call in flight: whether the server dropped its
-    connection (GOAWAY too_many_pings, as gRPC's default server does) within `within_s`."""
+    connection (GOAWAY too_many_pings, as gRPC's default server does) within `within_s`. An aio
+    channel: a sync one's `subscribe` leaves a polling thread that fails once the channel closes."""
     options = [
         ("grpc.keepalive_time_ms", 100),
         ("grpc.keepalive_permit_without_calls", 1),
         ("grpc.http2.max_pings_without_data", 0),
     ]
-    left_ready = threading.Event()
-    with grpc.insecure_channel(server.url, options=options) as channel:
-        health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=10)  # connected
-        channel.subscribe(lambda state: state is not grpc.ChannelConnectivity.READY and left_ready.set())
-        dropped = left_ready.wait(within_s)
-        health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=10)  # served either way
-    return dropped
+
+    async def dropped() -> bool:
+        async with grpc.aio.insecure_channel(server.url, options=options) as channel:
+            health = health_pb2_grpc.HealthStub(channel)
+            await health.Check(health_pb2.HealthCheckRequest(), timeout=10)  # connected
+            try:
+                await asyncio.wait_for(_left_ready(channel), within_s)
+                left = True
+            except TimeoutError:
+                left = False
+            await health.Check(health_pb2.HealthCheckRequest(), timeout=10)  # served either way
+            return left
+
+    return asyncio.run(dropped())
+
+
+async def _left_ready(channel: grpc.aio.Channel) -> None:
+    while (state := channel.get_state()) is grpc.ChannelConnectivity.READY:
+        await channel.wait_for_state_change(state)
 
 
 def test_clients_keepalive_pings_are_taken_as_the_settings_allow(small_model_dir: Path) -> None:
