@@ -5,11 +5,14 @@ and nothing is left running. The Helm chart and the kustomize base read its conf
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -37,9 +40,10 @@ def _started_tune(model_dir: Path, out: Path, *args: str) -> subprocess.Popen[st
     return subprocess.Popen(_command(model_dir, out, *args), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
-def _servers_of(model_dir: Path) -> list[str]:
-    """Processes whose command line names `model_dir`: the servers a tune started and left."""
-    found = []
+def _servers_of(model_dir: Path) -> dict[int, str]:
+    """Processes whose command line names `model_dir` (pid: command line): the servers a tune
+    started and left."""
+    found = {}
     for proc in Path("/proc").iterdir():
         if proc.name.isdigit():
             try:
@@ -47,8 +51,18 @@ def _servers_of(model_dir: Path) -> list[str]:
             except OSError:
                 continue
             if "serve" in cmdline and str(model_dir) in cmdline:
-                found.append(cmdline)
+                found[int(proc.name)] = cmdline
     return found
+
+
+@pytest.fixture(autouse=True)
+def _no_server_left_to_later_tests(small_model_dir: Path) -> Iterator[None]:
+    """A test here that goes red may leave a tune's servers running: killed after it, so that they
+    hold no ports, memory or CPU in the tests that follow (its own asserts say whether any was left)."""
+    yield
+    for pid in _servers_of(small_model_dir):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
 
 
 def _env_file(path: Path) -> dict[str, str]:
@@ -82,7 +96,7 @@ def test_tune_writes_its_files_and_reports_a_p99_it_measured(tuned: tuple[Path, 
     if summary["confirmation"] is not None:
         assert len(summary["confirmation"]["rounds"]) >= 3 and "interleaved rounds" in run.stdout
     assert "best so far" in run.stderr  # the progress: the current candidate and the best so far
-    assert _servers_of(small_model_dir) == []
+    assert _servers_of(small_model_dir) == {}
 
 
 def test_the_chosen_settings_serve_what_mha_verify_passes(tuned: tuple[Path, Any], small_model_dir: Path) -> None:
@@ -105,7 +119,7 @@ def test_an_impossible_target_exits_1_and_names_the_closest(small_model_dir: Pat
     assert run.returncode == 1, run.stdout[-2000:] + run.stderr[-2000:]
     assert "no candidate meets p99 <= 0.0001 ms; the closest: auto, auto workers" in run.stdout
     assert json.loads((tmp_path / "candidates.json").read_text())["meets_target"] is False
-    assert _servers_of(small_model_dir) == []
+    assert _servers_of(small_model_dir) == {}
 
 
 def test_a_tune_killed_outright_leaves_no_server_behind(small_model_dir: Path, tmp_path: Path) -> None:
@@ -123,7 +137,7 @@ def test_a_tune_killed_outright_leaves_no_server_behind(small_model_dir: Path, t
 
 def _listening(model_dir: Path) -> bool:
     """A server of `model_dir` accepts connections on its --grpc-port."""
-    for cmdline in _servers_of(model_dir):
+    for cmdline in _servers_of(model_dir).values():
         words = cmdline.split()
         if "--grpc-port" in words:
             with socket.socket() as s:
@@ -172,7 +186,7 @@ def test_bad_input_exits_2_with_a_clear_message_and_starts_nothing(small_model_d
             assert run.returncode == 2, f"{case}: {run.returncode} {stderr[-500:]}"
             assert cases[case][2] in stderr, f"{case}: {stderr[-500:]}"
     assert not (tmp_path / "out" / "config.env").exists()
-    assert _servers_of(small_model_dir) == []
+    assert _servers_of(small_model_dir) == {}
 
 
 def test_helm_and_kustomize_read_config_env_unchanged(tuned: tuple[Path, Any], tmp_path: Path) -> None:

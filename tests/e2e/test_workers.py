@@ -418,15 +418,18 @@ def test_no_worker_outlives_its_supervisor(small_model_dir: Path, tmp_path: Path
     args = ["--model-dir", str(small_model_dir), "--backend", "torch"]
     server = ServerProcess([*args, "--workers", "2"])
     server.start(tmp_path / "server.log")
+    pids: list[int] = []
     try:
         _until(lambda: len(STARTED.findall(server.log())) == 2)
-        pids = [int(pid) for _, pid, _ in STARTED.findall(server.log())]
+        pids += [int(pid) for _, pid, _ in STARTED.findall(server.log())]
         assert server.proc is not None
         server.proc.kill()
         server.proc.wait(10)
         _until(lambda: not any(_alive(pid) for pid in pids), timeout_s=30)
     finally:
         server.kill()
+        for pid in filter(_alive, pids):  # red: no worker left holding ports and memory for later tests
+            os.kill(pid, signal.SIGKILL)
     alone = ServerProcess(args, grpc_port=server.port, http_port=server.http_port)  # nobody holds them now
     alone.start(tmp_path / "alone.log")
     try:
