@@ -10,7 +10,7 @@ only), `ORT in-line` runs ONNX Runtime with its defaults on the event loop, `ser
 the graph mha-serve's ORT-CPU serves on one thread there (the cheapest server of this stack that
 computes the model). KServe and MLServer run in their own
 virtual environments (`make bench-servers`); a server whose environment is missing is left out
-and said so. For each server: p50 and req/s per case, and the server's CPU time per request
+and said so. For each server: p50, p99, the slowest request and req/s per case, and the server's CPU time per request
 (user + system of its whole process group, from /proc). mha-serve also runs (4, 512, 128) with
 input and output in system shared memory, and that shape's in-process time on the backend that
 served it is measured in this process.
@@ -21,7 +21,8 @@ Writes bench/results/compare.json and prints a table. Not a test.
 and each run visits them in turn, case by case (A B C A B C ..., the order reversed every other
 run: C B A C B A ..., so that no server is always measured first), so that a loaded spell of the
 machine falls on all of them; the medians over the N runs are reported, with each run's ratio of
-mha-serve to KServe and to the in-line floor, and their spread (bench/results/compare_runs.json).
+mha-serve to KServe and to the in-line floor, and their spread, and every run's figures
+(bench/results/compare_runs.json).
 
 `--server-cpus 0 --client-cpus 1` gives the servers and the client CPUs of their own (each server
 process and its threads run on the first set, the load generator on the second; the ORT pools
@@ -265,6 +266,8 @@ def load_case(
     cpu = group_cpu_seconds(pgid) - before
     row = {
         "p50_ms": result.p50_ms,
+        "p99_ms": result.p99_ms,
+        "max_ms": result.max_ms,
         "rps": result.throughput_rps,
         "server_cpu_ms_per_request": cpu / max(result.requests, 1) * 1e3,
         "steal_pct": common.steal_pct(ticks, common.cpu_ticks()),
@@ -535,7 +538,7 @@ def summarize(per_run: dict[str, dict[str, list[dict]]], cases: list[Case] = CAS
     spell = {"median": round(statistics.median(steal), 1), "max": max(steal)} if steal else {}
     if retried := sum(r.get("tries", 1) > 1 for r in visits):
         spell["visits measured again"] = retried
-    return {"medians": medians, "mha_serve_over": ratios, "steal_pct": spell}
+    return {"medians": medians, "mha_serve_over": ratios, "steal_pct": spell, "every_run": per_run}
 
 
 def main() -> int:

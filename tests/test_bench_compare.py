@@ -57,6 +57,7 @@ def test_the_summary_reports_the_chosen_cases_only(compare: ModuleType) -> None:
     assert over[f"{one_client[0]}, p50_ms"] == {"median": 1.5, "runs": [2.0, 1.0]}
     assert over[f"{eight[0]}, rps"]["runs"] == [round(100 / 300, 3)] * 2
     assert set(summary["medians"]["mha-serve"]) == {one_client[0], eight[0]}
+    assert summary["every_run"] == per_run  # each run's figures, beside their medians
 
 
 def test_a_base_revision_is_served_from_its_own_checkout(compare: ModuleType, tmp_path) -> None:

@@ -27,6 +27,9 @@ log = logging.getLogger(__name__)
 
 PACKAGE_ROOT = Path(__file__).resolve().parents[2]  # the folder that holds `service`
 PR_SET_PDEATHSIG = 1  # prctl(2)
+# gRPC waits 1 s, then 1.6 s, ... (up to 2 min) before it connects again to a port that refused: a
+# server that binds between two tries would be found seconds late
+QUICK_RECONNECT = [("grpc.initial_reconnect_backoff_ms", 100), ("grpc.max_reconnect_backoff_ms", 200)]
 PORT_ATTEMPTS = 3  # starts of a ServerProcess whose picked ports another process took before it bound them
 
 
@@ -180,7 +183,7 @@ def wait_serving(url: str, timeout: float, proc: subprocess.Popen[str] | None = 
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
     deadline = time.monotonic() + timeout
-    with grpc.insecure_channel(url) as channel:
+    with grpc.insecure_channel(url, options=QUICK_RECONNECT) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
         while time.monotonic() < deadline:
             if proc is not None and proc.poll() is not None:

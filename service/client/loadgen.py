@@ -39,6 +39,7 @@ class LoadResult:
     p90_ms: float
     p95_ms: float
     p99_ms: float
+    max_ms: float  # the slowest request: a pause of the whole server shows here first
     stopped: str = ""  # why the run stopped early: the server's own message
     server_cpu_ms_per_request: float | None = None  # from the server's process_cpu_seconds_total
     connections: str = "per-client"  # one of CONNECTIONS
@@ -142,6 +143,7 @@ def run_load(
         p90_ms=_percentile(latencies, 0.9),
         p95_ms=_percentile(latencies, 0.95),
         p99_ms=_percentile(latencies, 0.99),
+        max_ms=_percentile(latencies, 1.0),
         stopped=stopped[0] if stopped else "",
         connections="per-client" if client_kwargs["own_connection"] else "one-channel",
     )
