@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import tempfile
@@ -31,6 +32,14 @@ def _temporary_folders_in_the_sessions(tmp_path_factory: pytest.TempPathFactory)
     patch.setattr(tempfile, "tempdir", None)  # this process finds it again: gettempdir() caches its first
     yield
     patch.undo()
+
+
+@pytest.fixture(autouse=True)
+def _heap_unfrozen_after_each_test() -> Iterator[None]:
+    """A server run in this process freezes its heap at each load (service.engine.loading): the
+    tests after it collect as usual."""
+    yield
+    gc.unfreeze()
 
 
 @pytest.fixture(scope="session")

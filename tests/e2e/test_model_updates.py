@@ -136,7 +136,9 @@ def test_versions_load_beside_serving_and_sequences_finish_where_they_began(tmp_
         backend="ort-cpu",
         http_port=0,
     )
+    gc.unfreeze()
     with ServerThread(settings) as server, MHAClient(server.url) as client, Stateless(server.url, weights) as load:
+        assert gc.get_freeze_count() > 0, "what the load left alive is kept out of later collections"
         first, second = Sequence(client, 1, weights, 1), Sequence(client, 2, weights, 2)
         for _ in range(3):
             first.step()
@@ -171,7 +173,6 @@ def test_versions_load_beside_serving_and_sequences_finish_where_they_began(tmp_
         third.step(end=True)
         server.call(server.engine.keeper.loader.settled())
         assert server.engine.life.versions.get("1") is None
-        gc.collect()
         assert one() is None, "version 1's model, backends and caches are released"
         with grpc.insecure_channel(server.url) as channel:
             stats = pb_grpc.GRPCInferenceServiceStub(channel).ModelStatistics(pb.ModelStatisticsRequest()).model_stats
