@@ -153,6 +153,9 @@ class Settings(NetworkSettings):
     worker_metrics_fd: int | None = setting(
         None, "an inherited socket, bound, on which this worker serves its own /metrics (set by the supervisor)", low=0
     )
+    worker_wait_fd: int | None = setting(
+        None, "an inherited pipe: load the model once its other end closes (set by the supervisor)", low=0
+    )
     parent_pid: int | None = setting(
         None, "end when process PID, which started this one, ends (set by the supervisor and by mha tune)", low=1
     )

@@ -9,11 +9,14 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import errno
+import fcntl
 import logging
 import os
 import re
 import signal
 import socket
+import stat
 import subprocess
 import sys
 import time
@@ -65,6 +68,18 @@ def free_ports(count: int, avoid: frozenset[int] = frozenset()) -> list[int]:
             if (port := int(s.getsockname()[1])) not in avoid:
                 ports.append(port)
     return ports
+
+
+def wait_for_go(fd: int) -> None:
+    """Block until every writer of the inherited pipe `fd` has closed it: a worker started beside
+    the first imports its libraries meanwhile, and loads the model only once the first has (the
+    supervisor then closes its end), so that a model that cannot load is said once, by the first.
+    OSError where `fd` is not the open read end of a pipe (the flag given by hand)."""
+    if not stat.S_ISFIFO(os.fstat(fd).st_mode) or fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_ACCMODE == os.O_WRONLY:
+        raise OSError(errno.EINVAL, "expected the read end of a pipe")
+    with os.fdopen(fd, "rb", buffering=0) as pipe:
+        while pipe.read(1):  # b"": end of file
+            pass
 
 
 def die_with_parent(parent: int) -> bool:

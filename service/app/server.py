@@ -22,6 +22,7 @@ from grpc_reflection.v1alpha import reflection
 from prometheus_client import CollectorRegistry
 
 from service.app.engine import Engine, build_engine, load, model_source, poll
+from service.app.launch import wait_for_go
 from service.app.preflight import StartupError, check_port, host_port, port_error, schedule, tls_files, token_files
 from service.app.supervisor import MULTIPROC_ENV, exemplars_file
 from service.batching import Clock
@@ -113,6 +114,7 @@ async def start(
     tokens, tls = token_files(settings), tls_files(settings)  # read before a worker's long load
     credentials = None if tls is None else tls.grpc_credentials()
     access = tokens.access
+    await _wait_for_first(settings.worker_wait_fd)
     if settings.reuse_port and not settings.worker_bind_first:
         try:
             await load(engine, settings)
@@ -165,6 +167,19 @@ async def start(
         running.metrics_port or "off",
     )
     return running
+
+
+async def _wait_for_first(fd: int | None) -> None:
+    """A worker started beside the first (--worker-wait-fd) waits, its libraries imported, until the
+    first has loaded."""
+    if fd is None:
+        return
+    log.debug("waiting for the first worker to load")
+    try:
+        await asyncio.to_thread(wait_for_go, fd)
+    except OSError as exc:
+        raise StartupError(f"--worker-wait-fd {fd}: {exc.strerror}", 2) from exc
+    log.debug("the first worker has loaded: loading")
 
 
 def _tracing(settings: Settings) -> Tracing:

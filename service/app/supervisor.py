@@ -273,8 +273,8 @@ class WorkerLaunch:
         self, argv: Sequence[str], count: int, settings: Settings, gpus: Sequence[int] = (), bind_first: bool = False
     ) -> None:
         """`bind_first`: the first worker binds the ports at once and answers NOT_SERVING while
-        it loads (the default model, exported first where it is missing); the others start once
-        it has loaded."""
+        it loads (the default model, exported first where it is missing). The others start beside
+        it and wait, their libraries imported, on a pipe (`go`) until it has loaded."""
         self.sockets = sockets_directory(count)  # first: it may refuse, and leave no folder behind
         self.metrics = Path(tempfile.mkdtemp(prefix="mha-metrics-"))  # the workers' multiprocess files
         shared = (settings.grpc_port, settings.http_port, settings.metrics_port, settings.health_port)
@@ -282,17 +282,19 @@ class WorkerLaunch:
         self._argv, self._log_level = list(argv), settings.log_level  # `mha serve` arguments, without --workers
         self.gpus = list(gpus)  # with --workers auto on a GPU host: worker i computes on GPU gpus[i]
         self.bind_first = bind_first
+        self._go: tuple[int, int] | None = os.pipe()  # (read, write): the others load once it is closed
 
     @property
     def own_gpus(self) -> bool:
         """Each worker computes on a GPU of its own (else they share the GPUs they see)."""
         return len(self.gpus) == len(self.workers)
 
-    def command(self, worker: Worker, first: bool = False) -> list[str]:
+    def command(self, worker: Worker, first: bool = False, wait: int | None = None) -> list[str]:
         own = worker_flags(worker.index, len(self.workers), worker.metrics_port, self.sockets)
         own += ["--worker-bind-first"] if first and self.bind_first else []
         own += ["--worker-own-gpu"] if self.own_gpus else []
         own += [arg for fd in worker.inherited() for arg in ("--worker-metrics-fd", str(fd))]
+        own += [] if wait is None else ["--worker-wait-fd", str(wait)]
         return serve_command([*self._argv, *own, "--parent-pid", str(os.getpid())])  # dies with this one
 
     def environment(self, worker: Worker) -> dict[str, str]:
@@ -303,14 +305,25 @@ class WorkerLaunch:
             env["CUDA_VISIBLE_DEVICES"] = cuda_devices(len(self.gpus), os.environ)[worker.index]  # its cuda:0
         return env
 
-    async def start(self, worker: Worker, first: bool = False) -> None:
-        """Start `worker`'s process (again, after it died), dying with the supervisor's."""
-        env, command, fds = self.environment(worker), self.command(worker, first), worker.inherited()
+    async def start(self, worker: Worker, first: bool = False, waits: bool = False) -> None:
+        """Start `worker`'s process (again, after it died), dying with the supervisor's; one that
+        `waits` loads only once `go_ahead` is called."""
+        wait = self._go[0] if waits and self._go is not None else None
+        env, command = self.environment(worker), self.command(worker, first, wait)
+        fds = (*worker.inherited(), *(() if wait is None else (wait,)))
         worker.answered, worker.started = False, time.monotonic()
         worker.process = await asyncio.create_subprocess_exec(*command, env=env, pass_fds=fds)
 
+    def go_ahead(self) -> None:
+        """The workers waiting to load go ahead: the pipe they wait on is closed."""
+        if self._go is not None:
+            for fd in self._go:
+                os.close(fd)
+            self._go = None
+
     def close(self) -> None:
-        """The metrics sockets closed, the private folders removed."""
+        """The metrics sockets and the pipe closed, the private folders removed."""
+        self.go_ahead()
         for listener in (w.listener for w in self.workers if w.listener is not None):
             listener.close()
         shutil.rmtree(self.sockets, ignore_errors=True)
@@ -367,19 +380,21 @@ class Supervisor:
 
     async def _supervise(self, stop: asyncio.Event) -> int:
         """Start the workers, keep them running until `stop` (0) or one cannot be (1), stop them.
-        The first starts alone: where it cannot (a setting, the model), neither could the others,
-        and its exit code and the one line it printed are the supervisor's."""
+        They start together, and the first loads alone: where it cannot (the model), neither could
+        the others, which are stopped before they load; its exit code and the one line it printed
+        are the supervisor's."""
         first, *others = self.workers
         await self.launch.start(first, first=True)  # a start that fails says why in its one line
+        for worker in others:  # they import their libraries while the first does, then wait
+            await self.launch.start(worker, waits=True)
         loaded = partial(socket_path(self.launch.sockets, first.index).exists)  # it listens for hand-overs once loaded
         ready = loaded if self.launch.bind_first else partial(_answers, first.metrics_port, WATCHDOG_PERIOD_S)
         if (code := await _first_answer(first, stop, ready)) is not None:
-            if first.process is not None and first.process.returncode is None:  # asked to stop, or stuck
-                await self._stop_all()
+            asked = first.process is not None and first.process.returncode is None  # asked to stop, or stuck
+            await self._stop_all(announce=asked)
             return code
-        _announce(first)
-        for worker in others:
-            await self.launch.start(worker)
+        self.launch.go_ahead()
+        for worker in self.workers:
             _announce(worker)
         log.info("supervising %d workers on gRPC :%d", len(self.workers), self.settings.grpc_port)
         watchers = [asyncio.create_task(self._watch(w)) for w in self.workers]
@@ -414,10 +429,12 @@ class Supervisor:
                 log.error("worker %d (pid %d) %s: killing it", worker.index, process.pid, how)
                 process.kill()
 
-    async def _stop_all(self) -> None:
-        """SIGTERM to every worker, then wait for each one's drain."""
+    async def _stop_all(self, announce: bool = True) -> None:
+        """SIGTERM to every worker, then wait for each one's drain; said at DEBUG only where the
+        first worker's start failed (its line says why)."""
         self._stopping = True
-        log.info("stopping %d workers: each drains within %.0f s", len(self.workers), self.settings.grace_s)
+        level = logging.INFO if announce else logging.DEBUG
+        log.log(level, "stopping %d workers: each drains within %.0f s", len(self.workers), self.settings.grace_s)
         for worker in self.workers:
             if worker.process is not None and worker.process.returncode is None:
                 worker.process.send_signal(signal.SIGTERM)

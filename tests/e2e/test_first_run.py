@@ -63,7 +63,7 @@ def test_serve_outside_a_checkout_binds_first_then_exports_into_the_users_cache(
 def test_with_workers_the_first_binds_at_once_and_every_worker_serves(tmp_path: Path) -> None:
     """The default worker count's way (`make serve` on 2 CPUs): the first worker binds the ports
     at once and answers NOT_SERVING while it exports the default model (here where
-    --default-model-dir says); the others start once it has loaded, and the replica is ready only
+    --default-model-dir says); the others start with it and load once it has, and the replica is ready only
     then: connections reach both, and the model it exported answers exactly."""
     import numpy as np
     import torch

@@ -11,6 +11,8 @@ import re
 import shutil
 import signal
 import socket
+import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -126,6 +128,51 @@ def test_two_workers_share_the_port_add_up_restart_and_drain(small_model_dir: Pa
             assert not status.exists() or "zombie" in status.read_text().lower()
     finally:
         server.kill()
+
+
+def _reading_a_pipe(pid: int) -> bool:
+    """Is a thread of process `pid` asleep in a read of a pipe (its kernel wait channel)?"""
+    tasks = Path(f"/proc/{pid}/task")
+    return any("pipe" in (task / "wchan").read_text() for task in tasks.iterdir())
+
+
+def test_a_worker_told_to_wait_loads_only_once_its_pipe_closes(small_model_dir: Path) -> None:
+    """The supervisor starts the workers together and lets all but the first load only once the
+    first has (so that a model that cannot load is said once): a worker given --worker-wait-fd
+    imports its libraries, says that it waits, and neither loads nor binds until every writer of
+    the pipe has closed it."""
+    read, write = os.pipe()
+    port = free_ports(1)[0]
+    serve = ["--model-dir", str(small_model_dir), "--backend", "torch", "--workers", "1", "--reuse-port"]
+    serve += ["--grpc-port", str(port), "--http-port", "off", "--metrics-port", "off", "--worker-wait-fd", str(read)]
+    env = {**os.environ, "MHA_LOG_LEVEL": "DEBUG", "MHA_LOG_FORMAT": "text"}
+    command = [sys.executable, "-m", "service.cli", "serve", *serve]
+    proc = subprocess.Popen(command, pass_fds=(read,), stderr=subprocess.PIPE, text=True, env=env)
+    os.close(read)
+    lines: queue.Queue[str] = queue.Queue()
+    threading.Thread(target=lambda: [lines.put(line) for line in proc.stderr or ()], daemon=True).start()
+
+    def through(text: str) -> list[str]:
+        seen = [lines.get(timeout=120)]
+        while text not in seen[-1]:
+            seen.append(lines.get(timeout=120))
+        return seen
+
+    try:
+        waiting = through("waiting for the first worker to load")
+        _until(lambda: _reading_a_pipe(proc.pid))  # blocked there, with nothing to read before the close
+        assert not any("loaded from" in line for line in waiting), waiting
+        with socket.socket() as probe:  # not bound: a worker binds once it has loaded
+            assert probe.connect_ex(("127.0.0.1", port)) == errno.ECONNREFUSED
+        os.close(write)
+        loading = through(" ready: serving")
+        go = next(i for i, line in enumerate(loading) if "the first worker has loaded: loading" in line)
+        assert go < next(i for i, line in enumerate(loading) if "loaded from" in line), loading
+        with MHAClient(f"127.0.0.1:{port}") as client:
+            assert client.infer(np.ones((1, 3, 32), np.float32)).shape == (1, 3, 32)
+    finally:
+        proc.kill()
+        proc.wait()
 
 
 READY_PORTS = re.compile(r"worker (\d) ready: serving mha on [^,]+, gRPC :(\d+), HTTP :(\d+), health :(\d+) \(shared")

@@ -83,6 +83,18 @@ CASES = {  # name: (arguments given the fixtures, environment, exit code, what t
         1,
         "--worker-metrics-fd 987: Bad file descriptor",
     ),
+    "worker-wait-fd-not-open": (  # another flag the supervisor sets, given by hand
+        lambda f: _serve(f["model"], "--grpc-port", "0", "--metrics-port", "off", "--worker-wait-fd", "987"),
+        {},
+        2,
+        "--worker-wait-fd 987: Bad file descriptor",
+    ),
+    "worker-wait-fd-not-a-pipe-to-read": (  # standard error (captured: a pipe's end to write), not one to read
+        lambda f: _serve(f["model"], "--grpc-port", "0", "--metrics-port", "off", "--worker-wait-fd", "2"),
+        {},
+        2,
+        "--worker-wait-fd 2: expected the read end of a pipe",
+    ),
     "parent-pid-not-the-parent": (  # a flag the supervisor and `mha tune` set, naming another process
         lambda f: _serve(f["model"], "--grpc-port", "0", "--metrics-port", "off", "--parent-pid", "1"),
         {},
@@ -568,8 +580,8 @@ def test_with_workers_a_failed_start_is_still_one_line(
     case: str, small_model_dir: Path, taken_port: int, tmp_path: Path
 ) -> None:
     """Under the supervisor (--workers, the default wherever there are 2 CPUs or more), the same
-    one line and exit code: the ports are checked before any worker starts, and the first worker
-    starts alone, so a start that fails is reported once, by the worker that tried."""
+    one line and exit code: the ports are checked before any worker starts, and only the first worker
+    loads until it has, so a start that fails is reported once, by the worker that tried."""
     make_args, env, code, says = CASES[case]
     fixtures = {"model": small_model_dir, "taken": taken_port, "tmp": tmp_path}
     run = _mha(*make_args(fixtures), "--workers", "2", env=env)
