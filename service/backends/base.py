@@ -48,6 +48,7 @@ class Backend(ABC):
     name: str  # "ort-cuda", "ort-cpu", "torch-cuda", "torch-cpu"
     device: str  # "cuda:0", "cpu": where it computes, and where the caches of its steps must live
     platform: str  # Triton's platform name for ModelMetadata
+    single_max_tokens = 0  # a CPU backend's: rows x T up to which a batch runs on one thread
 
     @abstractmethod
     def run(self, x: np.ndarray) -> np.ndarray:

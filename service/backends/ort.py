@@ -71,7 +71,9 @@ class OrtCpuBackend(Backend):
         spinning: bool = False,
         width: int | None = None,
         step_paths: tuple[Path, Path] | None = None,
+        single_max_tokens: int | None = None,
     ) -> None:
+        """`single_max_tokens`: the crossover another start measured (None: measure it here)."""
         self._session = _load_session(model_path, _cpu_options(threads, spinning), ["CPUExecutionProvider"])
         self._input = self._session.get_inputs()[0].name
         self._outputs = [self._session.get_outputs()[0].name]  # named: ORT lists them on every run otherwise
@@ -84,7 +86,7 @@ class OrtCpuBackend(Backend):
         self.single_max_tokens = 0  # rows x T up to which the single-threaded session runs
         if threads > 1 and width is not None:
             self._single = _load_session(model_path, _cpu_options(1, spinning), ["CPUExecutionProvider"])
-            self.single_max_tokens = self._crossover(width)
+            self.single_max_tokens = self._crossover(width) if single_max_tokens is None else single_max_tokens
             log.debug(
                 "ORT-CPU: measured at start, batches of up to %d tokens run faster on one thread (varies with load)",
                 self.single_max_tokens,

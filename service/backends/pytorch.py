@@ -102,7 +102,9 @@ class TorchBackend(Backend):
         device: str = "cpu",
         threads: int | None = None,
         precision: str = "fp32",
+        single_max_tokens: int | None = None,
     ) -> None:
+        """`single_max_tokens`: the crossover another start measured (None: measure it here)."""
         if device.startswith("cuda") and not torch.cuda.is_available():
             raise BackendLoadError("torch sees no CUDA device")
         if threads and not device.startswith("cuda"):
@@ -118,7 +120,9 @@ class TorchBackend(Backend):
         # (service/backends/crossover.py): rows x T up to this many tokens.
         self.single_max_tokens = 0
         if device == "cpu" and torch.get_num_threads() > 1:
-            self.single_max_tokens = measure_crossover(self._one_thread, self._compute, config.d_model)
+            if single_max_tokens is None:
+                single_max_tokens = measure_crossover(self._one_thread, self._compute, config.d_model)
+            self.single_max_tokens = single_max_tokens
             log.debug("torch-cpu: batches of up to %d tokens run on one thread", self.single_max_tokens)
 
     def run(self, x: np.ndarray) -> np.ndarray:

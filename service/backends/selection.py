@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import statistics
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from functools import partial
 from pathlib import Path
+from typing import TypeVar
 
 import numpy as np
 import torch
@@ -26,6 +28,7 @@ from service.settings import BACKEND_CHOICES
 log = logging.getLogger(__name__)
 
 SELF_CHECK_TOLERANCE = 1e-5  # relative, against the float64 reference
+V = TypeVar("V")  # a measured value: a backend's probe medians, or its step time
 
 
 @dataclass(frozen=True)
@@ -51,12 +54,46 @@ class CandidateReport:
 
 
 @dataclass
+class Timings:
+    """What a start measured of its backends, by backend name: the probe medians (ms, one per
+    probe shape), the decode step's time (ms), and the tokens (rows x T) up to which a batch runs
+    on one thread. A replica's other workers reuse them (engine/keeper.py): the same choices as
+    the worker that measured, without measuring again."""
+
+    probes: dict[str, list[float]] = field(default_factory=dict)
+    steps: dict[str, float] = field(default_factory=dict)
+    one_thread: dict[str, int] = field(default_factory=dict)
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str) -> Timings:
+        """The timings `to_json` wrote; ValueError for anything else."""
+        data = json.loads(text)
+        if not isinstance(data, dict) or set(data) != {"probes", "steps", "one_thread"}:
+            raise ValueError("not the timings of a start")
+        probes, steps, one_thread = data["probes"], data["steps"], data["one_thread"]
+        if not all(isinstance(d, dict) for d in (probes, steps, one_thread)):
+            raise ValueError("not the timings of a start")
+        if not all(isinstance(each, list) for each in probes.values()):
+            raise ValueError("a backend's probe times that are not a list")
+        times = [ms for each in probes.values() for ms in each] + list(steps.values())
+        if not all(isinstance(ms, float) and 0 < ms < math.inf for ms in times):
+            raise ValueError("a time that is not a positive number of milliseconds")
+        if not all(isinstance(n, int) and n >= 0 for n in one_thread.values()):
+            raise ValueError("a token count that is not a whole number")
+        return cls(probes, steps, one_thread)
+
+
+@dataclass
 class Selection:
     backends: list[Backend]  # serving order: the first serves, the rest are the fallback chain
     check: SelfCheck  # what each backend passed; the chain probes quarantined backends with it
     candidates: list[CandidateReport] = field(default_factory=list)
     light: LightRoute | None = None  # where light batches go when another backend wins them
     step_backends: list[Backend] = field(default_factory=list)  # decode steps' serving order, one device
+    timings: Timings = field(default_factory=Timings)  # what the choices were made on
 
     def summary(self) -> str:
         return "; ".join(f"{c.name}: {c.status} ({c.reason})" for c in self.candidates)
@@ -124,7 +161,7 @@ class SelfCheck:
         return True, f"self-check relative error {err:.2e}{steps}"
 
 
-def _factories(spec: BackendSpec, cuda: bool) -> dict[str, Callable[[], Backend]]:
+def _factories(spec: BackendSpec, cuda: bool, one_thread: dict[str, int]) -> dict[str, Callable[[], Backend]]:
     from service.backends.ort import OrtCpuBackend, OrtCudaBackend
     from service.backends.pytorch import TorchBackend
 
@@ -141,9 +178,15 @@ def _factories(spec: BackendSpec, cuda: bool) -> dict[str, Callable[[], Backend]
         spinning=s.spinning,
         width=s.config.d_model,
         step_paths=s.step_paths,
+        single_max_tokens=one_thread.get("ort-cpu"),
     )
     factories["torch-cpu"] = lambda: TorchBackend(
-        s.config, s.weights, device="cpu", threads=s.threads, precision=s.precision
+        s.config,
+        s.weights,
+        device="cpu",
+        threads=s.threads,
+        precision=s.precision,
+        single_max_tokens=one_thread.get("torch-cpu"),
     )
     return factories
 
@@ -287,6 +330,7 @@ def select_backends(
     requested: str = "auto",
     cuda: bool | None = None,
     measure: Callable[[list[Backend], MHAConfig], list[list[float]]] = measure_interleaved,
+    known: Timings | None = None,
 ) -> Selection:
     """Load every wanted backend, self-check each, and order them.
 
@@ -294,19 +338,45 @@ def select_backends(
     falling back after them; without: ORT-CPU and torch-CPU) are measured on the probe shapes
     (`measure`: ms per backend and shape) and the faster serves; where one wins the light shapes
     and the other the heavy ones, each serves its own (Selection.light). Decode steps are
-    measured the same way among the backends that compute them on that device.
+    measured the same way among the backends that compute them on that device. What `known`
+    holds (another worker's timings of the same model) is taken instead of measured; every
+    backend is still loaded and self-checked here.
     """
     cuda = torch.cuda.is_available() if cuda is None else cuda
-    config = spec.config
-    factories = _factories(spec, cuda)
+    config, known, taken = spec.config, known or Timings(), Timings()
+    factories = _factories(spec, cuda, known.one_thread)
     check = SelfCheck(config, spec.weights, tolerance=precision_tolerance(spec.precision, config))
     reports = [CandidateReport(name=name, status="unavailable", reason="") for name in _wanted(requested, cuda)]
     loaded = [(backend, report) for report in reports if (backend := _load(report, factories, check)) is not None]
-    loaded, light = _serving_order(loaded, cuda, lambda race: measure(_backends(race), config), config)
-    steps = _step_order(loaded, config, measure_steps)
-    selection = Selection(_backends(loaded), check, reports, light, steps)
+    taken.one_thread = {b.name: b.single_max_tokens for b, _ in loaded if b.device == "cpu"}
+    shapes = len(probe_shapes(config))
+    probe = _reused(lambda bs: measure(bs, config), known.probes, taken.probes, lambda ms: len(ms) == shapes)
+    loaded, light = _serving_order(loaded, cuda, lambda race: probe(_backends(race)), config)
+    steps = _step_order(loaded, _reused(lambda bs: measure_steps(bs, config), known.steps, taken.steps))
+    selection = Selection(_backends(loaded), check, reports, light, steps, taken)
     log.info("backend selection: %s", selection.summary())
     return selection
+
+
+def _reused(
+    measure: Callable[[list[Backend]], list[V]],
+    known: dict[str, V],
+    taken: dict[str, V],
+    fits: Callable[[V], bool] = lambda _: True,
+) -> Callable[[list[Backend]], list[V]]:
+    """`measure`, unless `known` holds a fitting value for every backend asked of; what was taken,
+    measured or known, is kept in `taken` by backend name."""
+
+    def timed(backends: list[Backend]) -> list[V]:
+        names = [b.name for b in backends]
+        if all(name in known and fits(known[name]) for name in names):
+            values = [known[name] for name in names]
+        else:
+            values = measure(backends)
+        taken.update(zip(names, values, strict=True))
+        return values
+
+    return timed
 
 
 def _serving_order(
@@ -345,9 +415,7 @@ def measure_steps(
     return [geometric_mean(m) for m in medians]
 
 
-def _step_order(
-    loaded: Candidates, config: MHAConfig, measure: Callable[[list[Backend], MHAConfig], list[float]] | None
-) -> list[Backend]:
+def _step_order(loaded: Candidates, measure: Callable[[list[Backend]], list[float]] | None) -> list[Backend]:
     """The backends that compute decode steps on the device of the first of them (the caches live
     there: a fallback must reach them), fastest first by `measure` (None: in the chain's order)."""
     able = [(b, r) for b, r in loaded if b.steps]
@@ -355,7 +423,7 @@ def _step_order(
         return []
     able = [(b, r) for b, r in able if b.device == able[0][0].device]
     if measure is not None and len(able) > 1:
-        times = measure([b for b, _ in able], config)
+        times = measure([b for b, _ in able])
         for (_, report), ms in zip(able, times, strict=True):
             report.reason += f", step {ms:.3f} ms"
         able = [able[k] for k in speed_order(times)]

@@ -4,7 +4,10 @@ and unloaded, and what the metrics and readiness hear of it."""
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
+import os
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
@@ -19,7 +22,7 @@ from export.verify import check_manifest, sha256_file
 from model import MHAConfig
 from model.checkpoint import CheckpointError, load_checkpoint
 from service.backends.chain import REASONS, BackendChain, FallbackHook
-from service.backends.selection import BackendSpec, Selection, select_backends
+from service.backends.selection import BackendSpec, Selection, Timings, select_backends
 from service.batching import BatcherConfig, Clock
 from service.decode.control import SequenceId
 from service.decode.scheduler import Decoder, StepBatcher
@@ -295,7 +298,11 @@ def load_model(
         gpu_mem_limit_mb=s.gpu_mem_limit_mb,
         precision=s.precision,
     )
-    selection = select_backends(spec, requested=s.backend)
+    kept = _timings_file(s, onnx_path, weights_sha256)
+    known = _known_timings(kept)
+    selection = select_backends(spec, requested=s.backend, known=known)
+    if known is None:
+        _keep_timings(kept, selection.timings)
     if not selection.backends:
         raise ModelLoadError(f"no backend can serve {files.directory}: {selection.summary()}")
     chain = BackendChain(
@@ -315,6 +322,44 @@ def load_model(
     )
     _log_steps(chain, config, s, files)
     return served, selection, chain
+
+
+def _timings_file(s: Settings, onnx_path: Path, weights_sha256: str) -> Path | None:
+    """Where a replica's workers keep the timings of this model's backends, so that one worker
+    measures and the others, started after it or restarted, make its choices (None: no workers).
+    The folder is the workers' own (0700), new with each start of the replica."""
+    if s.worker_socket_dir is None:
+        return None
+    measured = [str(onnx_path.resolve()), weights_sha256, s.backend, s.cpu_threads, s.thread_spinning, s.precision]
+    key = hashlib.sha256(json.dumps(measured).encode()).hexdigest()[:16]
+    return s.worker_socket_dir / f"timings-{key}.json"
+
+
+def _known_timings(path: Path | None) -> Timings | None:
+    """The timings another worker kept at `path`, if it has."""
+    if path is None:
+        return None
+    try:
+        known = Timings.from_json(path.read_text())
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as exc:
+        log.warning("measuring the backends again: %s cannot be read (%s)", path, exc)
+        return None
+    log.info("backends timed by another worker of this replica (%s): its choices, not measured again", path.name)
+    return known
+
+
+def _keep_timings(path: Path | None, timings: Timings) -> None:
+    """Keep what this worker measured for the others (written whole, then renamed into place)."""
+    if path is None:
+        return
+    partial_file = path.with_name(f"{path.name}.{os.getpid()}")
+    try:
+        partial_file.write_text(timings.to_json())
+        os.replace(partial_file, path)
+    except OSError as exc:
+        log.warning("the other workers will time the backends themselves: %s cannot be written (%s)", path, exc)
 
 
 def _log_steps(chain: BackendChain, config: MHAConfig, s: Settings, files: ModelFiles) -> None:

@@ -67,8 +67,16 @@ def _compute_libraries(pid: int) -> set[str]:
     return {p for p in paths if "/torch/" in p or "/onnxruntime/" in p}
 
 
+def _said(log: str, start: str) -> list[tuple[int | None, str]]:
+    """(worker, message) of every JSON log line whose message begins with `start`."""
+    lines = (json.loads(line) for line in log.splitlines() if line.startswith("{"))
+    return [(line.get("worker"), line["msg"]) for line in lines if line["msg"].startswith(start)]
+
+
 def test_two_workers_share_the_port_add_up_restart_and_drain(small_model_dir: Path, tmp_path: Path) -> None:
-    args = ["--model-dir", str(small_model_dir), "--backend", "torch", "--workers", "2", "--max-inflight-mb", "64"]
+    """The backends are timed once, by the first worker: the other, and a worker restarted,
+    make its choices (both backends raced, as `--backend auto` does)."""
+    args = ["--model-dir", str(small_model_dir), "--workers", "2", "--max-inflight-mb", "64"]
     server = ServerProcess(args)
     server.start(tmp_path / "server.log")
     try:
@@ -80,6 +88,9 @@ def test_two_workers_share_the_port_add_up_restart_and_drain(small_model_dir: Pa
             return all(samples.get(("mha_ready", (("worker", str(i)),))) == 1.0 for i in range(2))
 
         _until(both_ready)
+        chosen = _said(server.log(), "backend selection: ")
+        assert [w for w, _ in chosen] == [0, 1] and chosen[0][1] == chosen[1][1], chosen  # probes' times too
+        assert [w for w, _ in _said(server.log(), "backends timed by another worker")] == [1]
         assert server.proc is not None
         heavy = _compute_libraries(server.proc.pid)
         assert not heavy, f"the supervisor loaded what only workers use: {heavy}"  # 340 MB of it before
@@ -114,6 +125,9 @@ def test_two_workers_share_the_port_add_up_restart_and_drain(small_model_dir: Pa
 
         _until(lambda: merged(("mha_worker_restarts_total", (("worker", "0"),))) == 1.0)
         _until(lambda: merged(("mha_ready", (("worker", "0"),))) == 1.0)
+        chosen = _said(server.log(), "backend selection: ")
+        assert [w for w, _ in chosen] == [0, 1, 0] and len({m for _, m in chosen}) == 1, chosen
+        assert [w for w, _ in _said(server.log(), "backends timed by another worker")] == [1, 0]
         assert "worker 0 (pid" in server.log() and "died with exit code -9; restarting it" in server.log()
         assert seen and min(seen) == 40, f"the merged counter went down while a worker was replaced: {seen[:8]}"
         for _ in range(10):

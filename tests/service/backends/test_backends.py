@@ -23,6 +23,7 @@ from service.backends.pytorch import ServedAttention, TorchBackend
 from service.backends.selection import (
     BackendSpec,
     SelfCheck,
+    Timings,
     probe_rounds,
     probe_shapes,
     select_backends,
@@ -175,6 +176,58 @@ def test_auto_without_cuda_serves_the_clearly_faster_backend(
     assert reports[names[1]].status == "fallback"
     assert reports["torch-cpu"].probe_ms == pytest.approx(torch_ms) and reports["ort-cpu"].probe_ms == pytest.approx(10)
     assert selection.light is None  # one backend wins every shape: one order serves all
+
+
+def test_another_workers_timings_make_the_same_choices_without_measuring(small_model_dir: Path) -> None:
+    """A worker given the timings another worker of its replica kept (as JSON, through a file)
+    orders its backends by them, crossovers and decode steps included, and measures nothing."""
+    config, weights = load_checkpoint(small_model_dir / "weights.safetensors")
+    files = ModelFiles(small_model_dir)
+    spec = BackendSpec(files.onnx, config, weights, step_paths=files.steps, threads=2)
+    shapes = len(probe_shapes(config))
+
+    def measure(backends: list, config: MHAConfig) -> list[list[float]]:  # type: ignore[type-arg]
+        return [[{"ort-cpu": 10.0, "torch-cpu": 5.0}[b.name]] * shapes for b in backends]
+
+    first = select_backends(spec, "auto", cuda=False, measure=measure)
+    assert [b.name for b in first.backends] == ["torch-cpu", "ort-cpu"]  # torch clearly faster
+    assert first.timings.probes == {"ort-cpu": [10.0] * shapes, "torch-cpu": [5.0] * shapes}
+    assert set(first.timings.steps) == set(first.timings.one_thread) == {"ort-cpu", "torch-cpu"}
+    kept = Timings.from_json(first.timings.to_json())
+    assert kept == first.timings
+    kept.steps = {"ort-cpu": 9.0, "torch-cpu": 1.0}  # not what a start measures: seen only if taken
+    kept.one_thread = {"ort-cpu": 7, "torch-cpu": 9}
+
+    def never(backends: list, config: MHAConfig) -> list[list[float]]:  # type: ignore[type-arg]
+        raise AssertionError("measured again")
+
+    again = select_backends(spec, "auto", cuda=False, measure=never, known=kept)
+    assert [b.name for b in again.backends] == ["torch-cpu", "ort-cpu"]
+    assert [b.name for b in again.step_backends] == ["torch-cpu", "ort-cpu"]  # 1 ms against 9
+    assert {b.name: b.single_max_tokens for b in again.backends} == {"ort-cpu": 7, "torch-cpu": 9}
+    reasons = {c.name: c.reason for c in again.candidates}
+    assert "probe 5.000 ms" in reasons["torch-cpu"] and "step 1.000 ms" in reasons["torch-cpu"]
+    assert again.timings == kept
+    for backend in again.backends:  # every backend still self-checked and exact
+        assert again.check.passes(backend)[0]
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "",
+        "[]",
+        '{"probes": {}, "steps": {}}',
+        '{"probes": [], "steps": {}, "one_thread": {}}',
+        '{"probes": {"ort-cpu": 1.0}, "steps": {}, "one_thread": {}}',
+        '{"probes": {"ort-cpu": [1.0, -2.0]}, "steps": {}, "one_thread": {}}',
+        '{"probes": {}, "steps": {"ort-cpu": "fast"}, "one_thread": {}}',
+        '{"probes": {}, "steps": {}, "one_thread": {"ort-cpu": 1.5}}',
+    ],
+)
+def test_timings_that_are_not_what_a_start_kept_are_refused(text: str) -> None:
+    with pytest.raises(ValueError):
+        Timings.from_json(text)
 
 
 def test_the_real_measurement_times_every_candidate(small_model_dir: Path) -> None:

@@ -117,3 +117,28 @@ def test_the_served_identity_is_published_and_checked_by_verify(small_model_dir:
         assert verify_server(server.url, small_model_dir).ok
         report = verify_server(server.url, other_seed)  # same C: only the identity can tell
     assert not report.ok and any("the server serves weights sha256" in p for p in report.problems)
+
+
+def test_a_workers_timings_are_kept_for_the_others_and_unreadable_ones_measured_again(
+    small_model_dir: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """With workers (their folder set), the first load keeps its backends' timings there; a
+    second load of the same model takes them; a file that cannot be read is said and measured
+    again, never served from."""
+    from service.engine.keeper import load_model
+    from service.engine.served import ModelIdentity
+
+    settings = make_settings(small_model_dir, worker_socket_dir=tmp_path)
+    identity = ModelIdentity("mha", "1")
+    caplog.set_level("INFO", logger="service.engine.keeper")
+    _, first, _ = load_model(settings, identity, lambda *_: None, small_model_dir)
+    (kept,) = tmp_path.glob("timings-*.json")
+    assert json.loads(kept.read_text())["probes"] == first.timings.probes != {}
+    _, second, _ = load_model(settings, identity, lambda *_: None, small_model_dir)
+    assert second.timings == first.timings and "timed by another worker" in caplog.text
+    kept.write_text('{"probes": ')  # cut short
+    caplog.clear()
+    _, third, _ = load_model(settings, identity, lambda *_: None, small_model_dir)
+    assert f"measuring the backends again: {kept} cannot be read" in caplog.text
+    assert third.timings.probes.keys() == first.timings.probes.keys()
+    assert len(list(tmp_path.iterdir())) == 1  # nothing left half-written beside it
