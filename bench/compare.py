@@ -84,7 +84,7 @@ import common
 import grpc
 import numpy as np
 
-from service.app.launch import free_port, free_ports
+from service.app.launch import QUICK_RECONNECT, free_port, free_ports
 from service.client.loadgen import run_load
 from service.proto import grpc_service_pb2 as pb
 from service.proto import grpc_service_pb2_grpc as pb_grpc
@@ -235,7 +235,7 @@ def _mlserver_dir(model_dir: Path, port: int) -> Path:
 
 def wait_ready(url: str, proc: subprocess.Popen[bytes], timeout: float = 180, width: int = 128) -> None:
     deadline = time.monotonic() + timeout
-    with grpc.insecure_channel(url) as channel:
+    with grpc.insecure_channel(url, options=QUICK_RECONNECT) as channel:  # a refused try is retried within 0.2 s
         stub = pb_grpc.GRPCInferenceServiceStub(channel)
         while time.monotonic() < deadline:
             if proc.poll() is not None:
