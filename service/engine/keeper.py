@@ -327,10 +327,12 @@ def load_model(
 def _timings_file(s: Settings, onnx_path: Path, weights_sha256: str) -> Path | None:
     """Where a replica's workers keep the timings of this model's backends, so that one worker
     measures and the others, started after it or restarted, make its choices (None: no workers).
-    The folder is the workers' own (0700), new with each start of the replica."""
+    The folder is the workers' own (0700), new with each start of the replica. A worker with a
+    GPU of its own (which may be another kind of GPU, or MIG slice) keeps its timings to itself."""
     if s.worker_socket_dir is None:
         return None
     measured = [str(onnx_path.resolve()), weights_sha256, s.backend, s.cpu_threads, s.thread_spinning, s.precision]
+    measured.append(s.worker_index if s.worker_own_gpu else None)
     key = hashlib.sha256(json.dumps(measured).encode()).hexdigest()[:16]
     return s.worker_socket_dir / f"timings-{key}.json"
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import shutil
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -142,3 +143,6 @@ def test_a_workers_timings_are_kept_for_the_others_and_unreadable_ones_measured_
     assert f"measuring the backends again: {kept} cannot be read" in caplog.text
     assert third.timings.probes.keys() == first.timings.probes.keys()
     assert len(list(tmp_path.iterdir())) == 1  # nothing left half-written beside it
+    own_gpu = replace(settings, worker_own_gpu=True, worker_index=1)  # its GPU may be another kind
+    load_model(own_gpu, identity, lambda *_: None, small_model_dir)
+    assert len(list(tmp_path.iterdir())) == 2 and "timed by another worker" not in caplog.text
