@@ -233,7 +233,9 @@ def _mlserver_dir(model_dir: Path, port: int) -> Path:
     return folder
 
 
-def wait_ready(url: str, proc: subprocess.Popen[bytes], timeout: float = 180, width: int = 128) -> None:
+def wait_ready(
+    url: str, proc: subprocess.Popen[bytes], timeout: float = 180, width: int = 128, every_s: float = 0.5
+) -> None:
     deadline = time.monotonic() + timeout
     with grpc.insecure_channel(url, options=QUICK_RECONNECT) as channel:  # a refused try is retried within 0.2 s
         stub = pb_grpc.GRPCInferenceServiceStub(channel)
@@ -250,7 +252,7 @@ def wait_ready(url: str, proc: subprocess.Popen[bytes], timeout: float = 180, wi
                     return
             except grpc.RpcError:
                 pass
-            time.sleep(0.5)
+            time.sleep(every_s)
     raise TimeoutError(f"{url} did not become ready")
 
 

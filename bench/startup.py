@@ -4,7 +4,7 @@ One start per revision per run (this checkout, and with --base REV the code at R
 worktree), one at a time, the order alternating run by run; each start is stopped before the next.
 Each start serves an exported model with the defaults (one worker per CPU), its ports picked
 free. Timed from the spawn to the first ModelInfer answered (compare.py's readiness check, polling
-every 0.5 s, so read these as 0.5 s coarse; with workers the server answers once every worker is
+every 0.1 s, so read these as 0.1 s coarse; with workers the server answers once every worker is
 ready); then the supervisor's resident memory. Reported: the medians over the runs and,
 with --base, this checkout's over the base's, run by run. Writes bench/results/startup.json.
 Not a test.
@@ -29,6 +29,7 @@ from compare import ROOT, server_command, wait_ready, with_base
 from service.app.launch import free_ports
 
 log = logging.getLogger("bench")
+POLL_S = 0.1  # how often a start is asked whether it answers: the figures' resolution
 
 
 def one_start(model_dir: Path, tree: Path | None, log_path: Path) -> dict[str, float]:
@@ -41,7 +42,7 @@ def one_start(model_dir: Path, tree: Path | None, log_path: Path) -> dict[str, f
         began = time.monotonic()
         proc = subprocess.Popen(command, env={**os.environ, **env}, cwd=ROOT, stdout=out, stderr=out)
         try:
-            wait_ready(f"127.0.0.1:{port}", proc)
+            wait_ready(f"127.0.0.1:{port}", proc, every_s=POLL_S)
             answered = time.monotonic() - began
             memory = common.rss_mib(proc.pid)
         finally:
