@@ -350,7 +350,8 @@ def select_backends(
     loaded = [(backend, report) for report in reports if (backend := _load(report, factories, check)) is not None]
     taken.one_thread = {b.name: b.single_max_tokens for b, _ in loaded if b.device == "cpu"}
     shapes = len(probe_shapes(config))
-    probe = _reused(lambda bs: measure(bs, config), known.probes, taken.probes, lambda ms: len(ms) == shapes)
+    fitting = {name: ms for name, ms in known.probes.items() if len(ms) == shapes}  # one per probe shape
+    probe = _reused(lambda bs: measure(bs, config), fitting, taken.probes)
     loaded, light = _serving_order(loaded, cuda, lambda race: probe(_backends(race)), config)
     steps = _step_order(loaded, _reused(lambda bs: measure_steps(bs, config), known.steps, taken.steps))
     selection = Selection(_backends(loaded), check, reports, light, steps, taken)
@@ -359,20 +360,14 @@ def select_backends(
 
 
 def _reused(
-    measure: Callable[[list[Backend]], list[V]],
-    known: dict[str, V],
-    taken: dict[str, V],
-    fits: Callable[[V], bool] = lambda _: True,
+    measure: Callable[[list[Backend]], list[V]], known: dict[str, V], taken: dict[str, V]
 ) -> Callable[[list[Backend]], list[V]]:
-    """`measure`, unless `known` holds a fitting value for every backend asked of; what was taken,
+    """`measure`, unless `known` holds a value for every backend asked of; what was taken,
     measured or known, is kept in `taken` by backend name."""
 
     def timed(backends: list[Backend]) -> list[V]:
         names = [b.name for b in backends]
-        if all(name in known and fits(known[name]) for name in names):
-            values = [known[name] for name in names]
-        else:
-            values = measure(backends)
+        values = [known[name] for name in names] if all(name in known for name in names) else measure(backends)
         taken.update(zip(names, values, strict=True))
         return values
 

@@ -210,6 +210,9 @@ def test_another_workers_timings_make_the_same_choices_without_measuring(small_m
     assert again.timings == kept
     for backend in again.backends:  # every backend still self-checked and exact
         assert again.check.passes(backend)[0]
+    other_model = Timings({name: ms[:-1] for name, ms in kept.probes.items()}, kept.steps, kept.one_thread)
+    remeasured = select_backends(spec, "auto", cuda=False, measure=measure, known=other_model)
+    assert remeasured.timings.probes == first.timings.probes  # not one time per probe shape: measured
 
 
 @pytest.mark.parametrize(
