@@ -11,14 +11,19 @@ LIBB64 := .tools/libb64/usr/lib/x86_64-linux-gnu/libb64.so.0d
 MODEL_DIR ?= models/default
 ARGS ?=
 
-.PHONY: install node-client serve test export lint proto bench bench-servers deploy-gen clean
+.PHONY: install install-parts node-client serve test export lint proto bench bench-servers deploy-gen clean
 
 PROMETHEUS := .tools/prometheus/usr/bin/prometheus
 NGINX := .tools/nginx/usr/sbin/nginx
 NODE_CLIENT := .tools/node/node_modules/.package-lock.json
 NODE_SKIPPED := the Node.js client's test (tests/e2e/test_node_client.py) will be skipped
 
-install: $(STAMP) $(TRITON_STAMP) $(PERF_STAMP) $(LIBB64) $(PROMETHEUS) $(NGINX) node-client
+# The environments and tools install side by side (on CI's 2 CPUs about 2 minutes, against 3 one
+# after another): most of it is downloading and unpacking. Each part's output is printed whole.
+install:
+	@$(MAKE) --no-print-directory -j4 --output-sync=target install-parts
+
+install-parts: $(STAMP) $(TRITON_STAMP) $(PERF_STAMP) $(LIBB64) $(PROMETHEUS) $(NGINX) node-client
 
 # Prometheus and promtool from Debian's package, unpacked (no service starts): the tests run both.
 $(PROMETHEUS):
@@ -29,7 +34,9 @@ $(PROMETHEUS):
 
 # nginx from Debian's package, unpacked (no service starts): the balancer tests run it in front of
 # several `mha serve` replicas (deploy/nginx/mha-serve.conf).
-$(NGINX):
+# (after Prometheus's, and libb64 after it: a missing package list is fetched by `apt-get update`,
+# which two at once would contend for)
+$(NGINX): | $(PROMETHEUS)
 	mkdir -p .tools/deb
 	cd .tools/deb && (apt-get download nginx || (apt-get update -q && apt-get download nginx))
 	dpkg -x .tools/deb/nginx_*.deb .tools/nginx
@@ -42,7 +49,7 @@ $(PERF_STAMP): constraints-perf.txt
 	$(PERF_VENV)/bin/python -m pip install -q -r constraints-perf.txt
 	touch $@
 
-$(LIBB64):
+$(LIBB64): | $(NGINX)
 	mkdir -p .tools/deb
 	cd .tools/deb && (apt-get download libb64-0d || (apt-get update -q && apt-get download libb64-0d))
 	dpkg -x .tools/deb/libb64-0d_*.deb .tools/libb64

@@ -14,6 +14,7 @@ from pathlib import Path
 os.environ.setdefault("ORT_DISABLE_TELEMETRY", "1")
 
 import pytest
+from filelock import FileLock
 
 from export.pipeline import export_model_dir
 from model import MHAConfig
@@ -63,5 +64,15 @@ def small_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="session")
 def default_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The default config (C=128, 8 heads, max_seq_len 1024), seed 0: what `make serve` serves."""
-    return exported(tmp_path_factory, "default-model", MHAConfig(), seed=0)
+    """The default config (C=128, 8 heads, max_seq_len 1024), seed 0: what `make serve` serves.
+    Exported once for all the session's test processes (about 20 s of CPU each): no test writes
+    into it, and none looks for processes by its path (test_tune does, by small_model_dir's)."""
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent  # the folder above each test process's own: the whole session's
+    out = root / "default-model"
+    with FileLock(root / "default-model.lock"):
+        if not (out / "manifest.json").is_file():  # written last, once the files are in place
+            logging.getLogger("onnx_ir").setLevel(logging.WARNING)
+            export_model_dir(out, MHAConfig(), init_weights(MHAConfig(), seed=0))
+    return out
