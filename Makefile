@@ -19,9 +19,9 @@ NODE_CLIENT := .tools/node/node_modules/.package-lock.json
 NODE_SKIPPED := the Node.js client's test (tests/e2e/test_node_client.py) will be skipped
 
 # The environments and tools install side by side (on CI's 2 CPUs about 2 minutes, against 3 one
-# after another): most of it is downloading and unpacking. Each part's output is printed whole.
+# after another): most of it is downloading and unpacking. Their lines interleave, each whole.
 install:
-	@$(MAKE) --no-print-directory -j4 --output-sync=target install-parts
+	@$(MAKE) --no-print-directory -j4 --output-sync=line install-parts
 
 install-parts: $(STAMP) $(TRITON_STAMP) $(PERF_STAMP) $(LIBB64) $(PROMETHEUS) $(NGINX) node-client
 
