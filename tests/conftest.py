@@ -48,11 +48,21 @@ def small_config() -> MHAConfig:
     return SMALL
 
 
-def exported(tmp_path_factory: pytest.TempPathFactory, name: str, config: MHAConfig, seed: int) -> Path:
-    """A model directory of `config` with seed `seed`'s weights, exported and verified."""
-    logging.getLogger("onnx_ir").setLevel(logging.WARNING)
-    out = tmp_path_factory.mktemp(name)
-    export_model_dir(out, config, init_weights(config, seed=seed))
+def exported(
+    tmp_path_factory: pytest.TempPathFactory, name: str, config: MHAConfig, seed: int, shared: bool = False
+) -> Path:
+    """A model directory of `config` with seed `seed`'s weights, exported and verified once per test
+    process, or with `shared` once for all the session's test processes (pytest-xdist's), whichever
+    asks first exporting under a file lock: then no test may write into it, nor find processes by
+    its path (test_tune does, by small_model_dir's)."""
+    root = tmp_path_factory.getbasetemp()
+    if shared and os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent  # the folder above each test process's own: the whole session's
+    out = root / name
+    with FileLock(root / f"{name}.lock"):
+        if not (out / "manifest.json").is_file():  # written last, once the files are in place
+            logging.getLogger("onnx_ir").setLevel(logging.WARNING)
+            export_model_dir(out, config, init_weights(config, seed=seed))
     return out
 
 
@@ -65,14 +75,5 @@ def small_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def default_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The default config (C=128, 8 heads, max_seq_len 1024), seed 0: what `make serve` serves.
-    Exported once for all the session's test processes (about 20 s of CPU each): no test writes
-    into it, and none looks for processes by its path (test_tune does, by small_model_dir's)."""
-    root = tmp_path_factory.getbasetemp()
-    if os.environ.get("PYTEST_XDIST_WORKER"):
-        root = root.parent  # the folder above each test process's own: the whole session's
-    out = root / "default-model"
-    with FileLock(root / "default-model.lock"):
-        if not (out / "manifest.json").is_file():  # written last, once the files are in place
-            logging.getLogger("onnx_ir").setLevel(logging.WARNING)
-            export_model_dir(out, MHAConfig(), init_weights(MHAConfig(), seed=0))
-    return out
+    Shared by the session's test processes (its export is about 20 s of CPU)."""
+    return exported(tmp_path_factory, "default-model", MHAConfig(), seed=0, shared=True)
