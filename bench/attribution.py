@@ -164,7 +164,7 @@ def measure(names: tuple[str, ...], model_dir: Path, seconds: float, rounds: int
         for name in names:
             server = compare.Started(name, model_dir, None)
             started.append(server)
-            compare.wait_ready(server.url, server.proc)
+            server.ready()
             run_load(server.url, 1, 1.0, [64])  # warm-up
         for r in range(rounds):
             for server in started if r % 2 == 0 else reversed(started):
@@ -204,7 +204,7 @@ def main() -> int:
     parser.add_argument("--seconds", type=float, default=3.0)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--servers", type=compare.server_list, default=SERVERS, help=compare.SERVER_HELP)
-    parser.add_argument("--model-dir", type=Path, default=Path("models/default"))
+    parser.add_argument("--model-dir", type=common.model_dir, default=common.DEFAULT_MODEL)
     args = parser.parse_args()
     if shutil.which("perf") is None:
         parser.error("needs Linux `perf` on PATH (Debian: apt-get install linux-perf)")

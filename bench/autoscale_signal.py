@@ -86,7 +86,7 @@ def level(server: ServerProcess, clients: int, seconds: float) -> dict[str, floa
 def main() -> int:
     parser = common.parser(__doc__)
     parser.add_argument("--seconds", type=float, default=4.0)
-    parser.add_argument("--model-dir", default="models/default")
+    parser.add_argument("--model-dir", type=common.model_dir, default=common.DEFAULT_MODEL)
     args = parser.parse_args()
     server = ServerProcess(["--model-dir", str(Path(args.model_dir).resolve())])
     rows = []

@@ -17,6 +17,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import common
+
 from service.app.launch import ServerProcess
 from service.client.loadgen import run_load
 
@@ -29,7 +31,7 @@ def main() -> int:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     parser = argparse.ArgumentParser()
     parser.add_argument("--seconds", type=float, default=4.0)
-    parser.add_argument("--model-dir", default="models/default")
+    parser.add_argument("--model-dir", type=common.model_dir, default=common.DEFAULT_MODEL)
     parser.add_argument("--backend", default="auto")
     args = parser.parse_args()
     rows: list[dict[str, Any]] = []
@@ -39,7 +41,7 @@ def main() -> int:
         server = ServerProcess(
             [
                 "--model-dir",
-                args.model_dir,
+                str(args.model_dir),
                 "--backend",
                 args.backend,
                 "--max-batch-size",

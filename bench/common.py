@@ -21,6 +21,7 @@ from typing import Protocol
 from service.app.launch import free_ports
 
 RESULTS = Path(__file__).parent / "results"
+DEFAULT_MODEL = "models/default"  # what `make export` writes, each script's --model-dir unless given
 ROOT = Path(__file__).resolve().parent.parent
 NGINX = ROOT / ".tools" / "nginx" / "usr" / "sbin" / "nginx"  # make install unpacks Debian's package there
 NGINX_CONF = ROOT / "deploy" / "nginx" / "mha-serve.conf"
@@ -35,6 +36,18 @@ def parser(doc: str | None) -> argparse.ArgumentParser:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     RESULTS.mkdir(parents=True, exist_ok=True)
     return argparse.ArgumentParser(description=(doc or "").splitlines()[0])
+
+
+def model_dir(text: str) -> Path:
+    """--model-dir: an exported model's folder, resolved; refused at once, before any server
+    starts, when there is none (each server would fail on its own, in its own log)."""
+    path = Path(text).resolve()
+    if not (path / "manifest.json").is_file():
+        raise argparse.ArgumentTypeError(
+            f"{text[:200]}: no exported model there (no manifest.json); `make export` writes {DEFAULT_MODEL}, "
+            "`.venv/bin/mha export --out DIR` another"
+        )
+    return path
 
 
 def rss_mib(pid: int) -> float:

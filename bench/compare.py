@@ -234,14 +234,21 @@ def _mlserver_dir(model_dir: Path, port: int) -> Path:
 
 
 def wait_ready(
-    url: str, proc: subprocess.Popen[bytes], timeout: float = 180, width: int = 128, every_s: float = 0.5
+    url: str,
+    proc: subprocess.Popen[bytes],
+    timeout: float = 180,
+    width: int = 128,
+    every_s: float = 0.5,
+    log_path: Path | None = None,
 ) -> None:
+    """Until the server at `url` answers an inference; a server that exits first is reported
+    with the end of its log (`log_path`), where it says why."""
     deadline = time.monotonic() + timeout
     with grpc.insecure_channel(url, options=QUICK_RECONNECT) as channel:  # a refused try is retried within 0.2 s
         stub = pb_grpc.GRPCInferenceServiceStub(channel)
         while time.monotonic() < deadline:
             if proc.poll() is not None:
-                raise RuntimeError(f"the server exited with {proc.returncode} before it was ready (see its log)")
+                raise RuntimeError(f"the server exited with {proc.returncode} before it was ready{_said(log_path)}")
             try:
                 if stub.ServerReady(pb.ServerReadyRequest(), timeout=2).ready:
                     x = np.zeros((1, 4, width), np.float32)
@@ -254,6 +261,15 @@ def wait_ready(
                 pass
             time.sleep(every_s)
     raise TimeoutError(f"{url} did not become ready")
+
+
+def _said(log_path: Path | None) -> str:
+    """The last line of a server's log, and where the log is."""
+    if log_path is None:
+        return ""
+    lines = log_path.read_text(errors="replace").splitlines() if log_path.is_file() else []
+    last = lines[-1].strip()[:500] if lines else "(nothing)"
+    return f"; its log, {log_path}, ends: {last}"
 
 
 def load_case(
@@ -283,7 +299,7 @@ def measure(
     proc = spawn(command, env, log_path, cpus)
     rows: dict[str, dict] = {}
     try:
-        wait_ready(url, proc)
+        wait_ready(url, proc, log_path=log_path)
         if cpus is not None and (outside := escaped(name, proc.pid, cpus)):
             rows["threads outside the servers' CPUs"] = outside  # type: ignore[assignment]
         run_load(url, 1, 1.0, [64])  # warm-up
@@ -386,17 +402,22 @@ class Started:
         if len(commands) < count or (name in BEHIND_NGINX and not common.NGINX.exists()):
             raise LookupError(f"{name}: its environment is not installed (make bench-servers, make install)")
         slug = "-".join(w.strip(":-@").lower() for w in name.split()[:2] if w.strip(":-+@"))
-        self.proc = spawn(*commands[0], common.RESULTS / f"compare-{slug}.log", cpus)
+        self.log_path = common.RESULTS / f"compare-{slug}.log"
+        self.proc = spawn(*commands[0], self.log_path, cpus)
         log_of = [common.RESULTS / f"compare-{slug}-{n}.log" for n in range(1, count)]
         others = [spawn(*c, path, cpus, self.proc.pid) for c, path in zip(commands[1:], log_of, strict=True)]
         self.name, self.url = name, f"127.0.0.1:{ports[0]}"
         self.balancer: common.Balancer | None = None
         if name in BEHIND_NGINX:
-            for port, proc in zip(ports, [self.proc, *others], strict=True):
-                wait_ready(f"127.0.0.1:{port}", proc)
+            for port, proc, path in zip(ports, [self.proc, *others], [self.log_path, *log_of], strict=True):
+                wait_ready(f"127.0.0.1:{port}", proc, log_path=path)
             upstreams = [SimpleNamespace(port=port, http_port=free_port()) for port in ports]  # their HTTP is off
             self.balancer = common.Balancer(common.NGINX, Path(tempfile.mkdtemp(prefix="mha-nginx-")), upstreams)
             self.url = self.balancer.start().url
+
+    def ready(self, width: int = 128) -> None:
+        """Until it answers (`wait_ready`); if it exits first, the error says what its log says."""
+        wait_ready(self.url, self.proc, width=width, log_path=self.log_path)
 
     def case(self, B: int, T: int, clients: int, seconds: float, one_channel: bool = False) -> dict:
         return load_case(self.proc.pid, self.url, (B, T, clients), seconds, one_channel)[0]
@@ -459,7 +480,7 @@ def interleaved(
                 log.warning("%s; left out", exc)
                 continue
             started.append(server)
-            wait_ready(server.url, server.proc)
+            server.ready()
             if cpus is not None and (outside := escaped(name, server.proc.pid, cpus)):
                 escapes[name] = outside
             run_load(server.url, 1, 1.0, [64])  # warm-up
@@ -547,7 +568,7 @@ def main() -> int:
     parser = common.parser(__doc__)
     parser.add_argument("--seconds", type=float, default=5.0)
     parser.add_argument("--runs", type=int, default=1)
-    parser.add_argument("--model-dir", type=Path, default=Path("models/default"))
+    parser.add_argument("--model-dir", type=common.model_dir, default=common.DEFAULT_MODEL)
     parser.add_argument("--server-cpus", type=common.cpu_list, help="CPUs the servers run on (with --client-cpus)")
     parser.add_argument("--client-cpus", type=common.cpu_list, help="CPUs the load generator runs on")
     parser.add_argument("--cases", type=case_list, default=CASES, help=f"with --runs: cases by number, {CASE_HELP}")

@@ -61,12 +61,12 @@ def measure(model_dir: str, backend: str, spinning: bool, seconds: float, logs: 
 def main() -> int:
     parser = common.parser(__doc__)
     parser.add_argument("--seconds", type=float, default=5.0)
-    parser.add_argument("--model-dir", default="models/default")
+    parser.add_argument("--model-dir", type=common.model_dir, default=common.DEFAULT_MODEL)
     args = parser.parse_args()
     rows = []
     for backend in ("ort-cpu", "torch"):
         for spinning in (True, False):
-            rows += measure(args.model_dir, backend, spinning, args.seconds, common.RESULTS)
+            rows += measure(str(args.model_dir), backend, spinning, args.seconds, common.RESULTS)
     common.write_json("cpu_per_request.json", {"cores": os.cpu_count(), "rows": rows})
     return 0
 

@@ -83,7 +83,7 @@ def _flatness(cached: list[float]) -> float:
 
 def interleaved_rounds(wide: Path, tokens: int, runs: int, base: tuple[str, Path, Path] | None) -> dict[str, object]:
     """`runs` rounds on the d_model 512 model in `wide` (and REV's server on its own export)."""
-    from compare import Started, wait_ready
+    from compare import Started
 
     servers = {"mha-serve": Started("mha-serve", wide, None)}
     if base is not None:
@@ -93,7 +93,7 @@ def interleaved_rounds(wide: Path, tokens: int, runs: int, base: tuple[str, Path
     x = np.random.default_rng(0).standard_normal((1, tokens, 512), dtype=np.float32)
     try:
         for server in servers.values():
-            wait_ready(server.url, server.proc, width=512)
+            server.ready(width=512)
         for run in range(runs):
             order = list(servers) if run % 2 == 0 else list(reversed(servers))
             for name in order:

@@ -25,12 +25,11 @@ import sys
 import time
 from concurrent.futures import ProcessPoolExecutor
 from functools import partial
-from pathlib import Path
 
 import common
 import grpc
 import numpy as np
-from compare import Started, wait_ready
+from compare import Started
 from decode import generate, run_threads
 
 from service.client.client import OWN_CONNECTION
@@ -68,7 +67,7 @@ def main() -> int:
     parser.add_argument("--tokens", type=int, default=256)
     parser.add_argument("--sequences", type=int, default=32)
     parser.add_argument("--concurrent-tokens", type=int, default=256)
-    parser.add_argument("--model-dir", type=Path, default=Path("models/default"))
+    parser.add_argument("--model-dir", type=common.model_dir, default=common.DEFAULT_MODEL)
     args = parser.parse_args()
     model_dir, width = args.model_dir.resolve(), 128
     servers: dict[str, Started] = {}
@@ -78,7 +77,7 @@ def main() -> int:
                 servers[name] = Started(name, model_dir, None)
             except LookupError as exc:
                 raise SystemExit(str(exc)) from None
-            wait_ready(servers[name].url, servers[name].proc)
+            servers[name].ready()
         urls = {name: server.url for name, server in servers.items()}
         per_round: dict[str, dict[str, list[float]]] = {
             n: {"token_mean_ms": [], "token_p50_ms": [], "tokens_per_s": []} for n in SERVERS

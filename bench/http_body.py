@@ -96,7 +96,7 @@ def main() -> int:
     parser.add_argument("--runs", type=int, default=10)
     parser.add_argument("--count", type=int, default=400)
     parser.add_argument("--backend", default="ort-cpu")
-    parser.add_argument("--model-dir", type=Path, default=Path("models/default"))
+    parser.add_argument("--model-dir", type=common.model_dir, default=common.DEFAULT_MODEL)
     parser.add_argument("--shape", default="1,64,128", help="B,T,C of the request")
     args = parser.parse_args()
     shape = tuple(int(v) for v in args.shape.split(","))

@@ -153,7 +153,7 @@ def case(
 
 def main() -> None:
     parser = common.parser(__doc__)
-    parser.add_argument("--model-dir", default="models/default")
+    parser.add_argument("--model-dir", type=common.model_dir, default=common.DEFAULT_MODEL)
     parser.add_argument("--hold-s", type=float, default=15.0)
     parser.add_argument("--settle-s", type=float, default=5.0)
     args = parser.parse_args()
@@ -164,7 +164,7 @@ def main() -> None:
         ("http_40_never_read_budget_64mb", never_reading_http, ["--max-inflight-mb", "64"]),
     )
     for name, abuse, flags in cases:
-        server = ServerProcess(["--model-dir", args.model_dir, *flags])
+        server = ServerProcess(["--model-dir", str(args.model_dir), *flags])
         server.start(common.RESULTS / f"memory_abuse_{name}.log")
         try:
             results[name] = case(server, abuse, args.hold_s, args.settle_s)

@@ -20,6 +20,7 @@ import sys
 import time
 from pathlib import Path
 
+import common
 import numpy as np
 
 from export.layout import INPUT_NAME, ModelFiles
@@ -72,7 +73,7 @@ def main() -> int:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     parser = argparse.ArgumentParser()
     parser.add_argument("--shapes", type=int, default=600)
-    parser.add_argument("--model-dir", default="models/default")
+    parser.add_argument("--model-dir", type=common.model_dir, default=common.DEFAULT_MODEL)
     parser.add_argument("--child", choices=VARIANTS)
     args = parser.parse_args()
     model = ModelFiles(Path(args.model_dir)).onnx
@@ -82,7 +83,16 @@ def main() -> int:
     results: dict[str, dict] = {}
     for kind in VARIANTS:
         out = subprocess.run(
-            [sys.executable, __file__, "--child", kind, "--shapes", str(args.shapes), "--model-dir", args.model_dir],
+            [
+                sys.executable,
+                __file__,
+                "--child",
+                kind,
+                "--shapes",
+                str(args.shapes),
+                "--model-dir",
+                str(args.model_dir),
+            ],
             capture_output=True,
             text=True,
             check=True,

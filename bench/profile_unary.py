@@ -27,13 +27,13 @@ log = logging.getLogger("bench")
 def main() -> int:
     parser = common.parser(__doc__)
     parser.add_argument("--seconds", type=float, default=10.0)
-    parser.add_argument("--model-dir", default="models/default")
+    parser.add_argument("--model-dir", type=common.model_dir, default=common.DEFAULT_MODEL)
     parser.add_argument("--top", type=int, default=25)
     parser.add_argument("--clients", type=int, default=8)
     args = parser.parse_args()
     results = common.RESULTS
     profile = results / "profile_unary.prof"
-    server = ServerProcess(["--model-dir", args.model_dir, "--backend", "ort-cpu"])
+    server = ServerProcess(["--model-dir", str(args.model_dir), "--backend", "ort-cpu"])
     server.args[1:4] = ["-P", "-m", "cProfile", "-o", str(profile), "-m", "service.cli"]
     try:
         server.start(results / "profile_unary.log")

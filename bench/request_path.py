@@ -191,7 +191,7 @@ async def run(
 
 def main() -> int:
     parser = common.parser(__doc__)
-    parser.add_argument("--model-dir", type=Path, default=Path("models/default"))
+    parser.add_argument("--model-dir", type=common.model_dir, default=common.DEFAULT_MODEL)
     parser.add_argument("--calls", type=int, default=2000, help="calls of each stage per round")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--batch", type=int, default=1, help="B of the (B, T, C) request")

@@ -118,9 +118,10 @@ def main() -> int:
     parser = common.parser(__doc__)
     parser.add_argument("--steps", type=int, default=400)
     parser.add_argument("--requests", type=int, default=300)
-    parser.add_argument("--model-dir", default="models/default")
+    parser.add_argument("--model-dir", type=common.model_dir, default=common.DEFAULT_MODEL)
     args = parser.parse_args()
-    result = {"forwarding": forwarding(args.model_dir, args.steps), "balancer": spread(args.model_dir, args.requests)}
+    model_dir = str(args.model_dir)
+    result = {"forwarding": forwarding(model_dir, args.steps), "balancer": spread(model_dir, args.requests)}
     log.info("%s", result)
     common.write_json("scaleout.json", result)
     return 0

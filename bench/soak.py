@@ -20,6 +20,7 @@ import sys
 import time
 from pathlib import Path
 
+import common
 import numpy as np
 
 from export.layout import ModelFiles
@@ -92,7 +93,7 @@ def child(variant: str, files: ModelFiles, minutes: float, budget_mb: float) -> 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--minutes", type=float, default=10.0, help="soak per backend (default 10)")
-    parser.add_argument("--model-dir", default="models/default")
+    parser.add_argument("--model-dir", type=common.model_dir, default=common.DEFAULT_MODEL)
     parser.add_argument("--max-attention-mb", type=float, default=1024.0)
     parser.add_argument("--child", choices=VARIANTS, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -104,7 +105,7 @@ def main() -> int:
         return 0
     results = []
     for variant in VARIANTS:
-        command = [sys.executable, __file__, "--child", variant, "--model-dir", args.model_dir]
+        command = [sys.executable, __file__, "--child", variant, "--model-dir", str(args.model_dir)]
         command += ["--minutes", str(args.minutes), "--max-attention-mb", str(args.max_attention_mb)]
         run = subprocess.run(command, capture_output=True, text=True, check=True)
         results.append(json.loads(run.stdout))

@@ -42,7 +42,7 @@ def one_start(model_dir: Path, tree: Path | None, log_path: Path) -> dict[str, f
         began = time.monotonic()
         proc = subprocess.Popen(command, env={**os.environ, **env}, cwd=ROOT, stdout=out, stderr=out)
         try:
-            wait_ready(f"127.0.0.1:{port}", proc, every_s=POLL_S)
+            wait_ready(f"127.0.0.1:{port}", proc, every_s=POLL_S, log_path=log_path)
             answered = time.monotonic() - began
             memory = common.rss_mib(proc.pid)
         finally:
@@ -55,7 +55,7 @@ def main() -> int:
     parser = common.parser(__doc__)
     parser.add_argument("--runs", type=int, default=10)
     parser.add_argument("--base", help="mha-serve at this git revision too")
-    parser.add_argument("--model-dir", type=Path, default=Path("models/default"))
+    parser.add_argument("--model-dir", type=common.model_dir, default=common.DEFAULT_MODEL)
     args = parser.parse_args()
     with contextlib.ExitStack() as stack:
         trees = with_base(stack, args.base)

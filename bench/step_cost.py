@@ -16,10 +16,9 @@ import contextlib
 import logging
 import statistics
 import sys
-from pathlib import Path
 
 import common
-from compare import Started, wait_ready, with_base
+from compare import Started, with_base
 from decode import step_against_stateless
 
 log = logging.getLogger("bench")
@@ -30,7 +29,7 @@ def main() -> int:
     parser.add_argument("--runs", type=int, default=20)
     parser.add_argument("--count", type=int, default=200)
     parser.add_argument("--base", help="mha-serve at this git revision too")
-    parser.add_argument("--model-dir", type=Path, default=Path("models/default"))
+    parser.add_argument("--model-dir", type=common.model_dir, default=common.DEFAULT_MODEL)
     args = parser.parse_args()
     with contextlib.ExitStack() as stack:
         checkouts = with_base(stack, args.base)
@@ -38,7 +37,7 @@ def main() -> int:
         for name, tree in checkouts.items():  # one at a time: each measures its backends on a quiet machine
             servers[name] = Started(name, args.model_dir, None, tree)
             stack.callback(servers[name].stop)
-            wait_ready(servers[name].url, servers[name].proc)
+            servers[name].ready()
         visits: dict[str, list[dict[str, float]]] = {name: [] for name in servers}
         for run in range(args.runs):
             order = list(servers) if run % 2 == 0 else list(reversed(servers))

@@ -90,9 +90,9 @@ def measure(server: ServerProcess, run: object) -> dict[str, float]:
 
 def main() -> None:
     parser = common.parser(__doc__)
-    parser.add_argument("--model-dir", default="models/default")
+    parser.add_argument("--model-dir", type=common.model_dir, default=common.DEFAULT_MODEL)
     args = parser.parse_args()
-    server = ServerProcess(["--model-dir", args.model_dir])
+    server = ServerProcess(["--model-dir", str(args.model_dir)])
     server.start(common.RESULTS / "stream_cancel.log")
     try:
         ts = [int(t) for t in np.random.default_rng(1).integers(1, 513, 200)]

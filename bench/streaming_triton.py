@@ -21,10 +21,9 @@ import re
 import statistics
 import subprocess
 import sys
-from pathlib import Path
 
 import common
-from compare import ROOT, Started, wait_ready
+from compare import ROOT, Started
 
 log = logging.getLogger("bench")
 SERVERS = ("mha-serve", "Triton + ORT")
@@ -87,7 +86,7 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=10)
     parser.add_argument("--concurrency", default="8,32")
     parser.add_argument("--interval-ms", type=int, default=2000)
-    parser.add_argument("--model-dir", type=Path, default=Path("models/default"))
+    parser.add_argument("--model-dir", type=common.model_dir, default=common.DEFAULT_MODEL)
     args = parser.parse_args()
     levels = [int(c) for c in args.concurrency.split(",")]
     servers: dict[str, Started] = {}
@@ -98,7 +97,7 @@ def main() -> int:
                 servers[name] = Started(name, args.model_dir.resolve(), None)
             except LookupError as exc:
                 raise SystemExit(str(exc)) from None
-            wait_ready(servers[name].url, servers[name].proc)
+            servers[name].ready()
         died = rounds(servers, seen, args.rounds, levels, args.interval_ms)
     finally:
         for server in servers.values():

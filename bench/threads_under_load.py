@@ -69,7 +69,7 @@ def main() -> int:
     parser.add_argument("--seconds", type=float, default=4.0)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--servers", type=compare.server_list, default=("mha-serve", "floor: no compute"))
-    parser.add_argument("--model-dir", type=Path, default=Path("models/default"))
+    parser.add_argument("--model-dir", type=common.model_dir, default=common.DEFAULT_MODEL)
     args = parser.parse_args()
     started = []
     results: dict[str, dict[str, dict[str, list[float]]]] = {}
@@ -77,7 +77,7 @@ def main() -> int:
         for name in args.servers:
             server = compare.Started(name, args.model_dir.resolve(), None)
             started.append(server)
-            compare.wait_ready(server.url, server.proc)
+            server.ready()
             run_load(server.url, 8, 1.0, [64])  # warm-up
         for clients in (int(c) for c in args.clients.split(",")):
             visits: dict[str, list[dict[str, list[float]]]] = {s.name: [] for s in started}

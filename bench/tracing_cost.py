@@ -55,7 +55,7 @@ def main() -> int:
     parser.add_argument("--baseline", type=Path, help="a checkout of the code before tracing")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--seconds", type=float, default=3.0)
-    parser.add_argument("--model-dir", default="models/default")
+    parser.add_argument("--model-dir", type=common.model_dir, default=common.DEFAULT_MODEL)
     args = parser.parse_args()
     sink = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Sink)
     threading.Thread(target=sink.serve_forever, daemon=True).start()

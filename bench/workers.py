@@ -28,11 +28,11 @@ def main() -> int:
     parser.add_argument("--clients", type=int, default=16)
     parser.add_argument("--seconds", type=float, default=5.0)
     parser.add_argument("--seq-len", type=int, default=64)
-    parser.add_argument("--model-dir", default="models/default")
+    parser.add_argument("--model-dir", type=common.model_dir, default=common.DEFAULT_MODEL)
     args = parser.parse_args()
     rows = []
     for workers in [int(w) for w in args.workers.split(",")]:
-        server = ServerProcess(["--model-dir", args.model_dir, "--workers", str(workers), "--threads", "1"])
+        server = ServerProcess(["--model-dir", str(args.model_dir), "--workers", str(workers), "--threads", "1"])
         try:
             server.start(common.RESULTS / f"workers-{workers}.log")
             run_load(server.url, args.clients, 1.0, [args.seq_len])  # warm-up

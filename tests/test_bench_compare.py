@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import subprocess
+import sys
 from pathlib import Path
 from types import ModuleType
 
@@ -136,3 +137,46 @@ def test_the_summary_counts_the_visits_measured_again(compare: ModuleType) -> No
     again = {**row, "tries": 3}
     summary = compare.summarize({"mha-serve": {one_client[0]: [row, again, again]}}, [one_client])
     assert summary["steal_pct"]["visits measured again"] == 2
+
+
+def test_a_model_dir_without_an_export_is_refused_before_any_server_starts(tmp_path: Path) -> None:
+    """Before, each server failed on its own and the run said only "exited with 2 (see its log)"."""
+    (tmp_path / "half").mkdir()  # a folder, but no manifest.json: no exported model
+    for given in (tmp_path / "nowhere", tmp_path / "half"):
+        args = ["--runs", "2", "--cases", "1", "--servers", "mha-serve", "--model-dir", str(given)]
+        run = subprocess.run(
+            [str(ROOT / ".venv" / "bin" / "python"), str(ROOT / "bench" / "compare.py"), *args],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            cwd=tmp_path,
+        )
+        assert run.returncode == 2, run.stderr[-2000:]
+        assert f"{given}: no exported model there (no manifest.json); `make export` writes" in run.stderr, run.stderr
+        assert "Traceback" not in run.stderr
+
+
+def test_the_model_dir_is_an_exported_models_folder_resolved(
+    small_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    common = bench_module("common")
+    monkeypatch.chdir(small_model_dir.parent)
+    assert common.model_dir(small_model_dir.name) == small_model_dir.resolve()
+    with pytest.raises(argparse.ArgumentTypeError, match=r"no manifest\.json"):
+        common.model_dir(str(small_model_dir.parent))
+
+
+def test_a_server_that_exits_before_it_is_ready_is_reported_with_its_logs_last_line(
+    compare: ModuleType, tmp_path: Path
+) -> None:
+    log_path = tmp_path / "server.log"
+    with log_path.open("w") as out:
+        said = "print('starting'); print('cannot start: --model-dir /x: no such directory')"
+        proc = subprocess.Popen([sys.executable, "-c", f"{said}; raise SystemExit(2)"], stdout=out)
+    proc.wait(30)
+    with pytest.raises(RuntimeError) as info:
+        compare.wait_ready("127.0.0.1:1", proc, timeout=30, log_path=log_path)
+    assert str(info.value) == (
+        f"the server exited with 2 before it was ready; its log, {log_path}, ends: "
+        "cannot start: --model-dir /x: no such directory"
+    )
