@@ -103,13 +103,18 @@ proto: $(STAMP)
 deploy-gen: $(STAMP)
 	$(PY) deploy/generate.py
 
-bench: $(STAMP)
+# The default model, exported where `make serve` leaves it, if it is not there yet: the benchmarks
+# serve it (`make export` makes it again, in place)
+$(MODEL_DIR)/manifest.json: | $(STAMP)
+	$(VENV)/bin/mha export --out $(MODEL_DIR)
+
+bench: $(STAMP) $(MODEL_DIR)/manifest.json
 	$(PY) bench/onnx_graphs.py
 	$(PY) bench/batching.py
 
 # KServe and MLServer, each in its own environment (their pins: bench/constraints/), for
 # bench/compare.py; not needed by the tests.
-bench-servers: .venv-kserve/.installed .venv-mlserver/.installed .venv-tritonserver/.installed
+bench-servers: .venv-kserve/.installed .venv-mlserver/.installed .venv-tritonserver/.installed $(MODEL_DIR)/manifest.json
 
 .venv-%/.installed: bench/constraints/%.txt
 	test -x .venv-$*/bin/python || $(PYTHON) -m venv .venv-$*
