@@ -25,6 +25,7 @@ usage: python bench/decode.py [--tokens-512 1024] [--tokens-default 512] [--conc
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import logging
 import multiprocessing
@@ -296,6 +297,11 @@ def main() -> int:
     parser.add_argument("--wide-only", action="store_true", help="only the d_model 512 model: decode_wide_BACKEND.json")
     args = parser.parse_args()
     results = common.RESULTS
+    if not args.wide_only:  # its second half serves the default model: refused now, not minutes in
+        try:
+            default = common.model_dir(common.DEFAULT_MODEL)
+        except argparse.ArgumentTypeError as exc:
+            parser.error(str(exc))
     if args.wide_only:
         with tempfile.TemporaryDirectory() as tmp:
             wide = export_512(Path(tmp) / "d512")
@@ -315,7 +321,6 @@ def main() -> int:
                 base = (args.base, tree, export_512(Path(tmp) / "d512-base", tree))
             interleaved = interleaved_rounds(wide, args.tokens_512, args.runs, base)
         runs = [compare_one_model(wide, args.tokens_512, 512, results / "decode-512.log")]
-    default = Path("models/default")
     runs.append(compare_one_model(default, args.tokens_default, 128, results / "decode-default.log"))
     server = ServerProcess(["--model-dir", str(default)])
     server.start(results / "decode-concurrent.log")
