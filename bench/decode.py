@@ -297,11 +297,6 @@ def main() -> int:
     parser.add_argument("--wide-only", action="store_true", help="only the d_model 512 model: decode_wide_BACKEND.json")
     args = parser.parse_args()
     results = common.RESULTS
-    if not args.wide_only:  # its second half serves the default model: refused now, not minutes in
-        try:
-            default = common.model_dir(common.DEFAULT_MODEL)
-        except argparse.ArgumentTypeError as exc:
-            parser.error(str(exc))
     if args.wide_only:
         with tempfile.TemporaryDirectory() as tmp:
             wide = export_512(Path(tmp) / "d512")
@@ -309,6 +304,10 @@ def main() -> int:
             only = compare_one_model(wide, args.tokens_512, 512, logs, args.backend)
         common.write_json(f"decode_wide_{args.backend}.json", only)
         return 0
+    try:  # the second half serves the default model: a missing one is said now, not minutes in
+        default = common.model_dir(common.DEFAULT_MODEL)
+    except argparse.ArgumentTypeError as exc:
+        parser.error(str(exc))
     interleaved: dict[str, object] = {}
     with tempfile.TemporaryDirectory() as tmp, contextlib.ExitStack() as stack:
         wide = export_512(Path(tmp) / "d512")
