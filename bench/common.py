@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Protocol
 
 from service.app.launch import free_ports
+from service.cli import model_dir_problem
 
 RESULTS = Path(__file__).parent / "results"
 DEFAULT_MODEL = "models/default"  # what `make export` writes, each script's --model-dir unless given
@@ -39,14 +40,11 @@ def parser(doc: str | None) -> argparse.ArgumentParser:
 
 
 def model_dir(text: str) -> Path:
-    """--model-dir: an exported model's folder, resolved; refused at once, before any server
-    starts, when there is none (each server would fail on its own, in its own log)."""
+    """--model-dir: an exported model's folder, resolved; refused at once, as `mha serve` refuses
+    it, before any server starts (each would fail on its own, in its own log)."""
     path = Path(text).resolve()
-    if not (path / "manifest.json").is_file():
-        raise argparse.ArgumentTypeError(
-            f"{text[:200]}: no exported model there (no manifest.json); `make export` writes {DEFAULT_MODEL}, "
-            "`.venv/bin/mha export --out DIR` another"
-        )
+    if (problem := model_dir_problem(path, flag="", serve=False)) is not None:
+        raise argparse.ArgumentTypeError(problem)
     return path
 
 

@@ -141,8 +141,13 @@ def test_the_summary_counts_the_visits_measured_again(compare: ModuleType) -> No
 
 def test_a_model_dir_without_an_export_is_refused_before_any_server_starts(tmp_path: Path) -> None:
     """Before, each server failed on its own and the run said only "exited with 2 (see its log)"."""
-    (tmp_path / "half").mkdir()  # a folder, but no manifest.json: no exported model
-    for given in (tmp_path / "nowhere", tmp_path / "half"):
+    (half := tmp_path / "half").mkdir()  # a folder, but no weights: no exported model
+    nowhere = tmp_path / "nowhere"
+    expected = {  # what `mha serve --model-dir` says of each
+        nowhere: f"{nowhere.resolve()}: no such directory; export one with `mha export --out {nowhere.resolve()}`",
+        half: f"{half.resolve()} holds no exported model (no weights.safetensors); export one with `mha export --out",
+    }
+    for given, says in expected.items():
         args = ["--runs", "2", "--cases", "1", "--servers", "mha-serve", "--model-dir", str(given)]
         run = subprocess.run(
             [str(ROOT / ".venv" / "bin" / "python"), str(ROOT / "bench" / "compare.py"), *args],
@@ -152,7 +157,7 @@ def test_a_model_dir_without_an_export_is_refused_before_any_server_starts(tmp_p
             cwd=tmp_path,
         )
         assert run.returncode == 2, run.stderr[-2000:]
-        assert f"{given}: no exported model there (no manifest.json); `make export` writes" in run.stderr, run.stderr
+        assert says in run.stderr, run.stderr
         assert "Traceback" not in run.stderr
 
 
@@ -162,7 +167,7 @@ def test_the_model_dir_is_an_exported_models_folder_resolved(
     common = bench_module("common")
     monkeypatch.chdir(small_model_dir.parent)
     assert common.model_dir(small_model_dir.name) == small_model_dir.resolve()
-    with pytest.raises(argparse.ArgumentTypeError, match=r"no manifest\.json"):
+    with pytest.raises(argparse.ArgumentTypeError, match="holds no exported model"):
         common.model_dir(str(small_model_dir.parent))
 
 
