@@ -208,7 +208,7 @@ def main() -> int:
     args = parser.parse_args()
     if shutil.which("perf") is None:
         parser.error("needs Linux `perf` on PATH (Debian: apt-get install linux-perf)")
-    results = measure(args.servers, args.model_dir.resolve(), args.seconds, args.rounds)
+    results = measure(args.servers, args.model_dir, args.seconds, args.rounds)
     common.write_json("attribution.json", {"frequency_hz": FREQUENCY_HZ, "servers": results})
     sys.stdout.write(table(results))
     return 0

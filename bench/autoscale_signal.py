@@ -20,7 +20,6 @@ import sys
 import threading
 import time
 import urllib.request
-from pathlib import Path
 
 import common
 from prometheus_client.parser import text_string_to_metric_families
@@ -88,7 +87,7 @@ def main() -> int:
     parser.add_argument("--seconds", type=float, default=4.0)
     parser.add_argument("--model-dir", type=common.model_dir, default=common.DEFAULT_MODEL)
     args = parser.parse_args()
-    server = ServerProcess(["--model-dir", str(Path(args.model_dir).resolve())])
+    server = ServerProcess(["--model-dir", str(args.model_dir)])
     rows = []
     try:
         server.start(common.RESULTS / "autoscale-signal.log")

@@ -592,7 +592,7 @@ def main() -> int:
         parser.error(
             "--cases, --servers, --base and --max-steal shape an interleaved comparison: give --runs 2 or more"
         )
-    model_dir, cpus = args.model_dir.resolve(), args.server_cpus
+    model_dir, cpus = args.model_dir, args.server_cpus
     processors = f"{len(os.sched_getaffinity(0))} CPUs ({common.cpu_model()})"
     machine = f"{socket.gethostname()}: {processors}, {common.idle_policy()}"
     machine += f"; mha-serve's default processes and the floors': {mha_serve_processes()}"

@@ -69,7 +69,7 @@ def main() -> int:
     parser.add_argument("--concurrent-tokens", type=int, default=256)
     parser.add_argument("--model-dir", type=common.model_dir, default=common.DEFAULT_MODEL)
     args = parser.parse_args()
-    model_dir, width = args.model_dir.resolve(), 128
+    model_dir, width = args.model_dir, 128
     servers: dict[str, Started] = {}
     try:
         for name in SERVERS:

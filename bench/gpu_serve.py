@@ -91,7 +91,7 @@ def main() -> int:
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    model = ["--model-dir", str(args.model_dir)] if args.model_dir else []  # none: the default model, exported
+    model = ["--model-dir", args.model_dir] if args.model_dir else []  # none: the default model, exported
     rows: list[dict[str, Any]] = []
     for workers in args.workers.split(","):
         server = ServerProcess([*model, "--backend", "auto"], workers=workers)

@@ -76,7 +76,7 @@ def main() -> int:
     parser.add_argument("--model-dir", type=common.model_dir, default=common.DEFAULT_MODEL)
     parser.add_argument("--child", choices=VARIANTS)
     args = parser.parse_args()
-    model = ModelFiles(Path(args.model_dir)).onnx
+    model = ModelFiles(args.model_dir).onnx
     if args.child:
         sys.stdout.write(json.dumps(child(args.child, model, args.shapes)))
         return 0

@@ -98,7 +98,7 @@ def main() -> int:
     parser.add_argument("--child", choices=VARIANTS, help=argparse.SUPPRESS)
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    files = ModelFiles(Path(args.model_dir))
+    files = ModelFiles(args.model_dir)
     if args.child:
         minutes = 0.0 if args.child == "ort-cpu-no-shrink" else args.minutes
         sys.stdout.write(json.dumps(child(args.child, files, minutes, args.max_attention_mb)))

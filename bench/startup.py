@@ -64,7 +64,7 @@ def main() -> int:
             for name in list(trees) if run % 2 == 0 else list(reversed(trees)):
                 slug = "base" if "@" in name else "this"
                 logged = common.RESULTS / f"startup-{slug}.log"
-                starts[name].append(one_start(args.model_dir.resolve(), trees[name], logged))
+                starts[name].append(one_start(args.model_dir, trees[name], logged))
             log.info("run %d: %s", run + 1, {n: s[-1] for n, s in starts.items()})
     summary: dict[str, object] = {"runs": args.runs, "starts": starts}
     for name, seen in starts.items():

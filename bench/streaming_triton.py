@@ -94,7 +94,7 @@ def main() -> int:
     try:
         for name in SERVERS:
             try:
-                servers[name] = Started(name, args.model_dir.resolve(), None)
+                servers[name] = Started(name, args.model_dir, None)
             except LookupError as exc:
                 raise SystemExit(str(exc)) from None
             servers[name].ready()

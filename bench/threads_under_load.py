@@ -75,7 +75,7 @@ def main() -> int:
     results: dict[str, dict[str, dict[str, list[float]]]] = {}
     try:
         for name in args.servers:
-            server = compare.Started(name, args.model_dir.resolve(), None)
+            server = compare.Started(name, args.model_dir, None)
             started.append(server)
             server.ready()
             run_load(server.url, 8, 1.0, [64])  # warm-up

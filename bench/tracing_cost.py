@@ -60,7 +60,7 @@ def main() -> int:
     sink = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Sink)
     threading.Thread(target=sink.serve_forever, daemon=True).start()
     endpoint = f"http://127.0.0.1:{sink.server_address[1]}"
-    base = ["--model-dir", str(Path(args.model_dir).resolve()), "--backend", "torch"]
+    base = ["--model-dir", str(args.model_dir), "--backend", "torch"]
     servers: dict[str, ServerProcess] = {}
     if args.baseline is not None:
         servers["baseline"] = ServerProcess(base)
