@@ -151,6 +151,7 @@ class BatchEngine(Generic[P, A]):
             _expire(plan.expired, self.clock.now())
             if plan.batch:
                 await self._execute(plan.batch, forming)
+            del plan  # its requests go now, not when the next batch forms (an ended sequence's cache with them)
 
     async def _wait_for_company(self) -> None:
         while self._queue and not self._closed:

@@ -514,6 +514,38 @@ def test_a_failed_step_leaves_its_sequence_as_it_was(small_model_dir: Path) -> N
     asyncio.run(scenario())
 
 
+def test_an_ended_sequence_gives_its_keys_and_values_back_with_its_last_answer(small_model_dir: Path) -> None:
+    """Ending a sequence frees its memory at once: nothing, the step engine's last batch included,
+    keeps its keys and values until some later step of another sequence comes (on a GPU, memory the
+    gauges already count as free)."""
+    import asyncio
+    import gc
+    import weakref
+    from concurrent.futures import ThreadPoolExecutor
+
+    from service.decode.scheduler import Decoder, StepBatcher
+
+    config, _ = load_checkpoint(small_model_dir / "weights.safetensors")
+    run = _run_on(_backend(small_model_dir, "torch-cpu"))
+    x = np.random.default_rng(3).standard_normal((1, 5, C), dtype=np.float32)
+
+    async def scenario() -> None:
+        with ThreadPoolExecutor(1) as pool:
+            decoder = Decoder(SequenceStore(config, SequenceLimits(), ManualClock().now), StepBatcher(run, pool, 8))
+            decoder.start(expiry_period_s=60)
+            first = await decoder.step(SequenceControl(1, start=True), x[:, :3])
+            held = [weakref.ref(first.sequence.keys), weakref.ref(first.sequence.values)]  # (1, nh, cap, hs)
+            del first
+            last = await decoder.step(SequenceControl(1, end=True), x[:, 3:])
+            assert last.length == 5 and not last.sequence.live
+            del last
+            gc.collect()
+            assert [ref() for ref in held] == [None, None], "an ended sequence's cache is still held"
+            await decoder.close()
+
+    asyncio.run(scenario())
+
+
 def test_a_client_moved_between_replicas_and_back_never_gets_a_wrong_answer(
     server: ServerThread, small_model_dir: Path
 ) -> None:
