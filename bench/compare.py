@@ -101,6 +101,7 @@ CASES = [  # (name, B, T, clients)
     ("(1, 64, 128) 32 clients, one channel", 1, 64, 32),
     ("(1, 256, 128) 8 clients", 1, 256, 8),  # longer sequences, and more rows a request: issue 63's
     ("(4, 128, 128) 8 clients", 4, 128, 8),  # cases where a Python server may lead Triton
+    ("(4, 1024, 128) 1 client", 4, 1024, 1),  # the model's longest sequences: its heaviest batch of four
 ]
 ONE_CHANNEL = "one channel"  # a case so named: its clients share one channel (one connection), as threads
 # of one gRPC application do; every other case: a connection per client, as separate processes have

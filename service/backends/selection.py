@@ -206,8 +206,10 @@ def _wanted(requested: str, cuda: bool) -> list[str]:
 def probe_shapes(config: MHAConfig) -> list[tuple[int, int]]:
     """(B, T) from a lone client's small request up to a batch of long ones, lightest first: the
     backend that wins the light ones need not win the heavy ones (ORT's CPU attention kernel and
-    PyTorch's cross over on some machines)."""
-    shapes = [(1, 16), (1, 64), (1, 256), (4, 512)]
+    PyTorch's cross over on some machines; a batch of 1024-token sequences, whose attention ORT
+    holds whole and then hands back to the OS, took ORT three times PyTorch's time:
+    docs/benchmarks.md)."""
+    shapes = [(1, 16), (1, 64), (1, 256), (4, 512), (4, 1024)]
     clipped = [(B, min(T, config.max_seq_len)) for B, T in shapes]
     return list(dict.fromkeys(clipped))  # a short max_seq_len folds shapes together
 
