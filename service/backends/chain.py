@@ -235,6 +235,14 @@ class BackendChain:
     def quarantined(self) -> list[str]:
         return self.quarantine.quarantined(self.backends)
 
+    def describe(self) -> str:
+        """Which backend takes which batches first, as the start-up log says it."""
+        light = self._light
+        if light is None:
+            return self.active.name
+        first = self.quarantine.first_healthy(light.backends)
+        return f"{first.name} for batches of at most {light.max_mflop:.0f} MFLOP and {self.active.name} above"
+
     def run(self, x: np.ndarray) -> tuple[np.ndarray, Backend]:
         """Run on the first healthy backend; on error, on the next. Called by one batcher at a time:
         on its worker thread, or on the event loop for a lone small batch (never both at once)."""

@@ -315,7 +315,7 @@ def load_model(
         step_backends=selection.step_backends,
     )
     active = chain.active
-    log.info("serving %s with %s on %s", files.directory, active.name, active.device)  # the verdict: selection's
+    log.info("serving %s with %s on %s", files.directory, chain.describe(), active.device)  # selection's verdict
     bound = magnitude_bound(config, weights, s.precision)  # below it no backend can overflow
     served = ServedModel(
         identity, config, files, s.max_request_rows, s.max_attention_mb, weights_sha256, verified, bound, s.precision

@@ -446,6 +446,8 @@ def test_light_batches_take_their_own_order_and_fall_back_along_it(small_model_d
         assert used is expected, shape
         assert relative_error(torch.from_numpy(y), attention_view(torch.from_numpy(x), weights, config)) < 1e-5
     assert chain.active is torch_cpu and chain.serving() == [torch_cpu, ort]  # both serve: mha_backend_info
+    assert chain.describe() == "ort-cpu for batches of at most 0 MFLOP and torch-cpu above"  # the log: 0.07 MFLOP
+    assert BackendChain([torch_cpu, ort], probe=SelfCheck(config, weights).passes).describe() == "torch-cpu"
     ort.broken = True
     x = rng.standard_normal((1, 4, 32), dtype=np.float32)
     y, used = chain.run(x)
