@@ -218,12 +218,13 @@ MARGIN = 0.8  # a challenger must take at most this share of the incumbent's tim
 
 
 PROBE_BUDGET_S = 0.2  # per shape: light shapes get more rounds, so a noisy moment cannot flip their verdict
+LEAST_ROUNDS = 3  # a shape too heavy for more within the budget: the median of 3 runs of each backend
 MAX_ROUNDS = 41
 PROBE_GAP_S = 0.001  # idle time before each timed run: a server's backend meets a request after a gap, not warm
 
 
 def measure_interleaved(
-    backends: list[Backend], config: MHAConfig, rounds: int = 7, budget_s: float = PROBE_BUDGET_S
+    backends: list[Backend], config: MHAConfig, rounds: int = LEAST_ROUNDS, budget_s: float = PROBE_BUDGET_S
 ) -> list[list[float]]:
     """Per backend, the median time (ms) on each of the probe shapes: at least `rounds` runs
     each, more (up to MAX_ROUNDS) where a round takes less than `budget_s` / `rounds`. Each timed
