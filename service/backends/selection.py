@@ -395,7 +395,7 @@ def _serving_order(
 
 
 def measure_steps(
-    backends: list[Backend], config: MHAConfig, rounds: int = 7, budget_s: float = PROBE_BUDGET_S
+    backends: list[Backend], config: MHAConfig, rounds: int = LEAST_ROUNDS, budget_s: float = PROBE_BUDGET_S
 ) -> list[float]:
     """Per backend, the geometric mean over the probe pasts of its median time (ms) for the next
     token of one sequence: the backends take turns step by step, as measure_interleaved's do."""
